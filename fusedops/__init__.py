@@ -1,0 +1,23 @@
+"""fusedops: fused softmax and LayerNorm for PyTorch, and the tools to prove they help.
+
+Public API only; see docs/api.md.
+"""
+
+from fusedops._dispatch import count_fused_calls, get_backend, set_backend, use_backend
+from fusedops.modules import FusedLayerNorm, FusedSoftmax
+from fusedops.ops import LayerNormFunction, SoftmaxFunction, fused_layernorm, fused_softmax
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedSoftmax",
+    "LayerNormFunction",
+    "SoftmaxFunction",
+    "count_fused_calls",
+    "fused_layernorm",
+    "fused_softmax",
+    "get_backend",
+    "set_backend",
+    "use_backend",
+]

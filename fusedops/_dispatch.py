@@ -1,0 +1,174 @@
+"""Backend selection: which implementation runs a call, chosen from the tensor's device.
+
+Every backend module (``fusedops.triton``, ``fusedops.metal``, ``fusedops.reference``) implements
+the same *2-D row contract* (see ``docs/design.md``):
+
+* ``softmax_forward(x, out_dtype) -> y``
+* ``softmax_backward(y, dy, out_dtype) -> dx``
+* ``layernorm_forward(x, weight, bias, eps, out_dtype) -> (y, mean, rstd)``
+* ``layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db) -> (dx, dw, db)``
+
+where ``x``/``dy`` are ``(M, N)`` with unit column stride and any row stride, ``y`` is ``(M, N)``
+contiguous, ``mean``/``rstd`` are ``(M,)`` float32 and ``dw``/``db`` come back as float32 ``(N,)``.
+The autograd Functions in ``fusedops.ops`` reduce every user call to this contract.
+
+The choice is cached per (device type, dtype) so the hot path is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("triton", "metal", "reference")
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_forced: str | None = None
+_cache: dict[tuple[str, torch.dtype], ModuleType] = {}
+_warned: set[str] = set()
+# Per-op counts of calls that ran on a fused backend; None (the default) means "not counting",
+# which keeps the hot path to one `is None` test.
+_counts: Counter | None = None
+
+
+def _check_name(name: str | None) -> str | None:
+    if name is None or name == "":
+        return None
+    name = name.lower()
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Force every call onto one backend (``"triton"``, ``"metal"``, ``"reference"``).
+
+    ``None`` restores automatic selection from each tensor's device. The environment variable
+    ``FUSEDOPS_BACKEND`` sets the initial value. Forcing ``"triton"`` on CPU tensors needs
+    ``TRITON_INTERPRET=1`` (set before Triton is imported).
+    """
+    global _forced
+    _forced = _check_name(name)
+    _cache.clear()
+
+
+def get_backend() -> str | None:
+    """The forced backend name, or ``None`` when selection is automatic."""
+    return _forced
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Context manager form of :func:`set_backend`; restores the previous setting on exit."""
+    previous = _forced
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def warn_once(key: str, message: str) -> None:
+    """Emit ``message`` as a UserWarning the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _load(name: str) -> ModuleType | None:
+    """Import a backend module, or None when it cannot run in this process."""
+    if name == "reference":
+        from fusedops import reference
+
+        return reference
+    if name == "triton":
+        try:
+            from fusedops import triton as triton_backend
+        except ImportError:
+            return None
+        return triton_backend if triton_backend.AVAILABLE else None
+    if name == "metal":
+        from fusedops import metal
+
+        return metal if metal.is_available() else None
+    raise AssertionError(name)
+
+
+def _select(device_type: str, dtype: torch.dtype) -> ModuleType:
+    from fusedops import reference
+
+    if _forced is not None:
+        wanted = _forced
+    elif device_type == "cuda":
+        wanted = "triton"
+    elif device_type == "mps":
+        wanted = "metal"
+    else:
+        return reference
+    if wanted == "reference":
+        return reference
+    backend = _load(wanted)
+    if backend is None:
+        warn_once(
+            f"missing:{wanted}:{device_type}",
+            f"fusedops: the {wanted} backend is not available for {device_type} tensors; "
+            "using the PyTorch reference implementation (correct, not fused).",
+        )
+        return reference
+    if dtype not in KERNEL_DTYPES:
+        warn_once(
+            f"dtype:{wanted}:{dtype}",
+            f"fusedops: the {wanted} kernels support float32/float16/bfloat16, not {dtype}; "
+            "using the PyTorch reference implementation for this dtype.",
+        )
+        return reference
+    return backend
+
+
+def backend_for(x: torch.Tensor) -> ModuleType:
+    """The backend module that runs an op on ``x`` (cached per device type and dtype)."""
+    key = (x.device.type, x.dtype)
+    backend = _cache.get(key)
+    if backend is None:
+        backend = _cache[key] = _select(*key)
+    return backend
+
+
+def is_fused(backend: ModuleType) -> bool:
+    """True when ``backend`` is a real fused-kernel backend (not the reference)."""
+    return backend.NAME != "reference"
+
+
+def record(op: str, backend: ModuleType) -> None:
+    """Count one call of ``op`` on a fused backend while counting is enabled."""
+    if _counts is not None and backend.NAME != "reference":
+        _counts[op] += 1
+
+
+@contextlib.contextmanager
+def count_fused_calls() -> Iterator[Counter]:
+    """Count calls routed to fused kernels, per op (e.g. ``softmax_forward``), inside the block.
+
+    >>> with count_fused_calls() as counts:
+    ...     model(x)
+    >>> counts["layernorm_forward"]
+    """
+    global _counts
+    previous = _counts
+    counts: Counter = Counter()
+    _counts = counts
+    try:
+        yield counts
+    finally:
+        if previous is not None:
+            previous.update(counts)
+        _counts = previous
+
+
+set_backend(os.environ.get("FUSEDOPS_BACKEND"))

@@ -1,0 +1,79 @@
+"""Argument checks shared by the ops. Each raises before any kernel runs and names the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_float_tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    return t
+
+
+def normalize_dim(dim: object, ndim: int, name: str = "dim") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        raise ValueError(
+            f"{name}={dim} is out of range for a tensor with {ndim} dimension(s) "
+            f"(expected [{-rank}, {rank - 1}])"
+        )
+    return dim % rank
+
+
+def check_float_dtype(dtype: object, name: str = "dtype") -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype or None, got {dtype!r}")
+    return dtype
+
+
+def normalize_shape(normalized_shape: object) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+        return (normalized_shape,)
+    if isinstance(normalized_shape, torch.Size | Sequence) and all(
+        isinstance(s, int) and not isinstance(s, bool) for s in normalized_shape
+    ):
+        shape = tuple(int(s) for s in normalized_shape)
+        if len(shape) == 0:
+            raise ValueError("normalized_shape must have at least one dimension")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"normalized_shape must be non-negative, got {shape}")
+        return shape
+    raise TypeError(
+        f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+    )
+
+
+def check_layernorm_args(
+    x: object,
+    shape: tuple[int, ...],
+    weight: object,
+    bias: object,
+    eps: object,
+) -> None:
+    x = check_float_tensor(x, "input")
+    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+        raise ValueError(
+            f"normalized_shape={list(shape)} does not match the trailing dimensions of input "
+            f"with shape {list(x.shape)}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_float_tensor(p, name)
+        if tuple(p.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
+            )
+        if p.device != x.device:
+            raise ValueError(f"{name} is on {p.device} but input is on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")

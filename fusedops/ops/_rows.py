@@ -1,0 +1,26 @@
+"""Reshaping user tensors to the backends' (M, N) row form and back, copying only when needed."""
+
+from __future__ import annotations
+
+import torch
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """View ``t`` (trailing size ``n``) as (M, n) with unit column stride.
+
+    A view whenever the leading dims collapse into one stride (any row stride, including the 0
+    of an expanded gradient); otherwise one copy.
+    """
+    rows = t.reshape(-1, n) if n > 0 else t.reshape(-1, 0)
+    if rows.stride(1) != 1 and n > 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def autocast_fp32(x: torch.Tensor) -> bool:
+    """True when PyTorch's autocast would run softmax/layer_norm on ``x`` in float32.
+
+    Both ops are on autocast's float32 list for CUDA; there the fused kernels read the low-precision
+    input as is and write float32, which matches torch without an extra cast pass.
+    """
+    return x.is_cuda and torch.is_autocast_enabled("cuda")

@@ -1,0 +1,117 @@
+"""fused_layernorm: autograd Function, public function and backend dispatch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fusedops import _dispatch
+from fusedops._validate import check_layernorm_args, normalize_shape
+from fusedops.ops import _library
+from fusedops.ops._rows import as_rows, autocast_fp32
+
+
+def _forward_rows(x2, w, b, eps, out_dtype):
+    if torch.compiler.is_compiling():
+        return _library.layernorm_forward(x2, w, b, eps, out_dtype)
+    backend = _dispatch.backend_for(x2)
+    _dispatch.record("layernorm_forward", backend)
+    return backend.layernorm_forward(x2, w, b, eps, out_dtype)
+
+
+def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db):
+    if torch.compiler.is_compiling():
+        dx, dw, db = _library.layernorm_backward(
+            dy2, x2, w, mean, rstd, need_dx, need_dw, need_db
+        )
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+    backend = _dispatch.backend_for(x2)
+    _dispatch.record("layernorm_backward", backend)
+    return backend.layernorm_backward(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db)
+
+
+def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.reshape(-1).contiguous()
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd Function behind :func:`fused_layernorm`.
+
+    ``LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)`` normalises over the trailing
+    ``n`` elements of ``x`` (the product of ``normalized_shape``); ``weight``/``bias`` are None or
+    tensors with ``n`` elements. Saves x (as the (M, n) row view), weight, and float32 mean/rstd.
+    """
+
+    @staticmethod
+    def forward(ctx, x, n, weight, bias, eps, out_dtype):
+        x2 = as_rows(x, n)
+        w, b = _flat(weight), _flat(bias)
+        y2, mean, rstd = _forward_rows(x2, w, b, eps, out_dtype)
+        ctx.save_for_backward(x2, w, mean, rstd)
+        ctx.n = n
+        ctx.has_bias = bias is not None
+        ctx.param_dtypes = (
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        )
+        ctx.param_shapes = (
+            None if weight is None else weight.shape,
+            None if bias is None else bias.shape,
+        )
+        return y2.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, mean, rstd = ctx.saved_tensors
+        need_dx, _, need_dw, need_db, _, _ = ctx.needs_input_grad
+        need_dw = bool(need_dw and w is not None)
+        need_db = bool(need_db and ctx.has_bias)
+        dx2, dw, db = _backward_rows(
+            as_rows(dy, ctx.n), x2, w, mean, rstd, need_dx, need_dw, need_db
+        )
+        dx = dx2.view(dy.shape) if dx2 is not None else None
+        w_dtype, b_dtype = ctx.param_dtypes
+        w_shape, b_shape = ctx.param_shapes
+        dweight = dw.to(w_dtype).view(w_shape) if dw is not None else None
+        dbias = db.to(b_dtype).view(b_shape) if db is not None else None
+        return dx, None, dweight, dbias, None, None
+
+
+def fused_layernorm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int] | torch.Size,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Layer normalisation over the trailing ``normalized_shape`` dims, same semantics as
+    ``torch.nn.functional.layer_norm``.
+
+    Args:
+        x: float tensor ``(*, *normalized_shape)``; float32/float16/bfloat16 on the fused backends.
+        normalized_shape: int or sequence of ints matching the trailing dims of ``x``.
+        weight, bias: optional tensors of shape ``normalized_shape`` (may be float32 with a
+            float16/bfloat16 ``x``).
+        eps: added to the variance.
+
+    Returns:
+        Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). Mean and rstd are
+        computed and saved in float32.
+    """
+    shape = normalize_shape(normalized_shape)
+    check_layernorm_args(x, shape, weight, bias, eps)
+    out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
+    n = math.prod(shape)
+    if x.numel() == 0 or n == 0:
+        return torch.empty_like(x, dtype=out_dtype)
+    eps = float(eps)
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    ):
+        return LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)
+    y2, _, _ = _forward_rows(as_rows(x, n), _flat(weight), _flat(bias), eps, out_dtype)
+    return y2.view(x.shape)

@@ -1,0 +1,108 @@
+"""fused_softmax: autograd Function, public function and backend dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from fusedops import _dispatch
+from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
+from fusedops.ops import _library
+from fusedops.ops._rows import as_rows, autocast_fp32
+
+# Casting these to float32 loses nothing, so the kernel reads them directly and writes float32.
+_EXACT_UPCAST = {torch.float16, torch.bfloat16}
+
+
+def _forward_rows(x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _library.softmax_forward(x2, out_dtype)
+    backend = _dispatch.backend_for(x2)
+    _dispatch.record("softmax_forward", backend)
+    return backend.softmax_forward(x2, out_dtype)
+
+
+def _backward_rows(y2: torch.Tensor, dy2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _library.softmax_backward(y2, dy2, out_dtype)
+    backend = _dispatch.backend_for(y2)
+    _dispatch.record("softmax_backward", backend)
+    return backend.softmax_backward(y2, dy2, out_dtype)
+
+
+def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    if dim != t.dim() - 1:
+        t = t.movedim(dim, -1)
+    return as_rows(t, t.shape[-1])
+
+
+def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    if like.dim() == 0:
+        return rows.reshape(())
+    if dim == like.dim() - 1:
+        return rows.view(like.shape)
+    moved = list(like.shape)
+    moved.append(moved.pop(dim))
+    # Keep torch's contract of a result laid out like a contiguous input.
+    return rows.view(moved).movedim(-1, dim).contiguous()
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    """Autograd Function behind :func:`fused_softmax`.
+
+    ``SoftmaxFunction.apply(x, dim, out_dtype)`` with ``dim`` already normalised to
+    ``[0, x.dim())`` (0 for a 0-d tensor) and ``x`` a float tensor that the kernel reads as is.
+    Saves only the output ``y`` (fp32 math recomputes everything else in backward).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+        y2 = _forward_rows(_to_rows(x, dim), out_dtype)
+        ctx.dim = dim
+        ctx.in_dtype = x.dtype
+        ctx.save_for_backward(y2)
+        return _from_rows(y2, x, dim)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (y2,) = ctx.saved_tensors
+        dim = ctx.dim
+        shape_ref = dy
+        dx2 = _backward_rows(y2, _to_rows(dy, dim), ctx.in_dtype)
+        return _from_rows(dx2, shape_ref, dim), None, None
+
+
+def fused_softmax(
+    x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Softmax along ``dim``, same semantics as ``torch.softmax(x, dim, dtype=dtype)``.
+
+    Args:
+        x: float tensor of any shape (0-d and empty included), float32/float16/bfloat16 on the
+            fused backends; float64 and other devices use the PyTorch reference.
+        dim: the dimension to normalise over; any valid dim, negative allowed.
+        dtype: if given, the input is cast to it first and the result has this dtype (as in
+            torch); float16/bfloat16 -> float32 is done inside the kernel without a cast pass.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast).
+        Accumulation is float32 for every dtype.
+    """
+    check_float_tensor(x, "x")
+    dim = normalize_dim(dim, x.dim())
+    dtype = check_float_dtype(dtype)
+    if dtype is not None and dtype != x.dtype:
+        if not (dtype == torch.float32 and x.dtype in _EXACT_UPCAST):
+            x = x.to(dtype)
+        out_dtype = dtype
+    elif dtype is None and autocast_fp32(x):
+        out_dtype = torch.float32
+    else:
+        out_dtype = x.dtype
+    if x.numel() == 0:
+        return torch.empty_like(x, dtype=out_dtype)
+    if x.requires_grad and torch.is_grad_enabled():
+        return SoftmaxFunction.apply(x, dim, out_dtype)
+    # Inference: skip autograd.Function bookkeeping and saving y (host cost per call).
+    return _from_rows(_forward_rows(_to_rows(x, dim), out_dtype), x, dim)

@@ -1,0 +1,1 @@
+"""Workflow tools: profile, bench, amdahl, demo, train, verify."""

@@ -1,0 +1,2 @@
+"""placeholder"""
+layernorm_forward = layernorm_backward = None

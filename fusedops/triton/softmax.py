@@ -1,0 +1,2 @@
+"""placeholder"""
+softmax_forward = softmax_backward = None

@@ -1,0 +1,68 @@
+"""Build script.
+
+Everything declarative lives in pyproject.toml. This file exists for two jobs that need code:
+
+* copy the Metal shader sources (``metal/*.metal``, the single source of truth) into the package
+  as ``fusedops/_shaders`` so the ``torch.mps.compile_shader`` fallback and the CPU emulation can
+  find them in an installed wheel;
+* build the Objective-C++ Metal extension (``csrc/``) on macOS only. On Linux and Windows nothing
+  is compiled, so ``pip install .`` needs no compiler and no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+SHADER_SRC = ROOT / "metal"
+
+
+class BuildPyWithShaders(build_py):
+    """Copies metal/*.metal into the built package (fusedops/_shaders/)."""
+
+    def run(self) -> None:
+        super().run()
+        dest = Path(self.build_lib) / "fusedops" / "_shaders"
+        dest.mkdir(parents=True, exist_ok=True)
+        for src in sorted(SHADER_SRC.glob("*.metal")):
+            shutil.copy2(src, dest / src.name)
+
+
+def metal_extension_kwargs() -> dict:
+    """The macOS-only extension; an empty dict elsewhere (or when FUSEDOPS_NO_METAL=1)."""
+    if sys.platform != "darwin" or os.environ.get("FUSEDOPS_NO_METAL") == "1":
+        return {}
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.mm"))
+    if not sources:
+        return {}
+    # torch is needed only here, at build time, on macOS.
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    sys.path.insert(0, str(ROOT / "csrc"))
+    from embed_shaders import write_embedded_header  # noqa: E402
+
+    write_embedded_header(SHADER_SRC, ROOT / "csrc" / "shaders_embedded.h")
+    ext = CppExtension(
+        name="fusedops._metal_ext",
+        sources=sources,
+        extra_compile_args=["-std=c++17", "-ObjC++", "-fobjc-arc", "-O3"],
+        extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
+    )
+
+    class BuildExtWithShaders(BuildExtension):
+        pass
+
+    return {"ext_modules": [ext], "cmdclass_ext": BuildExtWithShaders}
+
+
+kwargs = metal_extension_kwargs()
+cmdclass: dict = {"build_py": BuildPyWithShaders}
+if "cmdclass_ext" in kwargs:
+    cmdclass["build_ext"] = kwargs.pop("cmdclass_ext")
+setup(cmdclass=cmdclass, **kwargs)

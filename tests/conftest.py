@@ -1,0 +1,59 @@
+"""Shared test configuration: tolerance table, float64 oracle helpers, GPU marker, backends."""
+
+from __future__ import annotations
+
+import os
+
+# The Triton kernels run on CPU tensors through the interpreter; this must be set before Triton
+# is imported anywhere.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+# One tolerance table for every test: (atol, rtol) against a float64 reference.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1e-2),
+    torch.float64: (1e-10, 1e-10),
+}
+
+
+def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """kwargs for torch.testing.assert_close; ``scale`` widens both for quantities that sum N terms."""
+    atol, rtol = TOLERANCES[dtype]
+    return {"atol": atol * scale, "rtol": rtol * scale}
+
+
+def assert_close_to_ref(actual: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype,
+                        scale: float = 1.0) -> None:
+    """Compare ``actual`` with a float64 reference: the reference is first rounded to the output
+    dtype (the best any kernel can do), then compared with the shared tolerance."""
+    expected = expected64.to(actual.dtype).to(torch.float64)
+    torch.testing.assert_close(actual.to(torch.float64), expected, **tol(dtype, scale))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def triton_backend():
+    """Force the Triton kernels (interpreted on CPU tensors, compiled on CUDA)."""
+    import fusedops
+
+    with fusedops.use_backend("triton"):
+        yield
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"
