@@ -1,2 +1,363 @@
-"""placeholder"""
-layernorm_forward = layernorm_backward = None
+"""Triton LayerNorm kernels (forward; backward dx + dweight/dbias) and their launch wrappers.
+
+Bytes moved (the floor): forward reads x once, writes y once (2·M·N·elt) plus the weights and
+8·M bytes of float32 mean/rstd; backward reads x and dy once and writes dx once (3·M·N·elt) plus
+the weights, mean/rstd and the float32 dweight/dbias partials.
+
+* Forward, single-block: ``ROWS`` whole rows per program in registers; exact two-pass mean and
+  variance from registers; persistent grid; weight and bias loaded once per program.
+* Forward, looped (row longer than ``single_block_limit()``): pass 1 streams the row with a
+  per-lane Welford update merged across lanes with Chan's formula; pass 2 normalises and writes.
+* Backward, single-block: persistent programs each accumulate dweight/dbias for their rows in
+  float32 registers and write one partial row each; a second kernel sums the partials in a fixed
+  order (deterministic: no atomics).
+* Backward, looped: one program per row streams it twice (the two row sums, then dx); dweight/
+  dbias come from a column-blocked kernel over (row-split, column-block) tiles, then the same
+  deterministic partial reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedops.triton._common import config_cache, next_pow2, num_sms, single_block_limit
+
+
+@triton.jit
+def _ln_fwd_single(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
+    num_tiles, num_progs,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = xc * rstd[:, None]
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _ln_fwd_looped(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_x, stride_y, eps,
+    CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    y_row = y_ptr + row.to(tl.int64) * stride_y
+    lanes = tl.arange(0, CHUNK)
+    # Per-lane Welford statistics (count, mean, M2), merged across lanes below (Chan et al.).
+    cnt = tl.zeros([CHUNK], tl.float32)
+    avg = tl.zeros([CHUNK], tl.float32)
+    m2 = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        valid = cols < N
+        x = tl.load(x_row + cols, mask=valid, other=0.0).to(tl.float32)
+        cnt_new = cnt + valid.to(tl.float32)
+        delta = tl.where(valid, x - avg, 0.0)
+        avg += delta / tl.maximum(cnt_new, 1.0)
+        m2 += tl.where(valid, delta * (x - avg), 0.0)
+        cnt = cnt_new
+    mean = tl.sum(cnt * avg, axis=0) / N
+    dev = avg - mean
+    var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0)) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        valid = cols < N
+        x = tl.load(x_row + cols, mask=valid, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _ln_bwd_single(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_N], tl.float32)
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if NEED_DX:
+            if HAS_W:
+                wdy = dy * w[None, :]
+            else:
+                wdy = dy
+            c1 = tl.sum(xhat * wdy, axis=1) / N
+            c2 = tl.sum(wdy, axis=1) / N
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if NEED_DB:
+            db_acc += tl.sum(dy, axis=0)
+    if NEED_DW:
+        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+    if NEED_DB:
+        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _ln_bwd_dx_looped(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, N, stride_dy, stride_x, stride_dx,
+    CHUNK: tl.constexpr, HAS_W: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    dy_row = dy_ptr + row.to(tl.int64) * stride_dy
+    dx_row = dx_ptr + row.to(tl.int64) * stride_dx
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    lanes = tl.arange(0, CHUNK)
+    acc1 = tl.zeros([CHUNK], tl.float32)
+    acc2 = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        valid = cols < N
+        x = tl.load(x_row + cols, mask=valid, other=0.0).to(tl.float32)
+        wdy = tl.load(dy_row + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_W:
+            wdy = wdy * tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        xhat = tl.where(valid, (x - mean) * rstd, 0.0)
+        acc1 += xhat * wdy
+        acc2 += wdy
+    c1 = tl.sum(acc1, axis=0) / N
+    c2 = tl.sum(acc2, axis=0) / N
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        valid = cols < N
+        x = tl.load(x_row + cols, mask=valid, other=0.0).to(tl.float32)
+        wdy = tl.load(dy_row + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_W:
+            wdy = wdy * tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        xhat = (x - mean) * rstd
+        dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _ln_bwd_dwdb_columns(
+    dy_ptr, x_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr, M, N, stride_dy, stride_x,
+    rows_per_split, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+):
+    col_block = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < N
+    dw_acc = tl.zeros([BLOCK_C], tl.float32)
+    db_acc = tl.zeros([BLOCK_C], tl.float32)
+    row_start = split * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, M)
+    for r0 in range(row_start, row_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        if NEED_DW:
+            x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if NEED_DB:
+            db_acc += tl.sum(dy, axis=0)
+    if NEED_DW:
+        tl.store(dw_part_ptr + split.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+    if NEED_DB:
+        tl.store(db_part_ptr + split.to(tl.int64) * N + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_C: tl.constexpr):
+    # Fixed summation order over the P partial rows: bitwise reproducible run to run.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < N
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for p in range(0, P):
+        acc += tl.load(part_ptr + p * N + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + cols, acc, mask=mask)
+
+
+_ELEMS_PER_THREAD = {2: 16, 4: 8}
+
+
+@config_cache
+def row_config(n: int, elt_size: int) -> tuple[bool, int, int, int]:
+    """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements of ``elt_size`` bytes."""
+    block = next_pow2(n)
+    ept = _ELEMS_PER_THREAD.get(elt_size, 8)
+    if block <= single_block_limit():
+        rows = max(1, min(64, 4096 // block))
+        warps = max(1, min(32, rows * block // (32 * ept)))
+        return True, block, rows, warps
+    chunk = min(single_block_limit(), 8192)
+    return False, chunk, 1, max(1, min(32, chunk // (32 * ept)))
+
+
+def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
+    per_sm = max(1, 2048 // (32 * num_warps))
+    return max(1, min(num_tiles, num_sms(device) * per_sm))
+
+
+def _reduce_partials(part: torch.Tensor) -> torch.Tensor:
+    P, N = part.shape
+    out = torch.empty((N,), dtype=torch.float32, device=part.device)
+    block = 256
+    _sum_partials[(triton.cdiv(N, block),)](part, out, P, N, BLOCK_C=block, num_warps=4)
+    return out
+
+
+def layernorm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row LayerNorm. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride;
+    weight/bias: contiguous (N,) of any float dtype, or None.
+
+    Returns y (M, N) contiguous of ``out_dtype``, mean and rstd (M,) float32.
+    """
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return y, mean, rstd
+    has_w, has_b = weight is not None, bias is not None
+    w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
+    b = bias if has_b else y
+    single, block, rows, warps = row_config(N, x.element_size())
+    if single:
+        tiles = triton.cdiv(M, rows)
+        progs = _grid_size(tiles, warps, x.device)
+        _ln_fwd_single[(progs,)](
+            x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
+            BLOCK_N=block, ROWS=rows, HAS_W=has_w, HAS_B=has_b, num_warps=warps,
+        )
+    else:
+        _ln_fwd_looped[(M,)](
+            x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps,
+            CHUNK=block, HAS_W=has_w, HAS_B=has_b, num_warps=warps,
+        )
+    return y, mean, rstd
+
+
+def layernorm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of row LayerNorm.
+
+    dy, x: (M, N) unit column stride, any row stride; weight: (N,) or None; mean/rstd: (M,)
+    float32 from the forward. Returns dx (M, N) contiguous in x's dtype (or None), and float32
+    (N,) dweight / dbias (or None), reduced deterministically from per-program partials.
+    """
+    M, N = x.shape
+    dev = x.device
+    has_w = weight is not None
+    w = weight if has_w else x
+    dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
+    if M == 0 or N == 0:
+        z = torch.zeros((N,), dtype=torch.float32, device=dev)
+        return dx, (z if need_dw else None), (z.clone() if need_db else None)
+    single, block, rows, warps = row_config(N, max(x.element_size(), dy.element_size()))
+    dw = db = None
+    if single:
+        tiles = triton.cdiv(M, rows)
+        progs = _grid_size(tiles, warps, dev)
+        part = torch.empty((2 if need_dw and need_db else 1, progs, N), dtype=torch.float32,
+                           device=dev) if (need_dw or need_db) else x
+        dw_part = part[0] if need_dw else x
+        db_part = part[-1] if need_db else x
+        _ln_bwd_single[(progs,)](
+            dy, x, w, mean, rstd, dx if need_dx else x, dw_part, db_part,
+            M, N, dy.stride(0), x.stride(0), N, tiles, progs,
+            BLOCK_N=block, ROWS=rows, HAS_W=has_w,
+            NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, num_warps=warps,
+        )
+    else:
+        if need_dx:
+            _ln_bwd_dx_looped[(M,)](
+                dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
+                CHUNK=block, HAS_W=has_w, num_warps=warps,
+            )
+        if need_dw or need_db:
+            block_c, block_r = 512, 8
+            col_blocks = triton.cdiv(N, block_c)
+            # Enough (split, column-block) programs for about two waves.
+            splits = max(1, min(triton.cdiv(M, block_r), 2 * num_sms(dev) // col_blocks + 1))
+            rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_r) * block_r
+            splits = triton.cdiv(M, rows_per_split)
+            part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
+            _ln_bwd_dwdb_columns[(col_blocks, splits)](
+                dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
+                rows_per_split, BLOCK_C=block_c, BLOCK_R=block_r,
+                NEED_DW=need_dw, NEED_DB=need_db, num_warps=4,
+            )
+            dw_part, db_part = part[0], part[1]
+    if need_dw:
+        dw = _reduce_partials(dw_part)
+    if need_db:
+        db = _reduce_partials(db_part)
+    return dx, dw, db

@@ -1,2 +1,194 @@
-"""placeholder"""
-softmax_forward = softmax_backward = None
+"""Triton softmax kernels (forward and backward) and their launch wrappers.
+
+Bytes moved (the floor): forward reads x once and writes y once (2·M·N·elt); backward reads y
+and dy once and writes dx once (3·M·N·elt). Two kernel variants per direction:
+
+* single-block: a program owns ``ROWS`` whole rows padded to ``BLOCK_N`` (a power of two up to
+  ``single_block_limit()``), keeps them in registers, reduces once, writes once; the grid is
+  persistent (about one wave of programs looping over row tiles).
+* looped: rows longer than the limit are streamed in ``CHUNK``-sized pieces; forward keeps a
+  per-lane online (max, sum) so it reads x twice (stats pass + write pass), backward reads
+  y and dy twice (dot pass + write pass).
+
+All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedops.triton._common import config_cache, next_pow2, num_sms, single_block_limit
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _softmax_fwd_single(
+    x_ptr, y_ptr, M, N, stride_x, stride_y, num_tiles, num_progs,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
+                    other=-float("inf")).to(tl.float32)
+        row_max = tl.max(x, axis=1)
+        e = tl.exp2((x - row_max[:, None]) * LOG2E)
+        denom = tl.sum(e, axis=1)
+        y = e * (1.0 / denom)[:, None]
+        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_looped(x_ptr, y_ptr, N, stride_x, stride_y, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    lanes = tl.arange(0, CHUNK)
+    # Per-lane online softmax statistics: running max and sum of exp relative to it.
+    m = tl.full([CHUNK], -float("inf"), tl.float32)
+    s = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # A lane that has only seen -inf keeps s = 0 (avoids -inf - -inf = NaN).
+        scale = tl.where(m_new == -float("inf"), 0.0, tl.exp2((m - m_new) * LOG2E))
+        s = s * scale + tl.where(m_new == -float("inf"), 0.0, tl.exp2((x - m_new) * LOG2E))
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    lane_scale = tl.where(m == -float("inf"), 0.0, tl.exp2((m - row_max) * LOG2E))
+    denom = tl.sum(s * lane_scale, axis=0)
+    inv = 1.0 / denom
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        y = tl.exp2((x - row_max) * LOG2E) * inv
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_single(
+    y_ptr, dy_ptr, dx_ptr, M, N, stride_y, stride_dy, stride_dx, num_tiles, num_progs,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        y = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        dot = tl.sum(y * dy, axis=1)
+        dx = y * (dy - dot[:, None])
+        tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_looped(
+    y_ptr, dy_ptr, dx_ptr, N, stride_y, stride_dy, stride_dx, CHUNK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + row * stride_y
+    dy_row = dy_ptr + row * stride_dy
+    dx_row = dx_ptr + row * stride_dx
+    lanes = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        mask = cols < N
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += y * dy
+    dot = tl.sum(acc, axis=0)
+    for start in range(0, N, CHUNK):
+        cols = start + lanes
+        mask = cols < N
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# Target elements held per thread: 16 bf16/fp16 values (two 16-byte vectors) or 8 fp32 values.
+_ELEMS_PER_THREAD = {2: 16, 4: 8}
+
+
+@config_cache
+def row_config(n: int, elt_size: int) -> tuple[bool, int, int, int]:
+    """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements of ``elt_size`` bytes.
+
+    Single-block: BLOCK is the padded row; ROWS rows per program so a program touches at least
+    ~4K elements (small rows would otherwise leave most lanes idle). Looped: BLOCK is the chunk.
+    """
+    block = next_pow2(n)
+    ept = _ELEMS_PER_THREAD.get(elt_size, 8)
+    if block <= single_block_limit():
+        rows = max(1, min(64, 4096 // block))
+        warps = max(1, min(32, rows * block // (32 * ept)))
+        return True, block, rows, warps
+    chunk = min(single_block_limit(), 8192)
+    return False, chunk, 1, max(1, min(32, chunk // (32 * ept)))
+
+
+def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
+    # One resident wave: 2048 threads per SM on Hopper/Ampere; the persistent loop covers the rest.
+    per_sm = max(1, 2048 // (32 * num_warps))
+    return max(1, min(num_tiles, num_sms(device) * per_sm))
+
+
+def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Row softmax. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride.
+
+    Returns a contiguous (M, N) tensor of ``out_dtype``.
+    """
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    single, block, rows, warps = row_config(N, x.element_size())
+    if single:
+        tiles = triton.cdiv(M, rows)
+        progs = _grid_size(tiles, warps, x.device)
+        _softmax_fwd_single[(progs,)](
+            x, y, M, N, x.stride(0), y.stride(0), tiles, progs,
+            BLOCK_N=block, ROWS=rows, num_warps=warps,
+        )
+    else:
+        _softmax_fwd_looped[(M,)](x, y, N, x.stride(0), y.stride(0), CHUNK=block, num_warps=warps)
+    return y
+
+
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx = y * (dy - sum(dy * y)) per row. y: (M, N) contiguous; dy: (M, N) unit column
+    stride, any row stride (0 for expanded gradients). Returns contiguous (M, N) of ``out_dtype``.
+    """
+    M, N = y.shape
+    dx = torch.empty((M, N), dtype=out_dtype, device=y.device)
+    if M == 0 or N == 0:
+        return dx
+    single, block, rows, warps = row_config(N, max(y.element_size(), dy.element_size()))
+    if single:
+        tiles = triton.cdiv(M, rows)
+        progs = _grid_size(tiles, warps, y.device)
+        _softmax_bwd_single[(progs,)](
+            y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), tiles, progs,
+            BLOCK_N=block, ROWS=rows, num_warps=warps,
+        )
+    else:
+        _softmax_bwd_looped[(M,)](
+            y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), CHUNK=block, num_warps=warps
+        )
+    return dx
