@@ -57,3 +57,26 @@ def triton_backend():
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+# --- kernel-test helpers (op test suites) ------------------------------------------------------
+
+
+def triton_kernels_ready() -> bool:
+    """True once fusedops.triton implements the row contract (False for placeholders / no Triton)."""
+    try:
+        from fusedops import triton as tb
+    except ImportError:
+        return False
+    return bool(tb.AVAILABLE) and callable(getattr(tb, "softmax_forward", None))
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request):
+    """Run a test once on the PyTorch reference and once on the Triton kernels (interpreted on CPU)."""
+    import fusedops
+
+    if request.param == "triton" and not triton_kernels_ready():
+        pytest.skip("Triton kernels not available")
+    with fusedops.use_backend(request.param):
+        yield request.param
