@@ -57,3 +57,89 @@ TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def _spec(a: object) -> object:
+    """The properties of one argument that Triton specialises a compiled kernel on."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    if isinstance(a, bool):
+        return a
+    if isinstance(a, int):
+        return (a & 15 == 0, a == 1, -(2**31) <= a < 2**31)
+    if isinstance(a, float):
+        return float
+    return a
+
+
+class Launcher:
+    """Launches a ``@triton.jit`` kernel with a lean host path.
+
+    ``JITFunction.__call__`` re-derives the specialisation key and binds arguments on every call,
+    which costs more host time than the kernel itself for small tensors. The first launch for a
+    given specialisation (dtypes, 16-byte alignment of pointers, divisibility/size of integers,
+    constexprs, num_warps) goes through Triton; later ones call the cached compiled kernel
+    directly. Arguments must be passed positionally, constexprs included, in signature order.
+    On CPU tensors (``TRITON_INTERPRET=1``) every call goes through Triton.
+    """
+
+    __slots__ = ("kernel", "compiled", "direct")
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict = {}
+        self.direct = True
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, num_warps: int) -> None:
+        if not self.direct:
+            self.kernel[grid](*args, num_warps=num_warps)
+            return
+        key = (num_warps, *map(_spec, args))
+        compiled = self.compiled.get(key)
+        if compiled is not None:
+            compiled[grid](*args)
+            return
+        compiled = self.kernel[grid](*args, num_warps=num_warps)
+        if callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "run"):
+            self.compiled[key] = compiled
+        elif not _interpreting():
+            # An unknown Triton runtime API: stay on the safe (slower) path for this kernel.
+            self.direct = False
+
+
+@functools.cache
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Measured on H200 (benchmarks/dev/probe.py): per kernel kind, the largest padded row kept in
+# registers before spills make the looped kernel the better choice, and the elements per program
+# tile (several short rows per program so every thread holds one or two 16-byte vectors).
+KIND_CAPS = {"softmax_fwd": 32768, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
+_TILE = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 2048, "ln_bwd": 4096}
+
+
+def _warps_for(tile: int, kind: str) -> int:
+    if kind == "softmax_bwd":
+        return max(1, min(32, tile // 512))
+    if tile <= 4096:
+        return max(1, min(8, tile // 256))
+    return 16 if tile <= 16384 else 32
+
+
+@config_cache
+def row_config(n: int, kind: str) -> tuple[bool, int, int, int]:
+    """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements and a kernel ``kind``
+    (``softmax_fwd``, ``softmax_bwd``, ``ln_fwd``, ``ln_bwd``).
+
+    Single-block: BLOCK is the padded row and ROWS rows share a program. Looped: BLOCK is the
+    chunk streamed per iteration, one row per program.
+    """
+    block = next_pow2(n)
+    if block <= min(single_block_limit(), KIND_CAPS[kind]):
+        rows = max(1, min(64, _TILE[kind] // block))
+        return True, block, rows, _warps_for(rows * block, kind)
+    chunk = min(single_block_limit(), 8192)
+    return False, chunk, 1, _warps_for(chunk, kind)

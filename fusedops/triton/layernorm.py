@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.triton._common import config_cache, next_pow2, num_sms, single_block_limit
+from fusedops.triton._common import Launcher, num_sms, row_config
 
 
 @triton.jit
@@ -112,8 +112,10 @@ def _ln_bwd_single(
     col_mask = cols < N
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], tl.float32)
-    db_acc = tl.zeros([BLOCK_N], tl.float32)
+    # 2-D accumulators: adding tiles elementwise each iteration and reducing over rows once at
+    # the end avoids a cross-warp reduction per tile.
+    dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
@@ -137,13 +139,15 @@ def _ln_bwd_single(
             tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += dy * xhat
         if NEED_DB:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += dy
     if NEED_DW:
-        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
+                 mask=col_mask)
     if NEED_DB:
-        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
+        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
+                 mask=col_mask)
 
 
 @triton.jit
@@ -231,20 +235,16 @@ def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_C: tl.constexpr):
     tl.store(out_ptr + cols, acc, mask=mask)
 
 
-_ELEMS_PER_THREAD = {2: 16, 4: 8}
 
 
-@config_cache
-def row_config(n: int, elt_size: int) -> tuple[bool, int, int, int]:
-    """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements of ``elt_size`` bytes."""
-    block = next_pow2(n)
-    ept = _ELEMS_PER_THREAD.get(elt_size, 8)
-    if block <= single_block_limit():
-        rows = max(1, min(64, 4096 // block))
-        warps = max(1, min(32, rows * block // (32 * ept)))
-        return True, block, rows, warps
-    chunk = min(single_block_limit(), 8192)
-    return False, chunk, 1, max(1, min(32, chunk // (32 * ept)))
+
+
+_launch_fwd_single = Launcher(_ln_fwd_single)
+_launch_fwd_looped = Launcher(_ln_fwd_looped)
+_launch_bwd_single = Launcher(_ln_bwd_single)
+_launch_dx_looped = Launcher(_ln_bwd_dx_looped)
+_launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
+_launch_sum = Launcher(_sum_partials)
 
 
 def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
@@ -256,7 +256,7 @@ def _reduce_partials(part: torch.Tensor) -> torch.Tensor:
     P, N = part.shape
     out = torch.empty((N,), dtype=torch.float32, device=part.device)
     block = 256
-    _sum_partials[(triton.cdiv(N, block),)](part, out, P, N, BLOCK_C=block, num_warps=4)
+    _launch_sum((triton.cdiv(N, block),), (part, out, P, N, block), 4)
     return out
 
 
@@ -281,19 +281,18 @@ def layernorm_forward(
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
-    single, block, rows, warps = row_config(N, x.element_size())
+    single, block, rows, warps = row_config(N, "ln_fwd")
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, x.device)
-        _ln_fwd_single[(progs,)](
+        _launch_fwd_single((progs,), (
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
-            BLOCK_N=block, ROWS=rows, HAS_W=has_w, HAS_B=has_b, num_warps=warps,
-        )
+            block, rows, has_w, has_b,
+        ), warps)
     else:
-        _ln_fwd_looped[(M,)](
-            x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps,
-            CHUNK=block, HAS_W=has_w, HAS_B=has_b, num_warps=warps,
-        )
+        _launch_fwd_looped((M,), (
+            x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps, block, has_w, has_b,
+        ), warps)
     return y, mean, rstd
 
 
@@ -321,7 +320,7 @@ def layernorm_backward(
     if M == 0 or N == 0:
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
-    single, block, rows, warps = row_config(N, max(x.element_size(), dy.element_size()))
+    single, block, rows, warps = row_config(N, "ln_bwd")
     dw = db = None
     if single:
         tiles = triton.cdiv(M, rows)
@@ -330,18 +329,17 @@ def layernorm_backward(
                            device=dev) if (need_dw or need_db) else x
         dw_part = part[0] if need_dw else x
         db_part = part[-1] if need_db else x
-        _ln_bwd_single[(progs,)](
+        _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx if need_dx else x, dw_part, db_part,
             M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            BLOCK_N=block, ROWS=rows, HAS_W=has_w,
-            NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, num_warps=warps,
-        )
+            block, rows, has_w, need_dx, need_dw, need_db,
+        ), warps)
     else:
         if need_dx:
-            _ln_bwd_dx_looped[(M,)](
+            _launch_dx_looped((M,), (
                 dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
-                CHUNK=block, HAS_W=has_w, num_warps=warps,
-            )
+                block, has_w,
+            ), warps)
         if need_dw or need_db:
             block_c, block_r = 512, 8
             col_blocks = triton.cdiv(N, block_c)
@@ -350,11 +348,10 @@ def layernorm_backward(
             rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_r) * block_r
             splits = triton.cdiv(M, rows_per_split)
             part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
-            _ln_bwd_dwdb_columns[(col_blocks, splits)](
+            _launch_dwdb_columns((col_blocks, splits), (
                 dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
-                rows_per_split, BLOCK_C=block_c, BLOCK_R=block_r,
-                NEED_DW=need_dw, NEED_DB=need_db, num_warps=4,
-            )
+                rows_per_split, block_c, block_r, need_dw, need_db,
+            ), 4)
             dw_part, db_part = part[0], part[1]
     if need_dw:
         dw = _reduce_partials(dw_part)

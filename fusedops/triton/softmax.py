@@ -19,9 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.triton._common import config_cache, next_pow2, num_sms, single_block_limit
+from fusedops.triton._common import (
+    Launcher,
+    num_sms,
+    row_config,
+)
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -122,25 +126,13 @@ def _softmax_bwd_looped(
         tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# Target elements held per thread: 16 bf16/fp16 values (two 16-byte vectors) or 8 fp32 values.
-_ELEMS_PER_THREAD = {2: 16, 4: 8}
+_launch_fwd_single = Launcher(_softmax_fwd_single)
+_launch_fwd_looped = Launcher(_softmax_fwd_looped)
+_launch_bwd_single = Launcher(_softmax_bwd_single)
+_launch_bwd_looped = Launcher(_softmax_bwd_looped)
 
 
-@config_cache
-def row_config(n: int, elt_size: int) -> tuple[bool, int, int, int]:
-    """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements of ``elt_size`` bytes.
 
-    Single-block: BLOCK is the padded row; ROWS rows per program so a program touches at least
-    ~4K elements (small rows would otherwise leave most lanes idle). Looped: BLOCK is the chunk.
-    """
-    block = next_pow2(n)
-    ept = _ELEMS_PER_THREAD.get(elt_size, 8)
-    if block <= single_block_limit():
-        rows = max(1, min(64, 4096 // block))
-        warps = max(1, min(32, rows * block // (32 * ept)))
-        return True, block, rows, warps
-    chunk = min(single_block_limit(), 8192)
-    return False, chunk, 1, max(1, min(32, chunk // (32 * ept)))
 
 
 def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
@@ -158,16 +150,15 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    single, block, rows, warps = row_config(N, x.element_size())
+    single, block, rows, warps = row_config(N, "softmax_fwd")
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, x.device)
-        _softmax_fwd_single[(progs,)](
-            x, y, M, N, x.stride(0), y.stride(0), tiles, progs,
-            BLOCK_N=block, ROWS=rows, num_warps=warps,
+        _launch_fwd_single(
+            (progs,), (x, y, M, N, x.stride(0), y.stride(0), tiles, progs, block, rows), warps
         )
     else:
-        _softmax_fwd_looped[(M,)](x, y, N, x.stride(0), y.stride(0), CHUNK=block, num_warps=warps)
+        _launch_fwd_looped((M,), (x, y, N, x.stride(0), y.stride(0), block), warps)
     return y
 
 
@@ -179,16 +170,17 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     dx = torch.empty((M, N), dtype=out_dtype, device=y.device)
     if M == 0 or N == 0:
         return dx
-    single, block, rows, warps = row_config(N, max(y.element_size(), dy.element_size()))
+    single, block, rows, warps = row_config(N, "softmax_bwd")
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, y.device)
-        _softmax_bwd_single[(progs,)](
-            y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), tiles, progs,
-            BLOCK_N=block, ROWS=rows, num_warps=warps,
+        _launch_bwd_single(
+            (progs,),
+            (y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), tiles, progs, block, rows),
+            warps,
         )
     else:
-        _softmax_bwd_looped[(M,)](
-            y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), CHUNK=block, num_warps=warps
+        _launch_bwd_looped(
+            (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block), warps
         )
     return dx
