@@ -1,0 +1,890 @@
+"""Swap the fused ops into an existing model, reversibly, and report what changed.
+
+Two mechanisms, both scoped to one model (torch itself is never monkeypatched):
+
+1. **Module level.** Every ``nn.LayerNorm`` / ``nn.Softmax`` instance, and every instance of a
+   subclass that does not override ``forward``, gets its ``__class__`` swapped to a fused class
+   that overrides only ``forward`` (a subclass of :class:`~fusedops.FusedLayerNorm` /
+   :class:`~fusedops.FusedSoftmax`; for a user subclass ``S``, a cached dynamic class
+   ``FusedS(..., S)``, so ``isinstance(m, S)`` still holds and ``S``'s other methods are kept).
+   Parameters, buffers, hooks and state_dict keys are untouched because the instance is.
+
+2. **Functional level** (``functional=True``). A forward pre-hook / forward hook pair on the root
+   module pushes a :class:`torch.overrides.TorchFunctionMode` for exactly the duration of the
+   model's forward. The mode routes ``F.softmax``, ``torch.softmax``, ``Tensor.softmax``,
+   ``torch.special.softmax``, ``F.layer_norm`` and ``torch.layer_norm`` to the fused ops and
+   passes every other call through. The forward hook is registered with ``always_call=True`` so
+   the mode is popped even when forward raises; nested and re-entrant calls share the outermost
+   mode through a depth counter. Excluded subtrees suspend the mode while they run.
+
+See ``docs/patching.md`` for the user-facing description and how to read the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fusedops import _dispatch
+from fusedops.modules import FusedLayerNorm, FusedSoftmax
+from fusedops.ops.layernorm import fused_layernorm
+from fusedops.ops.softmax import fused_softmax
+
+__all__ = ["PatchReport", "patch_model", "patched", "unpatch_model"]
+
+OPS = ("softmax", "layernorm")
+_STATE_ATTR = "_fusedops_patch"
+_ROUTABLE_DTYPES = frozenset(_dispatch.KERNEL_DTYPES)
+
+_FUSED_CLASSES = (FusedLayerNorm, FusedSoftmax)
+# user subclass -> dynamic fused subclass (created once per class)
+_subclass_cache: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+# --------------------------------------------------------------------------------------------
+# Functional level: the TorchFunctionMode
+# --------------------------------------------------------------------------------------------
+
+
+def _plain_types(types: Iterable[type]) -> bool:
+    """True when no argument is a tensor subclass with its own ``__torch_function__``."""
+    for t in types:
+        if t is not torch.Tensor and (
+            getattr(t, "__torch_function__", None) is not torch._C._disabled_torch_function_impl
+        ):
+            return False
+    return True
+
+
+def _routable(x: object) -> bool:
+    """Whether a tensor can go to the fused kernels (else the call is passed to torch as is)."""
+    if type(x) is not torch.Tensor and not isinstance(x, nn.Parameter):
+        return False
+    if x.dtype not in _ROUTABLE_DTYPES or x.layout != torch.strided:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    # Eager-only checks: functorch transforms (vmap/grad need setup_context) and CPU autocast
+    # (whose dtype policy the fused ops do not reproduce) keep torch's op.
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return x.device.type == "cuda" or not torch.is_autocast_enabled(x.device.type)
+
+
+_MISSING = object()
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any = _MISSING) -> Any:
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _route_softmax(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Return the fused result, or ``_MISSING`` when this call must go to torch unchanged."""
+    x = _arg(args, kwargs, 0, "input")
+    if x is _MISSING and func is torch.Tensor.softmax:
+        x = kwargs.get("self", _MISSING)
+    if not _routable(x):
+        return _MISSING
+    dim = _arg(args, kwargs, 1, "dim", None)
+    if func is F.softmax:  # F.softmax(input, dim=None, _stacklevel=3, dtype=None)
+        dtype = _arg(args, kwargs, 3, "dtype", None)
+        if dim is None:
+            # torch's legacy implicit-dim rule, with torch's own deprecation warning.
+            dim = F._get_softmax_dim("softmax", x.dim(), _arg(args, kwargs, 2, "_stacklevel", 3))
+    else:  # torch.softmax(input, dim, dtype=None), Tensor.softmax(dim, dtype=None)
+        dtype = _arg(args, kwargs, 2, "dtype", None)
+    if not _is_int(dim) or not -max(x.dim(), 1) <= dim < max(x.dim(), 1):
+        return _MISSING  # named dims and bad dims: torch's behaviour and error messages
+    if dtype is not None and dtype not in _ROUTABLE_DTYPES:
+        return _MISSING
+    return fused_softmax(x, dim, dtype)
+
+
+def _route_layernorm(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = _arg(args, kwargs, 0, "input")
+    if not _routable(x):
+        return _MISSING
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    if _is_int(shape):
+        shape = (shape,)
+    if not isinstance(shape, Sequence) or len(shape) == 0 or not all(_is_int(s) for s in shape):
+        return _MISSING  # e.g. SymInt shapes under dynamic compile: keep torch's op
+    shape = tuple(shape)
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        return _MISSING  # let torch raise its own error
+    weight = _arg(args, kwargs, 2, "weight", None)
+    bias = _arg(args, kwargs, 3, "bias", None)
+    for p in (weight, bias):
+        if p is None:
+            continue
+        if not _routable(p) or tuple(p.shape) != shape or p.device != x.device:
+            return _MISSING
+    eps = _arg(args, kwargs, 4, "eps", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+        return _MISSING
+    return fused_layernorm(x, shape, weight, bias, eps)
+
+
+class _FusedFunctionMode(TorchFunctionMode):
+    """Routes the functional softmax / layer_norm calls of one forward to the fused ops.
+
+    Torch pops a mode off the mode stack while its ``__torch_function__`` runs, so the fused op's
+    own torch calls never re-enter this mode. ``__enter__``/``__exit__`` are torch's, which lets
+    Dynamo trace the mode (and resume it across graph breaks).
+    """
+
+    def __init__(self, softmax: bool, layernorm: bool, counts: Counter | None = None) -> None:
+        super().__init__()
+        self.softmax = softmax
+        self.layernorm = layernorm
+        self.counts = counts  # Counter of routed calls during a verification pass, else None
+        self.depth = 0  # re-entrant / nested patched forwards sharing this mode
+        self.suspended = 0  # > 0 while an excluded module runs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if self.suspended == 0 and _plain_types(types):
+            out = _MISSING
+            op = None
+            if self.softmax and (
+                func is F.softmax
+                or func is torch.softmax
+                or func is torch.Tensor.softmax
+                or func is torch.special.softmax
+            ):
+                op = "softmax"
+                out = _route_softmax(func, args, kwargs)
+            elif self.layernorm and (func is F.layer_norm or func is torch.layer_norm):
+                op = "layernorm"
+                out = _route_layernorm(func, args, kwargs)
+            if out is not _MISSING:
+                if self.counts is not None:
+                    self.counts[op] += 1
+                return out
+        return func(*args, **kwargs)
+
+
+def _active_mode() -> _FusedFunctionMode | None:
+    """The innermost fusedops mode on this thread's torch-function mode stack."""
+    for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, _FusedFunctionMode):
+            return mode
+    return None
+
+
+def _pop_mode(mode: _FusedFunctionMode) -> None:
+    """Pop ``mode``; if user code left other modes above it, keep those (eager only)."""
+    n = torch._C._len_torch_function_stack()
+    if n and torch._C._get_function_stack_at(n - 1) is mode:
+        mode.__exit__(None, None, None)
+        return
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+# Hooks are module-level functions that read the options from the module they are called on,
+# so a deep-copied or pickled patched model carries working hooks of its own.
+
+
+def _enter_hook(module: nn.Module, args: Any) -> None:
+    state = getattr(module, _STATE_ATTR, None)
+    if state is None:
+        return None
+    mode = _active_mode()
+    if mode is not None:
+        # Re-entrant call, or a patched model inside another patched model's forward: the
+        # outermost mode keeps governing, so nothing is routed twice.
+        mode.depth += 1
+    else:
+        _FusedFunctionMode(
+            "softmax" in state.ops, "layernorm" in state.ops, state.verify_counts
+        ).__enter__()
+    return None
+
+
+def _exit_hook(module: nn.Module, args: Any, output: Any) -> None:
+    mode = _active_mode()
+    if mode is None:
+        return None
+    if mode.depth:
+        mode.depth -= 1
+    else:
+        _pop_mode(mode)
+    return None
+
+
+def _suspend_hook(module: nn.Module, args: Any) -> None:
+    mode = _active_mode()
+    if mode is not None:
+        mode.suspended += 1
+    return None
+
+
+def _resume_hook(module: nn.Module, args: Any, output: Any) -> None:
+    mode = _active_mode()
+    if mode is not None and mode.suspended:
+        mode.suspended -= 1
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Module level: class swap
+# --------------------------------------------------------------------------------------------
+
+
+class _SuspendRouting:
+    """Mixin for the swapped-in classes: the fused forward runs with the functional mode
+    suspended, so the fused op's own torch calls (e.g. the reference backend's
+    ``torch.softmax``) are never routed a second time."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not torch._C._len_torch_function_stack():
+            return super().forward(input)
+        mode = _active_mode()
+        if mode is None:
+            return super().forward(input)
+        mode.suspended += 1
+        try:
+            return super().forward(input)
+        finally:
+            mode.suspended -= 1
+
+
+class _PatchedFusedLayerNorm(_SuspendRouting, FusedLayerNorm):
+    """What an ``nn.LayerNorm`` becomes under :func:`patch_model` (shows as FusedLayerNorm)."""
+
+
+class _PatchedFusedSoftmax(_SuspendRouting, FusedSoftmax):
+    """What an ``nn.Softmax`` becomes under :func:`patch_model` (shows as FusedSoftmax)."""
+
+
+# repr() uses the class __name__; pickling uses __qualname__, which stays importable.
+_PatchedFusedLayerNorm.__name__ = "FusedLayerNorm"
+_PatchedFusedSoftmax.__name__ = "FusedSoftmax"
+
+# torch base class -> (swapped-in class, op name)
+_BASES: dict[type[nn.Module], tuple[type[nn.Module], str]] = {
+    nn.LayerNorm: (_PatchedFusedLayerNorm, "layernorm"),
+    nn.Softmax: (_PatchedFusedSoftmax, "softmax"),
+}
+_DYNAMIC_PREFIX = "_fused_subclass_"
+
+
+def _torch_base(cls: type) -> type[nn.Module] | None:
+    for base in _BASES:
+        if issubclass(cls, base):
+            return base
+    return None
+
+
+def _dynamic_name(cls: type) -> str:
+    return _DYNAMIC_PREFIX + f"{cls.__module__}:{cls.__qualname__}".encode().hex()
+
+
+def _fused_class_for(cls: type[nn.Module], base: type[nn.Module]) -> type[nn.Module]:
+    """The class to swap in for an instance of ``cls`` (``base`` or a subclass of it).
+
+    For a user subclass this is a dynamic ``Fused<cls>(patched fused class, cls)``, created
+    once and cached. It is a module attribute under an importable name, so patched models
+    pickle and deep-copy; :func:`__getattr__` recreates it when a pickle is loaded elsewhere.
+    """
+    fused, _ = _BASES[base]
+    if cls is base:
+        return fused
+    new = _subclass_cache.get(cls)
+    if new is None:
+        qualname = _dynamic_name(cls)
+        new = type(
+            f"Fused{cls.__name__}",
+            (fused, cls),
+            {
+                "__module__": __name__,
+                "__qualname__": qualname,
+                "__doc__": f"{cls.__qualname__} with the fused forward "
+                "(created by fusedops.patch_model).",
+            },
+        )
+        _subclass_cache[cls] = new
+        globals()[qualname] = new
+    return new
+
+
+def __getattr__(name: str) -> Any:
+    # Unpickling a patched model in a fresh process: rebuild the dynamic subclass by name.
+    if name.startswith(_DYNAMIC_PREFIX):
+        import importlib
+
+        spec = bytes.fromhex(name[len(_DYNAMIC_PREFIX):]).decode()
+        module_name, _, qualname = spec.partition(":")
+        cls: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        base = _torch_base(cls)
+        if base is not None:
+            return _fused_class_for(cls, base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _module_config(module: nn.Module) -> tuple[list[int] | None, str]:
+    if isinstance(module, nn.LayerNorm):
+        shape = [int(s) for s in module.normalized_shape]
+        affine = module.weight is not None
+        bias = module.bias is not None
+        return shape, f"eps={module.eps:g}, weight={'yes' if affine else 'no'}, " \
+            f"bias={'yes' if bias else 'no'}"
+    if isinstance(module, nn.Softmax):
+        return None, f"dim={module.dim}"
+    return None, ""
+
+
+def _unsupported(module: nn.Module, base: type[nn.Module]) -> str | None:
+    if base is nn.Softmax:
+        dim = module.dim
+        if dim is not None and not _is_int(dim):
+            return f"dim={dim!r} is not an int (named dims are not supported by the fused op)"
+        return None
+    for name in ("weight", "bias"):
+        p = getattr(module, name, None)
+        if p is not None and (not isinstance(p, torch.Tensor) or not p.is_floating_point()):
+            return f"{name} is not a floating-point tensor"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# State, report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _PatchState:
+    ops: tuple[str, ...]
+    functional: bool
+    exclude: tuple
+    swapped: list[tuple[nn.Module, type]]  # (module, original class)
+    handles: list[Any]  # RemovableHandles of every hook we added
+    verify_counts: Counter | None = None
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v == 0:
+        return "0"
+    return f"{v:.3g}"
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What :func:`patch_model` did. ``str(report)`` is a table; see also :meth:`to_dict`.
+
+    Attributes:
+        model: class name of the patched model.
+        ops: the ops that were patched.
+        functional: whether functional calls are intercepted during forward.
+        replaced: one dict per swapped module: ``name`` (qualified), ``type`` (original class),
+            ``fused_type``, ``op``, ``shape`` (LayerNorm ``normalized_shape``, else None),
+            ``config``.
+        skipped: one dict per LayerNorm/Softmax module left alone: ``name``, ``type``, ``op``,
+            ``reason``.
+        excluded: the qualified names of the excluded subtrees (functional calls inside them
+            are not routed either).
+        unmatched_exclude: ``exclude`` entries that matched no module (typos, usually).
+        verification: None, or (with ``example_inputs``) a dict with ``backend`` (the backend
+            that ran), ``mode`` (how the pass ran), ``fused_calls`` (per-op calls that ran on
+            fused kernels, from :func:`fusedops.count_fused_calls`), ``routed_calls`` (per-op
+            calls sent to fusedops, whatever the backend), and ``outputs`` (per output: ``name``,
+            ``shape``, ``dtype``, ``max_abs_diff``, ``max_rel_diff`` against the unpatched
+            model).
+    """
+
+    model: str
+    ops: tuple[str, ...]
+    functional: bool
+    replaced: list[dict] = dataclasses.field(default_factory=list)
+    skipped: list[dict] = dataclasses.field(default_factory=list)
+    excluded: list[str] = dataclasses.field(default_factory=list)
+    unmatched_exclude: list[str] = dataclasses.field(default_factory=list)
+    verification: dict | None = None
+
+    @property
+    def max_abs_diff(self) -> float | None:
+        """Largest ``max_abs_diff`` over all outputs (None without a verification pass)."""
+        return self._worst("max_abs_diff")
+
+    @property
+    def max_rel_diff(self) -> float | None:
+        """Largest ``max_rel_diff`` over all outputs (None without a verification pass)."""
+        return self._worst("max_rel_diff")
+
+    def _worst(self, key: str) -> float | None:
+        if not self.verification or not self.verification["outputs"]:
+            return None
+        return max(o[key] for o in self.verification["outputs"])
+
+    def to_dict(self) -> dict:
+        """Plain-Python (JSON-serialisable) form of the report."""
+        d = dataclasses.asdict(self)
+        d["ops"] = list(self.ops)
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        """JSON form of :meth:`to_dict`; keyword arguments go to :func:`json.dumps`."""
+        kwargs.setdefault("indent", 2)
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [
+            f"fusedops.patch_model({self.model}): ops={', '.join(self.ops) or 'none'}; "
+            f"functional interception {'on' if self.functional else 'off'}",
+            "",
+            f"Replaced modules ({len(self.replaced)}):",
+        ]
+        lines += _table(
+            ["name", "type", "fused type", "shape", "config"],
+            [
+                [r["name"] or "(root)", r["type"], r["fused_type"],
+                 "-" if r["shape"] is None else "x".join(map(str, r["shape"])), r["config"]]
+                for r in self.replaced
+            ],
+        )
+        lines += ["", f"Skipped modules ({len(self.skipped)}):"]
+        lines += _table(
+            ["name", "type", "reason"],
+            [[s["name"] or "(root)", s["type"], s["reason"]] for s in self.skipped],
+        )
+        if self.excluded:
+            lines += ["", "Excluded subtrees (no module swap, no functional routing): "
+                      + ", ".join(n or "(root)" for n in self.excluded)]
+        if self.unmatched_exclude:
+            lines += ["", "Warning: exclude entries that matched nothing: "
+                      + ", ".join(self.unmatched_exclude)]
+        v = self.verification
+        lines.append("")
+        if v is None:
+            lines.append("Verification: not run (pass example_inputs=... to run one forward).")
+            return "\n".join(lines)
+        lines.append(f"Verification ({v['mode']}; backend: {v['backend']}):")
+        routed = v["routed_calls"]
+        fused = v["fused_calls"]
+        lines.append(
+            "  calls routed to fusedops: "
+            + ", ".join(f"{op}={routed.get(op, 0)}" for op in OPS)
+        )
+        lines.append(
+            "  calls run on fused kernels: "
+            + ", ".join(f"{k}={fused.get(k, 0)}" for k in sorted(fused))
+        )
+        if v.get("note"):
+            lines.append(f"  note: {v['note']}")
+        lines += _table(
+            ["output", "shape", "dtype", "max abs diff", "max rel diff"],
+            [
+                [o["name"], "x".join(map(str, o["shape"])) or "()", o["dtype"],
+                 _fmt(o["max_abs_diff"]), _fmt(o["max_rel_diff"])]
+                for o in v["outputs"]
+            ],
+        )
+        return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return ["  (none)"]
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# Verification pass
+# --------------------------------------------------------------------------------------------
+
+
+def _call(model: nn.Module, example_inputs: Any) -> Any:
+    if isinstance(example_inputs, Mapping):
+        return model(**example_inputs)
+    if isinstance(example_inputs, tuple | list):
+        return model(*example_inputs)
+    return model(example_inputs)
+
+
+def _flatten(obj: Any, prefix: str = "output", depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor in nested tuples/lists/dicts/dataclasses/HF outputs and
+    iterable containers such as HF caches."""
+    if depth > 32 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):  # dicts and HF ModelOutput
+        for k, v in obj.items():
+            yield from _flatten(v, f"{prefix}.{k}" if depth else str(k), depth + 1)
+    elif isinstance(obj, tuple | list):
+        for i, v in enumerate(obj):
+            yield from _flatten(v, f"{prefix}[{i}]", depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _flatten(getattr(obj, f.name), f"{prefix}.{f.name}", depth + 1)
+    elif hasattr(obj, "__iter__") and not isinstance(obj, str | bytes | nn.Module):
+        try:
+            items = list(obj)
+        except Exception:  # noqa: BLE001 - not every __iter__ is a container
+            return
+        for i, v in enumerate(items):
+            yield from _flatten(v, f"{prefix}[{i}]", depth + 1)
+
+
+def _compare(ref: Any, out: Any) -> list[dict]:
+    ref_items = dict(_flatten(ref))
+    rows = []
+    for name, o in _flatten(out):
+        r = ref_items.get(name)
+        row = {"name": name, "shape": list(o.shape), "dtype": str(o.dtype).replace("torch.", "")}
+        if r is None or r.shape != o.shape:
+            row.update(max_abs_diff=math.inf, max_rel_diff=math.inf)
+            rows.append(row)
+            continue
+        if o.numel() == 0:
+            row.update(max_abs_diff=0.0, max_rel_diff=0.0)
+            rows.append(row)
+            continue
+        a = o.detach().to("cpu", torch.float64) if not o.is_complex() else o.detach().cpu()
+        b = r.detach().to("cpu", a.dtype)
+        diff = (a - b).abs()
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # equal infs / NaN positions
+        diff = torch.where(same, torch.zeros_like(diff), diff)
+        diff = torch.nan_to_num(diff, nan=math.inf)
+        max_abs = float(diff.max())
+        scale = float(torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max())
+        row["max_abs_diff"] = max_abs
+        row["max_rel_diff"] = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+        rows.append(row)
+    return rows
+
+
+def _first_float_tensor(*objs: Any) -> torch.Tensor | None:
+    for obj in objs:
+        for _, t in _flatten(obj):
+            if t.is_floating_point():
+                return t
+    return None
+
+
+@contextlib.contextmanager
+def _eval_no_grad(model: nn.Module) -> Iterator[None]:
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _fork_rng_devices() -> list[int]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return list(range(torch.cuda.device_count()))
+    return []
+
+
+def _run_once(model: nn.Module, example_inputs: Any) -> Any:
+    """One forward from the same RNG state every time (eval mode is set by the caller)."""
+    with torch.random.fork_rng(devices=_fork_rng_devices()):
+        torch.manual_seed(0)
+        return _call(model, example_inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _check_ops(ops: str | Iterable[str]) -> tuple[str, ...]:
+    if isinstance(ops, str):
+        ops = (ops,)
+    ops = tuple(ops)
+    for op in ops:
+        if op not in OPS:
+            raise ValueError(f"ops must be a subset of {OPS}, got {op!r}")
+    return tuple(op for op in OPS if op in ops)
+
+
+def _check_exclude(exclude: str | type | Iterable[str | type]) -> tuple[list[str], list[type]]:
+    if isinstance(exclude, str | type):
+        exclude = (exclude,)
+    names, types = [], []
+    for e in exclude:
+        if isinstance(e, str):
+            names.append(e)
+        elif isinstance(e, type) and issubclass(e, nn.Module):
+            types.append(e)
+        else:
+            raise TypeError(
+                "exclude entries must be qualified module names (str) or nn.Module subclasses, "
+                f"got {e!r}"
+            )
+    return names, types
+
+
+def _name_match(name: str, names: list[str]) -> str | None:
+    for e in names:
+        if e == "" or name == e or name.startswith(e + "."):
+            return e
+    return None
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    ops: str | Iterable[str] = OPS,
+    functional: bool = True,
+    exclude: str | type | Iterable[str | type] = (),
+    example_inputs: Any = None,
+) -> PatchReport:
+    """Swap the fused softmax / LayerNorm into ``model`` in place and report what changed.
+
+    Args:
+        model: any ``nn.Module``. It is modified in place; :func:`unpatch_model` undoes it.
+        ops: which ops to patch, a subset of ``("softmax", "layernorm")``.
+        functional: also route functional calls (``F.softmax``, ``torch.softmax``,
+            ``Tensor.softmax``, ``F.layer_norm``, ``torch.layer_norm``) made while ``model``'s
+            forward runs, through a ``TorchFunctionMode`` scoped to that forward.
+        exclude: qualified module names (a name also excludes everything under it, e.g.
+            ``"encoder.layer.0"``) and/or module classes (every instance and its subtree).
+            Excluded subtrees get neither module swaps nor functional routing.
+        example_inputs: if given, run one forward before and after patching (eval mode, no
+            grad, same RNG state) and put per-op fused-call counts and per-output differences in
+            the report. A tensor is passed as ``model(x)``, a tuple/list as ``model(*args)``, a
+            dict as ``model(**kwargs)``.
+
+    Returns:
+        A :class:`PatchReport`. Patching an already patched model first undoes the previous
+        patch, so patching twice is harmless (the second call's options win).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    ops = _check_ops(ops)
+    exclude_arg = (exclude,) if isinstance(exclude, str | type) else tuple(exclude)
+    exclude_names, exclude_types = _check_exclude(exclude_arg)
+    functional = bool(functional)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        unpatch_model(model)
+
+    reference = None
+    if example_inputs is not None:
+        with _eval_no_grad(model):
+            reference = _run_once(model, example_inputs)
+
+    report = PatchReport(model=type(model).__name__, ops=ops, functional=functional)
+    state = _PatchState(
+        ops=ops, functional=functional, exclude=exclude_arg, swapped=[], handles=[]
+    )
+
+    # Walk every path to every module (shared modules have several names): a module is excluded
+    # if any of its paths is inside an excluded subtree.
+    used_names: set[str] = set()
+    first_name: dict[int, str] = {}
+    excluded_by: dict[int, str] = {}
+    exclusion_roots: dict[int, tuple[nn.Module, str]] = {}
+    modules: dict[int, nn.Module] = {}
+
+    def walk(module: nn.Module, name: str, inherited: str | None) -> None:
+        key = id(module)
+        modules[key] = module
+        first_name.setdefault(key, name)
+        reason = inherited
+        if reason is None:
+            hit = _name_match(name, exclude_names)
+            if hit is not None:
+                used_names.add(hit)
+                reason = f"excluded by name {hit!r}"
+            else:
+                for t in exclude_types:
+                    if isinstance(module, t):
+                        reason = f"excluded by type {t.__name__}"
+                        break
+            if reason is not None:
+                exclusion_roots.setdefault(key, (module, name))
+        if reason is not None:
+            excluded_by.setdefault(key, reason)
+        if isinstance(module, torch.jit.ScriptModule):
+            return
+        for child_name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{name}.{child_name}" if name else child_name, reason)
+
+    walk(model, "", None)
+    # Exclusion roots nested in other exclusion roots need no hooks of their own.
+    root_names = [n for _, n in exclusion_roots.values()]
+    report.excluded = sorted(
+        n for n in root_names
+        if not any(o != n and (o == "" or n.startswith(o + ".")) for o in root_names)
+    )
+    report.unmatched_exclude = [e for e in exclude_names if e not in used_names]
+
+    for key, module in modules.items():
+        cls = type(module)
+        base = _torch_base(cls)
+        if base is None:
+            continue
+        name = first_name[key]
+        fused_cls, op = _BASES[base]
+        entry = {"name": name, "type": cls.__name__, "op": op}
+        if isinstance(module, _FUSED_CLASSES):
+            entry["reason"] = f"already fused ({cls.__name__})"
+        elif op not in ops:
+            entry["reason"] = f"op {op!r} not selected (ops={list(ops)})"
+        elif key in excluded_by:
+            entry["reason"] = excluded_by[key]
+        elif cls.forward is not base.forward:
+            entry["reason"] = (
+                f"{cls.__name__} overrides forward; left alone"
+                + (" (its functional calls are routed)" if functional else "")
+            )
+        elif (why := _unsupported(module, base)) is not None:
+            entry["reason"] = why
+        else:
+            try:
+                new_cls = _fused_class_for(cls, base)
+                module.__class__ = new_cls
+            except TypeError as exc:  # e.g. an incompatible __slots__ layout
+                entry["reason"] = f"class swap failed: {exc}"
+            else:
+                state.swapped.append((module, cls))
+                shape, config = _module_config(module)
+                entry.pop("reason", None)
+                report.replaced.append(
+                    {**entry, "fused_type": new_cls.__name__, "shape": shape, "config": config}
+                )
+                continue
+        report.skipped.append(entry)
+
+    # Functional routing: on for the model's forward, suspended inside excluded subtrees.
+    state.functional = functional and bool(ops) and id(model) not in excluded_by
+    if state.functional:
+        state.handles.append(model.register_forward_pre_hook(_enter_hook, prepend=True))
+        state.handles.append(model.register_forward_hook(_exit_hook, always_call=True))
+        for module, name in exclusion_roots.values():
+            if name in report.excluded:
+                state.handles.append(module.register_forward_pre_hook(_suspend_hook, prepend=True))
+                state.handles.append(module.register_forward_hook(_resume_hook, always_call=True))
+    report.functional = state.functional
+    object.__setattr__(model, _STATE_ATTR, state)
+
+    if example_inputs is not None:
+        report.verification = _verify(model, state, example_inputs, reference)
+    return report
+
+
+def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference: Any) -> dict:
+    routed: Counter = Counter()
+    state.verify_counts = routed
+    hooks = []
+
+    def count(op: str):
+        def hook(module, args, output):
+            routed[op] += 1
+
+        return hook
+
+    for module, _ in state.swapped:
+        op = "layernorm" if isinstance(module, nn.LayerNorm) else "softmax"
+        hooks.append(module.register_forward_hook(count(op)))
+    try:
+        with _eval_no_grad(model), _dispatch.count_fused_calls() as fused:
+            out = _run_once(model, example_inputs)
+    finally:
+        state.verify_counts = None
+        for h in hooks:
+            h.remove()
+    probe = _first_float_tensor(example_inputs, out)
+    if probe is None:
+        probe = next((p for p in model.parameters() if p.is_floating_point()), None)
+    backend = _dispatch.backend_for(probe).NAME if probe is not None else "unknown"
+    fused_calls = {k: int(fused.get(k, 0)) for k in (
+        "softmax_forward", "softmax_backward", "layernorm_forward", "layernorm_backward")}
+    result = {
+        "mode": "one forward, eval mode, no grad",
+        "backend": f"{backend} ({probe.device.type} {str(probe.dtype).replace('torch.', '')})"
+        if probe is not None else backend,
+        "fused_calls": fused_calls,
+        "routed_calls": {op: int(routed.get(op, 0)) for op in OPS},
+        "outputs": _compare(reference, out),
+        "note": None,
+    }
+    if backend == "reference" and sum(routed.values()):
+        result["note"] = (
+            "the reference backend runs these tensors (correct, not fused), so no call reaches a "
+            "fused kernel; on CUDA/MPS, or with fusedops.use_backend('triton'), they would"
+        )
+    return result
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: original classes back, fusedops hooks removed.
+
+    Parameters and buffers were never replaced, so nothing else changes. Returns ``model``.
+    Calling it on a model that is not patched does nothing.
+    """
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return model
+    for handle in state.handles:
+        handle.remove()
+    for module, cls in state.swapped:
+        module.__class__ = cls
+    del model.__dict__[_STATE_ATTR]
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, **kwargs: Any) -> Iterator[PatchReport]:
+    """``with fusedops.patched(model, **patch_model_kwargs) as report:`` patch for the block only.
+
+    The model is unpatched on exit, also when the block raises. If the model was already
+    patched on entry, it is restored to that patch (with its original options) on exit.
+    """
+    previous = model.__dict__.get(_STATE_ATTR)
+    report = patch_model(model, **kwargs)
+    try:
+        yield report
+    finally:
+        unpatch_model(model)
+        if previous is not None:
+            patch_model(
+                model, ops=previous.ops, functional=previous.functional, exclude=previous.exclude
+            )
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` is currently patched by :func:`patch_model`."""
+    return model.__dict__.get(_STATE_ATTR) is not None
+
