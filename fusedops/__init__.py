@@ -6,6 +6,7 @@ Public API only; see docs/api.md.
 from fusedops._dispatch import count_fused_calls, get_backend, set_backend, use_backend
 from fusedops.modules import FusedLayerNorm, FusedSoftmax
 from fusedops.ops import LayerNormFunction, SoftmaxFunction, fused_layernorm, fused_softmax
+from fusedops.patching import PatchReport, patch_model, patched, unpatch_model
 
 __version__ = "0.1.0"
 
@@ -13,11 +14,15 @@ __all__ = [
     "FusedLayerNorm",
     "FusedSoftmax",
     "LayerNormFunction",
+    "PatchReport",
     "SoftmaxFunction",
     "count_fused_calls",
     "fused_layernorm",
     "fused_softmax",
     "get_backend",
+    "patch_model",
+    "patched",
     "set_backend",
+    "unpatch_model",
     "use_backend",
 ]
