@@ -63,7 +63,7 @@ def device() -> str:
 
 
 def triton_kernels_ready() -> bool:
-    """True once fusedops.triton implements the row contract (False for placeholders / no Triton)."""
+    """True once fusedops.triton implements the row contract (False for a placeholder or no Triton)."""
     try:
         from fusedops import triton as tb
     except ImportError:
@@ -73,10 +73,53 @@ def triton_kernels_ready() -> bool:
 
 @pytest.fixture(params=["reference", "triton"])
 def backend(request):
-    """Run a test once on the PyTorch reference and once on the Triton kernels (interpreted on CPU)."""
+    """Run a test on the PyTorch reference, then on the Triton kernels (interpreted on CPU)."""
     import fusedops
 
     if request.param == "triton" and not triton_kernels_ready():
         pytest.skip("Triton kernels not available")
     with fusedops.use_backend(request.param):
         yield request.param
+
+
+def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
+    """The Triton single-block/looped switch points (padded row length) for the given kernel
+    kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``): rows of N <= limit take the single-block
+    kernel, N = limit + 1 the looped one."""
+    try:
+        from fusedops.triton import _common
+    except ImportError:
+        return [default]
+    base = getattr(_common, "single_block_limit", lambda: default)()
+    caps = getattr(_common, "KIND_CAPS", {})
+    return sorted({min(base, caps.get(kind, base)) for kind in kinds})
+
+
+@pytest.fixture
+def small_single_block():
+    """Shrink the Triton single-block limit to 16 elements, so rows of a few dozen elements take
+    the looped (chunked) kernels, several chunks per row, under the interpreter."""
+    from fusedops.triton import _common
+
+    setter = getattr(_common, "set_single_block_limit", None)
+    if setter is None:
+        pytest.skip("fusedops.triton has no set_single_block_limit")
+    setter(16)
+    try:
+        yield 16
+    finally:
+        setter(None)
+
+
+@pytest.fixture(autouse=True)
+def _tensors_on_device(request):
+    """Kernel suites (modules that set ``ON_DEVICE = True``) create their tensors on the GPU when
+    there is one, so the same tests drive the compiled kernels there; on CPU nothing changes."""
+    if not HAS_CUDA or not getattr(request.module, "ON_DEVICE", False):
+        yield
+        return
+    torch.set_default_device("cuda")
+    try:
+        yield
+    finally:
+        torch.set_default_device("cpu")

@@ -6,35 +6,28 @@ The Triton path runs through the interpreter on CPU, so tensors stay small.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOLERANCES, assert_close_to_ref, triton_kernels_ready
+from conftest import TOLERANCES, assert_close_to_ref, single_block_limits, triton_kernels_ready
 
 import fusedops
 from fusedops import LayerNormFunction, fused_layernorm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INF, NAN = float("inf"), float("nan")
 
 
-def single_block_limit(default: int = 65536) -> int:
-    """The largest row the single-block LayerNorm kernels take (module constant of the kernel)."""
-    try:
-        mod = importlib.import_module("fusedops.triton.layernorm")
-    except ImportError:
-        return default
-    for name in ("MAX_SINGLE_BLOCK", "SINGLE_BLOCK_MAX", "MAX_BLOCK_N"):
-        value = getattr(mod, name, None)
-        if isinstance(value, int):
-            return value
-    return default
+# Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
+ON_DEVICE = True
 
-
-LIMIT = single_block_limit()
-SIZES = [1, 31, 32, 33, 1000, 1024, 1025, LIMIT, LIMIT + 1]
+# Every kernel-variant boundary, including the forward and backward single-block limits (they
+# may differ) and one above each (the looped kernels).
+LIMITS = single_block_limits("ln_fwd", "ln_bwd")
+SIZES = [1, 31, 32, 33, 1000, 1024, 1025] + [n for lim in LIMITS for n in (lim, lim + 1)]
+LOOPED_SIZES = [17, 32, 33, 100, 1025]
 
 
 def rows_for(n: int) -> int:
@@ -42,10 +35,11 @@ def rows_for(n: int) -> int:
 
 
 def make_params(shape, dtype, weight=True, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = (1 + 0.5 * torch.randn(shape, generator=g)).to(dtype) if weight else None
-    b = (0.5 * torch.randn(shape, generator=g)).to(dtype) if bias else None
-    return w, b
+    g = torch.Generator().manual_seed(seed)  # CPU generator: same values on every device
+    w = (1 + 0.5 * torch.randn(shape, generator=g, device="cpu")).to(dtype) if weight else None
+    b = (0.5 * torch.randn(shape, generator=g, device="cpu")).to(dtype) if bias else None
+    dev = torch.empty(0).device
+    return (None if w is None else w.to(dev)), (None if b is None else b.to(dev))
 
 
 def _leaf(t):
@@ -124,6 +118,53 @@ def test_row_count_tails(backend, m, n):
     partials: every row count must be handled."""
     torch.manual_seed(m * 100 + n)
     check(torch.randn(m, n), n, *make_params(n, torch.float32, seed=m))
+
+
+@pytest.mark.parametrize("n", LOOPED_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_looped_path(triton_backend, small_single_block, n, dtype):
+    """Rows longer than one block: Welford forward, two-pass dx, column-blocked dweight/dbias."""
+    torch.manual_seed(n)
+    x = (torch.randn(5, n) * 2 + 0.5).to(dtype)
+    check(x, n, *make_params(n, dtype, seed=n))
+    check(x, n, *make_params(n, torch.float32, seed=n))
+    check(x, n, need=(True, False, False))
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "bias"])
+def test_looped_path_affine(triton_backend, small_single_block, affine):
+    torch.manual_seed(0)
+    w, b = make_params(70, torch.float32, weight=affine == "weight", bias=affine == "bias")
+    check(torch.randn(4, 70), 70, w, b)
+    check(torch.randn(4, 70), 70, w, b, need=(False, True, True))
+
+
+def test_looped_path_strides_and_rows(triton_backend, small_single_block):
+    torch.manual_seed(0)
+    w, b = make_params(100, torch.float32)
+    wide = torch.randn(4, 150)
+    check(wide[:, 7:107], 100, w, b)  # row stride 150, storage offset 7
+    check(torch.randn(3, 100), 100, w, b, dy=torch.randn(1, 100).expand(3, 100))
+    check(torch.randn(1, 100).expand(3, 100), 100, w, b)  # x row stride 0
+    check(torch.randn(37, 40), 40, *make_params(40, torch.float32))  # many row splits
+
+
+def test_looped_path_numerics(triton_backend, small_single_block):
+    """Welford merging across lanes and chunks on a large mean / small variance, constant rows,
+    and special values, against torch."""
+    torch.manual_seed(1)
+    x = 300.0 + torch.randn(3, 100)
+    y64 = F.layer_norm(x.double(), (100,))
+    torch_err = (F.layer_norm(x, (100,)).double() - y64).abs().max().item()
+    err = (fused_layernorm(x, 100).double() - y64).abs().max().item()
+    assert err <= max(4 * torch_err, 1e-5), (err, torch_err)
+    check(torch.stack([torch.full((100,), 2.5), torch.zeros(100)]), 100)
+    s = torch.randn(4, 100)
+    s[0, 50] = INF
+    s[1, 3] = NAN
+    s[2, 99] = -INF
+    torch.testing.assert_close(fused_layernorm(s, 100), F.layer_norm(s, (100,)), equal_nan=True,
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
@@ -226,10 +267,10 @@ def test_empty_backward(backend, x_shape, ns):
 
 
 def _strided_inputs(dtype=torch.float32, n=37):
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape).to(dtype)
 
     wide = randn(6, n + 11)
     return {
@@ -330,7 +371,6 @@ def test_large_mean_small_variance(backend, offset):
     assert err <= max(4 * torch_err, 1e-5), (err, torch_err)
 
 
-INF, NAN = float("inf"), float("nan")
 SPECIAL_ROWS = {
     "pos_inf": [1.0, INF, 2.0, 0.0],
     "neg_inf": [1.0, -INF, 2.0, 0.0],

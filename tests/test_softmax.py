@@ -7,40 +7,30 @@ with one or two of them.
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
 import torch
-from conftest import TOLERANCES, assert_close_to_ref, triton_kernels_ready
+from conftest import TOLERANCES, assert_close_to_ref, single_block_limits, triton_kernels_ready
 
 import fusedops
 from fusedops import SoftmaxFunction, fused_softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INF, NAN = float("inf"), float("nan")
 
 
-def _kernel_module():
-    try:
-        return importlib.import_module("fusedops.triton.softmax")
-    except ImportError:
-        return None
+# Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
+ON_DEVICE = True
 
-
-def single_block_limit(default: int = 65536) -> int:
-    """The largest row the single-block kernel takes (module constant of the Triton kernel)."""
-    mod = _kernel_module()
-    for name in ("MAX_SINGLE_BLOCK", "SINGLE_BLOCK_MAX", "MAX_BLOCK_N"):
-        value = getattr(mod, name, None)
-        if isinstance(value, int):
-            return value
-    return default
-
-
-LIMIT = single_block_limit()
 # Every kernel-variant boundary: tiny rows, warp-size edges, power-of-2 edges, the single-block
-# limit and one above it (the looped path).
-SIZES = [1, 31, 32, 33, 1000, 1024, 1025, LIMIT, LIMIT + 1]
+# limit of the forward and backward kernels and one above it (the looped path).
+LIMITS = single_block_limits("softmax_fwd", "softmax_bwd")
+LIMIT = max(LIMITS)
+SIZES = [1, 31, 32, 33, 1000, 1024, 1025] + [n for lim in LIMITS for n in (lim, lim + 1)]
+# With the single-block limit shrunk to 16 (fixture small_single_block): rows spanning one
+# partial chunk, several chunks, and a chunk plus one element.
+LOOPED_SIZES = [17, 32, 33, 100, 1025]
 
 
 def rows_for(n: int) -> int:
@@ -125,6 +115,52 @@ def test_large_values_are_stable(backend):
     check(x)
 
 
+@pytest.mark.parametrize("n", LOOPED_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_looped_path(triton_backend, small_single_block, n, dtype):
+    """Rows longer than one block: chunked kernels (online max/sum forward, two-pass backward)."""
+    torch.manual_seed(n)
+    x = (torch.randn(3, n) * 3).to(dtype)
+    check(x)
+    check(x, 0)  # rows of 3: single block; reduction across rows of length n
+    check(x, -1, dtype=torch.float32 if dtype != torch.float32 else torch.float16)
+
+
+def test_looped_path_strides(triton_backend, small_single_block):
+    torch.manual_seed(0)
+    wide = torch.randn(4, 150)
+    check(wide[:, 7:107])  # row stride 150, storage offset 7
+    check(torch.randn(3, 70), dy=torch.randn(1, 70).expand(3, 70))  # dy row stride 0
+    check(torch.randn(1, 70).expand(3, 70))  # x row stride 0
+
+
+def test_looped_path_special_values(triton_backend, small_single_block):
+    """Chunk-wise online softmax: lanes that have only seen -inf must not turn into NaN, a fully
+    masked row is NaN (as torch), NaN/inf anywhere poison the row (as torch)."""
+    n = 100
+    x = torch.randn(6, n)
+    x[0, :90] = -INF  # first chunks fully masked
+    x[1, :] = -INF
+    x[2, 50] = INF
+    x[3, 99] = NAN
+    x[4, ::2] = -INF  # every other lane masked in every chunk
+    x[5, 16:] = -INF  # only the first chunk alive
+    _same_as_torch(fused_softmax(x, -1), torch.softmax(x, -1))
+    dy = torch.randn(6, n)
+    xl = x.clone().requires_grad_(True)
+    fused_softmax(xl, -1).backward(dy)
+    xt = x.clone().requires_grad_(True)
+    torch.softmax(xt, -1).backward(dy)
+    torch.testing.assert_close(xl.grad, xt.grad, equal_nan=True, atol=1e-6, rtol=1e-5)
+
+
+def test_looped_large_logits(triton_backend, small_single_block):
+    """The running max grows chunk by chunk: earlier partial sums must be rescaled, not overflow."""
+    x = torch.arange(100.0)[None, :].repeat(2, 1) * 50  # max grows by 800 per chunk
+    x[1] = x[1].flip(0)
+    check(x)
+
+
 # --------------------------------------------------------------------------- shapes and dims
 
 LEADING_SHAPES = [
@@ -195,10 +231,10 @@ def test_every_dim_half(backend, dtype):
 
 def _strided_inputs(dtype: torch.dtype = torch.float32, n: int = 37) -> dict:
     """Non-contiguous views of ``dtype`` tensors (built in ``dtype``: a cast would copy)."""
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape).to(dtype)
 
     wide = randn(6, n + 11)
     return {
@@ -262,10 +298,10 @@ def test_grad_of_sum_and_mean(backend):
 
 def test_non_leaf_and_chained(backend):
     """Softmax inside a larger graph: gradients flow through upstream and downstream ops."""
-    g = torch.Generator().manual_seed(3)
-    a = torch.randn(4, 20, generator=g, requires_grad=True)
-    w = torch.randn(20, 20, generator=g, requires_grad=True)
-    proj = torch.randn(4, 20, generator=g)
+    torch.manual_seed(3)
+    a = torch.randn(4, 20, requires_grad=True)
+    w = torch.randn(20, 20, requires_grad=True)
+    proj = torch.randn(4, 20)
 
     def loss(softmax, a, w, proj):
         return (softmax(softmax(a @ w * 0.5, -1) * 3, 0) * proj).sum()
@@ -317,7 +353,6 @@ def test_dtype_float64_upcast(backend):
 
 # --------------------------------------------------------------------------- special values
 
-INF, NAN = float("inf"), float("nan")
 SPECIAL_ROWS = {
     "all_neg_inf": [-INF, -INF, -INF, -INF],
     "some_neg_inf": [-INF, 0.0, 1.0, -INF],

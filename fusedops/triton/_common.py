@@ -97,7 +97,8 @@ class Launcher:
         key = (num_warps, *map(_spec, args))
         compiled = self.compiled.get(key)
         if compiled is not None:
-            compiled[grid](*args)
+            # The compiled runner indexes all three grid dimensions.
+            compiled[(grid + (1, 1))[:3]](*args)
             return
         compiled = self.kernel[grid](*args, num_warps=num_warps)
         if callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "run"):
