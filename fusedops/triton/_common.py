@@ -62,7 +62,8 @@ def next_pow2(n: int) -> int:
 def _spec(a: object) -> object:
     """The properties of one argument that Triton specialises a compiled kernel on."""
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
+        # Compiled kernels are per device; alignment decides vectorised access.
+        return (a.dtype, a.get_device(), a.data_ptr() & 15 == 0)
     if isinstance(a, bool):
         return a
     if isinstance(a, int):
@@ -83,18 +84,28 @@ class Launcher:
     On CPU tensors (``TRITON_INTERPRET=1``) every call goes through Triton.
     """
 
-    __slots__ = ("kernel", "compiled", "direct")
+    __slots__ = ("kernel", "compiled", "direct", "n_runtime")
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self.compiled: dict = {}
         self.direct = True
+        params = getattr(kernel, "params", None)
+        if params is None:  # the interpreter's wrapper: no compiled kernels to cache
+            self.direct, self.n_runtime = False, 0
+            return
+        # Constexprs come last in every kernel here; they enter the cache key by value.
+        flags = [p.is_constexpr for p in params]
+        self.n_runtime = flags.index(True) if True in flags else len(flags)
+        if any(not f for f in flags[self.n_runtime:]):
+            raise TypeError(f"{kernel.__name__}: constexpr parameters must come last")
 
     def __call__(self, grid: tuple[int, ...], args: tuple, num_warps: int) -> None:
         if not self.direct:
             self.kernel[grid](*args, num_warps=num_warps)
             return
-        key = (num_warps, *map(_spec, args))
+        n = self.n_runtime
+        key = (num_warps, *map(_spec, args[:n]), *args[n:])
         compiled = self.compiled.get(key)
         if compiled is not None:
             # The compiled runner indexes all three grid dimensions.
