@@ -63,7 +63,7 @@ def device() -> str:
 
 
 def triton_kernels_ready() -> bool:
-    """True once fusedops.triton implements the row contract (False for a placeholder or no Triton)."""
+    """True once fusedops.triton implements the row contract (not a placeholder, Triton present)."""
     try:
         from fusedops import triton as tb
     except ImportError:

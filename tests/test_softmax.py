@@ -30,7 +30,7 @@ LIMIT = max(LIMITS)
 SIZES = [1, 31, 32, 33, 1000, 1024, 1025] + [n for lim in LIMITS for n in (lim, lim + 1)]
 # With the single-block limit shrunk to 16 (fixture small_single_block): rows spanning one
 # partial chunk, several chunks, and a chunk plus one element.
-LOOPED_SIZES = [17, 32, 33, 100, 1025]
+LOOPED_SIZES = [17, 32, 33, 100, 161]
 
 
 def rows_for(n: int) -> int:
