@@ -126,32 +126,34 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Measured on H200 (benchmarks/dev/probe.py): per kernel kind, the largest padded row kept in
-# registers before spills make the looped kernel the better choice, and the elements per program
-# tile (several short rows per program so every thread holds one or two 16-byte vectors).
-KIND_CAPS = {"softmax_fwd": 32768, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
-_TILE = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 2048, "ln_bwd": 4096}
+# Launch configurations, from the H200 measurements in benchmarks/dev/probe.py (see
+# docs/performance.md). Per kernel kind: the largest padded row kept in registers (above it the
+# looped kernels win), the program tile in *bytes* of input (several short rows per program so
+# every thread holds a few 16-byte vectors), and the threads per program.
+KIND_CAPS = {"softmax_fwd": 65536, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 32768}
+_TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
 
 
 def _warps_for(tile: int, kind: str) -> int:
-    if kind == "softmax_bwd":
-        return max(1, min(32, tile // 512))
-    if tile <= 4096:
-        return max(1, min(8, tile // 256))
-    return 16 if tile <= 16384 else 32
+    if kind == "ln_fwd":  # measured: LayerNorm forward prefers fewer, fuller threads
+        return 4 if tile <= 8192 else min(32, tile // 1024)
+    if kind == "softmax_fwd":
+        return 8 if tile <= 8192 else 16
+    return max(4, min(16, tile // 512))
 
 
 @config_cache
-def row_config(n: int, kind: str) -> tuple[bool, int, int, int]:
+def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, int]:
     """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements and a kernel ``kind``
-    (``softmax_fwd``, ``softmax_bwd``, ``ln_fwd``, ``ln_bwd``).
+    (``softmax_fwd``, ``softmax_bwd``, ``ln_fwd``, ``ln_bwd``). ``elt_size`` is accepted for
+    dtype-specific tuning (the measured optimum is currently the same for 2- and 4-byte types).
 
     Single-block: BLOCK is the padded row and ROWS rows share a program. Looped: BLOCK is the
     chunk streamed per iteration, one row per program.
     """
     block = next_pow2(n)
     if block <= min(single_block_limit(), KIND_CAPS[kind]):
-        rows = max(1, min(64, _TILE[kind] // block))
+        rows = max(1, min(64, _TILE_ELEMS[kind] // block))
         return True, block, rows, _warps_for(rows * block, kind)
     chunk = min(single_block_limit(), 8192)
     return False, chunk, 1, _warps_for(chunk, kind)

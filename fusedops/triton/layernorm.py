@@ -239,6 +239,12 @@ def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_C: tl.constexpr):
 
 
 
+# Backward strategy (see the module docstring): False = dx row kernel + column dweight/dbias
+# kernel (measured faster on H200), True = one persistent kernel with per-program partials.
+FUSED_BWD_PARTIALS = False
+COLUMN_TILE = (256, 16)  # (columns, rows) per iteration of the dweight/dbias kernel
+COLUMN_WARPS = 4
+
 _launch_fwd_single = Launcher(_ln_fwd_single)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_bwd_single = Launcher(_ln_bwd_single)
@@ -281,7 +287,7 @@ def layernorm_forward(
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
-    single, block, rows, warps = row_config(N, "ln_fwd")
+    single, block, rows, warps = row_config(N, "ln_fwd", x.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, x.device)
@@ -320,9 +326,9 @@ def layernorm_backward(
     if M == 0 or N == 0:
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
-    single, block, rows, warps = row_config(N, "ln_bwd")
+    single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
     dw = db = None
-    if single:
+    if single and FUSED_BWD_PARTIALS:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, dev)
         part = torch.empty((2 if need_dw and need_db else 1, progs, N), dtype=torch.float32,
@@ -335,23 +341,32 @@ def layernorm_backward(
             block, rows, has_w, need_dx, need_dw, need_db,
         ), warps)
     else:
-        if need_dx:
+        # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
+        # dweight/dbias from a column-blocked pass that reads x and dy once more.
+        if need_dx and single:
+            tiles = triton.cdiv(M, rows)
+            progs = _grid_size(tiles, warps, dev)
+            _launch_bwd_single((progs,), (
+                dy, x, w, mean, rstd, dx, x, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
+                block, rows, has_w, True, False, False,
+            ), warps)
+        elif need_dx:
             _launch_dx_looped((M,), (
                 dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
                 block, has_w,
             ), warps)
         if need_dw or need_db:
-            block_c, block_r = 512, 8
+            block_c, block_r = COLUMN_TILE
             col_blocks = triton.cdiv(N, block_c)
-            # Enough (split, column-block) programs for about two waves.
-            splits = max(1, min(triton.cdiv(M, block_r), 2 * num_sms(dev) // col_blocks + 1))
+            # About eight programs per SM in total, each owning a (row-split, column-block) tile.
+            splits = max(1, min(triton.cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
             rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_r) * block_r
             splits = triton.cdiv(M, rows_per_split)
             part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
             _launch_dwdb_columns((col_blocks, splits), (
                 dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
                 rows_per_split, block_c, block_r, need_dw, need_db,
-            ), 4)
+            ), COLUMN_WARPS)
             dw_part, db_part = part[0], part[1]
     if need_dw:
         dw = _reduce_partials(dw_part)

@@ -150,7 +150,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    single, block, rows, warps = row_config(N, "softmax_fwd")
+    single, block, rows, warps = row_config(N, "softmax_fwd", x.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, x.device)
@@ -170,7 +170,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     dx = torch.empty((M, N), dtype=out_dtype, device=y.device)
     if M == 0 or N == 0:
         return dx
-    single, block, rows, warps = row_config(N, "softmax_bwd")
+    single, block, rows, warps = row_config(N, "softmax_bwd", y.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, y.device)
