@@ -68,11 +68,12 @@ def layernorm_backward(
     dx, dw, db = _dispatch.backend_for(x).layernorm_backward(
         dy, x, weight, mean, rstd, need_dx, need_dw, need_db
     )
-    empty = x.new_empty((0,))
+    # Missing outputs: fresh (never shared) empty tensors with the dtypes the fake reports.
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (
-        dx if dx is not None else empty,
-        dw if dw is not None else empty.float(),
-        db if db is not None else empty.float(),
+        dx if dx is not None else x.new_empty((0,)),
+        dw if dw is not None else x.new_empty((0,), dtype=acc),
+        db if db is not None else x.new_empty((0,), dtype=acc),
     )
 
 
