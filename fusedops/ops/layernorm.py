@@ -105,7 +105,8 @@ def fused_layernorm(
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
     n = math.prod(shape)
     if x.numel() == 0 or n == 0:
-        return torch.empty_like(x, dtype=out_dtype)
+        # Nothing to compute, but keep autograd's graph (and torch's result) intact.
+        return torch.nn.functional.layer_norm(x, shape, weight, bias, eps).to(out_dtype)
     eps = float(eps)
     if torch.is_grad_enabled() and (
         x.requires_grad

@@ -101,7 +101,8 @@ def fused_softmax(
     else:
         out_dtype = x.dtype
     if x.numel() == 0:
-        return torch.empty_like(x, dtype=out_dtype)
+        # Nothing to compute, but keep autograd's graph (and torch's result) intact.
+        return torch.softmax(x, dim).to(out_dtype)
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, dim, out_dtype)
     # Inference: skip autograd.Function bookkeeping and saving y (host cost per call).
