@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import triton_kernels_ready
+from conftest import HAS_CUDA, triton_kernels_ready
 from torch import nn
 
 import fusedops
@@ -33,6 +33,9 @@ from fusedops import (
 )
 
 needs_triton = pytest.mark.skipif(not triton_kernels_ready(), reason="Triton kernels unavailable")
+# Tests that force the Triton backend put their tensors where the kernels can run: the GPU when
+# there is one (compiled kernels), else the CPU (interpreter).
+DEV = "cuda" if HAS_CUDA else "cpu"
 
 
 @pytest.fixture
@@ -256,13 +259,13 @@ def test_default_selection_on_cpu(fresh_warnings):
 def test_forced_triton_selection(fresh_warnings):
     with fusedops.use_backend("triton"):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            assert _dispatch.backend_for(torch.empty(1, dtype=dtype)).NAME == "triton"
+            assert _dispatch.backend_for(torch.empty(1, dtype=dtype, device=DEV)).NAME == "triton"
 
 
 @needs_triton
 def test_float64_falls_back_with_one_warning(fresh_warnings):
-    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 7, dtype=torch.float64, device=DEV, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, device=DEV, requires_grad=True)
     with fusedops.use_backend("triton"):
         with pytest.warns(UserWarning, match="float64") as record:
             y = fused_softmax(x, -1)
@@ -282,7 +285,7 @@ def test_float64_falls_back_with_one_warning(fresh_warnings):
 
 @needs_triton
 def test_float64_fallback_not_counted_as_fused(fresh_warnings):
-    x = torch.randn(3, 7, dtype=torch.float64)
+    x = torch.randn(3, 7, dtype=torch.float64, device=DEV)
     with fusedops.use_backend("triton"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with count_fused_calls() as counts:
@@ -348,14 +351,14 @@ def test_count_fused_calls_reference_counts_nothing():
 
 @needs_triton
 def test_count_fused_calls_triton():
-    x = torch.randn(2, 8, requires_grad=True)
-    w = torch.ones(8, requires_grad=True)
+    x = torch.randn(2, 8, device=DEV, requires_grad=True)
+    w = torch.ones(8, device=DEV, requires_grad=True)
     with fusedops.use_backend("triton"), count_fused_calls() as outer:
         fused_softmax(x.detach(), -1)  # inference path
         with count_fused_calls() as inner:
             fused_softmax(x, -1).sum().backward()
             fused_layernorm(x, 8, w).sum().backward()
-            FusedLayerNorm(8)(x.detach())
+            FusedLayerNorm(8, device=DEV)(x.detach())
         assert inner == {"softmax_forward": 1, "softmax_backward": 1, "layernorm_forward": 2,
                          "layernorm_backward": 1}
     assert outer["softmax_forward"] == 2 and outer["layernorm_forward"] == 2
@@ -515,8 +518,8 @@ def test_old_pickle_without_dim():
 @needs_triton
 def test_modules_use_triton_when_forced():
     torch.manual_seed(2)
-    x = torch.randn(3, 16).to(torch.float16)
-    ln, sm = FusedLayerNorm(16), FusedSoftmax(-1)
+    x = torch.randn(3, 16, device=DEV).to(torch.float16)
+    ln, sm = FusedLayerNorm(16, device=DEV), FusedSoftmax(-1)
     with fusedops.use_backend("triton"), count_fused_calls() as counts:
         y = sm(ln(x))
     assert counts["layernorm_forward"] == 1 and counts["softmax_forward"] == 1

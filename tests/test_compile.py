@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref, triton_kernels_ready
+from conftest import HAS_CUDA, assert_close_to_ref, triton_kernels_ready
 from torch import nn
 
 import fusedops
@@ -204,9 +204,10 @@ def test_fullgraph_with_triton_kernels(monkeypatch):
             return _original(*args)
 
         monkeypatch.setattr(tb, name, spy)
-    x = torch.randn(4, 40, requires_grad=True)
-    w = torch.randn(40, requires_grad=True)
-    dy = torch.randn(4, 40)
+    dev = "cuda" if HAS_CUDA else "cpu"
+    x = torch.randn(4, 40, device=dev, requires_grad=True)
+    w = torch.randn(40, device=dev, requires_grad=True)
+    dy = torch.randn(4, 40, device=dev)
 
     def fn(x, w):
         return fused_softmax(fused_layernorm(x, 40, w), -1)
@@ -234,6 +235,14 @@ def test_opcheck_custom_ops(backend_name, dtype):
     if backend_name == "triton" and dtype == torch.float64:
         pytest.skip("float64 never reaches the kernels")
     ops = torch.ops.fusedops
+    torch.set_default_device("cuda" if HAS_CUDA and backend_name == "triton" else "cpu")
+    try:
+        _opcheck_all(ops, dtype, backend_name)
+    finally:
+        torch.set_default_device("cpu")
+
+
+def _opcheck_all(ops, dtype, backend_name):
     x = torch.randn(5, 12).to(dtype)
     w = torch.randn(12)
     with fusedops.use_backend(backend_name):
