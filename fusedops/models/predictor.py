@@ -193,7 +193,7 @@ class Predictor(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.config.n_features:
             raise ValueError(
-                f"x must be (B, S, {self.config.n_features}), got {tuple(x.shape)}"
+                f"x must be (B, S, n_features={self.config.n_features}), got {tuple(x.shape)}"
             )
         b, s, _ = x.shape
         if s > self.config.max_len:

@@ -22,12 +22,17 @@ def predict(
     model: torch.nn.Module,
     x: torch.Tensor,
     mask: torch.Tensor | None = None,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Model outputs for ``x`` (in chunks of ``batch_size``), returned as float32 on CPU."""
+    """Model outputs for ``x`` (in chunks of ``batch_size``; default: chunks whose attention
+    scores stay around 2^26 elements), returned as float32 on CPU."""
     param = next(model.parameters())
     device, dtype = param.device, dtype or param.dtype
+    if batch_size is None:
+        heads = getattr(getattr(model, "config", None), "n_heads", 1)
+        s = x.shape[1] if x.dim() > 1 else 1
+        batch_size = int(max(1, min(256, 2**26 // (s * s * heads))))
     outs = []
     for i in range(0, x.shape[0], batch_size):
         xb = x[i : i + batch_size].to(device=device, dtype=dtype)

@@ -79,11 +79,9 @@ def verify(model, patched_model, task, inputs, dtype, train_mean, quiet=False) -
     from fusedops.models import predict, regression_metrics
 
     x, mask, y = task.heldout(1024)
-    s = model.config.max_len
-    chunk = int(max(1, min(256, 2**26 // (s * s * model.config.n_heads))))
     with _report.step("verification: held-out predictions, unpatched vs patched", quiet):
-        ref = predict(model, x, mask, batch_size=chunk, dtype=dtype)
-        out = predict(patched_model, x, mask, batch_size=chunk, dtype=dtype)
+        ref = predict(model, x, mask, dtype=dtype)
+        out = predict(patched_model, x, mask, dtype=dtype)
     max_abs, max_rel = _max_diffs(out, ref)
     before = regression_metrics(ref, y, train_mean)
     after = regression_metrics(out, y, train_mean)

@@ -370,6 +370,13 @@ def _is_device_event(evt) -> bool:
     return evt.device_type != torch.autograd.DeviceType.CPU
 
 
+def _is_device_work(evt) -> bool:
+    """A kernel / memcpy / memset on the device (not a mirrored user-annotation range)."""
+    return (_is_device_event(evt) and not evt.is_user_annotation
+            and getattr(evt, "activity_type", None) != "gpu_user_annotation"
+            and evt.name != FORWARD_RANGE and not evt.name.startswith("fusedops::"))
+
+
 def profile_model(
     model: nn.Module,
     example_inputs: Any,
@@ -434,7 +441,7 @@ def profile_model(
     top_level = [c for f in forwards for c in f.cpu_children]
     cpu_ops = [e for e in events if not _is_device_event(e) and e.name != FORWARD_RANGE
                and not e.is_user_annotation and e.name.startswith(("aten::", "fusedops::"))]
-    device_events = [e for e in events if _is_device_event(e)]
+    device_events = [e for e in events if _is_device_work(e)]
     gpu = bool(device_events) and _report.is_gpu(device)
     profiled_fwd_ms = sum(f.cpu_time_total for f in forwards) / 1e3 / n_fwd
 
