@@ -1,10 +1,398 @@
-"""Metal backend for Apple GPUs (placeholder until the Metal issue lands)."""
+"""Metal backend for Apple GPUs: the 2-D row contract (see ``fusedops._dispatch``) on MPS tensors.
+
+Fallback chain, decided once per process by :func:`is_available`:
+
+1. the compiled Objective-C++ extension ``fusedops._metal_ext`` (built by ``setup.py`` on macOS),
+   which encodes the kernels on PyTorch's current MPS stream;
+2. ``torch.mps.compile_shader`` over the same shader sources (when this PyTorch has it), driven
+   by the host code in this file;
+3. neither: :func:`is_available` is False and the dispatcher uses the PyTorch reference with a
+   one-time warning.
+
+The shader sources are ``fusedops/_shaders/*.metal`` in an installed package (``setup.py``
+copies ``metal/`` there) or ``<repo>/metal/*.metal`` in a source checkout.
+
+The host logic (kernel choice, dispatch geometry, argument order, flags) is written once here
+against a small *launcher* protocol: ``launcher(name, args, groups, threads)``,
+``launcher.max_threads(name)`` and ``launcher.has(name)``. The compile_shader path implements it
+with ``torch.mps.compile_shader``; the test-suite implements it with the CPU emulation of the
+shaders (``tests/metal_emu``), so this exact code is what the Linux tests run. The extension in
+``csrc/fusedops_metal.mm`` mirrors the same constants and geometry in C++ (a test compares them).
+"""
 
 from __future__ import annotations
 
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from fusedops import reference
+
 NAME = "metal"
+
+# --- Host/shader contract (metal/common.metal, csrc/fusedops_metal.mm) ------------------------
+SIMD_WIDTH = 32
+READS = 4  # elements per thread per step; the single-row kernels hold READS per thread
+MAX_THREADS = 1024  # Apple GPUs: at most 1024 threads per threadgroup
+MAX_ROW_GROUPS = 65536  # row kernels: threadgroups stride over rows beyond this
+LN_BWD_PARTIAL_BUDGET = 1 << 22  # LayerNorm backward: groups * n_cols float32 partials, at most
+LN_BWD_MIN_GROUPS = 32
+LN_BWD_MAX_GROUPS = 1024
+REDUCE_THREADS = 256  # dweight/dbias reduction kernel: threads per threadgroup (at most)
+
+FLAG_VEC = 1
+FLAG_WEIGHT = 2
+FLAG_BIAS = 4
+FLAG_DX = 8
+FLAG_DW = 16
+FLAG_DB = 32
+
+TYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
+# Instantiated (first, second) type pairs, see the end of each .metal file.
+SOFTMAX_FWD_TYPES = {("float", "float"), ("half", "half"), ("bfloat", "bfloat"),
+                     ("half", "float"), ("bfloat", "float")}
+SOFTMAX_BWD_TYPES = {("float", "float"), ("half", "half"), ("bfloat", "bfloat"),
+                     ("float", "half"), ("float", "bfloat")}
+LAYERNORM_TYPES = SOFTMAX_FWD_TYPES  # forward: (x, y); backward: (x, dy)
+
+SHADER_FILES = ("softmax.metal", "layernorm.metal")
+
+
+# --- Dispatch geometry --------------------------------------------------------------------------
+def threadgroup_limit(max_threads: int) -> int:
+    """Usable threadgroup size for a pipeline: its maxTotalThreadsPerThreadgroup, rounded down
+    to a whole number of SIMD-groups and capped at MAX_THREADS."""
+    return max(SIMD_WIDTH, min(MAX_THREADS, int(max_threads)) // SIMD_WIDTH * SIMD_WIDTH)
+
+
+def single_row_limit(max_threads: int) -> int:
+    """Largest row the register-resident ("single") kernels take on this pipeline."""
+    return READS * threadgroup_limit(max_threads)
+
+
+def row_threads(n_cols: int, max_threads: int) -> int:
+    """Threadgroup size of a single-row kernel: enough SIMD-groups for READS columns each."""
+    need = -(-n_cols // READS)
+    return min(threadgroup_limit(max_threads), -(-need // SIMD_WIDTH) * SIMD_WIDTH)
+
+
+def row_groups(n_rows: int) -> int:
+    return min(n_rows, MAX_ROW_GROUPS)
+
+
+def layernorm_bwd_groups(n_rows: int, n_cols: int) -> int:
+    """Threadgroups of the LayerNorm backward kernel (= rows of the dweight/dbias partials)."""
+    budget = max(LN_BWD_MIN_GROUPS, min(LN_BWD_MAX_GROUPS, LN_BWD_PARTIAL_BUDGET // n_cols))
+    return min(n_rows, budget)
+
+
+def reduce_threads(max_threads: int) -> int:
+    return min(REDUCE_THREADS, threadgroup_limit(max_threads))
+
+
+# --- Launchers -------------------------------------------------------------------------------
+class Launcher(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def max_threads(self, name: str) -> int: ...
+
+    def __call__(self, name: str, args: list, groups: int, threads: int) -> None: ...
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """True when every row start of every (row-major) tensor is READS-element aligned."""
+    for t in tensors:
+        if t.storage_offset() % READS:
+            return False
+        if t.dim() == 2 and t.shape[0] > 1 and t.stride(0) % READS:
+            return False
+    return True
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """Binding for an argument the kernel does not touch (its flag is off)."""
+    return torch.empty(0, dtype=torch.float32, device=like.device)
+
+
+def _kernels(launch: Launcher, op: str, types: tuple, supported: set) -> tuple[str, str] | None:
+    """(single, looped) kernel names of ``op`` for a type pair, or None when not available."""
+    if types not in supported:
+        return None
+    single = "fusedops_{}_single_{}_{}".format(op, *types)
+    if not launch.has(single):  # e.g. bfloat on a Metal without __HAVE_BFLOAT__
+        return None
+    return single, "fusedops_{}_looped_{}_{}".format(op, *types)
+
+
+def _row_kernel(launch: Launcher, names: tuple[str, str], n: int) -> tuple[str, int]:
+    """The kernel for rows of n columns and its threadgroup size."""
+    single, looped = names
+    limit = launch.max_threads(single)
+    if n <= single_row_limit(limit):
+        return single, row_threads(n, limit)
+    return looped, threadgroup_limit(launch.max_threads(looped))
+
+
+def softmax_forward_with(launch: Launcher, x: torch.Tensor, out_dtype: torch.dtype):
+    m, n = x.shape
+    types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(out_dtype))
+    names = _kernels(launch, "softmax_fwd", types, SOFTMAX_FWD_TYPES)
+    if names is None:
+        return reference.softmax_forward(x, out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    name, threads = _row_kernel(launch, names, n)
+    flags = FLAG_VEC if _aligned(x, y) else 0
+    launch(name, [x, y, m, n, x.stride(0), flags], row_groups(m), threads)
+    return y
+
+
+def softmax_backward_with(launch: Launcher, y: torch.Tensor, dy: torch.Tensor,
+                          out_dtype: torch.dtype):
+    m, n = y.shape
+    if dy.dtype != y.dtype:
+        dy = dy.to(y.dtype)
+    types = (TYPE_NAMES.get(y.dtype), TYPE_NAMES.get(out_dtype))
+    names = _kernels(launch, "softmax_bwd", types, SOFTMAX_BWD_TYPES)
+    if names is None:
+        return reference.softmax_backward(y, dy, out_dtype)
+    dx = torch.empty((m, n), dtype=out_dtype, device=y.device)
+    if m == 0 or n == 0:
+        return dx
+    name, threads = _row_kernel(launch, names, n)
+    flags = FLAG_VEC if _aligned(y, dy, dx) else 0
+    launch(name, [y, dy, dx, m, n, y.stride(0), dy.stride(0), flags], row_groups(m), threads)
+    return dx
+
+
+def _param(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.reshape(-1).to(torch.float32).contiguous()
+
+
+def layernorm_forward_with(launch: Launcher, x: torch.Tensor, weight, bias, eps: float,
+                           out_dtype: torch.dtype):
+    m, n = x.shape
+    types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(out_dtype))
+    names = _kernels(launch, "layernorm_fwd", types, LAYERNORM_TYPES)
+    if names is None:
+        return reference.layernorm_forward(x, weight, bias, eps, out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    mean = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y, mean, rstd
+    w, b = _param(weight), _param(bias)
+    flags = (FLAG_WEIGHT if w is not None else 0) | (FLAG_BIAS if b is not None else 0)
+    params = [t for t in (w, b) if t is not None]
+    if _aligned(x, y, *params):
+        flags |= FLAG_VEC
+    name, threads = _row_kernel(launch, names, n)
+    args = [x, w if w is not None else _empty(x), b if b is not None else _empty(x), y, mean,
+            rstd, m, n, x.stride(0), float(eps), flags]
+    launch(name, args, row_groups(m), threads)
+    return y, mean, rstd
+
+
+def layernorm_backward_with(launch: Launcher, dy: torch.Tensor, x: torch.Tensor, weight,
+                            mean: torch.Tensor, rstd: torch.Tensor, need_dx: bool,
+                            need_dw: bool, need_db: bool):
+    m, n = x.shape
+    need_dx, need_dw, need_db = bool(need_dx), bool(need_dw), bool(need_db)
+    types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(dy.dtype))
+    names = _kernels(launch, "layernorm_bwd", types, LAYERNORM_TYPES)
+    if names is None:
+        return reference.layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
+    dev = x.device
+    dx = torch.empty((m, n), dtype=x.dtype, device=dev) if need_dx else None
+    # Sums over zero rows are zeros; otherwise the reduction kernel writes every column.
+    new = torch.zeros if m == 0 else torch.empty
+    dw = new((n,), dtype=torch.float32, device=dev) if need_dw else None
+    db = new((n,), dtype=torch.float32, device=dev) if need_db else None
+    if m == 0 or n == 0 or not (need_dx or need_dw or need_db):
+        return dx, dw, db
+    w = _param(weight)
+    mean = mean.to(torch.float32).contiguous()
+    rstd = rstd.to(torch.float32).contiguous()
+    groups = layernorm_bwd_groups(m, n)
+    dwp = torch.empty((groups, n), dtype=torch.float32, device=dev) if need_dw else None
+    dbp = torch.empty((groups, n), dtype=torch.float32, device=dev) if need_db else None
+    flags = ((FLAG_WEIGHT if w is not None else 0) | (FLAG_DX if need_dx else 0)
+             | (FLAG_DW if need_dw else 0) | (FLAG_DB if need_db else 0))
+    if _aligned(x, dy, *[t for t in (w, dx) if t is not None]):
+        flags |= FLAG_VEC
+    name, threads = _row_kernel(launch, names, n)
+    none = _empty(x)
+    args = [dy, x, w if w is not None else none, mean, rstd, dx if dx is not None else none,
+            dwp if dwp is not None else none, dbp if dbp is not None else none,
+            m, n, dy.stride(0), x.stride(0), flags]
+    launch(name, args, groups, threads)
+    if need_dw or need_db:
+        red = "fusedops_layernorm_dwdb_reduce"
+        rt = reduce_threads(launch.max_threads(red))
+        args = [dwp if dwp is not None else none, dbp if dbp is not None else none,
+                dw if dw is not None else none, db if db is not None else none,
+                groups, n, flags & (FLAG_DW | FLAG_DB)]
+        launch(red, args, -(-n // rt), rt)
+    return dx, dw, db
+
+
+# --- Shader sources --------------------------------------------------------------------------
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def shader_dir() -> Path | None:
+    """Where the .metal sources are: the installed package, else the source checkout."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "_shaders", here.parent / "metal"):
+        if all((d / f).is_file() for f in SHADER_FILES):
+            return d
+    return None
+
+
+def inline_includes(path: Path, seen: set[str] | None = None) -> str:
+    """``path``'s text with each ``#include "file"`` (relative to its folder) replaced by that
+    file's text, each file at most once. Must match ``csrc/embed_shaders.py``."""
+    seen = set() if seen is None else seen
+    seen.add(path.name)
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1)
+        if name in seen:
+            return f"// (already included: {name})"
+        return inline_includes(path.parent / name, seen)
+
+    return _INCLUDE.sub(repl, path.read_text(encoding="ascii"))
+
+
+def library_source(directory: Path | None = None) -> str:
+    """One Metal source holding every kernel: the shader files with their includes inlined."""
+    directory = shader_dir() if directory is None else directory
+    if directory is None:
+        raise FileNotFoundError("fusedops: Metal shader sources not found")
+    seen: set[str] = set()
+    return "\n".join(inline_includes(directory / f, seen) for f in SHADER_FILES)
+
+
+class ShaderLauncher:
+    """The launcher protocol on ``torch.mps.compile_shader`` (the extension-less path)."""
+
+    def __init__(self, source: str):
+        self._lib = torch.mps.compile_shader(source)
+        try:
+            self._names = set(dir(self._lib))
+        except Exception:  # pragma: no cover - older torch without __dir__
+            self._names = None
+        self._kernels: dict[str, object] = {}
+        self._max: dict[str, int] = {}
+
+    def _kernel(self, name: str):
+        k = self._kernels.get(name)
+        if k is None:
+            k = self._kernels[name] = getattr(self._lib, name)
+            self._max[name] = int(getattr(k, "max_threads_per_threadgroup", 256))
+        return k
+
+    def has(self, name: str) -> bool:
+        if self._names is not None:
+            return name in self._names
+        try:  # pragma: no cover
+            self._kernel(name)
+        except Exception:  # pragma: no cover
+            return False
+        return True  # pragma: no cover
+
+    def max_threads(self, name: str) -> int:
+        self._kernel(name)
+        return self._max[name]
+
+    def __call__(self, name: str, args: list, groups: int, threads: int) -> None:
+        self._kernel(name)(*args, threads=groups * threads, group_size=threads)
+
+
+# --- Backend selection -----------------------------------------------------------------------
+_impl: object = None  # the extension module, a ShaderLauncher, or False (nothing works)
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(f"fusedops: {msg}", UserWarning, stacklevel=3)
+
+
+def _load_impl() -> object:
+    if sys.platform != "darwin":
+        return False
+    try:
+        if not torch.backends.mps.is_available():
+            return False
+    except Exception:
+        return False
+    try:
+        from fusedops import _metal_ext  # type: ignore[attr-defined]
+    except ImportError:
+        _metal_ext = None
+    if _metal_ext is not None:
+        try:
+            _metal_ext.initialize()  # compiles the embedded shaders once
+            return _metal_ext
+        except Exception as e:  # pragma: no cover - needs a Mac
+            _warn(f"the Metal extension failed to initialise ({e}); trying compile_shader")
+    if hasattr(torch.mps, "compile_shader"):
+        try:
+            return ShaderLauncher(library_source())
+        except Exception as e:  # pragma: no cover - needs a Mac
+            _warn(f"torch.mps.compile_shader could not build the fusedops shaders ({e})")
+    return False
+
+
+def _get_impl() -> object:
+    global _impl
+    if _impl is None:
+        _impl = _load_impl()
+    return _impl
 
 
 def is_available() -> bool:
-    """True when a Metal kernel path can run in this process."""
-    return False
+    """True when a Metal kernel path can run in this process (cached; False off macOS)."""
+    return _get_impl() is not False
+
+
+def implementation() -> str:
+    """Which Metal path runs: ``"extension"``, ``"compile_shader"`` or ``"none"``."""
+    impl = _get_impl()
+    if impl is False:
+        return "none"
+    return "compile_shader" if isinstance(impl, ShaderLauncher) else "extension"
+
+
+def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    impl = _get_impl()
+    if isinstance(impl, ShaderLauncher):
+        return softmax_forward_with(impl, x, out_dtype)
+    return impl.softmax_forward(x, out_dtype)
+
+
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    impl = _get_impl()
+    if isinstance(impl, ShaderLauncher):
+        return softmax_backward_with(impl, y, dy, out_dtype)
+    return impl.softmax_backward(y, dy, out_dtype)
+
+
+def layernorm_forward(x, weight, bias, eps, out_dtype):
+    impl = _get_impl()
+    if isinstance(impl, ShaderLauncher):
+        return layernorm_forward_with(impl, x, weight, bias, eps, out_dtype)
+    return tuple(impl.layernorm_forward(x, weight, bias, float(eps), out_dtype))
+
+
+def layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
+    impl = _get_impl()
+    if isinstance(impl, ShaderLauncher):
+        return layernorm_backward_with(impl, dy, x, weight, mean, rstd, need_dx, need_dw,
+                                       need_db)
+    return tuple(impl.layernorm_backward(dy, x, weight, mean, rstd, bool(need_dx),
+                                         bool(need_dw), bool(need_db)))
