@@ -121,8 +121,6 @@ def _route_layernorm(func: Any, args: tuple, kwargs: dict) -> Any:
     if not _routable(x):
         return _MISSING
     shape = _arg(args, kwargs, 1, "normalized_shape")
-    if _is_int(shape):
-        shape = (shape,)
     if not isinstance(shape, Sequence) or len(shape) == 0 or not all(_is_int(s) for s in shape):
         return _MISSING  # e.g. SymInt shapes under dynamic compile: keep torch's op
     shape = tuple(shape)
@@ -220,9 +218,15 @@ def _enter_hook(module: nn.Module, args: Any) -> None:
         # outermost mode keeps governing, so nothing is routed twice.
         mode.depth += 1
     else:
-        _FusedFunctionMode(
+        # A fresh mode per outermost call keeps depth/suspension per thread (the mode stack is
+        # thread-local). Storing it on the state gives Dynamo a source for the object, which it
+        # needs when the hook is compiled as a frame of its own (torch.compile(module) runs
+        # the hooks as separate frames); nothing reads it back.
+        mode = _FusedFunctionMode(
             "softmax" in state.ops, "layernorm" in state.ops, state.verify_counts
-        ).__enter__()
+        )
+        state.last_mode = mode
+        mode.__enter__()
     return None
 
 
@@ -387,6 +391,7 @@ class _PatchState:
     swapped: list[tuple[nn.Module, type]]  # (module, original class)
     handles: list[Any]  # RemovableHandles of every hook we added
     verify_counts: Counter | None = None
+    last_mode: Any = None  # see _enter_hook
 
 
 def _fmt(v: float | None) -> str:

@@ -1,0 +1,742 @@
+"""patch_model / unpatch_model / patched on hand-written modules: the mechanics.
+
+Models are tiny; the Triton kernels run through the interpreter (TRITON_INTERPRET=1, set in
+conftest) where a test counts fused-kernel calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_patching_utils import (
+    FP32_TOL,
+    HANDWRITTEN_LN_CALLS,
+    HANDWRITTEN_SOFTMAX_CALLS,
+    GraphRecorder,
+    HandWritten,
+    LayerNorm2d,
+    NanoLayerNorm,
+    PlainSubLayerNorm,
+    PlainSubSoftmax,
+    assert_outputs_close,
+    assert_same_training,
+    fused_counts,
+    handwritten_inputs,
+    has_cxx_compiler,
+    run,
+    structure,
+    twins,
+)
+from torch import nn
+
+import fusedops
+from fusedops import FusedLayerNorm, FusedSoftmax, PatchReport, patch_model, unpatch_model
+from fusedops.patching import _active_mode, is_patched
+
+
+def handwritten(bias: bool = True):
+    return HandWritten(bias=bias), (handwritten_inputs(),)
+
+
+def stack_len() -> int:
+    return torch._C._len_torch_function_stack()
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics and coverage
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_handwritten_matches_unpatched(bias, training):
+    model, ref, inputs = twins(lambda: handwritten(bias))
+    model.train(training)
+    ref.train(training)
+    report = patch_model(model)
+    assert report.functional
+    assert_same_training(model, ref, inputs)
+    assert stack_len() == 0
+
+
+def test_handwritten_report_and_module_swaps():
+    model, _, inputs = twins(handwritten)
+    report = patch_model(model, example_inputs=inputs)
+    replaced = {r["name"]: r for r in report.replaced}
+    assert set(replaced) == {"ln_sub", "ln_plain", "sm", "sm_sub"}
+    assert replaced["ln_plain"]["shape"] == [8]
+    assert replaced["ln_plain"]["fused_type"] == "FusedLayerNorm"
+    assert replaced["sm"]["config"] == "dim=-1"
+    skipped = {s["name"]: s for s in report.skipped}
+    assert set(skipped) == {"ln2d"}
+    assert "overrides forward" in skipped["ln2d"]["reason"]
+    # LayerNorm2d keeps its class (its F.layer_norm call is routed functionally).
+    assert type(model.ln2d) is LayerNorm2d
+    # Subclasses without forward: dynamic subclass, isinstance of both, helpers kept.
+    assert isinstance(model.ln_sub, PlainSubLayerNorm)
+    assert isinstance(model.ln_sub, FusedLayerNorm)
+    assert isinstance(model.sm_sub, PlainSubSoftmax) and isinstance(model.sm_sub, FusedSoftmax)
+    assert model.ln_sub.n_features() == 8
+    assert isinstance(model.ln_plain, nn.LayerNorm) and isinstance(model.ln_plain, FusedLayerNorm)
+    assert repr(model.ln_plain).startswith("FusedLayerNorm((8,), eps=1e-05")
+    assert repr(model.ln_sub).startswith("FusedPlainSubLayerNorm((8,)")
+    assert repr(model.sm) == "FusedSoftmax(dim=-1)"
+    v = report.verification
+    assert v["routed_calls"] == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
+                                 "layernorm": HANDWRITTEN_LN_CALLS}
+    assert report.max_abs_diff is not None and report.max_rel_diff < 1e-5
+
+
+def test_dynamic_subclass_is_cached():
+    a, b = PlainSubLayerNorm(4), PlainSubLayerNorm(6)
+    patch_model(a)
+    patch_model(b)
+    assert type(a) is type(b)
+    unpatch_model(a)
+    unpatch_model(b)
+    assert type(a) is PlainSubLayerNorm
+
+
+def test_fused_kernels_really_run(triton_backend):
+    model, ref, inputs = twins(handwritten)
+    patch_model(model)
+    counts = fused_counts(model, inputs)
+    assert counts == {
+        "layernorm_forward": HANDWRITTEN_LN_CALLS,
+        "layernorm_backward": HANDWRITTEN_LN_CALLS,
+        "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS,
+        "softmax_backward": HANDWRITTEN_SOFTMAX_CALLS,
+    }
+    # Same numbers with the Triton kernels (interpreted) as with torch.
+    assert_same_training(model, ref, inputs, atol=1e-4, rtol=1e-4)
+    # The unpatched twin never reaches a fused kernel.
+    assert fused_counts(ref, inputs) == {}
+
+
+def test_verification_counts_fused_kernels(triton_backend):
+    model, _, inputs = twins(handwritten)
+    report = patch_model(model, example_inputs=inputs)
+    v = report.verification
+    assert v["backend"].startswith("triton")
+    assert v["fused_calls"] == {
+        "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS, "softmax_backward": 0,
+        "layernorm_forward": HANDWRITTEN_LN_CALLS, "layernorm_backward": 0,
+    }
+    assert v["note"] is None
+    assert report.max_rel_diff < 1e-4
+
+
+def test_nanogpt_layernorm_functional_only():
+    for bias in (True, False):
+        model = nn.Sequential(nn.Linear(6, 6), NanoLayerNorm(6, bias), nn.GELU())
+        ref = copy.deepcopy(model)
+        report = patch_model(model, example_inputs=torch.randn(3, 6))
+        assert report.replaced == [] and report.skipped == []
+        assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 1}
+        assert_same_training(model, ref, (torch.randn(3, 6),))
+
+
+def test_functional_false_routes_modules_only():
+    model, ref, inputs = twins(handwritten)
+    report = patch_model(model, functional=False, example_inputs=inputs)
+    assert not report.functional
+    assert report.verification["routed_calls"] == {"softmax": 2, "layernorm": 2}
+    assert "functional calls are routed" not in report.skipped[0]["reason"]
+    assert model._forward_pre_hooks == {} and model._forward_hooks == {}
+    assert_same_training(model, ref, inputs)
+
+
+def test_ops_subset():
+    model, ref, inputs = twins(handwritten)
+    report = patch_model(model, ops=("layernorm",), example_inputs=inputs)
+    assert {r["name"] for r in report.replaced} == {"ln_sub", "ln_plain"}
+    assert {s["name"] for s in report.skipped} == {"ln2d", "sm", "sm_sub"}
+    assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 4}
+    report = patch_model(model, ops="softmax", example_inputs=inputs)
+    assert report.verification["routed_calls"] == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
+                                                   "layernorm": 0}
+    assert_same_training(model, ref, inputs)
+    with pytest.raises(ValueError, match="ops"):
+        patch_model(model, ops=("gelu",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional routing: every spelling, legacy dim=None, pass-through cases
+# ---------------------------------------------------------------------------------------------
+
+
+class Calls(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+SOFTMAX_SPELLINGS = {
+    "F.softmax-pos": lambda x: F.softmax(x, -1),
+    "F.softmax-kw-dtype": lambda x: F.softmax(x, dim=1, dtype=torch.float32),
+    "F.softmax-stacklevel": lambda x: F.softmax(x, 0, 3, torch.float32),
+    "torch.softmax-pos-dtype": lambda x: torch.softmax(x, -1, torch.float32),
+    "torch.softmax-kw": lambda x: torch.softmax(input=x, dim=-2),
+    "Tensor.softmax-pos": lambda x: x.softmax(-1),
+    "Tensor.softmax-kw": lambda x: x.softmax(dim=0, dtype=torch.float32),
+    "Tensor.softmax-unbound": lambda x: torch.Tensor.softmax(x, 1),
+    "special.softmax": lambda x: torch.special.softmax(x, -1),
+    "F.softmax-half-to-float": lambda x: F.softmax(x.half(), -1, dtype=torch.float32),
+    "F.softmax-bf16": lambda x: F.softmax(x.bfloat16(), -1),
+}
+
+
+@pytest.mark.parametrize("name", list(SOFTMAX_SPELLINGS))
+def test_softmax_spellings_routed(name):
+    fn = SOFTMAX_SPELLINGS[name]
+    model = Calls(fn)
+    x = torch.randn(3, 4, 5)
+    expected = fn(x)
+    report = patch_model(model, example_inputs=(x,))
+    assert report.verification["routed_calls"]["softmax"] == 1
+    out = model(x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, atol=1e-2 if out.dtype == torch.bfloat16 else 1e-6,
+                               rtol=1e-2 if out.dtype == torch.bfloat16 else 1e-5)
+
+
+LAYERNORM_SPELLINGS = {
+    "F.layer_norm-pos": lambda x, w, b: F.layer_norm(x, (5,), w, b, 1e-3),
+    "F.layer_norm-kw": lambda x, w, b: F.layer_norm(x, normalized_shape=[5], weight=w, eps=1e-6),
+    "F.layer_norm-2d-shape": lambda x, w, b: F.layer_norm(x, (4, 5)),
+    "torch.layer_norm": lambda x, w, b: torch.layer_norm(x, [5], w, b, 1e-5, True),
+    "torch.layer_norm-kw": lambda x, w, b: torch.layer_norm(x, [5], bias=b),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERNORM_SPELLINGS))
+def test_layernorm_spellings_routed(name):
+    fn = LAYERNORM_SPELLINGS[name]
+    w, b = torch.randn(5), torch.randn(5)
+    model = Calls(lambda x: fn(x, w, b))
+    x = torch.randn(3, 4, 5)
+    expected = fn(x, w, b)
+    report = patch_model(model, example_inputs=(x,))
+    assert report.verification["routed_calls"]["layernorm"] == 1
+    torch.testing.assert_close(model(x), expected, **FP32_TOL)
+
+
+def test_legacy_implicit_softmax_dim():
+    x2, x3 = torch.randn(3, 4), torch.randn(2, 3, 4)
+    model = Calls(lambda x: F.softmax(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exp2, exp3 = F.softmax(x2), F.softmax(x3)
+    report = patch_model(model, example_inputs=(x2,))
+    assert report.verification["routed_calls"]["softmax"] == 1
+    with pytest.warns(UserWarning, match="Implicit dimension choice"):
+        out2 = model(x2)
+    with pytest.warns(UserWarning, match="Implicit dimension choice"):
+        out3 = model(x3)
+    torch.testing.assert_close(out2, exp2)  # dim=1 for 2-d
+    torch.testing.assert_close(out3, exp3)  # dim=0 for 3-d
+    sm = nn.Softmax()  # nn.Softmax(dim=None): the same legacy rule, module level
+    expected = sm(x3)
+    patch_model(sm)
+    torch.testing.assert_close(sm(x3), expected)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.softmax(x.double(), -1),  # float64: torch's own op
+        lambda x: F.softmax(x, -1, dtype=torch.float64),
+        lambda x: x[:0].softmax(-1),
+        lambda x: F.layer_norm(x.double(), (5,)),
+    ],
+    ids=["float64", "dtype-float64", "empty", "ln-float64"],
+)
+def test_pass_through_cases(fn):
+    x = torch.randn(2, 5)
+    model = Calls(fn)
+    expected = fn(x)
+    report = patch_model(model, example_inputs=(x,))
+    routed = sum(report.verification["routed_calls"].values())
+    assert routed <= 1
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_torch_errors_unchanged():
+    model = Calls(lambda x: F.layer_norm(x, (7,)))
+    patch_model(model)
+    with pytest.raises(RuntimeError):  # torch's error, not a fusedops one
+        model(torch.randn(2, 5))
+    assert stack_len() == 0
+    model = Calls(lambda x: x.softmax(3))
+    patch_model(model)
+    with pytest.raises(IndexError):
+        model(torch.randn(2, 5))
+    assert stack_len() == 0
+
+
+class TaggedTensor(torch.Tensor):
+    """A tensor subclass with its own __torch_function__: never routed."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_tensor_subclass_with_torch_function_passes_through():
+    model = Calls(lambda x: x.softmax(-1))
+    x = torch.randn(2, 5).as_subclass(TaggedTensor)
+    report = patch_model(model, example_inputs=(x,))
+    assert report.verification["routed_calls"]["softmax"] == 0
+    assert type(model(x)) is TaggedTensor
+
+
+def test_vmap_passes_through():
+    model = Calls(lambda x: F.layer_norm(x.softmax(-1), (5,)))
+    x = torch.randn(3, 4, 5)
+    expected = torch.vmap(model)(x)
+    patch_model(model)
+    torch.testing.assert_close(torch.vmap(model)(x), expected)
+
+
+def test_cpu_autocast_passes_through():
+    model = Calls(lambda x: F.layer_norm(x, (5,)) + x.softmax(-1))
+    x = torch.randn(3, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    report = patch_model(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert report.functional and out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scope of the mode: only this model, only during forward
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mode_active_only_during_forward(triton_backend):
+    seen = []
+    model = Calls(lambda x: (seen.append(_active_mode()), x.softmax(-1))[1])
+    patch_model(model)
+    assert stack_len() == 0
+    x = torch.randn(2, 4)
+    with fusedops.count_fused_calls() as counts:
+        model(x)
+        x.softmax(-1)  # outside forward: torch's op
+        F.layer_norm(x, (4,))
+    assert seen[0] is not None
+    assert counts == {"softmax_forward": 1}
+    assert stack_len() == 0
+
+
+def test_other_models_unaffected(triton_backend):
+    patched_model, other, inputs = twins(handwritten)
+    patch_model(patched_model)
+    with fusedops.count_fused_calls() as counts:
+        other(*inputs)
+    assert counts == {}
+    assert not is_patched(other)
+    assert type(other.ln_plain) is nn.LayerNorm
+
+
+def test_exception_in_forward_does_not_leak_mode():
+    class Boom(nn.Module):
+        def forward(self, x):
+            x.softmax(-1)
+            raise ValueError("boom")
+
+    model = Boom()
+    patch_model(model)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="boom"):
+            model(torch.randn(2, 3))
+        assert stack_len() == 0
+
+
+def test_exception_in_user_pre_hook_does_not_leak_mode():
+    model = Calls(lambda x: x.softmax(-1))
+    patch_model(model)
+
+    def bad_hook(module, args):
+        raise KeyError("hook")
+
+    h = model.register_forward_pre_hook(bad_hook)
+    with pytest.raises(KeyError):
+        model(torch.randn(2, 3))
+    assert stack_len() == 0
+    h.remove()
+    model(torch.randn(2, 3))
+    assert stack_len() == 0
+
+
+class Recursive(nn.Module):
+    """Calls itself (re-entrant forward) and holds a separately patched child."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = Calls(lambda x: F.layer_norm(x, (4,)))
+
+    def forward(self, x, depth=2):
+        x = x.softmax(-1)
+        if depth:
+            x = self(x, depth - 1)
+        return self.child(x)
+
+
+def test_reentrant_and_nested_patched_models(triton_backend):
+    model = Recursive()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    patch_model(model.child)
+    patch_model(model)
+    with fusedops.count_fused_calls() as counts:
+        out = model(x)
+    # 3 softmax (one per recursion level) and 3 layer norms, each routed exactly once.
+    assert counts == {"softmax_forward": 3, "layernorm_forward": 3}
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert stack_len() == 0
+    unpatch_model(model)
+    with fusedops.count_fused_calls() as counts:
+        model.child(x)  # still patched on its own
+    assert counts == {"layernorm_forward": 1}
+    unpatch_model(model.child)
+
+
+def test_reference_backend_does_not_reroute_module_softmax():
+    # FusedSoftmax on CPU runs the reference backend, which calls torch.softmax; that call
+    # must not be routed again by the functional mode.
+    model = nn.Sequential(nn.Softmax(dim=-1))
+    report = patch_model(model, example_inputs=(torch.randn(2, 3),))
+    assert report.verification["routed_calls"] == {"softmax": 1, "layernorm": 0}
+
+
+def test_threads_each_get_their_own_mode():
+    # Reference backend: the Triton interpreter itself is not thread-safe.
+    model, ref, inputs = twins(handwritten)
+    model.eval()
+    ref.eval()
+    patch_model(model)
+    expected = ref(*inputs)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(3):
+                torch.testing.assert_close(model(*inputs), expected, **FP32_TOL)
+            assert stack_len() == 0
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Exclude
+# ---------------------------------------------------------------------------------------------
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block0 = HandWritten()
+        self.block1 = HandWritten()
+        self.block10 = HandWritten()
+
+    def forward(self, x):
+        return self.block10(self.block1(self.block0(x)))
+
+
+def test_exclude_by_name_prefix():
+    model, ref, inputs = twins(lambda: (TwoBlocks(), (handwritten_inputs(),)))
+    report = patch_model(model, exclude=("block1", "nope"), example_inputs=inputs)
+    # "block1" excludes block1.* but not block10.*
+    assert type(model.block1.ln_plain) is nn.LayerNorm
+    assert isinstance(model.block10.ln_plain, FusedLayerNorm)
+    assert report.excluded == ["block1"]
+    assert report.unmatched_exclude == ["nope"]
+    reasons = {s["name"]: s["reason"] for s in report.skipped}
+    assert reasons["block1.ln_plain"] == "excluded by name 'block1'"
+    routed = report.verification["routed_calls"]
+    # Functional calls inside the excluded block are not routed either.
+    assert routed == {
+        "softmax": 2 * HANDWRITTEN_SOFTMAX_CALLS, "layernorm": 2 * HANDWRITTEN_LN_CALLS
+    }
+    assert_same_training(model, ref, inputs)
+    assert "nope" in str(report)
+
+
+def test_exclude_by_type_and_exact_name(triton_backend):
+    model, _, inputs = twins(lambda: (TwoBlocks(), (handwritten_inputs(),)))
+    report = patch_model(model, exclude=[nn.Softmax, "block0.ln_nano"])
+    reasons = {s["name"]: s["reason"] for s in report.skipped}
+    assert reasons["block0.sm"] == "excluded by type Softmax"
+    assert reasons["block10.sm_sub"] == "excluded by type Softmax"
+    assert "block0.ln_nano" in report.excluded
+    with fusedops.count_fused_calls() as counts:
+        model(*inputs)
+    # per block: 9 softmax minus the two nn.Softmax modules; LN: 4 minus block0's nano LN
+    assert counts == {"softmax_forward": 3 * (HANDWRITTEN_SOFTMAX_CALLS - 2),
+                      "layernorm_forward": 3 * HANDWRITTEN_LN_CALLS - 1}
+
+
+def test_exclude_validation():
+    model = HandWritten()
+    with pytest.raises(TypeError, match="exclude"):
+        patch_model(model, exclude=[3])
+    report = patch_model(model, exclude="")  # the whole model
+    assert report.replaced == [] and not report.functional
+    assert model._forward_pre_hooks == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity, hooks, state_dict, repatch, unpatch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_parameters_state_dict_and_user_hooks_kept():
+    model = HandWritten()
+    fired = []
+    model.ln_plain.register_forward_hook(lambda m, a, o: fired.append("ln"))
+    model.register_forward_pre_hook(lambda m, a: fired.append("root"))
+    before = structure(model)
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
+    patch_model(model)
+    after = structure(model)
+    assert after["params"] == before["params"]
+    assert after["buffers"] == before["buffers"]
+    assert after["state_dict_keys"] == before["state_dict_keys"]
+    model(handwritten_inputs())
+    assert fired == ["root", "ln"]
+    # A state_dict saved before patching loads into the patched model and vice versa.
+    model.load_state_dict(sd_before)
+    fresh = HandWritten()
+    fresh.load_state_dict(model.state_dict())
+    unpatch_model(model)
+    assert structure(model) == before
+
+
+def test_patch_twice_is_harmless_and_unpatch_restores():
+    model, ref, inputs = twins(handwritten)
+    before = structure(model)
+    r1 = patch_model(model)
+    once = structure(model)
+    r2 = patch_model(model)
+    assert structure(model) == once  # same classes, same number of hooks
+    assert r1.replaced == r2.replaced
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    assert_same_training(model, ref, inputs)
+    unpatch_model(model)
+    unpatch_model(model)  # harmless too
+    assert structure(model) == before
+    assert not is_patched(model)
+    assert_same_training(model, ref, inputs)
+
+
+def test_no_fused_call_after_unpatch(triton_backend):
+    model, _, inputs = twins(handwritten)
+    patch_model(model)
+    assert fused_counts(model, inputs)
+    unpatch_model(model)
+    assert fused_counts(model, inputs) == {}
+
+
+def test_patched_context_manager(triton_backend):
+    model, _, inputs = twins(handwritten)
+    before = structure(model)
+    with fusedops.patched(model, ops=("softmax",)) as report:
+        assert isinstance(report, PatchReport)
+        assert fused_counts(model, inputs, backward=False) == {
+            "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS}
+    assert structure(model) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with fusedops.patched(model):
+            raise RuntimeError("inside")
+    assert structure(model) == before
+    # Patched on entry: restored to that patch (with its options) on exit.
+    patch_model(model, ops=("layernorm",), exclude=("ln_plain",))
+    patched_once = structure(model)
+    with fusedops.patched(model):
+        assert isinstance(model.ln_plain, FusedLayerNorm)
+    assert structure(model) == patched_once
+    assert type(model.ln_plain) is nn.LayerNorm
+    unpatch_model(model)
+    assert structure(model) == before
+
+
+def test_optimizer_built_before_patching_trains():
+    model, ref, inputs = twins(handwritten)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    patch_model(model)
+    assert opt.param_groups[0]["params"] == list(model.parameters())
+    for m, o in ((model, opt), (ref, opt_ref)):
+        o.zero_grad()
+        run(m, inputs).square().mean().backward()
+        o.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert not torch.equal(p, start[n]), f"{n} did not train"
+        torch.testing.assert_close(p, q, **FP32_TOL, msg=lambda m, n=n: f"{n}: {m}")
+    assert_same_training(model, ref, inputs)
+
+
+def test_deepcopy_and_pickle_of_patched_model(triton_backend):
+    model, ref, inputs = twins(handwritten)
+    patch_model(model)
+    clone = copy.deepcopy(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    for m in (clone, loaded):
+        assert isinstance(m.ln_sub, PlainSubLayerNorm) and isinstance(m.ln_sub, FusedLayerNorm)
+        counts = fused_counts(m, inputs, backward=False)
+        assert counts == {"softmax_forward": HANDWRITTEN_SOFTMAX_CALLS,
+                          "layernorm_forward": HANDWRITTEN_LN_CALLS}
+        unpatch_model(m)
+        assert type(m.ln_sub) is PlainSubLayerNorm
+        assert fused_counts(m, inputs, backward=False) == {}
+    # The original is still patched and independent of its copies.
+    assert fused_counts(model, inputs, backward=False)
+
+
+def test_report_formats():
+    model, _, inputs = twins(handwritten)
+    report = patch_model(model, example_inputs=inputs)
+    text = str(report)
+    for needle in ("Replaced modules (4)", "ln_plain", "FusedLayerNorm", "Skipped modules (1)",
+                   "overrides forward", "functional interception on", "max abs diff",
+                   "calls routed to fusedops: softmax=8, layernorm=4"):
+        assert needle in text, needle
+    d = report.to_dict()
+    assert d == json.loads(report.to_json())
+    assert d["ops"] == ["softmax", "layernorm"]
+    assert d["verification"]["outputs"][0]["name"] == "output"
+    assert "Verification: not run" in str(patch_model(model))
+
+
+class NestedOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(4)
+
+    def forward(self, x):
+        y = self.ln(x)
+        return {"a": (y, y.softmax(-1)), "b": [y.sum()], "c": None, "n": 3}
+
+
+def test_report_nested_outputs():
+    model = NestedOutputs()
+    report = patch_model(model, example_inputs={"x": torch.randn(2, 4)})
+    names = [o["name"] for o in report.verification["outputs"]]
+    assert names == ["a[0]", "a[1]", "b[0]"]
+    assert all(o["max_abs_diff"] < 1e-5 for o in report.verification["outputs"])
+
+
+def test_verification_restores_training_flags_and_rng():
+    model, _, inputs = twins(handwritten)
+    model.train()
+    model.ln2d.eval()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    patch_model(model, example_inputs=inputs)
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training and model.ln_plain.training and not model.ln2d.training
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_compile_fullgraph_no_graph_break(training):
+    torch._dynamo.reset()
+    model, ref, inputs = twins(handwritten)
+    model.train(training)
+    ref.train(training)
+    patch_model(model)
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, fullgraph=True, backend=recorder)
+    out = run(compiled, inputs)
+    assert_outputs_close(out, run(ref, inputs))
+    # One graph for the forward; every softmax / layer norm in it is a fusedops op.
+    assert len(recorder.graphs) == 1
+    assert recorder.count("softmax_forward") == HANDWRITTEN_SOFTMAX_CALLS
+    assert recorder.count("layernorm_forward") == HANDWRITTEN_LN_CALLS
+    assert "aten.softmax" not in recorder.code() and "layer_norm(" not in recorder.code()
+    # Later calls reuse the graph (a fresh mode per call does not trigger recompiles).
+    for _ in range(2):
+        run(compiled, inputs)
+    assert len(recorder.graphs) == 1
+    # Gradients through the compiled model match eager torch.
+    assert_same_training(compiled, ref, inputs)
+    assert stack_len() == 0
+
+
+def test_compile_function_calling_patched_model():
+    torch._dynamo.reset()
+    model, ref, inputs = twins(handwritten)
+    model.eval()
+    ref.eval()
+    patch_model(model)
+    recorder = GraphRecorder()
+
+    @torch.compile(fullgraph=True, backend=recorder)
+    def step(x):
+        return model(x).sum(-1)
+
+    torch.testing.assert_close(step(*inputs), ref(*inputs).sum(-1), **FP32_TOL)
+    assert recorder.count("softmax_forward") == HANDWRITTEN_SOFTMAX_CALLS
+    assert stack_len() == 0
+
+
+def test_compile_with_exclude_and_inductor():
+    if not has_cxx_compiler():
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    torch._dynamo.reset()
+    model, ref, inputs = twins(lambda: (TwoBlocks(), (handwritten_inputs(),)))
+    model.eval()
+    ref.eval()
+    patch_model(model, exclude=["block1"])
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        assert_outputs_close(compiled(*inputs), ref(*inputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (run by the developer on the lent GPU)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_compile_handwritten_triton(mode):
+    torch._dynamo.reset()
+    model, ref, inputs = twins(handwritten)
+    model, ref = model.cuda().eval(), ref.cuda().eval()
+    inputs = tuple(i.cuda() for i in inputs)
+    patch_model(model)
+    with fusedops.count_fused_calls() as counts, torch.no_grad():
+        assert_outputs_close(model(*inputs), ref(*inputs), atol=1e-4, rtol=1e-4)
+    assert counts == {"softmax_forward": HANDWRITTEN_SOFTMAX_CALLS,
+                      "layernorm_forward": HANDWRITTEN_LN_CALLS}
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    with torch.no_grad():
+        for _ in range(4):  # warm-up, then CUDA-graph replays for reduce-overhead
+            x = torch.randn_like(inputs[0])
+            assert_outputs_close(compiled(x), ref(x), atol=1e-4, rtol=1e-4)
