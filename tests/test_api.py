@@ -525,3 +525,33 @@ def test_modules_use_triton_when_forced():
     assert counts["layernorm_forward"] == 1 and counts["softmax_forward"] == 1
     expected = torch.softmax(F.layer_norm(x.float(), (16,)), -1)
     torch.testing.assert_close(y.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+# --------------------------------------------------------------------------- double backward
+
+
+def _second_derivative(softmax, layernorm):
+    """d/dx of |d(y.v)/dW|^2 with y = softmax(layernorm(x @ W)): needs the ops' double backward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, dtype=torch.float64, generator=g).requires_grad_(True)
+    w = torch.randn(5, 5, dtype=torch.float64, generator=g).requires_grad_(True)
+    v = torch.randn(3, 5, dtype=torch.float64, generator=g)
+    y = softmax(layernorm(x @ w), -1)
+    (gw,) = torch.autograd.grad((y * v).sum(), w, create_graph=True)
+    (gx,) = torch.autograd.grad(gw.pow(2).sum(), x)
+    return gx
+
+
+@pytest.mark.parametrize("op", ["softmax", "layernorm"])
+def test_double_backward_is_right_or_refused(op):
+    """Gradient penalties differentiate the backward. The fused backward must either be
+    differentiable (same answer as torch) or raise; it must never drop terms silently."""
+    ours = (fused_softmax if op == "softmax" else torch.softmax,
+            (lambda t: fused_layernorm(t, 5)) if op == "layernorm" else
+            (lambda t: F.layer_norm(t, (5,))))
+    expected = _second_derivative(torch.softmax, lambda t: F.layer_norm(t, (5,)))
+    try:
+        got = _second_derivative(*ours)
+    except RuntimeError:
+        return  # refused loudly: acceptable
+    torch.testing.assert_close(got, expected)
