@@ -1,0 +1,86 @@
+"""Plots of a benchmark result: TB/s vs N (log2 axis), one PNG per op with one panel per dtype,
+one curve per provider and the run's copy bandwidth as a horizontal line.
+
+Uses matplotlib's object API with the Agg canvas, so it never touches the global pyplot backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fusedops.tools.bench import OPS, format_size
+from fusedops.tools.bench_providers import PROVIDER_NAMES
+
+STYLE = {
+    "fusedops": {"color": "#d62728", "marker": "o", "linewidth": 2.2, "zorder": 5},
+    "torch": {"color": "#1f77b4", "marker": "s"},
+    "compile": {"color": "#2ca02c", "marker": "^"},
+    "liger": {"color": "#9467bd", "marker": "D"},
+    "naive": {"color": "#7f7f7f", "marker": "v", "linestyle": "--"},
+}
+DTYPE_ORDER = ("bf16", "fp16", "fp32")
+
+
+def _ticks(sizes: list[int]) -> list[int]:
+    """Tick labels for the sizes, dropping any within 1% of a previous one (8192 and 8193 sit
+    on the same spot of a log axis; a 2^k + 1 cliff shows as a vertical drop there)."""
+    ticks: list[int] = []
+    for n in sorted(sizes, key=lambda n: (n & (n - 1) != 0, n)):
+        if all(abs(n - t) > 0.01 * t for t in ticks):
+            ticks.append(n)
+    return sorted(ticks)
+
+
+def plot_results(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
+    """Write ``<stem>-<op>.png`` for each op in the result; returns the paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [r for r in result.get("records", []) if r.get("tbps") is not None]
+    copy = result.get("copy_tbps")
+    peak = result.get("peak_tbps")
+    paths = []
+    for op in [o for o in OPS if any(r["op"] == o for r in records)]:
+        op_recs = [r for r in records if r["op"] == op]
+        dtypes = [d for d in DTYPE_ORDER if any(r["dtype"] == d for r in op_recs)]
+        fig = Figure(figsize=(5.2 * len(dtypes), 4.2), layout="constrained")
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, len(dtypes), squeeze=False, sharey=True)[0]
+        for ax, dt in zip(axes, dtypes, strict=True):
+            recs = [r for r in op_recs if r["dtype"] == dt]
+            sizes = sorted({r["N"] for r in recs})
+            for prov in [p for p in PROVIDER_NAMES if any(r["provider"] == p for r in recs)]:
+                pts = sorted((r["N"], r["tbps"], r.get("ok")) for r in recs
+                             if r["provider"] == prov)
+                xs = [p[0] for p in pts]
+                ys = [p[1] for p in pts]
+                ax.plot(xs, ys, label=prov, markersize=4, **STYLE.get(prov, {}))
+                bad = [(x, y) for x, y, ok in pts if ok is False]
+                if bad:
+                    ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", s=60,
+                               color="black", zorder=10)
+            if copy:
+                ax.axhline(copy, color="black", linestyle=":", linewidth=1.2,
+                           label=f"copy {copy:.2f} TB/s")
+            if peak:
+                ax.axhline(peak, color="#ff7f0e", linestyle="-.", linewidth=1.0,
+                           label=f"peak {peak:.2f} TB/s")
+            ax.set_xscale("log", base=2)
+            ticks = _ticks(sizes)
+            if ticks:
+                ax.set_xticks(ticks)
+                ax.set_xticklabels([format_size(n) for n in ticks], fontsize=7)
+                ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("N (row length), M = total / N")
+            ax.set_title(f"{op} {dt}")
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("TB/s (minimum bytes / median time)")
+        axes[-1].legend(fontsize=7, loc="lower left")
+        fig.suptitle(f"{op} on {result.get('device')} ({result.get('date')})", fontsize=10)
+        path = out / f"{stem}-{op}.png"
+        fig.savefig(path, dpi=110)
+        paths.append(path)
+    return paths

@@ -1,0 +1,373 @@
+"""Benchmark results: JSON/CSV files, merging runs, text tables and the targets summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fusedops.tools.bench import NOISE, OPS, format_size
+from fusedops.tools.bench_providers import PROVIDER_NAMES
+
+CSV_FIELDS = (
+    "op", "dtype", "M", "N", "provider", "backend", "status", "ok", "max_err",
+    "ms", "ms_p20", "ms_p80", "bytes", "flops", "tbps", "gflops", "copy_tbps", "frac_copy",
+    "frac_peak", "compile_s", "first_call_s", "fwd_mode", "error",
+)
+# Targets of docs/performance.md (fraction of the same run's copy bandwidth).
+TARGET_MID = (1024, 65536, 0.90)  # N range (inclusive) and fraction
+TARGET_HIGH = 0.75  # above 64K
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
+    t = text.lower().replace("nvidia", "").replace("geforce", "")
+    t = re.sub(r"[^a-z0-9]+", "-", t).strip("-")
+    return t or "device"
+
+
+def default_stem(result: dict, tag: str | None = None) -> str:
+    return tag or f"{slug(str(result.get('device', 'device')))}-{result.get('date', 'undated')}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_result(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def write_csv(result: dict, path: str | Path) -> Path:
+    """One row per record; speedups as ``speedup_vs_<provider>`` columns."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    providers = [p for p in PROVIDER_NAMES if any(r["provider"] == p for r in result["records"])]
+    fields = list(CSV_FIELDS) + [f"speedup_vs_{p}" for p in providers]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in result["records"]:
+            row = {k: r.get(k) for k in CSV_FIELDS}
+            for p, s in (r.get("speedup") or {}).items():
+                row[f"speedup_vs_{p}"] = s
+            w.writerow({k: _csv_value(v) for k, v in row.items()})
+    return path
+
+
+def _csv_value(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def write_outputs(result: dict, out_dir: str | Path, stem: str | None = None,
+                  plots: bool = True) -> list[Path]:
+    """``<stem>.json``, ``<stem>.csv``, ``<stem>.txt`` (the report) and one PNG per op."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = default_stem(result, stem)
+    paths = [write_json(result, out / f"{stem}.json"), write_csv(result, out / f"{stem}.csv")]
+    txt = out / f"{stem}.txt"
+    txt.write_text(format_report(result) + "\n")
+    paths.append(txt)
+    if plots and result.get("records"):
+        from fusedops.tools.bench_plot import plot_results
+
+        paths.extend(plot_results(result, out, stem))
+    return paths
+
+
+def merge_results(results: Sequence[dict]) -> dict:
+    """Combine runs (e.g. one per dtype): later records replace earlier ones at the same
+    (op, dtype, N, provider); each record keeps its own run's copy_tbps and frac_copy."""
+    if not results:
+        raise ValueError("nothing to merge")
+    if len(results) == 1:
+        return results[0]
+    from fusedops.tools.bench import annotate_speedups
+
+    merged = json.loads(json.dumps(results[0]))
+    by_key: dict[tuple, dict] = {}
+    for res in results:
+        for r in res.get("records", []):
+            by_key[(r["op"], r["dtype"], r["N"], r["provider"])] = r
+    order = {o: i for i, o in enumerate(OPS)}
+    merged["records"] = sorted(
+        by_key.values(), key=lambda r: (order.get(r["op"], 99), r["dtype"], r["N"],
+                                        PROVIDER_NAMES.index(r["provider"])
+                                        if r["provider"] in PROVIDER_NAMES else 99))
+    annotate_speedups(merged["records"])
+    merged["host_latency"] = next((r["host_latency"] for r in reversed(results)
+                                   if r.get("host_latency")), [])
+    merged["runs"] = [{k: r.get(k) for k in ("timestamp", "copy_tbps", "git", "config")}
+                      for r in results]
+    merged["providers"] = {k: v for r in results for k, v in r.get("providers", {}).items()}
+    merged["skipped"] = [s for r in results for s in r.get("skipped", [])]
+    merged["truncated"] = any(r.get("truncated") for r in results)
+    return merged
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+
+def _providers_in(records: Sequence[dict]) -> list[str]:
+    seen = {r["provider"] for r in records}
+    return [p for p in PROVIDER_NAMES if p in seen] + sorted(seen - set(PROVIDER_NAMES))
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    status = r.get("status")
+    if status == "skipped":
+        return "skip"
+    if r.get("tbps") is None:
+        return "fail" if status == "error" else "-"
+    text = _num(r["tbps"])
+    return text + "!" if r.get("ok") is False else text
+
+
+def _num(v: float) -> str:
+    """3 decimals for GPU-sized numbers, 3 significant digits for tiny (CPU test) ones."""
+    return f"{v:.3f}" if abs(v) >= 0.1 else f"{v:.3g}"
+
+
+def _grid(records: Sequence[dict]) -> dict[tuple, dict[str, dict]]:
+    grid: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        grid.setdefault((r["op"], r["dtype"], r["N"]), {})[r["provider"]] = r
+    return grid
+
+
+def _row_order(keys) -> list[tuple]:
+    order = {o: i for i, o in enumerate(OPS)}
+    dorder = {"bf16": 0, "fp16": 1, "fp32": 2}
+    return sorted(keys, key=lambda k: (order.get(k[0], 99), dorder.get(k[1], 9), k[2]))
+
+
+def worst_speedup(row: dict[str, dict], provider: str = "fusedops") -> tuple[float | None, str]:
+    """min over other providers of other_ms / provider_ms (< 1: ``provider`` is slower)."""
+    me = row.get(provider)
+    if not me or not me.get("ms"):
+        return None, ""
+    best: tuple[float | None, str] = (None, "")
+    for name, r in row.items():
+        if name == provider or not r.get("ms"):
+            continue
+        s = r["ms"] / me["ms"]
+        if best[0] is None or s < best[0]:
+            best = (s, name)
+    return best
+
+
+def format_table(result: dict) -> str:
+    """One row per (op, dtype, N): TB/s per provider, fusedops' fraction of copy bandwidth and
+    its worst speedup over the other providers (``x0.95 torch`` = 5% slower than torch)."""
+    records = result.get("records", [])
+    if not records:
+        return "(no sweep records)"
+    provs = _providers_in(records)
+    grid = _grid(records)
+    head = ["op", "dtype", "N", "M"] + provs + ["frac_copy", "worst vs"]
+    rows = []
+    for key in _row_order(grid):
+        row = grid[key]
+        any_r = next(iter(row.values()))
+        fo = row.get("fusedops")
+        frac = _num(fo["frac_copy"]) if fo and fo.get("frac_copy") is not None else "-"
+        s, who = worst_speedup(row)
+        worst = f"x{s:.2f} {who}" if s is not None else "-"
+        rows.append([key[0], key[1], format_size(key[2]), str(any_r["M"])]
+                    + [_cell(row.get(p)) for p in provs] + [frac, worst])
+    copy = result.get("copy_tbps")
+    title = (f"TB/s by provider ({result.get('device')}, copy "
+             f"{copy:.3f} TB/s)" if copy else f"TB/s by provider ({result.get('device')})")
+    notes = "! = output differs from torch beyond the loose check; fail = raised; skip = budget"
+    return "\n".join([title, _render(head, rows), notes])
+
+
+def _render(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows, strict=True)]
+    right = [i >= 2 for i in range(len(head))]
+
+    def fmt(cells):
+        return "  ".join(str(c).rjust(w) if r else str(c).ljust(w)
+                         for c, w, r in zip(cells, widths, right, strict=True)).rstrip()
+
+    lines = [fmt(head), fmt(["-" * w for w in widths])]
+    lines.extend(fmt(r) for r in rows)
+    return "\n".join(lines)
+
+
+def format_short_table(result: dict) -> str:
+    """fusedops fraction of copy bandwidth per op/dtype (rows) and N (columns), with markers:
+    ``*`` slower than some provider by more than the noise margin, ``!`` wrong output,
+    ``x`` error, ``s`` skipped. Then the targets summary and host latency."""
+    records = [r for r in result.get("records", []) if r["provider"] == "fusedops"]
+    lines = []
+    if records:
+        grid = _grid(result["records"])
+        sizes = sorted({r["N"] for r in records})
+        rows_keys = sorted({(r["op"], r["dtype"]) for r in records},
+                           key=lambda k: (OPS.index(k[0]) if k[0] in OPS else 99, k[1]))
+        head = ["op", "dtype"] + [format_size(n) for n in sizes]
+        rows = []
+        for op, dt in rows_keys:
+            cells = [op, dt]
+            for n in sizes:
+                row = grid.get((op, dt, n), {})
+                fo = row.get("fusedops")
+                if fo is None:
+                    cells.append("-")
+                elif fo.get("status") == "skipped":
+                    cells.append("s")
+                elif fo.get("frac_copy") is None:
+                    cells.append("x")
+                else:
+                    mark = ""
+                    s, _ = worst_speedup(row)
+                    if s is not None and s < 1 - NOISE:
+                        mark = "*"
+                    if fo.get("ok") is False:
+                        mark = "!"
+                    cells.append(f"{fo['frac_copy']:.2f}{mark}")
+            rows.append(cells)
+        copy = result.get("copy_tbps")
+        lines.append(f"fusedops fraction of copy bandwidth ({result.get('device')}, copy "
+                     f"{copy:.3f} TB/s); * slower than a baseline by >{NOISE:.0%}, ! wrong, "
+                     "x error, s skipped" if copy else "fusedops fraction of copy bandwidth")
+        lines.append(_render(head, rows))
+        lines.append(format_targets(result))
+    hl = format_host_latency(result)
+    if hl:
+        lines.append(hl)
+    return "\n".join(lines) if lines else "(no results)"
+
+
+def targets_summary(result: dict) -> dict[str, Any]:
+    """Counts against the issue's targets (fusedops only)."""
+    grid = _grid(result.get("records", []))
+    lo, hi, mid_frac = TARGET_MID
+    out = {"mid_met": 0, "mid_total": 0, "high_met": 0, "high_total": 0, "beats_all": 0,
+           "compared": 0, "wrong": 0, "errors": 0, "losses": []}
+    for key in _row_order(grid):
+        row = grid[key]
+        fo = row.get("fusedops")
+        if fo is None or fo.get("status") == "skipped":
+            continue
+        if fo.get("ok") is False:
+            out["wrong"] += 1
+        if fo.get("frac_copy") is None:
+            out["errors"] += 1
+            continue
+        n = key[2]
+        if lo <= n <= hi:
+            out["mid_total"] += 1
+            out["mid_met"] += fo["frac_copy"] >= mid_frac
+        elif n > hi:
+            out["high_total"] += 1
+            out["high_met"] += fo["frac_copy"] >= TARGET_HIGH
+        s, who = worst_speedup(row)
+        if s is not None:
+            out["compared"] += 1
+            if s >= 1 - NOISE:
+                out["beats_all"] += 1
+            else:
+                out["losses"].append(f"{key[0]} {key[1]} N={format_size(n)}: x{s:.2f} vs {who}")
+    return out
+
+
+def format_targets(result: dict) -> str:
+    t = targets_summary(result)
+    lines = [
+        f"targets: frac_copy>={TARGET_MID[2]} for 1K<=N<=64K: {t['mid_met']}/{t['mid_total']}; "
+        f">={TARGET_HIGH} above 64K: {t['high_met']}/{t['high_total']}; "
+        f">= every baseline (within {NOISE:.0%}): {t['beats_all']}/{t['compared']}; "
+        f"wrong: {t['wrong']}; errors: {t['errors']}",
+    ]
+    if t["losses"]:
+        shown = t["losses"][:8]
+        more = len(t["losses"]) - len(shown)
+        lines.append("  losses: " + "; ".join(shown) + (f"; +{more} more" if more else ""))
+    if result.get("truncated"):
+        lines.append(f"  truncated: {len(result.get('skipped', []))} points skipped (time budget)")
+    return "\n".join(lines)
+
+
+def format_host_latency(result: dict) -> str:
+    recs = result.get("host_latency") or []
+    if not recs:
+        return ""
+    provs = _providers_in(recs)
+    grid: dict[tuple, dict[str, dict]] = {}
+    for r in recs:
+        grid.setdefault((r["op"], "x".join(map(str, r["shape"])), r["dtype"]), {})[
+            r["provider"]] = r
+    head = ["op", "shape", "dtype"] + [f"{p} us" for p in provs] + ["fusedops - torch"]
+    rows = []
+    for (op, shape, dt), row in grid.items():
+        cells = [op, shape, dt]
+        for p in provs:
+            r = row.get(p)
+            cells.append("-" if r is None else ("fail" if r.get("us_per_call") is None
+                                                else f"{r['us_per_call']:.1f}"))
+        fo = row.get("fusedops")
+        d = fo.get("delta_vs_torch_us") if fo else None
+        cells.append("-" if d is None else f"{d:+.1f}")
+        rows.append(cells)
+    return "host cost per call (wall time, µs; target: fusedops within 2 µs of torch)\n" + \
+        _render(head, rows)
+
+
+def format_report(result: dict) -> str:
+    """Everything a human wants at the end of a run: header, full table, targets, latency."""
+    parts = [
+        f"device: {result.get('device')}  torch {result.get('torch')}  triton "
+        f"{result.get('triton')}  fusedops {result.get('fusedops')} ({result.get('git')})  "
+        f"date {result.get('date')}",
+    ]
+    if result.get("copy_tbps"):
+        parts.append(f"copy bandwidth: {result['copy_tbps']:.3f} TB/s"
+                     + (f"; peak {result['peak_tbps']:.3f} TB/s" if result.get("peak_tbps")
+                        else ""))
+    if result.get("providers_unavailable"):
+        parts.append("unavailable: " + "; ".join(f"{k}: {v}" for k, v in
+                                                  result["providers_unavailable"].items()))
+    if result.get("records"):
+        parts.append(format_table(result))
+        parts.append(format_targets(result))
+    hl = format_host_latency(result)
+    if hl:
+        parts.append(hl)
+    models = result.get("bytes_model") or {}
+    flop = result.get("flop_model") or {}
+    if models:
+        parts.append("bytes model: " + "; ".join(f"{k}: {v}" for k, v in models.items()))
+    if flop:
+        parts.append("flop model: " + "; ".join(f"{k}: {v}" for k, v in flop.items()))
+    return "\n\n".join(parts)

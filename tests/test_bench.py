@@ -1,0 +1,414 @@
+"""The benchmark harness (``python -m fusedops bench``): models, parsing, a tiny CPU sweep, the
+files it writes, the correctness guard and the tables. Speed itself is never measured in CI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from fusedops.tools import bench, bench_report
+from fusedops.tools.bench_providers import Provider, all_providers
+
+CPU_PROVIDERS = "fusedops,torch,naive"
+
+
+# --- bytes / FLOP model ---------------------------------------------------------------------------
+
+
+def test_bytes_model():
+    M, N = 1024, 4096
+    assert bench.bytes_moved("softmax_fwd", M, N, 2) == 2 * M * N * 2
+    assert bench.bytes_moved("softmax_bwd", M, N, 4) == 3 * M * N * 4
+    assert bench.bytes_moved("layernorm_fwd", M, N, 2) == 2 * M * N * 2 + 2 * N * 2
+    assert bench.bytes_moved("layernorm_fwd", M, N, 2, welt=4) == 2 * M * N * 2 + 2 * N * 4
+    assert bench.bytes_moved("layernorm_bwd", M, N, 2) == 3 * M * N * 2 + 3 * N * 2 + 8 * M
+    with pytest.raises(ValueError, match="unknown op"):
+        bench.bytes_moved("gelu_fwd", M, N, 2)
+
+
+def test_flop_model():
+    M, N = 3, 5
+    assert bench.flops("softmax_fwd", M, N) == 5 * M * N
+    assert bench.flops("softmax_bwd", M, N) == 4 * M * N
+    assert bench.flops("layernorm_fwd", M, N) == 7 * M * N
+    assert bench.flops("layernorm_bwd", M, N) == 13 * M * N
+    assert set(bench.FLOP_MODEL) == set(bench.OPS) == set(bench.BYTES_MODEL)
+    with pytest.raises(ValueError):
+        bench.flops("nope", 1, 1)
+
+
+def test_rows_keep_total_fixed():
+    for n in bench.SIZES:
+        m = bench.rows_for(n)
+        assert m == 2**27 // n
+        assert m * n <= 2**27 < (m + 1) * n
+    assert bench.rows_for(2**28) == 1
+
+
+# --- parsing --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,value", [
+    ("256", 256), ("1K", 1024), ("16k", 16384), ("64K+1", 65537), ("2^17", 131072),
+    ("1M", 2**20), (" 8193 ", 8193),
+])
+def test_parse_size(text, value):
+    assert bench.parse_size(text) == value
+
+
+def test_format_size():
+    assert [bench.format_size(n) for n in (256, 1024, 8193, 65537, 262144)] == [
+        "256", "1K", "8193", "65537", "256K"]
+
+
+def test_resolve_subsets():
+    assert bench.resolve_ops(None) == bench.OPS
+    assert bench.resolve_ops("softmax") == ("softmax_fwd", "softmax_bwd")
+    assert bench.resolve_ops("bwd") == ("softmax_bwd", "layernorm_bwd")
+    assert bench.resolve_ops("layernorm_bwd,softmax_fwd") == ("softmax_fwd", "layernorm_bwd")
+    assert bench.resolve_ops([]) == ()
+    assert bench.resolve_dtypes("bfloat16,fp32") == ("bf16", "fp32")
+    assert bench.resolve_sizes("1K,64K+1") == (1024, 65537)
+    assert bench.resolve_sizes([256, "2K"]) == (256, 2048)
+    assert bench.resolve_providers("naive,eager,fusedops") == ("fusedops", "torch", "naive")
+    for fn, bad in ((bench.resolve_ops, "gelu"), (bench.resolve_dtypes, "fp8"),
+                    (bench.resolve_providers, "cudnn"), (bench.resolve_sizes, "0")):
+        with pytest.raises(ValueError):
+            fn(bad)
+
+
+def test_plan_counts():
+    est = bench.plan(bench.OPS, tuple(bench.DTYPES), bench.SIZES, bench.resolve_providers(None),
+                     5.0, 25.0)
+    assert est["points"] == 4 * 3 * 13
+    assert est["measurements"] == 4 * 3 * 13 * 5
+    assert est["compiled_shapes"] == 2 * 3 * 13  # fwd and bwd share one compile per shape
+    assert est["est_total_s"] > 0
+
+
+# --- the tiny CPU sweep ---------------------------------------------------------------------------
+
+RECORD_KEYS = {"op", "dtype", "M", "N", "provider", "backend", "status", "ok", "ms", "tbps",
+               "gflops", "bytes", "flops", "copy_tbps", "frac_copy", "speedup", "error"}
+TOP_KEYS = {"device", "device_type", "torch", "triton", "date", "copy_tbps", "records",
+            "host_latency", "bytes_model", "flop_model", "config", "providers"}
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    return bench.run_sweep(
+        ops="all", dtypes="fp32,bf16", sizes=[64, 257], providers=CPU_PROVIDERS, device="cpu",
+        total=2**10, warmup_ms=0.2, rep_ms=0.5, host_latency=True, host_latency_calls=3,
+        progress=False,
+    )
+
+
+def test_tiny_sweep_records(tiny_result):
+    r = tiny_result
+    assert TOP_KEYS <= set(r)
+    assert r["device_type"] == "cpu"
+    assert r["copy_tbps"] > 0
+    recs = r["records"]
+    assert len(recs) == 4 * 2 * 2 * 3  # ops x dtypes x sizes x providers
+    for rec in recs:
+        assert RECORD_KEYS <= set(rec), rec
+        assert rec["status"] == "ok", rec
+        assert rec["ok"] is True
+        assert rec["M"] == 2**10 // rec["N"]
+        assert rec["ms"] > 0 and rec["tbps"] > 0 and rec["gflops"] > 0
+        elt = 4 if rec["dtype"] == "fp32" else 2
+        assert rec["bytes"] == bench.bytes_moved(rec["op"], rec["M"], rec["N"], elt)
+        assert rec["tbps"] == pytest.approx(rec["bytes"] / (rec["ms"] * 1e-3) / 1e12)
+        assert rec["frac_copy"] == pytest.approx(rec["tbps"] / r["copy_tbps"])
+        others = {"fusedops", "torch", "naive"} - {rec["provider"]}
+        assert set(rec["speedup"]) == others
+    fo = [x for x in recs if x["provider"] == "fusedops"]
+    assert {x["backend"] for x in fo} == {"reference"}  # CPU tensors use the reference path
+
+
+def test_tiny_sweep_speedups_consistent(tiny_result):
+    grid = {}
+    for rec in tiny_result["records"]:
+        grid[(rec["op"], rec["dtype"], rec["N"], rec["provider"])] = rec
+    for (op, dt, n, _p), rec in grid.items():
+        for other, s in rec["speedup"].items():
+            assert s == pytest.approx(grid[(op, dt, n, other)]["ms"] / rec["ms"])
+
+
+def test_tiny_sweep_host_latency(tiny_result):
+    hl = tiny_result["host_latency"]
+    shapes = {tuple(h["shape"]) for h in hl}
+    assert shapes == {(4, 128), (64, 768), (8, 128, 768)}
+    assert {h["op"] for h in hl} == {"softmax_fwd", "layernorm_fwd"}
+    for h in hl:
+        assert h["error"] is None, h
+        assert h["us_per_call"] > 0
+        assert h["delta_vs_torch_us"] is not None
+    assert {h["provider"] for h in hl} == {"fusedops", "torch", "naive"}
+
+
+def test_write_outputs(tiny_result, tmp_path):
+    paths = bench_report.write_outputs(tiny_result, tmp_path, stem="tiny")
+    names = sorted(p.name for p in paths)
+    assert names == sorted(["tiny.json", "tiny.csv", "tiny.txt"]
+                           + [f"tiny-{op}.png" for op in bench.OPS])
+    assert len(paths) <= 8  # what comes back from a lent GPU run
+    data = json.loads((tmp_path / "tiny.json").read_text())
+    assert TOP_KEYS <= set(data)
+    assert len(data["records"]) == len(tiny_result["records"])
+    with (tmp_path / "tiny.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(tiny_result["records"])
+    for col in ("op", "dtype", "M", "N", "provider", "ms", "tbps", "gflops", "copy_tbps",
+                "frac_copy", "speedup_vs_torch", "speedup_vs_naive"):
+        assert col in rows[0]
+    for op in bench.OPS:
+        assert (tmp_path / f"tiny-{op}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (tmp_path / "tiny.txt").read_text()
+    assert "TB/s by provider" in report and "host cost per call" in report
+
+
+def test_report_roundtrip_and_merge(tiny_result, tmp_path):
+    a = bench_report.write_json(tiny_result, tmp_path / "a.json")
+    other = json.loads(json.dumps(tiny_result))
+    for rec in other["records"]:
+        rec["N"] += 1000
+    b = bench_report.write_json(other, tmp_path / "b.json")
+    merged = bench_report.merge_results([bench_report.load_result(a),
+                                         bench_report.load_result(b)])
+    assert len(merged["records"]) == 2 * len(tiny_result["records"])
+    assert len(merged["runs"]) == 2
+
+
+def test_cli_cpu(tmp_path, capsys):
+    rc = bench.main(["--device", "cpu", "--ops", "softmax_fwd,layernorm_bwd", "--dtypes", "fp32",
+                     "--sizes", "128", "--providers", CPU_PROVIDERS, "--total", "512",
+                     "--warmup", "0.2", "--rep", "0.5", "--no-host-latency", "--quiet",
+                     "--out", str(tmp_path), "--tag", "cli", "--table", "short"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "fusedops fraction of copy bandwidth" in out
+    assert "targets:" in out
+    data = json.loads((tmp_path / "cli.json").read_text())
+    assert {r["op"] for r in data["records"]} == {"softmax_fwd", "layernorm_bwd"}
+    assert (tmp_path / "cli-softmax_fwd.png").exists()
+    # --report re-renders from the JSON without benchmarking.
+    rc = bench.main(["--report", str(tmp_path / "cli.json"), "--out", str(tmp_path / "re"),
+                     "--tag", "re", "--no-plots", "--table", "full"])
+    assert rc == 0
+    assert "TB/s by provider" in capsys.readouterr().out
+    assert (tmp_path / "re" / "re.csv").exists()
+
+
+def test_cli_entry_point_and_errors(capsys):
+    from fusedops.__main__ import main
+
+    assert main(["bench", "--plan", "--device", "cpu", "--quick"]) == 0
+    assert "points" in capsys.readouterr().out
+    assert main(["bench", "--device", "cpu", "--ops", "gelu"]) == 2
+    assert "unknown op" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+
+
+def test_time_budget_truncates():
+    r = bench.run_sweep(ops="softmax_fwd", dtypes="fp32", sizes=[32, 64], providers="torch",
+                        device="cpu", total=256, warmup_ms=0.1, rep_ms=0.2, host_latency=False,
+                        time_budget_s=0.0, progress=False)
+    assert r["truncated"] is True
+    assert r["records"] == []
+    assert len(r["skipped"]) == 2
+
+
+def test_unavailable_provider_is_reported():
+    r = bench.run_sweep(ops="softmax_fwd", dtypes="fp32", sizes=[32], providers="torch,liger",
+                        device="cpu", total=64, warmup_ms=0.1, rep_ms=0.2, host_latency=False,
+                        progress=False)
+    assert "liger" in r["providers_unavailable"]
+    assert {rec["provider"] for rec in r["records"]} == {"torch"}
+
+
+# --- the correctness guard ------------------------------------------------------------------------
+
+
+def _point(fam, ops, dtype=torch.float32, M=8, N=32):
+    point = bench._Point(fam, ops, dtype, M, N, "cpu", seed=1)
+    point.compute_refs(all_providers()["torch"])
+    return point
+
+
+def _timer():
+    return bench.Timer("cpu", 0.1, 0.2)
+
+
+def test_guard_flags_wrong_output():
+    wrong = Provider("wrong", "returns its input", lambda x, w=None, b=None: x * 1.0,
+                     lambda x, w, b: x * 1.0)
+    point = _point("softmax", ["softmax_fwd", "softmax_bwd"])
+    recs = bench._run_provider(point, wrong, ["softmax_fwd", "softmax_bwd"], "fp32", _timer(),
+                               True, 1.0, None, True)
+    assert [r["status"] for r in recs] == ["wrong", "wrong"]
+    assert all(r["ok"] is False and r["max_err"] > 1e-3 and r["ms"] > 0 for r in recs)
+    table = bench_report.format_table({"records": recs, "device": "cpu", "copy_tbps": 1.0})
+    assert "!" in table
+
+
+def test_guard_records_errors():
+    def boom(*args):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    bad = Provider("bad", "raises", boom, boom)
+    point = _point("layernorm", ["layernorm_fwd", "layernorm_bwd"])
+    recs = bench._run_provider(point, bad, ["layernorm_fwd", "layernorm_bwd"], "fp32", _timer(),
+                               True, 1.0, None, True)
+    assert [r["status"] for r in recs] == ["error", "error"]
+    assert recs[0]["error"] == "RuntimeError: kernel exploded"
+    assert recs[0]["ms"] is None and recs[0]["tbps"] is None
+
+
+def test_guard_checks_layernorm_grads():
+    # A LayerNorm whose bias gradient is lost (bias detached) must fail the backward check only.
+    def no_bias_grad(x, w, b):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b.detach(), 1e-5)
+
+    prov = Provider("nobias", "drops db", no_bias_grad, no_bias_grad)
+    point = _point("layernorm", ["layernorm_fwd", "layernorm_bwd"])
+    with pytest.raises(RuntimeError):  # autograd.grad refuses an input that is not in the graph
+        torch.autograd.grad(no_bias_grad(*point.args(point.grad_inputs())),
+                            point.grad_inputs(), point.dy)
+    recs = bench._run_provider(point, prov, ["layernorm_fwd", "layernorm_bwd"], "fp32",
+                               _timer(), True, 1.0, None, True)
+    assert recs[0]["status"] == "ok"
+    assert recs[1]["status"] == "error"
+
+
+def test_check_outputs_tolerances():
+    ref = torch.linspace(-1, 1, 100)
+    ok, err = bench.check_outputs([ref + 1e-4], [ref], torch.float32)
+    assert ok and err == pytest.approx(1e-4, rel=1e-3)
+    ok, err = bench.check_outputs([ref + 1e-2], [ref], torch.float32)
+    assert not ok
+    ok, _ = bench.check_outputs([ref + 1e-2], [ref], torch.bfloat16)
+    assert ok
+    nan = ref.clone()
+    nan[3] = float("nan")
+    assert bench.check_outputs([nan], [ref], torch.bfloat16)[0] is False
+    assert bench.check_outputs([None], [ref], torch.float32)[0] is False
+    assert bench.check_outputs([ref[:5]], [ref], torch.float32)[0] is False
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+
+def _rec(op, n, provider, ms, ok=True, status="ok", dtype="bf16"):
+    M = 2**27 // n
+    rec = {"op": op, "dtype": dtype, "M": M, "N": n, "provider": provider, "status": status,
+           "ok": ok, "ms": ms, "bytes": bench.bytes_moved(op, M, n, 2), "tbps": None,
+           "frac_copy": None}
+    if ms is not None:
+        rec["tbps"] = rec["bytes"] / (ms * 1e-3) / 1e12
+        rec["frac_copy"] = rec["tbps"] / 4.0
+    return rec
+
+
+def _synthetic():
+    recs = [
+        _rec("softmax_fwd", 1024, "fusedops", 0.140), _rec("softmax_fwd", 1024, "torch", 0.200),
+        _rec("softmax_fwd", 1024, "liger", None, status="error"),
+        _rec("softmax_fwd", 65537, "fusedops", 0.300), _rec("softmax_fwd", 65537, "torch", 0.250),
+        _rec("softmax_fwd", 65537, "liger", None, status="skipped"),
+        _rec("layernorm_bwd", 262144, "fusedops", 0.5, ok=False),
+        _rec("layernorm_bwd", 262144, "torch", 0.6),
+    ]
+    bench.annotate_speedups(recs)
+    return {"device": "Fake GPU", "date": "2026-01-01", "copy_tbps": 4.0, "records": recs,
+            "host_latency": [
+                {"op": "softmax_fwd", "shape": [4, 128], "dtype": "fp16", "provider": "torch",
+                 "us_per_call": 5.0, "delta_vs_torch_us": 0.0},
+                {"op": "softmax_fwd", "shape": [4, 128], "dtype": "fp16",
+                 "provider": "fusedops", "us_per_call": 6.5, "delta_vs_torch_us": 1.5},
+            ]}
+
+
+def test_format_table():
+    text = bench_report.format_table(_synthetic())
+    lines = text.splitlines()
+    assert "copy 4.000 TB/s" in lines[0]
+    head = lines[1].split()
+    assert head[:4] == ["op", "dtype", "N", "M"]
+    assert head[4:7] == ["fusedops", "torch", "liger"]
+    assert "frac_copy" in head
+    body = "\n".join(lines[3:])
+    assert "fail" in body and "skip" in body
+    row = next(ln for ln in lines if ln.startswith("softmax_fwd") and " 1K " in ln)
+    assert "x1.43 torch" in row  # 0.200 / 0.140
+    row = next(ln for ln in lines if "65537" in ln)
+    assert "x0.83 torch" in row
+    row = next(ln for ln in lines if ln.startswith("layernorm_bwd"))
+    assert "!" in row
+    # columns line up
+    assert len({len(ln) for ln in lines[1:3]}) == 1
+
+
+def test_format_short_table_and_targets():
+    res = _synthetic()
+    text = bench_report.format_short_table(res)
+    row = next(ln for ln in text.splitlines() if ln.startswith("softmax_fwd"))
+    cells = row.split()
+    # 1K: fusedops 0.140 ms of 2*2^27*2 bytes -> 3.83 TB/s -> 0.96 of copy, not slower
+    assert cells[2] == "0.96"
+    assert cells[3].endswith("*")  # 65537: slower than torch
+    assert "!" in next(ln for ln in text.splitlines() if ln.startswith("layernorm_bwd"))
+    t = bench_report.targets_summary(res)
+    assert (t["mid_met"], t["mid_total"]) == (1, 1)
+    assert t["high_total"] == 2 and t["wrong"] == 1
+    assert t["compared"] == 3 and t["beats_all"] == 2
+    assert "65537" in t["losses"][0]
+    assert "host cost per call" in text and "+1.5" in text
+
+
+def test_slug_and_stem():
+    assert bench_report.slug("NVIDIA H200") == "h200"
+    assert bench_report.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert bench_report.slug("Apple M2 Pro") == "apple-m2-pro"
+    assert bench_report.default_stem({"device": "NVIDIA H200", "date": "2026-11-21"}) == \
+        "h200-2026-11-21"
+
+
+def test_progress_bar_non_tty():
+    import io
+
+    buf = io.StringIO()
+    bar = bench.Progress(4, stream=buf, interval=0.0)
+    for i in range(4):
+        bar.update(f"step {i}", advance=1)
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert lines[-1].startswith("[" + "#" * 24 + "] 4/4")
+
+
+def test_apple_peak_lookup_is_optional():
+    # Unknown chip (or the apple_chips module missing): no peak, no crash.
+    assert bench.apple_peak_tbps("Not A Chip 9000") is None
+
+
+# --- torch.compile provider (slow on CPU: a cold Inductor compile is ~20 s) -----------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FUSEDOPS_SLOW_TESTS") or shutil.which("g++") is None,
+                    reason="set FUSEDOPS_SLOW_TESTS=1 (needs a C++ compiler for Inductor on CPU)")
+def test_compile_provider_cpu():
+    r = bench.run_sweep(ops="softmax", dtypes="fp32", sizes=[64], providers="torch,compile",
+                        device="cpu", total=256, warmup_ms=0.2, rep_ms=0.5, host_latency=False,
+                        progress=False)
+    recs = {(x["op"], x["provider"]): x for x in r["records"]}
+    fwd, bwd = recs[("softmax_fwd", "compile")], recs[("softmax_bwd", "compile")]
+    assert fwd["status"] == bwd["status"] == "ok", (fwd, bwd)
+    assert fwd["fwd_mode"] == "train"  # one training graph serves fwd and bwd
+    assert fwd["compile_s"] > 0 and r["compile_s_total"] >= fwd["compile_s"]
