@@ -198,7 +198,9 @@ def test_half_input_float32_params(backend, x_dtype, n):
     torch.manual_seed(n)
     x = torch.randn(4, n).to(x_dtype)
     w, b = make_params(n, torch.float32)
-    check(x, n, w, b)
+    y = check(x, n, w, b)
+    if x.is_cuda:  # torch's CPU layer_norm rejects mixed dtypes; on CUDA compare the dtype rule
+        assert F.layer_norm(x, (n,), w, b).dtype == y.dtype
 
 
 def test_float32_input_half_params(backend):
@@ -291,6 +293,26 @@ def test_non_contiguous_input(backend, kind, dtype):
     assert not x.is_contiguous()
     n = x.shape[-1]
     check(x, n, *make_params(n, dtype))
+
+
+def test_specialisation_changes_between_calls(backend):
+    """Same row length, different pointer alignment / strides / row counts / affine flags in
+    sequence: each call must run the kernel specialised for it."""
+    torch.manual_seed(0)
+    base = torch.randn(9, 80)
+    w, b = make_params(64, torch.float32)
+    wide_w = torch.randn(70)
+    views = [
+        base[:4, :64],
+        base[1:5, 1:65],
+        base.view(-1)[3 : 3 + 4 * 65].view(4, 65)[:, :64],
+        base[:1, :64],
+        base[:4, 2:66],
+    ]
+    for x in views + views[::-1]:
+        check(x, 64, w, b)
+        check(x, 64, wide_w[1:65], None)  # weight pointer off by 4 bytes
+        check(x.to(torch.float16), 64, None, b)
 
 
 def test_input_not_modified(backend):

@@ -259,6 +259,25 @@ def test_non_contiguous_input(backend, kind, dtype):
         assert y.is_contiguous()
 
 
+def test_specialisation_changes_between_calls(backend):
+    """The launcher caches compiled kernels per specialisation (16-byte alignment of pointers,
+    divisibility of sizes and strides, row count 1): calls that differ only in those must each
+    get the right kernel, in any order."""
+    torch.manual_seed(0)
+    base = torch.randn(9, 80)
+    views = [
+        base[:4, :64],  # aligned, row stride 80 (divisible by 16)
+        base[1:5, 1:65],  # pointer off by 4 bytes
+        base.view(-1)[3 : 3 + 4 * 65].view(4, 65)[:, :64],  # row stride 65
+        base[:1, :64],  # one row
+        base[2:6, :64].contiguous(),  # aligned, stride 64
+        base[:4, 2:66],  # off by 8 bytes
+    ]
+    for x in views + views[::-1]:
+        check(x)
+        check(x.to(torch.bfloat16))
+
+
 def test_input_not_modified(backend):
     wide = torch.randn(4, 20)
     before = wide.clone()
