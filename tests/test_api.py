@@ -555,3 +555,24 @@ def test_double_backward_is_right_or_refused(op):
     except RuntimeError:
         return  # refused loudly: acceptable
     torch.testing.assert_close(got, expected)
+
+
+def test_cpu_autocast_matches_torch():
+    """CPU autocast has its own policy (softmax/layer_norm keep bf16 there): follow torch."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8)
+    ln = nn.LayerNorm(8)
+    fused_ln = FusedLayerNorm(8)
+    fused_ln.load_state_dict(ln.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ w
+        pairs = [
+            (fused_softmax(h, -1), torch.softmax(h, -1)),
+            (fused_softmax(x, 0), torch.softmax(x, 0)),
+            (fused_layernorm(h, 8), F.layer_norm(h, (8,))),
+            (fused_ln(h), ln(h)),
+        ]
+    for ours, theirs in pairs:
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs, atol=1e-2, rtol=1e-2)
