@@ -78,7 +78,7 @@ def plot_results(result: dict, out_dir: str | Path, stem: str) -> list[Path]:
             ax.set_title(f"{op} {dt}")
             ax.grid(True, alpha=0.3)
         axes[0].set_ylabel("TB/s (minimum bytes / median time)")
-        axes[-1].legend(fontsize=7, loc="lower left")
+        axes[-1].legend(fontsize=7, loc="best")
         fig.suptitle(f"{op} on {result.get('device')} ({result.get('date')})", fontsize=10)
         path = out / f"{stem}-{op}.png"
         fig.savefig(path, dpi=110)

@@ -348,7 +348,8 @@ def format_report(result: dict) -> str:
     """Everything a human wants at the end of a run: header, full table, targets, latency."""
     parts = [
         f"device: {result.get('device')}  torch {result.get('torch')}  triton "
-        f"{result.get('triton')}  fusedops {result.get('fusedops')} ({result.get('git')})  "
+        f"{result.get('triton')}  fusedops {result.get('fusedops')} (git {result.get('git')}, "
+        f"source {result.get('source_sha')})  "
         f"date {result.get('date')}",
     ]
     if result.get("copy_tbps"):
