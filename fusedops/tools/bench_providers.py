@@ -93,6 +93,7 @@ class Provider:
     layernorm: RowFn
     compiles: bool = False
     devices: tuple[str, ...] = ("cuda", "mps", "cpu")
+    runs_on: str = ""
 
     def unavailable_reason(self, device_type: str) -> str | None:
         """None when this provider can run on ``device_type``, else why not."""
@@ -109,7 +110,7 @@ class Provider:
 
     def backend(self, x: torch.Tensor) -> str:
         """What actually runs for this provider on ``x`` (recorded in every result)."""
-        return self.name
+        return self.runs_on or self.name
 
 
 class FusedopsProvider(Provider):
@@ -149,10 +150,11 @@ def all_providers() -> dict[str, Provider]:
         ),
         "torch": Provider(
             "torch", "torch eager: torch.softmax / F.layer_norm", torch_softmax, torch_layernorm,
+            runs_on="eager",
         ),
         "compile": Provider(
             "compile", "torch.compile(dynamic=False) of the torch eager op, recompiled per shape",
-            torch_softmax, torch_layernorm, compiles=True,
+            torch_softmax, torch_layernorm, compiles=True, runs_on="inductor",
         ),
         "liger": LigerProvider(
             "liger", "Liger-Kernel LigerSoftmaxFunction / LigerLayerNormFunction",
@@ -160,7 +162,7 @@ def all_providers() -> dict[str, Provider]:
         ),
         "naive": Provider(
             "naive", "unfused eager composition (max/exp/sum/div; mean/var/sub/mul/add)",
-            naive_softmax, naive_layernorm,
+            naive_softmax, naive_layernorm, runs_on="eager (unfused)",
         ),
     }
 
