@@ -9,13 +9,13 @@ Two mechanisms, both scoped to one model (torch itself is never monkeypatched):
    ``FusedS(..., S)``, so ``isinstance(m, S)`` still holds and ``S``'s other methods are kept).
    Parameters, buffers, hooks and state_dict keys are untouched because the instance is.
 
-2. **Functional level** (``functional=True``). A forward pre-hook / forward hook pair on the root
-   module pushes a :class:`torch.overrides.TorchFunctionMode` for exactly the duration of the
-   model's forward. The mode routes ``F.softmax``, ``torch.softmax``, ``Tensor.softmax``,
-   ``torch.special.softmax``, ``F.layer_norm`` and ``torch.layer_norm`` to the fused ops and
-   passes every other call through. The forward hook is registered with ``always_call=True`` so
-   the mode is popped even when forward raises; nested and re-entrant calls share the outermost
-   mode through a depth counter. Excluded subtrees suspend the mode while they run.
+2. **Functional level** (``functional=True``). An instance-level ``forward`` wrapper on the root
+   module runs the original forward inside a :class:`torch.overrides.TorchFunctionMode` (a
+   ``with`` block: exception-safe, and traced away by ``torch.compile``). The mode routes
+   ``F.softmax``, ``torch.softmax``, ``Tensor.softmax``, ``torch.special.softmax``,
+   ``F.layer_norm`` and ``torch.layer_norm`` to the fused ops and passes every other call
+   through. Nested and re-entrant calls reuse the outermost mode. Excluded subtrees get a
+   wrapper that suspends routing while they run.
 
 See ``docs/patching.md`` for the user-facing description and how to read the report.
 """
@@ -139,6 +139,31 @@ def _route_layernorm(func: Any, args: tuple, kwargs: dict) -> Any:
     return fused_layernorm(x, shape, weight, bias, eps)
 
 
+_ROUTED = {
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
+    torch.Tensor.softmax: "softmax",
+    torch.special.softmax: "softmax",
+    F.layer_norm: "layernorm",
+    torch.layer_norm: "layernorm",
+}
+
+
+def _routed_op(func: Any) -> str | None:
+    if torch.compiler.is_compiling():  # identity tests: what Dynamo traces best
+        if (
+            func is F.softmax
+            or func is torch.softmax
+            or func is torch.Tensor.softmax
+            or func is torch.special.softmax
+        ):
+            return "softmax"
+        if func is F.layer_norm or func is torch.layer_norm:
+            return "layernorm"
+        return None
+    return _ROUTED.get(func)  # eager: one dict lookup on the hot path of every torch call
+
+
 class _FusedFunctionMode(TorchFunctionMode):
     """Routes the functional softmax / layer_norm calls of one forward to the fused ops.
 
@@ -147,30 +172,20 @@ class _FusedFunctionMode(TorchFunctionMode):
     Dynamo trace the mode (and resume it across graph breaks).
     """
 
-    def __init__(self, softmax: bool, layernorm: bool, counts: Counter | None = None) -> None:
+    def __init__(self, ops: tuple[str, ...], counts: Counter | None = None) -> None:
         super().__init__()
-        self.softmax = softmax
-        self.layernorm = layernorm
+        self.ops = ops
         self.counts = counts  # Counter of routed calls during a verification pass, else None
-        self.depth = 0  # re-entrant / nested patched forwards sharing this mode
-        self.suspended = 0  # > 0 while an excluded module runs
+        self.suspended = 0  # > 0 while an excluded module runs (per mode, so per thread)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self.suspended == 0 and _plain_types(types):
-            out = _MISSING
-            op = None
-            if self.softmax and (
-                func is F.softmax
-                or func is torch.softmax
-                or func is torch.Tensor.softmax
-                or func is torch.special.softmax
-            ):
-                op = "softmax"
+        op = _routed_op(func)
+        if op is not None and not self.suspended and op in self.ops and _plain_types(types):
+            if op == "softmax":
                 out = _route_softmax(func, args, kwargs)
-            elif self.layernorm and (func is F.layer_norm or func is torch.layer_norm):
-                op = "layernorm"
+            else:
                 out = _route_layernorm(func, args, kwargs)
             if out is not _MISSING:
                 if self.counts is not None:
@@ -188,71 +203,65 @@ def _active_mode() -> _FusedFunctionMode | None:
     return None
 
 
-def _pop_mode(mode: _FusedFunctionMode) -> None:
-    """Pop ``mode``; if user code left other modes above it, keep those (eager only)."""
-    n = torch._C._len_torch_function_stack()
-    if n and torch._C._get_function_stack_at(n - 1) is mode:
-        mode.__exit__(None, None, None)
-        return
-    above = []
-    while torch._C._len_torch_function_stack():
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for m in reversed(above):
-        torch._C._push_on_torch_function_stack(m)
+class _ForwardWrapper:
+    """Base of the instance-level ``forward`` that patch_model installs on a module.
+
+    It wraps what ``module.forward`` was (the class's forward, or an instance-level forward set
+    by someone else, e.g. accelerate) and is removed again by :func:`unpatch_model`. Unlike a
+    forward pre-hook / hook pair, the mode is entered and left inside one Python frame, so
+    ``torch.compile(model)`` traces it away completely (hooks of the compiled top module run
+    as frames of their own, which would leave the mode active around the compiled code).
+    """
+
+    __name__ = "forward"
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        self.module = module
+        self.inner = inner  # a previous instance-level forward, or None for the class's
+
+    @property
+    def __wrapped__(self) -> Any:  # inspect.signature(model.forward) sees the real signature
+        if self.inner is not None:
+            return self.inner
+        return type(self.module).forward.__get__(self.module)
+
+    def _call_inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
-# Hooks are module-level functions that read the options from the module they are called on,
-# so a deep-copied or pickled patched model carries working hooks of its own.
+class _RoutedForward(_ForwardWrapper):
+    """The patched model's forward: runs the original under a fresh :class:`_FusedFunctionMode`.
+
+    A fresh mode per outermost call keeps its state per thread (the mode stack is thread-local).
+    Re-entrant calls, and patched models called inside another patched model's forward, reuse
+    the mode already active, so nothing is routed twice.
+    """
+
+    def __init__(self, module: nn.Module, inner: Any, state: _PatchState) -> None:
+        super().__init__(module, inner)
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _active_mode() is not None:
+            return self._call_inner(*args, **kwargs)
+        with _FusedFunctionMode(self.state.ops, self.state.verify_counts):
+            return self._call_inner(*args, **kwargs)
 
 
-def _enter_hook(module: nn.Module, args: Any) -> None:
-    state = getattr(module, _STATE_ATTR, None)
-    if state is None:
-        return None
-    mode = _active_mode()
-    if mode is not None:
-        # Re-entrant call, or a patched model inside another patched model's forward: the
-        # outermost mode keeps governing, so nothing is routed twice.
-        mode.depth += 1
-    else:
-        # A fresh mode per outermost call keeps depth/suspension per thread (the mode stack is
-        # thread-local). Storing it on the state gives Dynamo a source for the object, which it
-        # needs when the hook is compiled as a frame of its own (torch.compile(module) runs
-        # the hooks as separate frames); nothing reads it back.
-        mode = _FusedFunctionMode(
-            "softmax" in state.ops, "layernorm" in state.ops, state.verify_counts
-        )
-        state.last_mode = mode
-        mode.__enter__()
-    return None
+class _SuspendedForward(_ForwardWrapper):
+    """The forward of an excluded subtree's root: functional routing is off while it runs."""
 
-
-def _exit_hook(module: nn.Module, args: Any, output: Any) -> None:
-    mode = _active_mode()
-    if mode is None:
-        return None
-    if mode.depth:
-        mode.depth -= 1
-    else:
-        _pop_mode(mode)
-    return None
-
-
-def _suspend_hook(module: nn.Module, args: Any) -> None:
-    mode = _active_mode()
-    if mode is not None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mode = _active_mode()
+        if mode is None:
+            return self._call_inner(*args, **kwargs)
         mode.suspended += 1
-    return None
-
-
-def _resume_hook(module: nn.Module, args: Any, output: Any) -> None:
-    mode = _active_mode()
-    if mode is not None and mode.suspended:
-        mode.suspended -= 1
-    return None
+        try:
+            return self._call_inner(*args, **kwargs)
+        finally:
+            mode.suspended -= 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,14 +270,23 @@ def _resume_hook(module: nn.Module, args: Any, output: Any) -> None:
 
 
 class _SuspendRouting:
-    """Mixin for the swapped-in classes: the fused forward runs with the functional mode
-    suspended, so the fused op's own torch calls (e.g. the reference backend's
-    ``torch.softmax``) are never routed a second time."""
+    """Mixin for the swapped-in classes: the fused forward runs without the functional mode,
+    so the fused op's own torch calls (e.g. the reference backend's ``torch.softmax``) are
+    neither routed a second time nor slowed down by the mode."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or not torch._C._len_torch_function_stack():
+        if torch.compiler.is_compiling():
             return super().forward(input)
-        mode = _active_mode()
+        n = torch._C._len_torch_function_stack()
+        if n == 0:
+            return super().forward(input)
+        if isinstance(torch._C._get_function_stack_at(n - 1), _FusedFunctionMode):
+            mode = torch._C._pop_torch_function_stack()
+            try:
+                return super().forward(input)
+            finally:
+                torch._C._push_on_torch_function_stack(mode)
+        mode = _active_mode()  # another mode above ours: just stop routing
         if mode is None:
             return super().forward(input)
         mode.suspended += 1
@@ -389,9 +407,8 @@ class _PatchState:
     functional: bool
     exclude: tuple
     swapped: list[tuple[nn.Module, type]]  # (module, original class)
-    handles: list[Any]  # RemovableHandles of every hook we added
+    wrappers: list[tuple[nn.Module, Any]]  # (module, _ForwardWrapper) installed as forward
     verify_counts: Counter | None = None
-    last_mode: Any = None  # see _enter_hook
 
 
 def _fmt(v: float | None) -> str:
@@ -710,7 +727,7 @@ def patch_model(
 
     report = PatchReport(model=type(model).__name__, ops=ops, functional=functional)
     state = _PatchState(
-        ops=ops, functional=functional, exclude=exclude_arg, swapped=[], handles=[]
+        ops=ops, functional=functional, exclude=exclude_arg, swapped=[], wrappers=[]
     )
 
     # Walk every path to every module (shared modules have several names): a module is excluded
@@ -795,18 +812,40 @@ def patch_model(
     # Functional routing: on for the model's forward, suspended inside excluded subtrees.
     state.functional = functional and bool(ops) and id(model) not in excluded_by
     if state.functional:
-        state.handles.append(model.register_forward_pre_hook(_enter_hook, prepend=True))
-        state.handles.append(model.register_forward_hook(_exit_hook, always_call=True))
+        _install(state, model, _RoutedForward(model, model.__dict__.get("forward"), state))
         for module, name in exclusion_roots.values():
             if name in report.excluded:
-                state.handles.append(module.register_forward_pre_hook(_suspend_hook, prepend=True))
-                state.handles.append(module.register_forward_hook(_resume_hook, always_call=True))
+                _install(state, module, _SuspendedForward(module, module.__dict__.get("forward")))
     report.functional = state.functional
     object.__setattr__(model, _STATE_ATTR, state)
 
     if example_inputs is not None:
         report.verification = _verify(model, state, example_inputs, reference)
     return report
+
+
+def _install(state: _PatchState, module: nn.Module, wrapper: _ForwardWrapper) -> None:
+    # A plain instance attribute (nn.Module.__setattr__ stores non-module values in __dict__).
+    module.__dict__["forward"] = wrapper
+    state.wrappers.append((module, wrapper))
+
+
+def _uninstall(module: nn.Module, wrapper: _ForwardWrapper) -> None:
+    """Take ``wrapper`` out of ``module``'s forward, also when other wrappers were stacked on
+    top of it since (e.g. a parent model patched after this one)."""
+    current = module.__dict__.get("forward")
+    if current is wrapper:
+        if wrapper.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = wrapper.inner
+        return
+    while isinstance(current, _ForwardWrapper):
+        if current.inner is wrapper:
+            current.inner = wrapper.inner
+            return
+        current = current.inner
+    # Someone replaced forward after patching: leave their attribute alone.
 
 
 def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference: Any) -> dict:
@@ -854,7 +893,7 @@ def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_model`: original classes back, fusedops hooks removed.
+    """Undo :func:`patch_model`: original classes back, fusedops forward wrappers removed.
 
     Parameters and buffers were never replaced, so nothing else changes. Returns ``model``.
     Calling it on a model that is not patched does nothing.
@@ -862,8 +901,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         return model
-    for handle in state.handles:
-        handle.remove()
+    for module, wrapper in reversed(state.wrappers):
+        _uninstall(module, wrapper)
     for module, cls in state.swapped:
         module.__class__ = cls
     del model.__dict__[_STATE_ATTR]

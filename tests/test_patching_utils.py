@@ -178,7 +178,7 @@ def loss_of(out: Any) -> torch.Tensor:
     total = 0.0
     for t in tensors(out).values():
         if t.is_floating_point() and t.requires_grad:
-            w = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
+            w = torch.randn(t.shape, generator=g).to(t.device, t.dtype)
             total = total + (t * w).sum()
     return total
 
