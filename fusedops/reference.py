@@ -47,7 +47,8 @@ def layernorm_forward(
     xf = x.to(acc)
     mean = xf.mean(dim=-1)
     var = (xf - mean[:, None]).square().mean(dim=-1)
-    rstd = torch.rsqrt(var + eps)
+    # A variance that overflows gives NaN (as torch does), never a silent row of zeros.
+    rstd = torch.where(torch.isinf(var), torch.nan, torch.rsqrt(var + eps))
     y = (xf - mean[:, None]) * rstd[:, None]
     if weight is not None:
         y = y * weight.to(acc)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fusedops import _dispatch
+from fusedops import _dispatch, reference
 from fusedops._validate import check_layernorm_args, normalize_shape
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
@@ -41,7 +41,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     ``LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)`` normalises over the trailing
     ``n`` elements of ``x`` (the product of ``normalized_shape``); ``weight``/``bias`` are None or
-    tensors with ``n`` elements. Saves x (as the (M, n) row view), weight, and float32 mean/rstd.
+    tensors with ``n`` elements. Saves x, weight, and float32 mean/rstd (8 bytes per row).
     """
 
     @staticmethod
@@ -49,8 +49,11 @@ class LayerNormFunction(torch.autograd.Function):
         x2 = as_rows(x, n)
         w, b = _flat(weight), _flat(bias)
         y2, mean, rstd = _forward_rows(x2, w, b, eps, out_dtype)
-        ctx.save_for_backward(x2, w, mean, rstd)
+        # The inputs themselves are saved (not the row views made here) so that a double
+        # backward can differentiate through them.
+        ctx.save_for_backward(x, weight, mean, rstd)
         ctx.n = n
+        ctx.eps = eps
         ctx.has_bias = bias is not None
         ctx.param_dtypes = (
             None if weight is None else weight.dtype,
@@ -64,13 +67,23 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, mean, rstd = ctx.saved_tensors
+        x, weight, mean, rstd = ctx.saved_tensors
+        x2, w = as_rows(x, ctx.n), _flat(weight)
         need_dx, _, need_dw, need_db, _, _ = ctx.needs_input_grad
         need_dw = bool(need_dw and w is not None)
         need_db = bool(need_db and ctx.has_bias)
-        dx2, dw, db = _backward_rows(
-            as_rows(dy, ctx.n), x2, w, mean, rstd, need_dx, need_dw, need_db
-        )
+        dy2 = as_rows(dy, ctx.n)
+        if torch.is_grad_enabled():
+            # create_graph=True: recompute the statistics from x in differentiable torch ops so
+            # second derivatives see mean and rstd as the functions of x they are.
+            xf = x2.float() if x2.dtype != torch.float64 else x2
+            mean = xf.mean(dim=-1)
+            rstd = torch.rsqrt((xf - mean[:, None]).square().mean(dim=-1) + ctx.eps)
+            dx2, dw, db = reference.layernorm_backward(
+                dy2, x2, w, mean, rstd, need_dx, need_dw, need_db
+            )
+        else:
+            dx2, dw, db = _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db)
         dx = dx2.view(dy.shape) if dx2 is not None else None
         w_dtype, b_dtype = ctx.param_dtypes
         w_shape, b_shape = ctx.param_shapes

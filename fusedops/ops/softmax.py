@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedops import _dispatch
+from fusedops import _dispatch, reference
 from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
@@ -53,24 +53,33 @@ class SoftmaxFunction(torch.autograd.Function):
 
     ``SoftmaxFunction.apply(x, dim, out_dtype)`` with ``dim`` already normalised to
     ``[0, x.dim())`` (0 for a 0-d tensor) and ``x`` a float tensor that the kernel reads as is.
-    Saves only the output ``y`` (fp32 math recomputes everything else in backward).
+    Saves only the output ``y``; backward is ``dx = y * (dy - sum(dy * y))`` in float32, and is
+    itself differentiable (create_graph=True) through a torch-ops path.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, out_dtype: torch.dtype) -> torch.Tensor:
-        y2 = _forward_rows(_to_rows(x, dim), out_dtype)
+        y = _from_rows(_forward_rows(_to_rows(x, dim), out_dtype), x, dim)
         ctx.dim = dim
         ctx.in_dtype = x.dtype
-        ctx.save_for_backward(y2)
-        return _from_rows(y2, x, dim)
+        # Save the output itself (not an internal buffer) so a double backward can see y's
+        # dependence on x.
+        ctx.save_for_backward(y)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (y2,) = ctx.saved_tensors
+        (y,) = ctx.saved_tensors
         dim = ctx.dim
-        shape_ref = dy
-        dx2 = _backward_rows(y2, _to_rows(dy, dim), ctx.in_dtype)
-        return _from_rows(dx2, shape_ref, dim), None, None
+        y2 = _to_rows(y, dim)
+        dy2 = _to_rows(dy, dim)
+        if torch.is_grad_enabled():
+            # create_graph=True (gradient penalties, Hessian-vector products): the same formula
+            # in differentiable torch ops; y2 still links back to this Function's output.
+            dx2 = reference.softmax_backward(y2, dy2, ctx.in_dtype)
+        else:
+            dx2 = _backward_rows(y2, dy2, ctx.in_dtype)
+        return _from_rows(dx2, dy, dim), None, None
 
 
 def fused_softmax(

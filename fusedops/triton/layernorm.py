@@ -48,7 +48,8 @@ def _ln_fwd_single(
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N
-        rstd = 1.0 / tl.sqrt(var + eps)
+        # A variance that overflows float32 gives NaN (as torch does), never a row of zeros.
+        rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
         y = xc * rstd[:, None]
         if HAS_W:
             y = y * w[None, :]
@@ -85,7 +86,7 @@ def _ln_fwd_looped(
     mean = tl.sum(cnt * avg, axis=0) / N
     dev = avg - mean
     var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0)) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     for start in range(0, N, CHUNK):
