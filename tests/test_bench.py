@@ -104,7 +104,7 @@ def tiny_result():
     return bench.run_sweep(
         ops="all", dtypes="fp32,bf16", sizes=[64, 257], providers=CPU_PROVIDERS, device="cpu",
         total=2**10, warmup_ms=0.2, rep_ms=0.5, host_latency=True, host_latency_calls=3,
-        progress=False,
+        host_latency_shapes=[(4, 128), (2, 3, 64)], progress=False,
     )
 
 
@@ -143,7 +143,8 @@ def test_tiny_sweep_speedups_consistent(tiny_result):
 def test_tiny_sweep_host_latency(tiny_result):
     hl = tiny_result["host_latency"]
     shapes = {tuple(h["shape"]) for h in hl}
-    assert shapes == {(4, 128), (64, 768), (8, 128, 768)}
+    assert shapes == {(4, 128), (2, 3, 64)}
+    assert bench.HOST_LATENCY_SHAPES == ((4, 128), (64, 768), (8, 128, 768))
     assert {h["op"] for h in hl} == {"softmax_fwd", "layernorm_fwd"}
     for h in hl:
         assert h["error"] is None, h

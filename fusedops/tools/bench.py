@@ -255,7 +255,9 @@ def synchronize(device: str) -> None:
 
 
 def empty_cache(device: str) -> None:
-    gc.collect()
+    if device == "cpu":
+        return
+    gc.collect()  # drop reference cycles that still hold device tensors
     if device == "cuda":
         torch.cuda.empty_cache()
     elif device == "mps":
@@ -797,6 +799,7 @@ def run_sweep(
     check: bool = True,
     host_latency: bool = True,
     host_latency_calls: int | None = None,
+    host_latency_shapes: Sequence[Sequence[int]] = HOST_LATENCY_SHAPES,
     copy_elements: int | None = None,
     share_compile: bool = True,
     time_budget_s: float | None = None,
@@ -814,7 +817,8 @@ def run_sweep(
         warmup_ms, rep_ms: do_bench warm-up / measurement windows per point (default 5 / 25 ms
             on CUDA, 10 / 50 on MPS, 1 / 3 on CPU).
         check: verify each provider's output against torch eager before timing it.
-        host_latency: also measure small-shape wall time per call.
+        host_latency: also measure small-shape wall time per call (``host_latency_shapes``,
+            ``host_latency_calls`` calls per run).
         share_compile: compile each (family, dtype, N) once in training mode and time the
             compiled forward in grad mode too (otherwise forward-only sweeps compile an
             inference graph; a family with fwd and bwd then needs only one compile).
@@ -905,6 +909,7 @@ def run_sweep(
                                                     "repeats": 3}
         host_dtype = "fp32" if device == "cpu" else "fp16"
         result["host_latency"] = measure_host_latency(device, [p.name for p in active],
+                                                      shapes=host_latency_shapes,
                                                       dtype=host_dtype, **kw)
         if on_point:
             on_point(result)
