@@ -1,47 +1,52 @@
 """A deterministic synthetic regression task that needs attention across positions.
 
-Each sequence is one *query* token followed by ``L - 1`` key/value tokens (``L`` varies per
-sequence, the rest is padding). Features per token (``n_features = key_dim + 2``)::
+Each sequence is one *query* token followed by ``L - 1`` tokens (``L`` varies per sequence, the
+rest is padding). Every token has a category ``c_i`` in ``{0..C-1}`` and a value ``v_i``; each
+sequence draws its own category means ``mu ~ N(0, 1)^C`` and ``v_i = mu[c_i] + spread * noise``.
+Features per token (``n_features = C + 2``)::
 
-    [ key (key_dim) | value (1) | is_query flag (1) ]
+    [ one-hot category (C) | value (1) | is_query flag (1) ]
 
-The query token carries the query vector ``q`` in the key slot. The target is a soft lookup::
+The query token carries a category ``q`` (and value 0). The target is the mean value of the real
+tokens of the query's category::
 
-    y = sum_i softmax_i(beta * q . k_i / sqrt(key_dim)) * v_i      over the real tokens i >= 1
+    y = mean { v_i : i >= 1, token i is real, c_i == q }
 
-so a model has to compare the query token with every other token (attention) and must ignore
-the padding (mask). Predicting the training mean scores R^2 = 0; a perfect model scores 1.
-Data are drawn from a seeded ``torch.Generator``: the same seed gives the same batches.
+(at least one such token is always present). A model has to match the query token against every
+other token (content-based attention) and must ignore the padding (mask); averaging all tokens
+alone does not solve it. The target's spread does not shrink with the sequence length, so the
+same rule is learnable at 16 and at 1024 positions. Predicting the training mean scores
+R^2 = 0; a perfect model scores 1. Data come from a seeded ``torch.Generator``: the same seed
+gives the same batches.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
 class SyntheticTask:
-    max_len: int = 32
-    min_len: int | None = None  # default: max_len // 2
-    key_dim: int = 4
-    beta: float = 3.0
-    noise: float = 0.0
+    max_len: int = 16
+    min_len: int | None = None  # default: max_len // 2 (at least 2)
+    n_categories: int = 4
+    spread: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.key_dim < 1:
-            raise ValueError(f"key_dim must be >= 1, got {self.key_dim}")
+        if self.n_categories < 1:
+            raise ValueError(f"n_categories must be >= 1, got {self.n_categories}")
         if self.max_len < 2:
-            raise ValueError("max_len must be >= 2 (one query token and at least one key)")
+            raise ValueError("max_len must be >= 2 (one query token and at least one other)")
         if not 2 <= self.lengths[0] <= self.max_len:
             raise ValueError(f"min_len must be in [2, max_len], got {self.min_len}")
 
     @property
     def n_features(self) -> int:
-        return self.key_dim + 2
+        return self.n_categories + 2
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -61,24 +66,29 @@ class SyntheticTask:
         """Draw ``(x, mask, y)``: ``(B, max_len, n_features)`` float32, ``(B, max_len)`` bool
         and ``(B, 1)`` float32, on CPU. ``full_length=True`` makes every sequence ``max_len``
         long (no padding)."""
-        b, s, dk = batch_size, self.max_len, self.key_dim
+        b, s, c = batch_size, self.max_len, self.n_categories
         lo, hi = self.lengths
         if full_length:
             lengths = torch.full((b,), hi)
         else:
             lengths = torch.randint(lo, hi + 1, (b,), generator=generator)
         mask = torch.arange(s)[None, :] < lengths[:, None]
-        keys = torch.randn(b, s, dk, generator=generator)
-        values = torch.randn(b, s, generator=generator)
-        logits = self.beta * (keys[:, 1:] * keys[:, :1]).sum(-1) / math.sqrt(dk)  # (B, S-1)
-        logits = logits.masked_fill(~mask[:, 1:], float("-inf"))
-        y = (torch.softmax(logits, dim=-1) * values[:, 1:]).sum(-1, keepdim=True)
-        if self.noise:
-            y = y + self.noise * torch.randn(b, 1, generator=generator)
+        cats = torch.randint(0, c, (b, s), generator=generator)
+        query = torch.randint(0, c, (b,), generator=generator)
+        # one real token (at a random position) always shares the query's category
+        pos = 1 + (torch.rand(b, generator=generator) * (lengths - 1)).long()
+        rows = torch.arange(b)
+        cats[rows, pos] = query
+        cats[:, 0] = query
+        mu = torch.randn(b, c, generator=generator)
+        values = mu.gather(1, cats) + self.spread * torch.randn(b, s, generator=generator)
+        match = (cats == query[:, None]) & mask
+        match[:, 0] = False
+        y = (values * match).sum(1, keepdim=True) / match.sum(1, keepdim=True)
         values[:, 0] = 0.0
         flag = torch.zeros(b, s)
         flag[:, 0] = 1.0
-        x = torch.cat([keys, values[..., None], flag[..., None]], dim=-1)
+        x = torch.cat([F.one_hot(cats, c).float(), values[..., None], flag[..., None]], dim=-1)
         x = x * mask[..., None]
         return x, mask, y
 
@@ -94,7 +104,9 @@ class SyntheticTask:
 
 
 def task_for(config, **overrides) -> SyntheticTask:
-    """The task matching a :class:`PredictorConfig` (same ``max_len``; ``n_features`` checked)."""
+    """The task matching a :class:`PredictorConfig` (same ``max_len``,
+    ``n_categories = n_features - 2``)."""
     if config.n_features < 3:
-        raise ValueError("the synthetic task needs n_features >= 3 (key_dim >= 1)")
-    return SyntheticTask(max_len=config.max_len, key_dim=config.n_features - 2, **overrides)
+        raise ValueError("the synthetic task needs n_features >= 3 (n_categories >= 1)")
+    return SyntheticTask(max_len=config.max_len, n_categories=config.n_features - 2,
+                         **overrides)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +109,17 @@ def train_predictor(
     heldout_n: int = 1024,
     progress: Callable[[int, int, float], None] | None = None,
     seed: int = 0,
+    curriculum: Sequence[int] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place with AdamW (linear warm-up, cosine decay, grad-clip 1.0) on fresh
     batches of ``task``; returns held-out metrics before and after.
 
-    ``time_limit`` (seconds) stops early; ``progress(step, steps, loss)`` is called every step.
-    The run is deterministic for a given ``seed`` and device (data come from the task's seed).
+    ``curriculum``: sequence lengths to train on in equal shares of the steps (e.g.
+    ``(16, 64, 256, 1024)``), short first; the lookup rule does not depend on the length, so
+    short sequences teach it cheaply and the later stages adapt it to long ones. Default: train
+    on ``task`` as is. ``time_limit`` (seconds) stops early; ``progress(step, steps, loss)`` is
+    called every step. The run is deterministic for a given ``seed`` and device (data come from
+    the task's seed).
     """
     device = next(model.parameters()).device
     torch.manual_seed(seed)
@@ -137,9 +142,12 @@ def train_predictor(
     start = time.perf_counter()
     stopped = False
     done = 0
-    batches = task.batches(batch_size)
+    gen = task.generator(0)
+    stages = [task] if not curriculum else [
+        replace(task, max_len=int(n), min_len=None) for n in curriculum]
     for step in range(steps):
-        x, mask, y = next(batches)
+        stage = stages[min(len(stages) - 1, step * len(stages) // steps)]
+        x, mask, y = stage.sample(batch_size, gen)
         x, mask, y = x.to(device), mask.to(device), y.to(device)
         loss = F.mse_loss(model(x, mask).float(), y)
         opt.zero_grad(set_to_none=True)

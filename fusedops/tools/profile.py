@@ -28,6 +28,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -117,7 +118,7 @@ def model_device(model: nn.Module) -> torch.device:
 _PATTERNS = [
     ("other", re.compile(r"log_?softmax")),
     ("softmax", re.compile(r"softmax")),
-    ("layernorm", re.compile(r"layer_?norm")),
+    ("layernorm", re.compile(r"layer_?norm|(^|_)ln_(fwd|bwd)")),
     ("matmul", re.compile(
         r"gemm|matmul|cutlass|xmma|cublas|nvjet|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|linear|"
         r"_addmm_activation|scaled_dot_product)")),
@@ -354,7 +355,9 @@ def _run_profiler(model, inputs, device, iters):
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with torch.no_grad(), annotate_fused_calls(), _report.filter_native_stderr():
+    with torch.no_grad(), annotate_fused_calls(), _report.filter_native_stderr(), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
         _report.sync(device)
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()

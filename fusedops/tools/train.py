@@ -57,7 +57,7 @@ def train_or_load(
                                 steps, quiet=quiet)
     result = train_predictor(
         model, task, steps=steps, batch_size=preset.train_batch_size, lr=preset.lr, seed=seed,
-        time_limit=time_limit,
+        time_limit=time_limit, curriculum=preset.curriculum,
         progress=lambda done, total, loss: progress.update(done, total, f"loss {loss:.4f}"),
     )
     progress.close(f"(held-out R^2 {result.heldout_after['r2']:.3f})")
