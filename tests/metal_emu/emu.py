@@ -245,20 +245,37 @@ def _wrapper_source(shader: Path, kernels: list[Kernel]) -> str:
     return "\n".join(lines)
 
 
-def _hash_inputs(shader_dir: Path, files: Sequence[str], variant: str) -> str:
+def _hash_files(paths: Sequence[Path], extra: str) -> str:
     h = hashlib.sha256()
-    paths = sorted(shader_dir.glob("*.metal")) + [shader_dir / f for f in files]
-    paths += sorted(SHIM_DIR.iterdir()) + sorted(RUNTIME_DIR.iterdir()) + [Path(__file__)]
     for p in paths:
         if p.is_file():
             h.update(p.name.encode())
             h.update(p.read_bytes())
-    h.update(" ".join([CXX, *COMMON_FLAGS, *VARIANT_FLAGS[variant], *files]).encode())
+    h.update(extra.encode())
     try:
         h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
     except OSError as e:  # pragma: no cover - no compiler
         raise EmuError(f"cannot run {CXX}: {e}") from e
     return h.hexdigest()[:16]
+
+
+def _hash_inputs(shader_dir: Path, files: Sequence[str], variant: str) -> str:
+    paths = sorted(shader_dir.glob("*.metal")) + [shader_dir / f for f in files]
+    paths += sorted(SHIM_DIR.iterdir()) + sorted(RUNTIME_DIR.iterdir()) + [Path(__file__)]
+    return _hash_files(paths, " ".join([CXX, *COMMON_FLAGS, *VARIANT_FLAGS[variant], *files]))
+
+
+def _runtime_object(variant: str) -> Path:
+    """The compiled runtime, shared by every build of a variant (cached)."""
+    flags = [*COMMON_FLAGS, *VARIANT_FLAGS[variant]]
+    key = _hash_files(sorted(RUNTIME_DIR.iterdir()), " ".join([CXX, *flags]))
+    obj = BUILD_ROOT / f"runtime-{variant}-{key}.o"
+    if not obj.exists():
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+        _compile_all([[CXX, *flags, "-I", str(RUNTIME_DIR), "-c",
+                       str(RUNTIME_DIR / "emu_runtime.cpp"), "-o", str(tmp)]])
+        tmp.rename(obj)
+    return obj
 
 
 def _compile_all(jobs: list[list[str]]) -> None:
@@ -301,10 +318,8 @@ def build(shader_dir: Path = SHADER_DIR, files: Sequence[str] = SHADER_FILES,
                 obj = src.with_suffix(".o")
                 jobs.append([CXX, *flags, *inc, "-c", str(src), "-o", str(obj)])
                 objs.append(obj)
-            rt_obj = tmp / "emu_runtime.o"
-            jobs.append([CXX, *flags, *inc, "-c", str(RUNTIME_DIR / "emu_runtime.cpp"),
-                         "-o", str(rt_obj)])
             _compile_all(jobs)
+            rt_obj = _runtime_object(variant)
             link = [CXX, *flags, "-shared", "-o", str(tmp / lib_path.name),
                     *map(str, objs), str(rt_obj)]
             _compile_all([link])
@@ -508,3 +523,39 @@ def load(shader_dir: Path = SHADER_DIR, files: Sequence[str] = SHADER_FILES,
     if key not in _cache:
         _cache[key] = EmuLibrary(path)
     return _cache[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutants: copies of the shaders with barriers removed (tests of the emulation's teeth).
+
+BARRIER = re.compile(r"threadgroup_barrier\s*\([^;]*\)\s*;")
+
+
+def barrier_sites(shader_dir: Path = SHADER_DIR) -> list[tuple[str, int]]:
+    """Every threadgroup_barrier call in the shaders: (file name, line), in a fixed order."""
+    sites = []
+    for path in sorted(Path(shader_dir).glob("*.metal")):
+        text = path.read_text()
+        sites += [(path.name, text.count("\n", 0, m.start()) + 1)
+                  for m in BARRIER.finditer(text)]
+    return sites
+
+
+def make_mutant(dest: Path, remove: int | None = None,
+                shader_dir: Path = SHADER_DIR) -> Path:
+    """Copy the shaders to ``dest`` without barrier number ``remove`` (index into
+    :func:`barrier_sites`), or without any barrier when ``remove`` is None."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    k = 0
+    for path in sorted(Path(shader_dir).glob("*.metal")):
+        text = path.read_text()
+
+        def drop(m: re.Match) -> str:
+            nonlocal k
+            hit = remove is None or k == remove
+            k += 1
+            return "/* barrier removed */" if hit else m.group(0)
+
+        (dest / path.name).write_text(BARRIER.sub(drop, text))
+    return dest

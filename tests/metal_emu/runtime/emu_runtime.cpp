@@ -297,12 +297,21 @@ struct Fiber {
   Site waiting_at{nullptr, 0, 0};
 };
 
+// FIFO: fibers run in the order they became runnable (round robin).
+// Random: the next fiber is drawn at random, with a bias for staying in the SIMD-group of the
+// previous one: always while it has a runnable fiber for odd seeds ("run ahead": a SIMD-group
+// runs until it blocks at a threadgroup barrier, the schedule that exposes a missing barrier
+// between two uses of threadgroup memory), 3 times in 4 for even seeds (finer interleaving).
 struct FiberScheduler {
   Launch* L = nullptr;
   std::vector<Fiber>* fibers = nullptr;
   Context main_ctx;
-  std::vector<int> runnable;
-  std::size_t head = 0;  // FIFO position
+  std::vector<int> fifo;
+  std::size_t head = 0;
+  std::vector<std::vector<int>> by_sg;  // random mode: runnable fibers per SIMD-group
+  std::size_t n_runnable = 0;
+  int last_sg = -1;
+  bool run_ahead = false;
   int current = -1;
   uint64_t rng = 1;
   uint64_t group = 0;
@@ -314,18 +323,59 @@ struct FiberScheduler {
     return rng;
   }
 
+  bool random_mode() const { return L->mode == kFibersRandom; }
+
+  void reset() {
+    fifo.clear();
+    head = 0;
+    by_sg.assign(L->nsimd, {});
+    n_runnable = 0;
+    last_sg = -1;
+  }
+
+  bool has_runnable() const { return random_mode() ? n_runnable > 0 : head < fifo.size(); }
+
   int pick() {
-    if (L->mode == kFibersRandom) {
-      const std::size_t live = runnable.size() - head;
-      const std::size_t k = head + std::size_t(next_random() % live);
-      std::swap(runnable[head], runnable[k]);
+    if (!random_mode()) {
+      const int f = fifo[head++];
+      if (head == fifo.size()) {
+        fifo.clear();
+        head = 0;
+      }
+      return f;
     }
-    return runnable[head++];
+    int sg = -1;
+    if (last_sg >= 0 && !by_sg[last_sg].empty() && (run_ahead || next_random() % 4 != 0)) {
+      sg = last_sg;
+    } else {
+      int nonempty = 0;
+      for (auto& v : by_sg) nonempty += !v.empty();
+      int k = int(next_random() % uint64_t(nonempty));
+      for (int i = 0; i < int(by_sg.size()); ++i) {
+        if (!by_sg[i].empty() && k-- == 0) {
+          sg = i;
+          break;
+        }
+      }
+    }
+    auto& v = by_sg[sg];
+    const std::size_t i = std::size_t(next_random() % v.size());
+    const int f = v[i];
+    v[i] = v.back();
+    v.pop_back();
+    --n_runnable;
+    last_sg = sg;
+    return f;
   }
 
   void make_runnable(int f) {
     (*fibers)[f].blocked = false;
-    runnable.push_back(f);
+    if (random_mode()) {
+      by_sg[f / kSimdWidth].push_back(f);
+      ++n_runnable;
+    } else {
+      fifo.push_back(f);
+    }
   }
 
   // Called from a fiber: hand control back to the scheduler.
@@ -350,14 +400,10 @@ struct FiberScheduler {
   // Runs one threadgroup to completion (or error).
   void run() {
     for (;;) {
-      if (head == runnable.size()) {
-        runnable.clear();
-        head = 0;
-      }
       if (L->aborted.load(std::memory_order_relaxed)) {
         return;
       }
-      if (runnable.empty()) {
+      if (!has_runnable()) {
         std::string blocked;
         int n_done = 0;
         for (auto& f : *fibers) {
@@ -406,14 +452,14 @@ bool run_fibers(Launch& L, std::vector<ThreadState>& states) {
   FiberScheduler sched;
   sched.L = &L;
   sched.rng = g_seed * 0x9E3779B97F4A7C15ull + 1;
+  sched.run_ahead = (g_seed & 1) != 0;
   std::vector<Fiber> view(L.threads);
   sched.fibers = &view;
   L.sched = &sched;
   t_sched = &sched;
   for (uint64_t g = 0; g < L.ngroups && !L.aborted.load(); ++g) {
     sched.group = g;
-    sched.runnable.clear();
-    sched.head = 0;
+    sched.reset();
     if (g > 0) {
       poison_all();
     }
@@ -424,7 +470,7 @@ bool run_fibers(Launch& L, std::vector<ThreadState>& states) {
       f.blocked = false;
       states[i].exchanges = 0;
       ctx_make(&f.ctx, (*g_stacks)[i], kFiberStack);
-      sched.runnable.push_back(int(i));
+      sched.make_runnable(int(i));
     }
     L.tg_bar.init(L.threads, "threadgroup_barrier", nullptr);
     for (unsigned s = 0; s < L.nsimd; ++s) {

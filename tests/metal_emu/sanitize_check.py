@@ -1,0 +1,85 @@
+"""Runs the Metal kernels on OS threads under ThreadSanitizer + UBSan (a subprocess of
+tests/test_metal_sanitizers.py, started with LD_PRELOAD=libtsan.so).
+
+    python -m metal_emu.sanitize_check [--mutant DIR]
+
+Without --mutant: every kernel template (both variants, forward and backward, threadgroups
+owning several rows, aligned and misaligned rows) runs once on the shipped shaders and is
+checked against a float64 reference; prints "CLEAN-DONE" at the end. Any TSan or UBSan report
+makes the process exit non-zero (halt_on_error).
+
+With --mutant DIR: the same on the shaders in DIR (a copy with a barrier removed), expecting
+ThreadSanitizer to report a data race.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fusedops import metal
+from metal_emu import emu
+
+
+def close(actual, expected, dtype, scale=1.0):
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype] * scale
+    expected = expected.to(actual.dtype).double()
+    torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=tol)
+
+
+def run_cases(L) -> None:
+    torch.manual_seed(0)
+    for n, layout in ((150, "contiguous"), (500, "misaligned"), (700, "contiguous")):
+        m = 5
+        base = torch.randn(m, n + 3)
+        x = base[:, 1:n + 1] if layout == "misaligned" else torch.randn(m, n)
+        xh = x.half()
+        y = metal.softmax_forward_with(L, xh, torch.float32)
+        close(y, torch.softmax(xh.double(), -1), torch.float32)
+        dy = torch.randn(m, n)
+        dx = metal.softmax_backward_with(L, y, dy, torch.float16)
+        y64 = y.double()
+        close(dx, y64 * (dy.double() - (y64 * dy.double()).sum(-1, keepdim=True)),
+              torch.float16)
+        w, b = torch.randn(n), torch.randn(n)
+        xb = x.bfloat16()
+        yl, mean, rstd = metal.layernorm_forward_with(L, xb, w, b, 1e-5, torch.bfloat16)
+        close(yl, F.layer_norm(xb.double(), (n,), w.double(), b.double(), 1e-5),
+              torch.bfloat16)
+        dyb = torch.randn(m, n).bfloat16()
+        dxl, dw, db = metal.layernorm_backward_with(L, dyb, xb, w, mean, rstd, True, True,
+                                                    True)
+        x64 = xb.double().requires_grad_()
+        w64 = w.double().requires_grad_()
+        b64 = b.double().requires_grad_()
+        F.layer_norm(x64, (n,), w64, b64, 1e-5).backward(dyb.double())
+        close(dxl, x64.grad, torch.bfloat16, scale=2)
+        close(dw, w64.grad, torch.float32, scale=10)
+        close(db, b64.grad, torch.float32, scale=10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mutant", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # Two threadgroups for 5 rows: each threadgroup reuses its threadgroup memory across rows.
+    metal.MAX_ROW_GROUPS = 2
+    metal.LN_BWD_MIN_GROUPS = 1
+    metal.LN_BWD_MAX_GROUPS = 2
+    shader_dir = args.mutant if args.mutant else emu.SHADER_DIR
+    lib = emu.load(shader_dir, variant="tsan")
+    lib.set_mode("threads")
+    lib.set_timeout(120)
+    # 128 threads: 4 SIMD-groups, single-row up to 512 columns, looped above.
+    run_cases(emu.EmuLauncher(lib, 128))
+    print("CLEAN-DONE", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
