@@ -698,9 +698,10 @@ def main(argv: list[str] | None = None) -> int:
                               quiet=args.quiet)
         print(_report.heading("after patching"))
         print(format_profile(after, args.top))
-        speedup = before["forward_ms"] / after["forward_ms"]
-        print(f"\nforward {_report.fmt_ms(before['forward_ms'])} -> "
-              f"{_report.fmt_ms(after['forward_ms'])}: {speedup:.3f}x measured"
+        b_ms, a_ms = before["latency"]["median_ms"], after["latency"]["median_ms"]
+        speedup = b_ms / a_ms
+        print(f"\nmedian forward latency {_report.fmt_ms(b_ms)} -> {_report.fmt_ms(a_ms)}: "
+              f"{speedup:.3f}x measured"
               + (f" vs {before['amdahl']['predicted_speedup']:.3f}x predicted"
                  if "amdahl" in before else ""))
         result.update(patch=report.to_dict(), patched=after, measured_speedup=speedup)
