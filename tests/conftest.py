@@ -6,7 +6,16 @@ import os
 
 # The Triton kernels run on CPU tensors through the interpreter; this must be set before Triton
 # is imported anywhere.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "TRITON_INTERPRET" not in os.environ:
+    # Interpreter on machines without CUDA only: on a GPU machine the compiled kernels are tested.
+    import importlib.util
+
+    _has_cuda = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch as _torch
+
+        _has_cuda = _torch.cuda.is_available()
+    os.environ["TRITON_INTERPRET"] = "0" if _has_cuda else "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -84,12 +84,13 @@ class Launcher:
     On CPU tensors (``TRITON_INTERPRET=1``) every call goes through Triton.
     """
 
-    __slots__ = ("kernel", "compiled", "direct", "n_runtime")
+    __slots__ = ("kernel", "compiled", "direct", "n_runtime", "options")
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, cooperative: bool = False) -> None:
         self.kernel = kernel
         self.compiled: dict = {}
         self.direct = True
+        self.options = {"launch_cooperative_grid": True} if cooperative else {}
         params = getattr(kernel, "params", None)
         if params is None:  # the interpreter's wrapper: no compiled kernels to cache
             self.direct, self.n_runtime = False, 0
@@ -100,23 +101,24 @@ class Launcher:
         if any(not f for f in flags[self.n_runtime:]):
             raise TypeError(f"{kernel.__name__}: constexpr parameters must come last")
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, num_warps: int) -> None:
+    def __call__(self, grid: tuple[int, ...], args: tuple, num_warps: int):
+        """Launch; returns Triton's compiled kernel object when it exposes one."""
         if not self.direct:
-            self.kernel[grid](*args, num_warps=num_warps)
-            return
+            return self.kernel[grid](*args, num_warps=num_warps, **self.options)
         n = self.n_runtime
         key = (num_warps, *map(_spec, args[:n]), *args[n:])
         compiled = self.compiled.get(key)
         if compiled is not None:
             # The compiled runner indexes all three grid dimensions.
             compiled[(grid + (1, 1))[:3]](*args)
-            return
-        compiled = self.kernel[grid](*args, num_warps=num_warps)
+            return compiled
+        compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
         if callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "run"):
             self.compiled[key] = compiled
         elif not _interpreting():
             # An unknown Triton runtime API: stay on the safe (slower) path for this kernel.
             self.direct = False
+        return compiled
 
 
 @functools.cache
@@ -157,3 +159,79 @@ def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, in
         return True, block, rows, _warps_for(rows * block, kind)
     chunk = min(single_block_limit(), 8192)
     return False, chunk, 1, _warps_for(chunk, kind)
+
+
+# --------------------------------------------------------------------------- split rows
+# Rows too long for one program's registers are split over C programs ("chunks"). Each chunk
+# program keeps its piece in registers, publishes a few float32 partial statistics, waits until
+# all C chunks of its row have published (a per-row arrival counter), combines the partials and
+# writes its piece: the row is read once and written once, as in the single-block kernels.
+#
+# Waiting on other programs is only safe when they are all resident at once, so these kernels
+# run a persistent grid no larger than the GPU holds, launched as a cooperative grid (the driver
+# refuses, rather than deadlocks, if it would not fit), with the work item order row-major so the
+# chunks of a row run in the same round. The interpreter runs programs one after another, so it
+# (and any launch failure) uses the looped kernels instead.
+
+SPLIT_CHUNK = 16384
+SPLIT_WARPS = 16
+# FUSEDOPS_SPLIT_ROWS=0 turns them off (the looped kernels then handle long rows).
+_split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
+
+
+def split_rows_enabled(device: torch.device) -> bool:
+    """Whether the split-row (cooperative) kernels may run on ``device``."""
+    return _split_state["enabled"] and device.type == "cuda" and not _interpreting()
+
+
+def disable_split_rows(reason: str) -> None:
+    """Fall back to the looped kernels for the rest of the process (after a launch failure)."""
+    import warnings
+
+    if _split_state["enabled"]:
+        _split_state["enabled"] = False
+        warnings.warn(f"fusedops: split-row kernels disabled ({reason}); using looped kernels",
+                      RuntimeWarning, stacklevel=3)
+
+
+@triton.jit
+def wait_for_row(count_ptr, row, C: tl.constexpr):
+    """Publish this program's partials for ``row`` and wait until all C chunks have."""
+    tl.debug_barrier()  # every thread's partial-statistics stores happen before the release
+    tl.atomic_add(count_ptr + row, 1, sem="release")
+    seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
+    while seen < C:
+        seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
+
+
+class SplitLauncher:
+    """Launches a split-row kernel on a cooperative persistent grid sized from its occupancy.
+
+    The kernel's last runtime parameter must be ``num_progs`` (the grid size), followed only by
+    constexprs.
+    """
+
+    __slots__ = ("launcher", "blocks_per_sm")
+
+    def __init__(self, kernel) -> None:
+        self.launcher = Launcher(kernel, cooperative=True)
+        self.blocks_per_sm: dict = {}
+
+    def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
+                 device: torch.device) -> bool:
+        """Launch; False (and the looped kernels from then on) if the launch was refused."""
+        key = (num_warps, chunks, consts)
+        per_sm = self.blocks_per_sm.get(key, 1)
+        # A multiple of the chunk count, so all chunks of a row run in the same round.
+        progs = max(chunks, min(items, (num_sms(device) * per_sm // chunks) * chunks))
+        try:
+            compiled = self.launcher((progs,), (*runtime, progs, *consts), num_warps)
+        except Exception as exc:  # cooperative launch refused, option unknown to this Triton...
+            disable_split_rows(f"{type(exc).__name__}: {exc}")
+            return False
+        if key not in self.blocks_per_sm:
+            regs = int(getattr(compiled, "n_regs", 0) or 0)
+            threads = 32 * num_warps
+            by_regs = 65536 // (regs * threads) if regs else 1
+            self.blocks_per_sm[key] = max(1, min(by_regs, 2048 // threads))
+        return True

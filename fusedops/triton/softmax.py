@@ -20,9 +20,15 @@ import triton
 import triton.language as tl
 
 from fusedops.triton._common import (
+    SPLIT_CHUNK,
+    SPLIT_WARPS,
     Launcher,
+    SplitLauncher,
+    next_pow2,
     num_sms,
     row_config,
+    split_rows_enabled,
+    wait_for_row,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -126,10 +132,74 @@ def _softmax_bwd_looped(
         tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _softmax_fwd_split(
+    x_ptr, y_ptr, stats_ptr, count_ptr, N, stride_x, stride_y, num_items, num_progs,
+    CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr,
+):
+    # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows".
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    peers = tl.arange(0, C_P2)
+    for item in range(pid, num_items, num_progs):
+        row = item // C
+        cols = (item % C) * CHUNK + lanes
+        mask = cols < N
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
+                    other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        s = tl.sum(tl.exp2((x - m) * LOG2E), axis=0)
+        s = tl.where(m == -float("inf"), 0.0, s)  # an all -inf chunk contributes nothing
+        tl.store(stats_ptr + item * 2, m)
+        tl.store(stats_ptr + item * 2 + 1, s)
+        wait_for_row(count_ptr, row, C)
+        base = (row * C + peers) * 2
+        ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"), cache_modifier=".cg")
+        ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
+        row_max = tl.max(ms, axis=0)
+        denom = tl.sum(tl.where(ms == -float("inf"), 0.0, ss * tl.exp2((ms - row_max) * LOG2E)),
+                       axis=0)
+        y = tl.exp2((x - row_max) * LOG2E) * (1.0 / denom)
+        tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_split(
+    y_ptr, dy_ptr, dx_ptr, stats_ptr, count_ptr, N, stride_y, stride_dy, stride_dx, num_items,
+    num_progs, CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    peers = tl.arange(0, C_P2)
+    for item in range(pid, num_items, num_progs):
+        row = item // C
+        row64 = row.to(tl.int64)
+        cols = (item % C) * CHUNK + lanes
+        mask = cols < N
+        y = tl.load(y_ptr + row64 * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(stats_ptr + item, tl.sum(y * dy, axis=0))
+        wait_for_row(count_ptr, row, C)
+        dot = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
+                             cache_modifier=".cg"), axis=0)
+        tl.store(dx_ptr + row64 * stride_dx + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 _launch_fwd_single = Launcher(_softmax_fwd_single)
 _launch_fwd_looped = Launcher(_softmax_fwd_looped)
 _launch_bwd_single = Launcher(_softmax_bwd_single)
 _launch_bwd_looped = Launcher(_softmax_bwd_looped)
+_launch_fwd_split = SplitLauncher(_softmax_fwd_split)
+_launch_bwd_split = SplitLauncher(_softmax_bwd_split)
+
+
+def _split_scratch(M: int, N: int, per_chunk: int, device: torch.device):
+    """(chunks, stats, counters) for a split-row launch over (M, N)."""
+    chunks = triton.cdiv(N, SPLIT_CHUNK)
+    stats = torch.empty((M * chunks * per_chunk,), dtype=torch.float32, device=device)
+    return chunks, stats, torch.zeros((M,), dtype=torch.int32, device=device)
 
 
 
@@ -158,6 +228,13 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
             (progs,), (x, y, M, N, x.stride(0), y.stride(0), tiles, progs, block, rows), warps
         )
     else:
+        if split_rows_enabled(x.device):
+            C, stats, count = _split_scratch(M, N, 2, x.device)
+            if _launch_fwd_split(
+                M * C, C, (x, y, stats, count, N, x.stride(0), y.stride(0), M * C),
+                (SPLIT_CHUNK, C, next_pow2(C)), SPLIT_WARPS, x.device,
+            ):
+                return y
         _launch_fwd_looped((M,), (x, y, N, x.stride(0), y.stride(0), block), warps)
     return y
 
@@ -180,6 +257,14 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
             warps,
         )
     else:
+        if split_rows_enabled(y.device):
+            C, stats, count = _split_scratch(M, N, 1, y.device)
+            if _launch_bwd_split(
+                M * C, C,
+                (y, dy, dx, stats, count, N, y.stride(0), dy.stride(0), dx.stride(0), M * C),
+                (SPLIT_CHUNK, C, next_pow2(C)), SPLIT_WARPS, y.device,
+            ):
+                return dx
         _launch_bwd_looped(
             (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block), warps
         )
