@@ -235,3 +235,36 @@ class SplitLauncher:
             by_regs = 65536 // (regs * threads) if regs else 1
             self.blocks_per_sm[key] = max(1, min(by_regs, 2048 // threads))
         return True
+
+
+# --------------------------------------------------------------------------- row windows
+@triton.jit
+def row_window(rows, M, N, stride, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """Offsets, mask and column index of a [ROWS, BLOCK_N] tile of rows ``rows``.
+
+    VEC == 0: lane j is column j of each row (fast when ``stride`` keeps rows 16-byte aligned,
+    which Triton's specialisation proves). VEC > 0: rows start at unaligned addresses (an odd
+    N such as 2^k + 1 in a contiguous tensor), so each row is read through a window that starts
+    at the aligned address just below it; lane j then holds column j - shift. Every access stays
+    a 16-byte vector, which removes the 2^k + 1 cliff of scalar loads. BLOCK_N >= N + VEC - 1.
+    """
+    lanes = tl.arange(0, BLOCK_N)
+    start = rows.to(tl.int64) * stride
+    if VEC > 0:
+        base = (start // VEC) * VEC
+        col = lanes[None, :] - (start - base)[:, None]
+        offs = base[:, None] + lanes[None, :]
+    else:
+        col = lanes[None, :] + tl.zeros_like(start)[:, None]
+        offs = start[:, None] + lanes[None, :]
+    mask = (rows < M)[:, None] & (col >= 0) & (col < N)
+    return offs, mask, col
+
+
+def window_vec(n: int, strides: tuple[int, ...], elt_size: int) -> int:
+    """VEC for :func:`row_window`: 0 when rows are 16-byte aligned (or the tensors' row strides
+    differ, so one window cannot serve them all), else the elements per 16 bytes."""
+    vec = 16 // elt_size
+    if n < 2 * vec or all(s % vec == 0 for s in strides) or len(set(strides)) != 1:
+        return 0
+    return vec

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.triton._common import Launcher, num_sms, row_config
+from fusedops.triton._common import Launcher, num_sms, row_config, row_window, window_vec
 
 
 @triton.jit
@@ -30,33 +30,37 @@ def _ln_fwd_single(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
     num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if HAS_B:
-        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if VEC == 0:  # aligned rows: every lane is the same column in every row, load once
+        cols = tl.arange(0, BLOCK_N)
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
+        offs, mask, col = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
+        offs_y, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N
         # A variance that overflows float32 gives NaN (as torch does), never a row of zeros.
         rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
         y = xc * rstd[:, None]
+        if VEC > 0:  # windowed rows: lanes map to different columns per row (L1-cached gather)
+            if HAS_W:
+                w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                b = tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
-            y = y * w[None, :]
+            y = y * w
         if HAS_B:
-            y = y + b[None, :]
-        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=mask)
+            y = y + b
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -106,13 +110,14 @@ def _ln_bwd_single(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
-    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
 ):
+    # NEED_DW/NEED_DB (per-program partials) are only used with aligned rows (VEC == 0).
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if VEC == 0:
+        cols = tl.arange(0, BLOCK_N)
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     # 2-D accumulators: adding tiles elementwise each iteration and reducing over rows once at
     # the end avoids a cross-warp reduction per tile.
     dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -120,35 +125,37 @@ def _ln_bwd_single(
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
+        offs_x, mask, col = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
+        offs_dy, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs_x, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DX:
             if HAS_W:
-                wdy = dy * w[None, :]
+                if VEC > 0:
+                    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                wdy = dy * w
             else:
                 wdy = dy
             c1 = tl.sum(xhat * wdy, axis=1) / N
             c2 = tl.sum(wdy, axis=1) / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :],
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            offs_dx, _, _ = row_window(rows, M, N, stride_dx, BLOCK_N, VEC)
+            tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if NEED_DW:
             dw_acc += dy * xhat
         if NEED_DB:
             db_acc += dy
     if NEED_DW:
+        cols = tl.arange(0, BLOCK_N)
         tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=col_mask)
+                 mask=cols < N)
     if NEED_DB:
+        cols = tl.arange(0, BLOCK_N)
         tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
-                 mask=col_mask)
+                 mask=cols < N)
 
 
 @triton.jit
@@ -288,13 +295,14 @@ def layernorm_forward(
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
-    single, block, rows, warps = row_config(N, "ln_fwd", x.element_size())
+    vec = window_vec(N, (x.stride(0), N), x.element_size())
+    single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, x.device)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
-            block, rows, has_w, has_b,
+            block, rows, has_w, has_b, vec,
         ), warps)
     else:
         _launch_fwd_looped((M,), (
@@ -339,17 +347,21 @@ def layernorm_backward(
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx if need_dx else x, dw_part, db_part,
             M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            block, rows, has_w, need_dx, need_dw, need_db,
+            block, rows, has_w, need_dx, need_dw, need_db, 0,
         ), warps)
     else:
         # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
         # dweight/dbias from a column-blocked pass that reads x and dy once more.
         if need_dx and single:
+            vec = window_vec(N, (dy.stride(0), x.stride(0), N), x.element_size())
+            if vec:
+                single, block, rows, warps = row_config(N + vec - 1, "ln_bwd", x.element_size())
+        if need_dx and single:
             tiles = triton.cdiv(M, rows)
             progs = _grid_size(tiles, warps, dev)
             _launch_bwd_single((progs,), (
                 dy, x, w, mean, rstd, dx, x, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-                block, rows, has_w, True, False, False,
+                block, rows, has_w, True, False, False, vec,
             ), warps)
         elif need_dx:
             _launch_dx_looped((M,), (

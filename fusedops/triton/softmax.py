@@ -27,8 +27,10 @@ from fusedops.triton._common import (
     next_pow2,
     num_sms,
     row_config,
+    row_window,
     split_rows_enabled,
     wait_for_row,
+    window_vec,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -37,23 +39,20 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def _softmax_fwd_single(
     x_ptr, y_ptr, M, N, stride_x, stride_y, num_tiles, num_progs,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
 ):
+    # With VEC > 0 the launcher guarantees stride_x == stride_y, so both windows coincide.
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
-        mask = (rows < M)[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=-float("inf")).to(tl.float32)
+        offs, mask, _ = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
+        offs_y, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
         row_max = tl.max(x, axis=1)
         e = tl.exp2((x - row_max[:, None]) * LOG2E)
         denom = tl.sum(e, axis=1)
         y = e * (1.0 / denom)[:, None]
-        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -87,24 +86,20 @@ def _softmax_fwd_looped(x_ptr, y_ptr, N, stride_x, stride_y, CHUNK: tl.constexpr
 
 @triton.jit
 def _softmax_bwd_single(
-    y_ptr, dy_ptr, dx_ptr, M, N, stride_y, stride_dy, stride_dx, num_tiles, num_progs,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    y_ptr, dy_ptr, dx_ptr, M, N, stride_dy, num_tiles, num_progs,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
 ):
+    # y and dx are contiguous (row stride N); with VEC > 0 the launcher guarantees dy is too.
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
-        mask = (rows < M)[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)
-        y = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
+        offs, mask, _ = row_window(rows, M, N, N, BLOCK_N, VEC)
+        offs_dy, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
         dot = tl.sum(y * dy, axis=1)
         dx = y * (dy - dot[:, None])
-        tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -220,22 +215,24 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    single, block, rows, warps = row_config(N, "softmax_fwd", x.element_size())
+    stride = x.stride(0)
+    vec = window_vec(N, (stride, N), x.element_size())
+    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_fwd")
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, x.device)
         _launch_fwd_single(
-            (progs,), (x, y, M, N, x.stride(0), y.stride(0), tiles, progs, block, rows), warps
+            (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
         )
     else:
         if split_rows_enabled(x.device):
             C, stats, count = _split_scratch(M, N, 2, x.device)
             if _launch_fwd_split(
-                M * C, C, (x, y, stats, count, N, x.stride(0), y.stride(0), M * C),
+                M * C, C, (x, y, stats, count, N, stride, N, M * C),
                 (SPLIT_CHUNK, C, next_pow2(C)), SPLIT_WARPS, x.device,
             ):
                 return y
-        _launch_fwd_looped((M,), (x, y, N, x.stride(0), y.stride(0), block), warps)
+        _launch_fwd_looped((M,), (x, y, N, stride, N, block), warps)
     return y
 
 
@@ -247,14 +244,13 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     dx = torch.empty((M, N), dtype=out_dtype, device=y.device)
     if M == 0 or N == 0:
         return dx
-    single, block, rows, warps = row_config(N, "softmax_bwd", y.element_size())
+    vec = window_vec(N, (N, dy.stride(0)), y.element_size())
+    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_bwd")
     if single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, y.device)
         _launch_bwd_single(
-            (progs,),
-            (y, dy, dx, M, N, y.stride(0), dy.stride(0), dx.stride(0), tiles, progs, block, rows),
-            warps,
+            (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
         )
     else:
         if split_rows_enabled(y.device):
