@@ -19,6 +19,7 @@ import time
 import torch
 
 from fusedops.tools import _report
+from fusedops.tools.amdahl import combined as amdahl_combined
 from fusedops.tools.profile import call_model, format_profile, profile_model
 
 
@@ -330,6 +331,22 @@ def run_demo(
         am["basis"] = ("fractions from the unpatched profile; op speed-ups measured fused vs "
                        "native on the model's captured shapes; applied to the median baseline "
                        "latency of step 6")
+        # The same law with the op speed-ups observed inside the model (re-profile), and how
+        # the time outside any op (GPU idle / host overhead) moved: the two usual reasons a
+        # measurement departs from the microbenchmark-based prediction.
+        in_model = {}
+        for op in am["fractions"]:
+            b_ms, a_ms = before["categories"][op]["ms"], after["categories"][op]["ms"]
+            if b_ms > 0 and a_ms > 0:
+                in_model[op] = b_ms / a_ms
+        am["in_model_op_speedups"] = in_model
+        am["in_model_predicted_speedup"] = amdahl_combined(
+            {op: (f, in_model.get(op, 1.0)) for op, f in am["fractions"].items()})
+        tax_b, tax_a = before["dispatch"], after["dispatch"]
+        am["idle_ms_before"] = tax_b.get("gpu_idle_ms", tax_b.get("outside_ops_ms"))
+        am["idle_ms_after"] = tax_a.get("gpu_idle_ms", tax_a.get("outside_ops_ms"))
+        am["host_ms_before"] = tax_b["host_ms"]
+        am["host_ms_after"] = tax_a["host_ms"]
     predicted = am.get("predicted_speedup")
     ratio_to_pred = speedup / predicted if predicted else None
     if fused_available:
@@ -362,6 +379,17 @@ def run_demo(
                                                     am["op_speedups"].items()), quiet)
         _say(f"Amdahl: predicted {predicted:.3f}x ({_report.fmt_ms(am['predicted_ms'])}); "
              f"bound {am['bound_speedup']:.3f}x", quiet)
+        _say("inside the model (re-profile): " + ", ".join(
+            f"{op} {before['categories'][op]['ms'] * 1e3:.0f} -> "
+            f"{after['categories'][op]['ms'] * 1e3:.0f} us ({s_:.2f}x)"
+            for op, s_ in am["in_model_op_speedups"].items())
+            + f"; Amdahl with these: {am['in_model_predicted_speedup']:.3f}x", quiet)
+        idle = "GPU idle" if before["dispatch"].get("device_busy_ms") is not None else \
+            "time outside ATen ops"
+        _say(f"{idle} per forward {_report.fmt_ms(am['idle_ms_before'])} -> "
+             f"{_report.fmt_ms(am['idle_ms_after'])}; host time per forward "
+             f"{_report.fmt_ms(am['host_ms_before'])} -> {_report.fmt_ms(am['host_ms_after'])}",
+             quiet)
     _say(f"measured: {speedup:.3f}x ({_report.fmt_ms(base_lat['median_ms'])} -> "
          f"{_report.fmt_ms(pat_lat['median_ms'])}; per-round ratio p10-p90 "
          f"{measured['round_ratio_p10']:.3f}-{measured['round_ratio_p90']:.3f})", quiet)
