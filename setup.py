@@ -51,7 +51,9 @@ def metal_extension_kwargs() -> dict:
     ext = CppExtension(
         name="fusedops._metal_ext",
         sources=sources,
-        extra_compile_args=["-std=c++17", "-ObjC++", "-fobjc-arc", "-O3"],
+        # No -std here: torch.utils.cpp_extension adds the standard its headers need
+        # (C++17 for older PyTorch, C++20 for current releases).
+        extra_compile_args=["-ObjC++", "-fobjc-arc", "-O3"],
         extra_link_args=["-framework", "Metal", "-framework", "Foundation"],
     )
 

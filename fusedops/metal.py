@@ -315,7 +315,27 @@ class ShaderLauncher:
 
 
 # --- Backend selection -----------------------------------------------------------------------
-_impl: object = None  # the extension module, a ShaderLauncher, or False (nothing works)
+class _Extension:
+    """The compiled extension, with the dtype pairs its library has kernels for."""
+
+    def __init__(self, ext):
+        ext.initialize()  # compiles the embedded shaders once; raises if Metal rejects them
+        self.ext = ext
+        names = set(ext.kernel_names())
+        dtypes = {v: k for k, v in TYPE_NAMES.items()}
+
+        def pairs(op: str, supported: set) -> set:
+            return {(dtypes[a], dtypes[b]) for a, b in supported
+                    if f"fusedops_{op}_single_{a}_{b}" in names
+                    and f"fusedops_{op}_looped_{a}_{b}" in names}
+
+        self.softmax_fwd = pairs("softmax_fwd", SOFTMAX_FWD_TYPES)
+        self.softmax_bwd = pairs("softmax_bwd", SOFTMAX_BWD_TYPES)
+        self.layernorm_fwd = pairs("layernorm_fwd", LAYERNORM_TYPES)
+        self.layernorm_bwd = pairs("layernorm_bwd", LAYERNORM_TYPES)
+
+
+_impl: object = None  # an _Extension, a ShaderLauncher, or False (nothing works)
 
 
 def _warn(msg: str) -> None:
@@ -336,8 +356,7 @@ def _load_impl() -> object:
         _metal_ext = None
     if _metal_ext is not None:
         try:
-            _metal_ext.initialize()  # compiles the embedded shaders once
-            return _metal_ext
+            return _Extension(_metal_ext)
         except Exception as e:  # pragma: no cover - needs a Mac
             _warn(f"the Metal extension failed to initialise ({e}); trying compile_shader")
     if hasattr(torch.mps, "compile_shader"):
@@ -352,47 +371,61 @@ def _get_impl() -> object:
     global _impl
     if _impl is None:
         _impl = _load_impl()
+    if _impl is False:
+        raise RuntimeError("fusedops: the Metal backend is not available in this process "
+                           "(needs macOS with an MPS device); see fusedops.metal.is_available()")
     return _impl
 
 
 def is_available() -> bool:
     """True when a Metal kernel path can run in this process (cached; False off macOS)."""
-    return _get_impl() is not False
+    global _impl
+    if _impl is None:
+        _impl = _load_impl()
+    return _impl is not False
 
 
 def implementation() -> str:
     """Which Metal path runs: ``"extension"``, ``"compile_shader"`` or ``"none"``."""
-    impl = _get_impl()
-    if impl is False:
+    if not is_available():
         return "none"
-    return "compile_shader" if isinstance(impl, ShaderLauncher) else "extension"
+    return "compile_shader" if isinstance(_impl, ShaderLauncher) else "extension"
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     impl = _get_impl()
-    if isinstance(impl, ShaderLauncher):
-        return softmax_forward_with(impl, x, out_dtype)
-    return impl.softmax_forward(x, out_dtype)
+    if isinstance(impl, _Extension):
+        if (x.dtype, out_dtype) in impl.softmax_fwd:
+            return impl.ext.softmax_forward(x, out_dtype)
+        return reference.softmax_forward(x, out_dtype)
+    return softmax_forward_with(impl, x, out_dtype)
 
 
 def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     impl = _get_impl()
-    if isinstance(impl, ShaderLauncher):
-        return softmax_backward_with(impl, y, dy, out_dtype)
-    return impl.softmax_backward(y, dy, out_dtype)
+    if isinstance(impl, _Extension):
+        if (y.dtype, out_dtype) in impl.softmax_bwd:
+            return impl.ext.softmax_backward(y, dy, out_dtype)
+        return reference.softmax_backward(y, dy, out_dtype)
+    return softmax_backward_with(impl, y, dy, out_dtype)
 
 
 def layernorm_forward(x, weight, bias, eps, out_dtype):
     impl = _get_impl()
-    if isinstance(impl, ShaderLauncher):
-        return layernorm_forward_with(impl, x, weight, bias, eps, out_dtype)
-    return tuple(impl.layernorm_forward(x, weight, bias, float(eps), out_dtype))
+    if isinstance(impl, _Extension):
+        if (x.dtype, out_dtype) in impl.layernorm_fwd:
+            return tuple(impl.ext.layernorm_forward(x, weight, bias, float(eps), out_dtype))
+        return reference.layernorm_forward(x, weight, bias, eps, out_dtype)
+    return layernorm_forward_with(impl, x, weight, bias, eps, out_dtype)
 
 
 def layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
     impl = _get_impl()
-    if isinstance(impl, ShaderLauncher):
-        return layernorm_backward_with(impl, dy, x, weight, mean, rstd, need_dx, need_dw,
-                                       need_db)
-    return tuple(impl.layernorm_backward(dy, x, weight, mean, rstd, bool(need_dx),
-                                         bool(need_dw), bool(need_db)))
+    if isinstance(impl, _Extension):
+        if (x.dtype, dy.dtype) in impl.layernorm_bwd:
+            return tuple(impl.ext.layernorm_backward(dy, x, weight, mean, rstd, bool(need_dx),
+                                                     bool(need_dw), bool(need_db)))
+        return reference.layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw,
+                                            need_db)
+    return layernorm_backward_with(impl, dy, x, weight, mean, rstd, need_dx, need_dw,
+                                   need_db)
