@@ -59,10 +59,10 @@ def check_layernorm_args(
     bias: object,
     eps: object,
 ) -> None:
-    x = check_float_tensor(x, "input")
+    x = check_float_tensor(x, "x")
     if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
         raise ValueError(
-            f"normalized_shape={list(shape)} does not match the trailing dimensions of input "
+            f"normalized_shape={list(shape)} does not match the trailing dimensions of x "
             f"with shape {list(x.shape)}"
         )
     for name, p in (("weight", weight), ("bias", bias)):
@@ -74,6 +74,6 @@ def check_layernorm_args(
                 f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
             )
         if p.device != x.device:
-            raise ValueError(f"{name} is on {p.device} but input is on {x.device}")
+            raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
