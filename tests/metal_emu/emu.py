@@ -32,11 +32,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+if not sys.platform.startswith("linux"):  # futex waits, ELF symbol tables
+    raise ImportError("the Metal CPU emulation runs on Linux only")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
