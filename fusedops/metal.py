@@ -118,14 +118,27 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=like.device)
 
 
-def _kernels(launch: Launcher, op: str, types: tuple, supported: set) -> tuple[str, str] | None:
-    """(single, looped) kernel names of ``op`` for a type pair, or None when not available."""
-    if types not in supported:
-        return None
-    single = "fusedops_{}_single_{}_{}".format(op, *types)
-    if not launch.has(single):  # e.g. bfloat on a Metal without __HAVE_BFLOAT__
-        return None
-    return single, "fusedops_{}_looped_{}_{}".format(op, *types)
+_SUPPORTED = {"softmax_fwd": SOFTMAX_FWD_TYPES, "softmax_bwd": SOFTMAX_BWD_TYPES,
+              "layernorm_fwd": LAYERNORM_TYPES, "layernorm_bwd": LAYERNORM_TYPES}
+_names: dict[tuple, tuple[str, str] | None] = {}
+
+
+def _kernels(launch: Launcher, op: str, types: tuple) -> tuple[str, str] | None:
+    """(single, looped) kernel names of ``op`` for a type pair, or None when not available
+    (an unsupported pair, or bfloat on a Metal without ``__HAVE_BFLOAT__``). Cached."""
+    key = (launch, op, types)
+    try:
+        return _names[key]
+    except KeyError:
+        pass
+    names = None
+    if types in _SUPPORTED[op]:
+        single = "fusedops_{}_single_{}_{}".format(op, *types)
+        looped = "fusedops_{}_looped_{}_{}".format(op, *types)
+        if launch.has(single) and launch.has(looped):
+            names = (single, looped)
+    _names[key] = names
+    return names
 
 
 def _row_kernel(launch: Launcher, names: tuple[str, str], n: int) -> tuple[str, int]:
@@ -140,7 +153,7 @@ def _row_kernel(launch: Launcher, names: tuple[str, str], n: int) -> tuple[str, 
 def softmax_forward_with(launch: Launcher, x: torch.Tensor, out_dtype: torch.dtype):
     m, n = x.shape
     types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(out_dtype))
-    names = _kernels(launch, "softmax_fwd", types, SOFTMAX_FWD_TYPES)
+    names = _kernels(launch, "softmax_fwd", types)
     if names is None:
         return reference.softmax_forward(x, out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -158,7 +171,7 @@ def softmax_backward_with(launch: Launcher, y: torch.Tensor, dy: torch.Tensor,
     if dy.dtype != y.dtype:
         dy = dy.to(y.dtype)
     types = (TYPE_NAMES.get(y.dtype), TYPE_NAMES.get(out_dtype))
-    names = _kernels(launch, "softmax_bwd", types, SOFTMAX_BWD_TYPES)
+    names = _kernels(launch, "softmax_bwd", types)
     if names is None:
         return reference.softmax_backward(y, dy, out_dtype)
     dx = torch.empty((m, n), dtype=out_dtype, device=y.device)
@@ -178,7 +191,7 @@ def layernorm_forward_with(launch: Launcher, x: torch.Tensor, weight, bias, eps:
                            out_dtype: torch.dtype):
     m, n = x.shape
     types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(out_dtype))
-    names = _kernels(launch, "layernorm_fwd", types, LAYERNORM_TYPES)
+    names = _kernels(launch, "layernorm_fwd", types)
     if names is None:
         return reference.layernorm_forward(x, weight, bias, eps, out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -204,7 +217,7 @@ def layernorm_backward_with(launch: Launcher, dy: torch.Tensor, x: torch.Tensor,
     m, n = x.shape
     need_dx, need_dw, need_db = bool(need_dx), bool(need_dw), bool(need_db)
     types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(dy.dtype))
-    names = _kernels(launch, "layernorm_bwd", types, LAYERNORM_TYPES)
+    names = _kernels(launch, "layernorm_bwd", types)
     if names is None:
         return reference.layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dev = x.device
@@ -216,8 +229,8 @@ def layernorm_backward_with(launch: Launcher, dy: torch.Tensor, x: torch.Tensor,
     if m == 0 or n == 0 or not (need_dx or need_dw or need_db):
         return dx, dw, db
     w = _param(weight)
-    mean = mean.to(torch.float32).contiguous()
-    rstd = rstd.to(torch.float32).contiguous()
+    mean = mean.reshape(-1).to(torch.float32).contiguous()
+    rstd = rstd.reshape(-1).to(torch.float32).contiguous()
     groups = layernorm_bwd_groups(m, n)
     dwp = torch.empty((groups, n), dtype=torch.float32, device=dev) if need_dw else None
     dbp = torch.empty((groups, n), dtype=torch.float32, device=dev) if need_db else None
