@@ -4,6 +4,9 @@ report dict, i.e. from measurements."""
 from __future__ import annotations
 
 import os
+import sys
+
+from fusedops.tools.profile import short_name
 
 CATEGORY_COLORS = {
     "softmax": "#d62728",
@@ -40,8 +43,8 @@ def ops_breakdown(report: dict, path: str, top: int = 10) -> str:
     gpu = before["dispatch"].get("device_busy_ms") is not None
     idle_label = "GPU idle (dispatch tax)" if gpu else "outside ATen ops (host)"
     unit = "device time" if gpu else "CPU time"
-    fig = plt.figure(figsize=(15, 5.8))
-    grid = fig.add_gridspec(1, 3, width_ratios=[1.0, 1.3, 1.3], wspace=0.75)
+    fig = plt.figure(figsize=(16.5, 5.8))
+    grid = fig.add_gridspec(1, 3, width_ratios=[1.0, 1.3, 1.3], wspace=1.05)
 
     ax = fig.add_subplot(grid[0])
     runs = [("baseline", before), ("patched", after)]
@@ -67,7 +70,8 @@ def ops_breakdown(report: dict, path: str, top: int = 10) -> str:
     for j, (name, prof) in enumerate(runs):
         ax = fig.add_subplot(grid[j + 1])
         rows = prof["ops"][:top][::-1]
-        labels = [r["op"] if len(r["op"]) <= 38 else r["op"][:35] + "..." for r in rows]
+        names = [r.get("name") or short_name(r["op"]) for r in rows]
+        labels = [n if len(n) <= 40 else n[:37] + "..." for n in names]
         ax.barh(range(len(rows)), [r["ms"] for r in rows],
                 color=[CATEGORY_COLORS.get(r["category"], "#7f7f7f") for r in rows],
                 edgecolor="black", linewidth=0.4)
@@ -76,6 +80,8 @@ def ops_breakdown(report: dict, path: str, top: int = 10) -> str:
         ax.set_title(f"top {len(rows)} {'kernels' if gpu else 'ops'}: {name}")
         for k, r in enumerate(rows):
             ax.text(r["ms"], k, f" {100 * r['share']:.1f}%", va="center", fontsize=6)
+        if rows:
+            ax.set_xlim(0, max(r["ms"] for r in rows) * 1.22)
 
     dev = report["device"]
     note = "" if dev.get("fused_kernels_available") else \
@@ -158,3 +164,24 @@ def write_all(report: dict, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     return [ops_breakdown(report, os.path.join(out_dir, "ops_breakdown.png")),
             latency(report, os.path.join(out_dir, "latency.png"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-draw the figures of a demo ``report.json``: ``python -m fusedops.tools._plots
+    REPORT.json [OUT_DIR]`` (default: the report's folder)."""
+    import json
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m fusedops.tools._plots REPORT.json [OUT_DIR]", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        report = json.load(f)
+    out = argv[1] if len(argv) > 1 else os.path.dirname(os.path.abspath(argv[0]))
+    for path in write_all(report, out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -137,6 +137,26 @@ _PATTERNS = [
 ]
 
 
+_WRAPPERS = {"AUnaryFunctor", "BUnaryFunctor", "BinaryFunctor", "gpu_kernel_impl_nocast",
+             "gpu_kernel_impl", "func_wrapper_t", "ReduceOp", "launch_kernel"}
+_DETAIL = re.compile(
+    r"[A-Za-z_]\w*(?:Functor\w*|functor|_kernel_cuda|KernelImpl|_kernel)\b|cutlass_\w+")
+
+
+def short_name(name: str) -> str:
+    """A readable name for a long C++ kernel signature: the kernel's own name plus the functor or
+    kernel it instantiates, e.g. ``elementwise_kernel[CUDAFunctor_add]``."""
+    if len(name) <= 40 or ("<" not in name and "(" not in name):
+        return name
+    text = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    head = re.split(r"[<(]", text, maxsplit=1)[0]
+    base = head.split("::")[-1] or head
+    rest = text[len(head):]
+    details = [m.group(0) for m in _DETAIL.finditer(rest)
+               if m.group(0) not in _WRAPPERS and m.group(0) != base]
+    return f"{base}[{details[0]}]" if details else base
+
+
 def categorize(name: str) -> str:
     """Coarse category of an ATen op or a device kernel name (see ``CATEGORIES``)."""
     n = name.lower()
@@ -537,8 +557,9 @@ def profile_model(
     rows = []
     for name, (count, us) in grouped.items():
         ms = us / 1e3 / n_fwd
-        rows.append({"op": name, "category": categorize(name), "calls": count / n_fwd,
-                     "ms": ms, "share": ms / forward_ms if forward_ms > 0 else 0.0})
+        rows.append({"op": name, "name": short_name(name), "category": categorize(name),
+                     "calls": count / n_fwd, "ms": ms,
+                     "share": ms / forward_ms if forward_ms > 0 else 0.0})
     rows.sort(key=lambda r: -r["ms"])
     categories = {c: {"ms": 0.0, "share": 0.0, "calls": 0.0} for c in CATEGORIES}
     for r in rows:
@@ -615,8 +636,8 @@ def format_profile(report: dict, top: int = 12) -> str:
     out.append(f"profile of {report['label']} on {report['device']}  "
                f"({report['iters']} profiled forwards)")
     out.append(f"time basis: {report['time_basis']}")
-    rows = [[_short(r["op"]), r["category"], f"{r['calls']:.0f}", _report.fmt_ms(r["ms"]),
-             _report.fmt_pct(r["share"])] for r in report["ops"][:top]]
+    rows = [[_short(r.get("name") or short_name(r["op"])), r["category"], f"{r['calls']:.0f}",
+             _report.fmt_ms(r["ms"]), _report.fmt_pct(r["share"])] for r in report["ops"][:top]]
     rest = report["ops"][top:]
     if rest:
         rows.append([f"({len(rest)} more ops)", "", f"{sum(r['calls'] for r in rest):.0f}",
