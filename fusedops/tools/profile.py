@@ -740,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", help="built-in predictor checkpoint to load")
     parser.add_argument("--batch", type=int, help="built-in predictor batch size")
     parser.add_argument("--device", help="cuda, mps or cpu (default: best present)")
-    parser.add_argument("--dtype", help="cast model and float inputs (float32/bfloat16/float16)")
+    parser.add_argument("--dtype", help="cast model and float inputs (float32/bfloat16/float16; "
+                        "built-in predictor on a GPU: the preset's dtype)")
     parser.add_argument("--iters", type=int, default=10, help="profiled forwards")
     parser.add_argument("--reps", type=int, default=30, help="timed forwards (no profiler)")
     parser.add_argument("--top", type=int, default=12, help="rows of the op table")
@@ -759,6 +760,10 @@ def main(argv: list[str] | None = None) -> int:
         args.preset = "gpu" if _report.is_gpu(device) else "cpu"
     if args.target in (None, "predictor"):
         model, inputs, label = _builtin(args)
+        if args.dtype is None and _report.is_gpu(device):
+            from fusedops.models import get_preset
+
+            args.dtype = get_preset(args.preset).dtype  # what the demo runs it in
     else:
         model, inputs = load_target(args.target)
         label = args.target
