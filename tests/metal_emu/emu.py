@@ -50,6 +50,16 @@ SHIM_DIR = HERE / "shim"
 RUNTIME_DIR = HERE / "runtime"
 BUILD_ROOT = HERE / "_build"
 CXX = os.environ.get("CXX", "g++")
+if shutil.which(CXX) is None or shutil.which("objdump") is None:
+    raise ImportError(f"the Metal CPU emulation needs {CXX} and objdump")
+
+
+def _tool_env() -> dict:
+    """Environment for the compiler and binutils: without a sanitizer preload (the sanitizer
+    subprocess runs with LD_PRELOAD=libtsan.so)."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    return env
 
 COMMON_FLAGS = ["-std=c++17", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Wno-attributes",
                 "-Wno-unused-parameter"]
@@ -164,7 +174,7 @@ def preprocess(shader: Path, include_dirs: Sequence[Path]) -> str:
     for d in include_dirs:
         cmd += ["-I", str(d)]
     cmd.append(str(shader))
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_tool_env())
     if res.returncode != 0:
         raise EmuError(f"preprocessing {shader} failed:\n{res.stderr}")
     return res.stdout
@@ -257,7 +267,7 @@ def _hash_files(paths: Sequence[Path], extra: str) -> str:
             h.update(p.read_bytes())
     h.update(extra.encode())
     try:
-        h.update(subprocess.run([CXX, "--version"], capture_output=True).stdout)
+        h.update(subprocess.run([CXX, "--version"], capture_output=True, env=_tool_env()).stdout)
     except OSError as e:  # pragma: no cover - no compiler
         raise EmuError(f"cannot run {CXX}: {e}") from e
     return h.hexdigest()[:16]
@@ -284,7 +294,7 @@ def _runtime_object(variant: str) -> Path:
 
 def _compile_all(jobs: list[list[str]]) -> None:
     procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True)) for cmd in jobs]
+                                    text=True, env=_tool_env())) for cmd in jobs]
     errors = []
     for cmd, proc in procs:
         _, err = proc.communicate()
@@ -360,7 +370,7 @@ class EmuLibrary:
         """Find the threadgroup variables (function-local statics in shader code, which Metal
         does not otherwise allow) and register them to be poisoned before every threadgroup."""
         res = subprocess.run(["objdump", "-t", str(self.path)],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True, check=True, env=_tool_env())
         symbols = {}
         for line in res.stdout.splitlines():
             m = re.match(r"^([0-9a-f]+)\s.*?\s(\S+)\s+([0-9a-f]+)\s+(\S+)$", line)
