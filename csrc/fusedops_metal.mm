@@ -151,7 +151,8 @@ class Library {
     }
     Pipeline p;
     @autoreleasepool {
-      id<MTLFunction> fn = [library_ newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
+      NSString* ns_name = [NSString stringWithUTF8String:name.c_str()];
+      id<MTLFunction> fn = [library_ newFunctionWithName:ns_name];
       if (fn != nil) {
         NSError* err = nil;
         p.pso = [device_ newComputePipelineStateWithFunction:fn error:&err];
@@ -288,13 +289,13 @@ at::Tensor param_f32(const std::optional<at::Tensor>& p, const at::Tensor& x, in
 // --- Encoding ----------------------------------------------------------------------------------
 // One argument of a launch: a tensor (bound at its storage offset), a 64-bit int or a float.
 struct Arg {
-  enum Kind { kTensor, kInt, kFloat } kind;
+  enum Kind { kBuffer, kInt64, kFloat32 } kind;
   at::Tensor tensor;
   int64_t i = 0;
   float f = 0.0f;
-  static Arg T(const at::Tensor& t) { return Arg{kTensor, t}; }
-  static Arg I(int64_t v) { return Arg{kInt, at::Tensor(), v}; }
-  static Arg F(float v) { return Arg{kFloat, at::Tensor(), 0, v}; }
+  static Arg Buf(const at::Tensor& t) { return Arg{kBuffer, t}; }
+  static Arg Int(int64_t v) { return Arg{kInt64, at::Tensor(), v}; }
+  static Arg Float(float v) { return Arg{kFloat32, at::Tensor(), 0, v}; }
 };
 
 inline id<MTLBuffer> buffer_of(const at::Tensor& t) {
@@ -314,15 +315,15 @@ void encode(const Pipeline* p, const std::vector<Arg>& args, int64_t groups, int
       for (NSUInteger idx = 0; idx < argv->size(); ++idx) {
         const Arg& a = (*argv)[idx];
         switch (a.kind) {
-          case Arg::kTensor:
+          case Arg::kBuffer:
             [enc setBuffer:buffer_of(a.tensor)
                     offset:NSUInteger(a.tensor.storage_offset() * a.tensor.element_size())
                    atIndex:idx];
             break;
-          case Arg::kInt:
+          case Arg::kInt64:
             [enc setBytes:&a.i length:sizeof(int64_t) atIndex:idx];
             break;
-          case Arg::kFloat:
+          case Arg::kFloat32:
             [enc setBytes:&a.f length:sizeof(float) atIndex:idx];
             break;
         }
@@ -351,7 +352,9 @@ at::Tensor softmax_forward(const at::Tensor& x, at::ScalarType out_dtype) {
   }
   auto [p, threads] = choose(*k, n);
   const int64_t flags = aligned({&x, &y}) ? kFlagVec : 0;
-  encode(p, {Arg::T(x), Arg::T(y), Arg::I(m), Arg::I(n), Arg::I(x.stride(0)), Arg::I(flags)},
+  encode(p,
+         {Arg::Buf(x), Arg::Buf(y), Arg::Int(m), Arg::Int(n), Arg::Int(x.stride(0)),
+          Arg::Int(flags)},
          row_groups(m), threads);
   return y;
 }
@@ -376,8 +379,8 @@ at::Tensor softmax_backward(const at::Tensor& y, const at::Tensor& dy_in,
   auto [p, threads] = choose(*k, n);
   const int64_t flags = aligned({&y, &dy, &dx}) ? kFlagVec : 0;
   encode(p,
-         {Arg::T(y), Arg::T(dy), Arg::T(dx), Arg::I(m), Arg::I(n), Arg::I(y.stride(0)),
-          Arg::I(dy.stride(0)), Arg::I(flags)},
+         {Arg::Buf(y), Arg::Buf(dy), Arg::Buf(dx), Arg::Int(m), Arg::Int(n),
+          Arg::Int(y.stride(0)), Arg::Int(dy.stride(0)), Arg::Int(flags)},
          row_groups(m), threads);
   return dx;
 }
@@ -411,9 +414,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_forward(
   auto [p, threads] = choose(*k, n);
   const at::Tensor none = empty_arg(x);
   encode(p,
-         {Arg::T(x), Arg::T(w ? *w : none), Arg::T(b ? *b : none), Arg::T(y), Arg::T(mean),
-          Arg::T(rstd), Arg::I(m), Arg::I(n), Arg::I(x.stride(0)), Arg::F(float(eps)),
-          Arg::I(flags)},
+         {Arg::Buf(x), Arg::Buf(w ? *w : none), Arg::Buf(b ? *b : none), Arg::Buf(y),
+          Arg::Buf(mean), Arg::Buf(rstd), Arg::Int(m), Arg::Int(n), Arg::Int(x.stride(0)),
+          Arg::Float(float(eps)), Arg::Int(flags)},
          row_groups(m), threads);
   return {y, mean, rstd};
 }
@@ -476,15 +479,17 @@ layernorm_backward(const at::Tensor& dy, const at::Tensor& x,
   auto [p, threads] = choose(*k, n);
   const at::Tensor none = empty_arg(x);
   encode(p,
-         {Arg::T(dy), Arg::T(x), Arg::T(w ? *w : none), Arg::T(mean), Arg::T(rstd),
-          Arg::T(dx ? *dx : none), Arg::T(dwp ? *dwp : none), Arg::T(dbp ? *dbp : none),
-          Arg::I(m), Arg::I(n), Arg::I(dy.stride(0)), Arg::I(x.stride(0)), Arg::I(flags)},
+         {Arg::Buf(dy), Arg::Buf(x), Arg::Buf(w ? *w : none), Arg::Buf(mean), Arg::Buf(rstd),
+          Arg::Buf(dx ? *dx : none), Arg::Buf(dwp ? *dwp : none), Arg::Buf(dbp ? *dbp : none),
+          Arg::Int(m), Arg::Int(n), Arg::Int(dy.stride(0)), Arg::Int(x.stride(0)),
+          Arg::Int(flags)},
          groups, threads);
   if (reduce != nullptr) {
     const int64_t rt = reduce_threads(reduce->max_threads);
     encode(reduce,
-           {Arg::T(dwp ? *dwp : none), Arg::T(dbp ? *dbp : none), Arg::T(dw ? *dw : none),
-            Arg::T(db ? *db : none), Arg::I(groups), Arg::I(n), Arg::I(flags & (kFlagDw | kFlagDb))},
+           {Arg::Buf(dwp ? *dwp : none), Arg::Buf(dbp ? *dbp : none),
+            Arg::Buf(dw ? *dw : none), Arg::Buf(db ? *db : none), Arg::Int(groups), Arg::Int(n),
+            Arg::Int(flags & (kFlagDw | kFlagDb))},
            (n + rt - 1) / rt, rt);
   }
   return {dx, dw, db};

@@ -166,7 +166,7 @@ def test_metal_extension_geometry_matches_host(tmp_path):
 def test_metal_extension_launch_arguments_match_kernel_signatures():
     """Each encode() in the extension binds, in order, a tensor where the kernel has a buffer
     pointer and an int64 / float where it has a constant scalar."""
-    kinds = {emu.KIND_POINTER: "T", emu.KIND_INT: "I", emu.KIND_FLOAT: "F"}
+    kinds = {emu.KIND_POINTER: "Buf", emu.KIND_INT: "Int", emu.KIND_FLOAT: "Float"}
     lib = emu.load()
     calls = re.findall(r"\bencode\((\w+),\s*\{(.*?)\}\s*,", MM.read_text(), re.DOTALL)
     launched = [  # in source order
@@ -178,7 +178,7 @@ def test_metal_extension_launch_arguments_match_kernel_signatures():
     ]
     assert len(calls) == len(launched)
     for (_, body), kernel in zip(calls, launched, strict=True):
-        args = re.findall(r"Arg::([TIF])\(", body)
+        args = re.findall(r"Arg::(Buf|Int|Float)\(", body)
         assert args == [kinds[k] for k, _, _ in lib.signature(kernel)], kernel
 
 
