@@ -132,7 +132,7 @@ def _interpreting() -> bool:
 # docs/performance.md). Per kernel kind: the largest padded row kept in registers (above it the
 # looped kernels win), the program tile in *bytes* of input (several short rows per program so
 # every thread holds a few 16-byte vectors), and the threads per program.
-KIND_CAPS = {"softmax_fwd": 65536, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 32768}
+KIND_CAPS = {"softmax_fwd": 65536, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
 _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
 
 
@@ -158,7 +158,8 @@ def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, in
         rows = max(1, min(64, _TILE_ELEMS[kind] // block))
         return True, block, rows, _warps_for(rows * block, kind)
     chunk = min(single_block_limit(), 8192)
-    return False, chunk, 1, _warps_for(chunk, kind)
+    # Looped kernels run one program per row: more threads keep more bytes in flight.
+    return False, chunk, 1, max(1, min(16, chunk // 512))
 
 
 # --------------------------------------------------------------------------- split rows
@@ -240,31 +241,71 @@ class SplitLauncher:
 # --------------------------------------------------------------------------- row windows
 @triton.jit
 def row_window(rows, M, N, stride, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
-    """Offsets, mask and column index of a [ROWS, BLOCK_N] tile of rows ``rows``.
+    """Addressing of a [ROWS, BLOCK_N] tile of rows ``rows``.
 
-    VEC == 0: lane j is column j of each row (fast when ``stride`` keeps rows 16-byte aligned,
-    which Triton's specialisation proves). VEC > 0: rows start at unaligned addresses (an odd
-    N such as 2^k + 1 in a contiguous tensor), so each row is read through a window that starts
-    at the aligned address just below it; lane j then holds column j - shift. Every access stays
-    a 16-byte vector, which removes the 2^k + 1 cliff of scalar loads. BLOCK_N >= N + VEC - 1.
+    Returns ``(offs, mask, col, load_mask, store_mask)``: element offsets, the exact element
+    mask, each lane's column, and vector-granular masks for loads and stores.
+
+    VEC == 0: lane j is column j of each row (rows start 16-byte aligned, which Triton's
+    specialisation of ``stride`` proves), and all three masks are the element mask.
+    VEC > 0: rows start unaligned (an odd N such as 2^k + 1 in a contiguous tensor). Each row is
+    read through a window starting at the aligned address just below it, so lane j holds column
+    j - shift. The load mask keeps whole 16-byte vectors (it may read a few elements of the
+    neighbouring rows, which callers discard with ``mask``) but never a vector that crosses the
+    end of the tensor (M * stride elements); the store mask keeps only the vectors entirely inside
+    the row, and callers store the row's two edge vectors element by element. Every other access
+    stays a 16-byte vector: no 2^k + 1 cliff. Needs BLOCK_N >= N + VEC - 1.
     """
     lanes = tl.arange(0, BLOCK_N)
     start = rows.to(tl.int64) * stride
+    row_ok = (rows < M)[:, None]
     if VEC > 0:
         base = (start // VEC) * VEC
         col = lanes[None, :] - (start - base)[:, None]
         offs = base[:, None] + lanes[None, :]
+        mask = row_ok & (col >= 0) & (col < N)
+        v_lo = base[:, None] + ((lanes // VEC) * VEC)[None, :]
+        v_hi = v_lo + VEC
+        end = (start + N)[:, None]
+        load_mask = row_ok & (v_hi > start[:, None]) & (v_lo < end) & (v_hi <= M * stride)
+        store_mask = row_ok & (v_lo >= start[:, None]) & (v_hi <= end)
     else:
         col = lanes[None, :] + tl.zeros_like(start)[:, None]
         offs = start[:, None] + lanes[None, :]
-    mask = (rows < M)[:, None] & (col >= 0) & (col < N)
-    return offs, mask, col
+        mask = row_ok & (col < N)
+        load_mask = mask
+        store_mask = mask
+    return offs, mask, col, load_mask, store_mask
+
+
+@triton.jit
+def window_load(ptr, offs, mask, load_mask, fill, is_last_tile, VEC: tl.constexpr):
+    """Load a tile addressed by :func:`row_window`; lanes outside the rows hold ``fill``."""
+    v = tl.load(ptr + offs, mask=load_mask, other=fill)
+    if VEC > 0:
+        v = tl.where(mask, v, fill)
+        if is_last_tile:  # the tensor's final partial vector: element by element
+            tail = mask & (load_mask == 0)
+            v = tl.where(tail, tl.load(ptr + offs, mask=tail, other=fill), v)
+    return v
+
+
+@triton.jit
+def window_store(ptr, offs, value, mask, store_mask, VEC: tl.constexpr):
+    """Store a tile addressed by :func:`row_window` (vectors inside rows, then the edges)."""
+    tl.store(ptr + offs, value, mask=store_mask)
+    if VEC > 0:
+        tl.store(ptr + offs, value, mask=mask & (store_mask == 0))
+
+
+# FUSEDOPS_ROW_WINDOW=0 turns the aligned windows off (scalar access for unaligned rows).
+_WINDOWS = __import__("os").environ.get("FUSEDOPS_ROW_WINDOW", "1") != "0"
 
 
 def window_vec(n: int, strides: tuple[int, ...], elt_size: int) -> int:
     """VEC for :func:`row_window`: 0 when rows are 16-byte aligned (or the tensors' row strides
     differ, so one window cannot serve them all), else the elements per 16 bytes."""
     vec = 16 // elt_size
-    if n < 2 * vec or all(s % vec == 0 for s in strides) or len(set(strides)) != 1:
+    if not _WINDOWS or n < 2 * vec or all(s % vec == 0 for s in strides) or len(set(strides)) != 1:
         return 0
     return vec

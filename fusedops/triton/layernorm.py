@@ -22,7 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.triton._common import Launcher, num_sms, row_config, row_window, window_vec
+from fusedops.triton._common import (
+    Launcher,
+    num_sms,
+    row_config,
+    row_window,
+    window_load,
+    window_store,
+    window_vec,
+)
 
 
 @triton.jit
@@ -42,9 +50,10 @@ def _ln_fwd_single(
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
-        offs, mask, col = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
-        offs_y, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        offs, mask, col, lmask, smask = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
+        offs_y, _, _, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
+        x = window_load(x_ptr, offs, mask, lmask, 0.0, tile == num_tiles - 1,
+                        VEC).to(tl.float32)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N
@@ -60,7 +69,7 @@ def _ln_fwd_single(
             y = y * w
         if HAS_B:
             y = y + b
-        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        window_store(y_ptr, offs_y, y.to(y_ptr.dtype.element_ty), mask, smask, VEC)
         tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -125,10 +134,11 @@ def _ln_bwd_single(
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
-        offs_x, mask, col = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
-        offs_dy, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
-        x = tl.load(x_ptr + offs_x, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
+        last = tile == num_tiles - 1
+        offs_x, mask, col, lmask, smask = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
+        offs_dy, _, _, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
+        x = window_load(x_ptr, offs_x, mask, lmask, 0.0, last, VEC).to(tl.float32)
+        dy = window_load(dy_ptr, offs_dy, mask, lmask, 0.0, last, VEC).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
@@ -142,8 +152,8 @@ def _ln_bwd_single(
             c1 = tl.sum(xhat * wdy, axis=1) / N
             c2 = tl.sum(wdy, axis=1) / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            offs_dx, _, _ = row_window(rows, M, N, stride_dx, BLOCK_N, VEC)
-            tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            offs_dx, _, _, _, _ = row_window(rows, M, N, stride_dx, BLOCK_N, VEC)
+            window_store(dx_ptr, offs_dx, dx.to(dx_ptr.dtype.element_ty), mask, smask, VEC)
         if NEED_DW:
             dw_acc += dy * xhat
         if NEED_DB:
@@ -206,8 +216,9 @@ def _ln_bwd_dwdb_columns(
     split = tl.program_id(1)
     cols = col_block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
-    dw_acc = tl.zeros([BLOCK_C], tl.float32)
-    db_acc = tl.zeros([BLOCK_C], tl.float32)
+    # 2-D accumulators, reduced over rows once at the end (no cross-warp reduction per tile).
+    dw_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    db_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, M)
     for r0 in range(row_start, row_end, BLOCK_R):
@@ -223,13 +234,15 @@ def _ln_bwd_dwdb_columns(
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            dw_acc += tl.sum(dy * xhat, axis=0)
+            dw_acc += dy * xhat
         if NEED_DB:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += dy
     if NEED_DW:
-        tl.store(dw_part_ptr + split.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+        tl.store(dw_part_ptr + split.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
+                 mask=col_mask)
     if NEED_DB:
-        tl.store(db_part_ptr + split.to(tl.int64) * N + cols, db_acc, mask=col_mask)
+        tl.store(db_part_ptr + split.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
+                 mask=col_mask)
 
 
 @triton.jit
@@ -250,8 +263,8 @@ def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_C: tl.constexpr):
 # Backward strategy (see the module docstring): False = dx row kernel + column dweight/dbias
 # kernel (measured faster on H200), True = one persistent kernel with per-program partials.
 FUSED_BWD_PARTIALS = False
-COLUMN_TILE = (256, 16)  # (columns, rows) per iteration of the dweight/dbias kernel
-COLUMN_WARPS = 4
+COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias kernel
+COLUMN_WARPS = 8
 
 _launch_fwd_single = Launcher(_ln_fwd_single)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)

@@ -30,6 +30,8 @@ from fusedops.triton._common import (
     row_window,
     split_rows_enabled,
     wait_for_row,
+    window_load,
+    window_store,
     window_vec,
 )
 
@@ -45,14 +47,15 @@ def _softmax_fwd_single(
     pid = tl.program_id(0)
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
-        offs, mask, _ = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
-        offs_y, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
-        x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        offs, mask, _, lmask, smask = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
+        offs_y, _, _, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
+        x = window_load(x_ptr, offs, mask, lmask, -float("inf"), tile == num_tiles - 1,
+                        VEC).to(tl.float32)
         row_max = tl.max(x, axis=1)
         e = tl.exp2((x - row_max[:, None]) * LOG2E)
         denom = tl.sum(e, axis=1)
         y = e * (1.0 / denom)[:, None]
-        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        window_store(y_ptr, offs_y, y.to(y_ptr.dtype.element_ty), mask, smask, VEC)
 
 
 @triton.jit
@@ -93,13 +96,14 @@ def _softmax_bwd_single(
     pid = tl.program_id(0)
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
-        offs, mask, _ = row_window(rows, M, N, N, BLOCK_N, VEC)
-        offs_dy, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
-        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
+        last = tile == num_tiles - 1
+        offs, mask, _, lmask, smask = row_window(rows, M, N, N, BLOCK_N, VEC)
+        offs_dy, _, _, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
+        y = window_load(y_ptr, offs, mask, lmask, 0.0, last, VEC).to(tl.float32)
+        dy = window_load(dy_ptr, offs_dy, mask, lmask, 0.0, last, VEC).to(tl.float32)
         dot = tl.sum(y * dy, axis=1)
         dx = y * (dy - dot[:, None])
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        window_store(dx_ptr, offs, dx.to(dx_ptr.dtype.element_ty), mask, smask, VEC)
 
 
 @triton.jit
