@@ -180,9 +180,16 @@ SPLIT_WARPS = 16
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 
 
-def split_rows_enabled(device: torch.device) -> bool:
-    """Whether the split-row (cooperative) kernels may run on ``device``."""
-    return _split_state["enabled"] and device.type == "cuda" and not _interpreting()
+def split_rows_enabled(device: torch.device, n: int) -> bool:
+    """Whether the split-row (cooperative) kernels should run rows of ``n`` on ``device``.
+
+    Measured on H200: they beat the looped kernels when the row fills its chunks (N a multiple
+    of SPLIT_CHUNK) or spans at least six of them; N = 65537 (a fifth, nearly empty chunk) is
+    faster looped.
+    """
+    if not (_split_state["enabled"] and device.type == "cuda" and not _interpreting()):
+        return False
+    return n % SPLIT_CHUNK == 0 or n >= 6 * SPLIT_CHUNK
 
 
 def disable_split_rows(reason: str) -> None:
@@ -298,8 +305,10 @@ def window_store(ptr, offs, value, mask, store_mask, VEC: tl.constexpr):
         tl.store(ptr + offs, value, mask=mask & (store_mask == 0))
 
 
-# FUSEDOPS_ROW_WINDOW=0 turns the aligned windows off (scalar access for unaligned rows).
-_WINDOWS = __import__("os").environ.get("FUSEDOPS_ROW_WINDOW", "1") != "0"
+# Off by default: on H200 the windowed kernels measured *slower* at N = 8193 (0.16 vs 0.46 of
+# copy bandwidth for bf16 softmax forward; docs/performance.md), because the masks keep Triton
+# from emitting vector accesses. FUSEDOPS_ROW_WINDOW=1 turns them on for experiments.
+_WINDOWS = __import__("os").environ.get("FUSEDOPS_ROW_WINDOW", "0") == "1"
 
 
 def window_vec(n: int, strides: tuple[int, ...], elt_size: int) -> int:

@@ -229,7 +229,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
             (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
         )
     else:
-        if split_rows_enabled(x.device):
+        if split_rows_enabled(x.device, N):
             C, stats, count = _split_scratch(M, N, 2, x.device)
             if _launch_fwd_split(
                 M * C, C, (x, y, stats, count, N, stride, N, M * C),
@@ -257,7 +257,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
             (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
         )
     else:
-        if split_rows_enabled(y.device):
+        if split_rows_enabled(y.device, N):
             C, stats, count = _split_scratch(M, N, 1, y.device)
             if _launch_bwd_split(
                 M * C, C,
