@@ -189,6 +189,9 @@ def split_rows_enabled(device: torch.device, n: int) -> bool:
     """
     if not (_split_state["enabled"] and device.type == "cuda" and not _interpreting()):
         return False
+    chunks = -(-n // SPLIT_CHUNK)
+    if chunks > num_sms(device):  # all chunks of a row must be resident at once
+        return False
     return n % SPLIT_CHUNK == 0 or n >= 6 * SPLIT_CHUNK
 
 
