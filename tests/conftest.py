@@ -32,7 +32,7 @@ TOLERANCES = {
 
 
 def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
-    """kwargs for torch.testing.assert_close; ``scale`` widens both for quantities that sum N terms."""
+    """kwargs for torch.testing.assert_close; ``scale`` widens both (for sums of N terms)."""
     atol, rtol = TOLERANCES[dtype]
     return {"atol": atol * scale, "rtol": rtol * scale}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_to_ref
 
 import fusedops
 from fusedops.triton import _common
-from conftest import assert_close_to_ref
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_windowed_kernels_match_float64(row_windows, triton_backend, device, dty
     assert_close_to_ref(y, r, dtype, scale=4)
     got = torch.autograd.grad(y, (x, w, b), g)
     want = torch.autograd.grad(r, (x64, w64, b64), g.double())
-    for a, e in zip(got, want):
+    for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), e, atol=5e-2 if dtype != torch.float32 else 1e-4,
                                    rtol=5e-2 if dtype != torch.float32 else 1e-4)
 

@@ -4,7 +4,6 @@ small config sweep of the single-block kernels. Prints a table; writes JSON to $
 import itertools
 import json
 import os
-import sys
 import time
 
 import torch
@@ -52,7 +51,7 @@ for N in [1, 33, 1000, 1025, 4097, 65536, 65537, 200000]:
         e3 = (y.double() - r).abs().max().item()
         gs = torch.autograd.grad(y, (x, w, b), g)
         rs = torch.autograd.grad(r, (x, w, b), g.double())
-        e4 = max((a.double() - c).abs().max().item() / (1 + c.abs().max().item()) for a, c in zip(gs, rs))
+        e4 = max((a.double() - c).abs().max().item() / (1 + c.abs().max().item()) for a, c in zip(gs, rs, strict=True))
         errs.append((N, str(dt), e1, e2, e3, e4))
         print("err", N, dt, f"{e1:.1e} {e2:.1e} {e3:.1e} {e4:.1e}", flush=True)
 
