@@ -45,15 +45,15 @@ def layernorm_forward(
     """
     acc = _acc_dtype(x.dtype)
     xf = x.to(acc)
-    mean = xf.mean(dim=-1)
-    var = (xf - mean[:, None]).square().mean(dim=-1)
+    # var_mean is one Welford pass: exact for constant rows, no E[x^2] - E[x]^2 cancellation.
+    var, mean = torch.var_mean(xf, dim=-1, correction=0)
     # A variance that overflows gives NaN (as torch does), never a silent row of zeros.
     rstd = torch.where(torch.isinf(var), torch.nan, torch.rsqrt(var + eps))
-    y = (xf - mean[:, None]) * rstd[:, None]
+    y = (xf - mean[:, None]) * rstd[:, None]  # a new tensor: the in-place ops below are safe
     if weight is not None:
-        y = y * weight.to(acc)
+        y.mul_(weight.to(acc))
     if bias is not None:
-        y = y + bias.to(acc)
+        y.add_(bias.to(acc))
     return y.to(out_dtype), mean, rstd
 
 
