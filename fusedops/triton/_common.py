@@ -8,9 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows whose padded length is at most this many elements are held whole in registers by one
-# program (read once, written once). Longer rows take the chunked (looped) kernels. Tests shrink
-# it (see ``set_single_block_limit``) so the looped path is exercised with small rows.
+# Rows whose padded length is at most this many elements (and at most the kernel kind's cap in
+# KIND_CAPS) are held whole in registers by one program (read once, written once). Longer rows
+# take the split-row or looped kernels. Tests shrink it (see ``set_single_block_limit``) so the
+# looped path is exercised with small rows.
 DEFAULT_SINGLE_BLOCK_LIMIT = 65536
 _limits = {"single_block": DEFAULT_SINGLE_BLOCK_LIMIT}
 
@@ -50,9 +51,6 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
-
-
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def next_pow2(n: int) -> int:
@@ -130,8 +128,8 @@ def _interpreting() -> bool:
 
 # Launch configurations, from the H200 measurements in benchmarks/dev/probe.py (see
 # docs/performance.md). Per kernel kind: the largest padded row kept in registers (above it the
-# looped kernels win), the program tile in *bytes* of input (several short rows per program so
-# every thread holds a few 16-byte vectors), and the threads per program.
+# looped kernels win), the program tile in elements (several short rows per program so every
+# thread holds a few 16-byte vectors), and the threads per program.
 KIND_CAPS = {"softmax_fwd": 65536, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
 _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
 
