@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -74,11 +75,19 @@ def use_backend(name: str | None) -> Iterator[None]:
         set_backend(previous)
 
 
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+
+
 def warn_once(key: str, message: str) -> None:
-    """Emit ``message`` as a UserWarning the first time ``key`` is seen in this process."""
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=4)
+    """Emit ``message`` as a UserWarning the first time ``key`` is seen in this process,
+    attributed to the first caller outside fusedops and torch (the user's line)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _load(name: str) -> ModuleType | None:
