@@ -126,8 +126,8 @@ for N in [32768, 65536]:
         for op in ["sm_fwd", "sm_bwd", "ln_fwd", "ln_bwd"]:
             explore.append((op, N, cfg))
 for op, N, cfg in explore:
-    tsm.row_config = lambda n, k, cfg=cfg: cfg
-    tln.row_config = lambda n, k, cfg=cfg: cfg
+    tsm.row_config = lambda n, k, *_, cfg=cfg: cfg
+    tln.row_config = lambda n, k, *_, cfg=cfg: cfg
     try:
         point(op, torch.bfloat16, N, variant=str(cfg))
     except Exception as exc:  # noqa
@@ -135,43 +135,40 @@ for op, N, cfg in explore:
 tsm.row_config, tln.row_config = orig_sm, orig_ln
 
 # host latency small shapes
+
+
+def host_us(fn, calls=2000):
+    """Wall time per call of ``fn`` issued back to back (after a warm-up), in microseconds."""
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
 for shape in [(4, 128), (64, 768), (8, 128, 768)]:
     x = torch.randn(*shape, device=dev, dtype=torch.float16)
     w = torch.randn(shape[-1], device=dev, dtype=torch.float16)
-    for name, fn in [("torch.softmax", lambda: torch.softmax(x, -1)),
-                     ("fused_softmax", lambda: fusedops.fused_softmax(x)),
-                     ("F.layer_norm", lambda: F.layer_norm(x, (shape[-1],), w, w)),
-                     ("fused_layernorm", lambda: fusedops.fused_layernorm(x, shape[-1], w, w))]:
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(2000):
-            fn()
-        torch.cuda.synchronize()
-        us = (time.perf_counter() - t) / 2000 * 1e6
-        print(f"host {shape} {name:16s} {us:.1f} us", flush=True)
-    # where the fused host time goes
     x2 = x.reshape(-1, shape[-1])
     y2 = torch.empty_like(x2)
-    parts = {
+    cases = {
+        "torch.softmax": lambda: torch.softmax(x, -1),
+        "fused_softmax": lambda: fusedops.fused_softmax(x),
+        "F.layer_norm": lambda: F.layer_norm(x, (shape[-1],), w, w),
+        "fused_layernorm": lambda: fusedops.fused_layernorm(x, shape[-1], w, w),
+        # where the fused host time goes
         "torch.empty": lambda: torch.empty(x2.shape, dtype=x2.dtype, device=x2.device),
         "tsm.softmax_forward": lambda: tsm.softmax_forward(x2, x2.dtype),
         "raw triton launch": lambda: tsm._softmax_fwd_single[(1,)](
             x2, y2, x2.shape[0], x2.shape[1], x2.stride(0), y2.stride(0), 1, 1,
-            BLOCK_N=triton.next_power_of_2(x2.shape[1]), ROWS=1, num_warps=4),
+            BLOCK_N=triton.next_power_of_2(x2.shape[1]), ROWS=1, VEC=0, num_warps=4),
         "tln.layernorm_forward": lambda: tln.layernorm_forward(x2, w, w, 1e-5, x2.dtype),
     }
-    for name, fn in parts.items():
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(2000):
-            fn()
-        torch.cuda.synchronize()
-        us = (time.perf_counter() - t) / 2000 * 1e6
-        print(f"host {shape} {name:22s} {us:.1f} us", flush=True)
+    for name, fn in cases.items():
+        print(f"host {shape} {name:22s} {host_us(fn):.1f} us", flush=True)
 
 out = os.environ.get("OUT")
 if out:

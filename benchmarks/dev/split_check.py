@@ -1,4 +1,7 @@
-"""Developer check (GPU): split-row kernels vs looped kernels, correctness and TB/s."""
+"""Developer check (GPU): split-row kernels vs looped kernels, correctness and TB/s.
+
+Host cost per call is measured by `python -m fusedops bench` (host latency table) and
+`benchmarks/dev/probe.py`."""
 
 import torch
 from triton.testing import do_bench
@@ -32,42 +35,3 @@ for N in [65537, 100000, 131072, 262144, 1 << 20]:
               f"bwd {res['split'][1]:.2f} | looped fwd {res['looped'][0]:.2f} bwd {res['looped'][1]:.2f} TB/s",
               flush=True)
 print("blocks_per_sm", tsm._launch_fwd_split.blocks_per_sm, tsm._launch_bwd_split.blocks_per_sm)
-
-# Host cost per call (small shape), and where it goes.
-import cProfile  # noqa: E402
-import pstats  # noqa: E402
-import time  # noqa: E402
-
-import fusedops  # noqa: E402
-
-x = torch.randn(8, 128, 768, device=dev, dtype=torch.bfloat16)
-w = torch.randn(768, device=dev, requires_grad=True)
-b = torch.randn(768, device=dev, requires_grad=True)
-cases = {
-    "torch.softmax": lambda: torch.softmax(x, -1),
-    "fused_softmax": lambda: fusedops.fused_softmax(x),
-    "F.layer_norm(w grad)": lambda: torch.nn.functional.layer_norm(x, (768,), w, b),
-    "fused_layernorm(w grad)": lambda: fusedops.fused_layernorm(x, 768, w, b),
-}
-for name, fn in cases.items():
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(2000):
-        fn()
-    torch.cuda.synchronize()
-    print(f"host {name:26s} {(time.perf_counter() - t) / 2000 * 1e6:.1f} us/call", flush=True)
-    with torch.no_grad():
-        t = time.perf_counter()
-        for _ in range(2000):
-            fn()
-        torch.cuda.synchronize()
-    print(f"host {name:26s} no_grad {(time.perf_counter() - t) / 2000 * 1e6:.1f} us/call", flush=True)
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(2000):
-    fusedops.fused_layernorm(x, 768, w, b)
-torch.cuda.synchronize()
-prof.disable()
-pstats.Stats(prof).sort_stats("tottime").print_stats(14)
