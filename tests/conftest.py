@@ -131,4 +131,4 @@ def _tensors_on_device(request):
     try:
         yield
     finally:
-        torch.set_default_device("cpu")
+        torch.set_default_device(None)  # None also pops torch's default-device mode

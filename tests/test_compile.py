@@ -239,7 +239,9 @@ def test_opcheck_custom_ops(backend_name, dtype):
     try:
         _opcheck_all(ops, dtype, backend_name)
     finally:
-        torch.set_default_device("cpu")
+        # None (not "cpu") removes torch's default-device TorchFunctionMode from the stack;
+        # a leftover mode would leak into later tests.
+        torch.set_default_device(None)
 
 
 def _opcheck_all(ops, dtype, backend_name):
