@@ -11,32 +11,23 @@ the two). The extension compiles it with ``newLibraryWithSource`` at first use.
 from __future__ import annotations
 
 import hashlib
-import re
+import importlib.util
 import sys
 from pathlib import Path
 
-SHADER_FILES = ("softmax.metal", "layernorm.metal")
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 _DELIM = "FUSEDOPS_METAL"
 
 
-def inline_includes(path: Path, seen: set[str] | None = None) -> str:
-    """``path``'s text with each ``#include "file"`` replaced by that file's text, once."""
-    seen = set() if seen is None else seen
-    seen.add(path.name)
-
-    def repl(m: re.Match) -> str:
-        name = m.group(1)
-        if name in seen:
-            return f"// (already included: {name})"
-        return inline_includes(path.parent / name, seen)
-
-    return _INCLUDE.sub(repl, path.read_text(encoding="ascii"))
+def _load_shader_source():
+    """fusedops/_shader_source.py loaded by path: stdlib only, no fusedops or torch import."""
+    path = Path(__file__).resolve().parent.parent / "fusedops" / "_shader_source.py"
+    spec = importlib.util.spec_from_file_location("fusedops_shader_source", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def library_source(shader_dir: Path) -> str:
-    seen: set[str] = set()
-    return "\n".join(inline_includes(Path(shader_dir) / f, seen) for f in SHADER_FILES)
+library_source = _load_shader_source().library_source
 
 
 def header_text(shader_dir: Path) -> str:

@@ -22,7 +22,6 @@ shaders (``tests/metal_emu``), so this exact code is what the Linux tests run. T
 
 from __future__ import annotations
 
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from fusedops import reference
+from fusedops import _shader_source, reference
 
 NAME = "metal"
 
@@ -59,7 +58,7 @@ SOFTMAX_BWD_TYPES = {("float", "float"), ("half", "half"), ("bfloat", "bfloat"),
                      ("float", "half"), ("float", "bfloat")}
 LAYERNORM_TYPES = SOFTMAX_FWD_TYPES  # forward: (x, y); backward: (x, dy)
 
-SHADER_FILES = ("softmax.metal", "layernorm.metal")
+SHADER_FILES = _shader_source.SHADER_FILES
 
 
 # --- Dispatch geometry --------------------------------------------------------------------------
@@ -255,7 +254,6 @@ def layernorm_backward_with(launch: Launcher, dy: torch.Tensor, x: torch.Tensor,
 
 
 # --- Shader sources --------------------------------------------------------------------------
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 
 def shader_dir() -> Path | None:
@@ -267,28 +265,12 @@ def shader_dir() -> Path | None:
     return None
 
 
-def inline_includes(path: Path, seen: set[str] | None = None) -> str:
-    """``path``'s text with each ``#include "file"`` (relative to its folder) replaced by that
-    file's text, each file at most once. Must match ``csrc/embed_shaders.py``."""
-    seen = set() if seen is None else seen
-    seen.add(path.name)
-
-    def repl(m: re.Match) -> str:
-        name = m.group(1)
-        if name in seen:
-            return f"// (already included: {name})"
-        return inline_includes(path.parent / name, seen)
-
-    return _INCLUDE.sub(repl, path.read_text(encoding="ascii"))
-
-
 def library_source(directory: Path | None = None) -> str:
     """One Metal source holding every kernel: the shader files with their includes inlined."""
     directory = shader_dir() if directory is None else directory
     if directory is None:
         raise FileNotFoundError("fusedops: Metal shader sources not found")
-    seen: set[str] = set()
-    return "\n".join(inline_includes(directory / f, seen) for f in SHADER_FILES)
+    return _shader_source.library_source(directory)
 
 
 class ShaderLauncher:
