@@ -23,10 +23,16 @@ import triton
 import triton.language as tl
 
 from fusedops.triton._common import (
+    SPLIT_CHUNK,
+    SPLIT_WARPS,
     Launcher,
+    SplitLauncher,
+    next_pow2,
     num_sms,
     row_config,
     row_window,
+    split_rows_enabled,
+    wait_for_row,
     window_load,
     window_store,
     window_vec,
@@ -38,11 +44,14 @@ def _ln_fwd_single(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
     num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, HOLD_W: tl.constexpr,
 ):
+    # HOLD_W: load weight/bias once per program and keep them in registers across its row tiles
+    # (short rows); long rows reload them per tile from L2 instead, which frees the registers
+    # that would otherwise spill (a 32K-column row at 32 warps spills 240+ bytes per thread).
     pid = tl.program_id(0)
-    if VEC == 0:  # aligned rows: every lane is the same column in every row, load once
-        cols = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    if HOLD_W and VEC == 0:  # aligned rows: every lane is the same column in every row
         if HAS_W:
             w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if HAS_B:
@@ -65,6 +74,11 @@ def _ln_fwd_single(
                 w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
             if HAS_B:
                 b = tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        elif not HOLD_W:
+            if HAS_W:
+                w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            if HAS_B:
+                b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if HAS_W:
             y = y * w
         if HAS_B:
@@ -115,22 +129,74 @@ def _ln_fwd_looped(
 
 
 @triton.jit
+def _ln_fwd_split(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, stride_x,
+    stride_y, eps, num_items, num_progs,
+    CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
+    # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows". Each
+    # chunk publishes its (mean, M2) about its own mean; the row's statistics are merged with
+    # Chan's formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation.
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    peers = tl.arange(0, C_P2)
+    for item in range(pid, num_items, num_progs):
+        row = item // C
+        chunk = item % C
+        cols = chunk * CHUNK + lanes
+        mask = cols < N
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
+                    other=0.0).to(tl.float32)
+        n_c = tl.minimum(N - chunk * CHUNK, CHUNK).to(tl.float32)
+        mean_c = tl.sum(x, axis=0) / n_c
+        xc = tl.where(mask, x - mean_c, 0.0)
+        tl.store(stats_ptr + item * 2, mean_c)
+        tl.store(stats_ptr + item * 2 + 1, tl.sum(xc * xc, axis=0))
+        wait_for_row(count_ptr, row, C)
+        base = (row * C + peers) * 2
+        ok = peers < C
+        means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
+        m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        counts = tl.where(ok, tl.minimum(N - peers * CHUNK, CHUNK), 0).to(tl.float32)
+        mean = tl.sum(counts * means, axis=0) / N
+        dev = means - mean
+        var = (tl.sum(m2s, axis=0) + tl.sum(counts * dev * dev, axis=0)) / N
+        rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+        y = (x - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+        if chunk == 0:
+            tl.store(mean_ptr + row, mean)
+            tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
 def _ln_bwd_single(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
+    HOLD_W: tl.constexpr, ACC_1D: tl.constexpr,
 ):
-    # NEED_DW/NEED_DB (per-program partials) are only used with aligned rows (VEC == 0).
+    # NEED_DW/NEED_DB (per-program partials, part_ptr is (2, num_progs, N) float32) are only
+    # used with aligned rows (VEC == 0). ACC_1D: fold each tile's rows into (BLOCK_N,)
+    # accumulators at once (fewer registers); otherwise keep (ROWS, BLOCK_N) accumulators and
+    # reduce over rows once at the end (no cross-warp reduction per tile).
     pid = tl.program_id(0)
-    if VEC == 0:
-        cols = tl.arange(0, BLOCK_N)
-        if HAS_W:
-            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    # 2-D accumulators: adding tiles elementwise each iteration and reducing over rows once at
-    # the end avoids a cross-warp reduction per tile.
-    dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    if HAS_W and HOLD_W and VEC == 0:
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if ACC_1D:
+        dw_acc = tl.zeros([BLOCK_N], tl.float32)
+        db_acc = tl.zeros([BLOCK_N], tl.float32)
+    else:
+        dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
@@ -146,6 +212,8 @@ def _ln_bwd_single(
             if HAS_W:
                 if VEC > 0:
                     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                elif not HOLD_W:
+                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
                 wdy = dy * w
             else:
                 wdy = dy
@@ -154,18 +222,27 @@ def _ln_bwd_single(
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             offs_dx, _, _, _, _ = row_window(rows, M, N, stride_dx, BLOCK_N, VEC)
             window_store(dx_ptr, offs_dx, dx.to(dx_ptr.dtype.element_ty), mask, smask, VEC)
-        if NEED_DW:
-            dw_acc += dy * xhat
-        if NEED_DB:
-            db_acc += dy
+        if ACC_1D:
+            if NEED_DW:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if NEED_DB:
+                db_acc += tl.sum(dy, axis=0)
+        else:
+            if NEED_DW:
+                dw_acc += dy * xhat
+            if NEED_DB:
+                db_acc += dy
+    out = part_ptr + pid.to(tl.int64) * N + cols
+    if ACC_1D:
+        dw_row = dw_acc
+        db_row = db_acc
+    else:
+        dw_row = tl.sum(dw_acc, axis=0)
+        db_row = tl.sum(db_acc, axis=0)
     if NEED_DW:
-        cols = tl.arange(0, BLOCK_N)
-        tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=cols < N)
+        tl.store(out, dw_row, mask=cols < N)
     if NEED_DB:
-        cols = tl.arange(0, BLOCK_N)
-        tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
-                 mask=cols < N)
+        tl.store(out + num_progs.to(tl.int64) * N, db_row, mask=cols < N)
 
 
 @triton.jit
@@ -246,28 +323,41 @@ def _ln_bwd_dwdb_columns(
 
 
 @triton.jit
-def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_C: tl.constexpr):
-    # Fixed summation order over the P partial rows: bitwise reproducible run to run.
+def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # part: (S, P, N) float32, out: (S, N); program (column block, s). A fixed (BLOCK_P,
+    # BLOCK_C) tile order and reduction tree: bitwise reproducible run to run, and wide enough
+    # that thousands of partial rows do not serialise into one thread's dependent loads.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = cols < N
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    for p in range(0, P):
-        acc += tl.load(part_ptr + p * N + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + cols, acc, mask=mask)
+    s = tl.program_id(1).to(tl.int64)
+    cmask = cols < N
+    base = part_ptr + s * P * N
+    acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        acc += tl.load(base + p.to(tl.int64)[:, None] * N + cols[None, :],
+                       mask=(p < P)[:, None] & cmask[None, :], other=0.0)
+    tl.store(out_ptr + s * N + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
+# Forward: weight/bias stay in registers across a program's row tiles for padded rows up to
+# this many elements, and are reloaded per tile (from L2) above it.
+FWD_HOLD_W_MAX_BLOCK = 65536
 
-
-
-
-# Backward strategy (see the module docstring): False = dx row kernel + column dweight/dbias
-# kernel (measured faster on H200), True = one persistent kernel with per-program partials.
-FUSED_BWD_PARTIALS = False
+# Backward strategy for rows held in registers. Padded rows up to FUSED_BWD_MAX_BLOCK run one
+# persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes
+# of memory plus (2, programs, N) float32 partials); longer rows run the dx row kernel plus the
+# column dweight/dbias kernel (x and dy read twice: 5 passes, but no per-program accumulators
+# competing with the row for registers).
+FUSED_BWD_MAX_BLOCK = 4096
+FUSED_BWD_TILE = 4096      # elements per program tile (whole rows)
+FUSED_BWD_PROGS_PER_SM = 2  # programs per SM: partial-row traffic grows with it
+FUSED_BWD_ACC_1D = True
 COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias kernel
 COLUMN_WARPS = 8
 
 _launch_fwd_single = Launcher(_ln_fwd_single)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)
+_launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
@@ -279,12 +369,17 @@ def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
     return max(1, min(num_tiles, num_sms(device) * per_sm))
 
 
-def _reduce_partials(part: torch.Tensor) -> torch.Tensor:
-    P, N = part.shape
-    out = torch.empty((N,), dtype=torch.float32, device=part.device)
-    block = 256
-    _launch_sum((triton.cdiv(N, block),), (part, out, P, N, block), 4)
-    return out
+def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool):
+    """Sum (2, P, N) float32 partials over P in a fixed order: (dweight, dbias), each (N,) or
+    None."""
+    _, P, N = part.shape
+    first = 0 if need_dw else 1
+    sets = int(need_dw) + int(need_db)
+    out = torch.empty((2, N), dtype=torch.float32, device=part.device)
+    block_p, block_c = 32, 64
+    _launch_sum((triton.cdiv(N, block_c), sets),
+                (part[first], out[first], P, N, block_p, block_c), 4)
+    return (out[0] if need_dw else None), (out[1] if need_db else None)
 
 
 def layernorm_forward(
@@ -315,9 +410,19 @@ def layernorm_forward(
         progs = _grid_size(tiles, warps, x.device)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
-            block, rows, has_w, has_b, vec,
+            block, rows, has_w, has_b, vec, block <= FWD_HOLD_W_MAX_BLOCK,
         ), warps)
     else:
+        if split_rows_enabled(x.device, N):
+            C = triton.cdiv(N, SPLIT_CHUNK)
+            stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
+            count = torch.zeros((M,), dtype=torch.int32, device=x.device)
+            if _launch_fwd_split(
+                M * C, C,
+                (x, w, b, y, mean, rstd, stats, count, N, x.stride(0), y.stride(0), eps, M * C),
+                (SPLIT_CHUNK, C, next_pow2(C), has_w, has_b), SPLIT_WARPS, x.device,
+            ):
+                return y, mean, rstd
         _launch_fwd_looped((M,), (
             x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps, block, has_w, has_b,
         ), warps)
@@ -349,53 +454,50 @@ def layernorm_backward(
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
     single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
-    dw = db = None
-    if single and FUSED_BWD_PARTIALS:
+    need_part = need_dw or need_db
+    if single and need_part and block <= FUSED_BWD_MAX_BLOCK:
+        rows = max(1, FUSED_BWD_TILE // block)
+        warps = max(4, min(16, rows * block // 512))
+        tiles = triton.cdiv(M, rows)
+        progs = max(1, min(tiles, num_sms(dev) * FUSED_BWD_PROGS_PER_SM))
+        part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
+        _launch_bwd_single((progs,), (
+            dy, x, w, mean, rstd, dx if need_dx else x, part,
+            M, N, dy.stride(0), x.stride(0), N, tiles, progs,
+            block, rows, has_w, need_dx, need_dw, need_db, 0, True, FUSED_BWD_ACC_1D,
+        ), warps)
+        dw, db = _reduce_partials(part, need_dw, need_db)
+        return dx, dw, db
+    # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
+    # dweight/dbias from a column-blocked pass that reads x and dy once more.
+    if need_dx and single:
+        vec = window_vec(N, (dy.stride(0), x.stride(0), N), x.element_size())
+        if vec:
+            single, block, rows, warps = row_config(N + vec - 1, "ln_bwd", x.element_size())
+    if need_dx and single:
         tiles = triton.cdiv(M, rows)
         progs = _grid_size(tiles, warps, dev)
-        part = torch.empty((2 if need_dw and need_db else 1, progs, N), dtype=torch.float32,
-                           device=dev) if (need_dw or need_db) else x
-        dw_part = part[0] if need_dw else x
-        db_part = part[-1] if need_db else x
         _launch_bwd_single((progs,), (
-            dy, x, w, mean, rstd, dx if need_dx else x, dw_part, db_part,
-            M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            block, rows, has_w, need_dx, need_dw, need_db, 0,
+            dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
+            block, rows, has_w, True, False, False, vec, block <= FWD_HOLD_W_MAX_BLOCK, True,
         ), warps)
-    else:
-        # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
-        # dweight/dbias from a column-blocked pass that reads x and dy once more.
-        if need_dx and single:
-            vec = window_vec(N, (dy.stride(0), x.stride(0), N), x.element_size())
-            if vec:
-                single, block, rows, warps = row_config(N + vec - 1, "ln_bwd", x.element_size())
-        if need_dx and single:
-            tiles = triton.cdiv(M, rows)
-            progs = _grid_size(tiles, warps, dev)
-            _launch_bwd_single((progs,), (
-                dy, x, w, mean, rstd, dx, x, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-                block, rows, has_w, True, False, False, vec,
-            ), warps)
-        elif need_dx:
-            _launch_dx_looped((M,), (
-                dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
-                block, has_w,
-            ), warps)
-        if need_dw or need_db:
-            block_c, block_r = COLUMN_TILE
-            col_blocks = triton.cdiv(N, block_c)
-            # About eight programs per SM in total, each owning a (row-split, column-block) tile.
-            splits = max(1, min(triton.cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
-            rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_r) * block_r
-            splits = triton.cdiv(M, rows_per_split)
-            part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
-            _launch_dwdb_columns((col_blocks, splits), (
-                dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
-                rows_per_split, block_c, block_r, need_dw, need_db,
-            ), COLUMN_WARPS)
-            dw_part, db_part = part[0], part[1]
-    if need_dw:
-        dw = _reduce_partials(dw_part)
-    if need_db:
-        db = _reduce_partials(db_part)
+    elif need_dx:
+        _launch_dx_looped((M,), (
+            dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
+            block, has_w,
+        ), warps)
+    dw = db = None
+    if need_part:
+        block_c, block_r = COLUMN_TILE
+        col_blocks = triton.cdiv(N, block_c)
+        # About eight programs per SM in total, each owning a (row-split, column-block) tile.
+        splits = max(1, min(triton.cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
+        rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_r) * block_r
+        splits = triton.cdiv(M, rows_per_split)
+        part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
+        _launch_dwdb_columns((col_blocks, splits), (
+            dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
+            rows_per_split, block_c, block_r, need_dw, need_db,
+        ), COLUMN_WARPS)
+        dw, db = _reduce_partials(part, need_dw, need_db)
     return dx, dw, db
