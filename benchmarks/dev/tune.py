@@ -71,6 +71,12 @@ def caps(**values):
         _common.set_single_block_limit(_common.single_block_limit())
 
 
+@contextlib.contextmanager
+def caps_and(chunk, warps):
+    with caps(ln_fwd=16384), knobs(tln, SPLIT_CONFIG=(chunk, warps)):
+        yield
+
+
 records = []
 summary = []
 
@@ -109,122 +115,102 @@ def nullctx():
     return contextlib.nullcontext()
 
 
-def sm_grid(kind):
-    def g(num_tiles, num_warps, device):
-        if kind == "full":
-            return num_tiles
-        per_sm = kind if isinstance(kind, int) else max(1, 2048 // (32 * num_warps))
-        return max(1, min(num_tiles, _common.num_sms(device) * per_sm))
-    return g
-
-
-def softmax_fwd_point(dt, N):
+def case(op, dt, N, parts=(True, True, True)):
+    """(fusedops fn, eager fn, bytes moved, check) for one sweep point."""
     M = max(2, TOTAL // N)
     x = torch.randn(M, N, device=dev, dtype=dt)
-    ref = torch.softmax(x.float(), -1)
-    block = triton.next_power_of_2(N)
-    variants = [("cur", nullctx, lambda: tsm.softmax_forward(x, dt))]
-    for tile in (1024, 2048, 4096):
-        rows = max(1, tile // block)
-        for warps in (4, 8):
-            if rows * block // (32 * warps) < 4:
-                continue
-            for grid in ("occ", "full"):
-                cfg = (True, block, rows, warps)
-                variants.append((f"t{tile}w{warps}{grid}",
-                                 lambda cfg=cfg, grid=grid: knobs(
-                                     tsm, row_config=lambda n, k, *_: cfg,
-                                     _grid_size=sm_grid(grid)),
-                                 lambda: tsm.softmax_forward(x, dt)))
-    run_point("sm_fwd", dt, N, variants, lambda: torch.softmax(x, -1),
-              2 * M * N * x.element_size(), rel_err(ref))
-
-
-def ln_fwd_point(dt, N):
-    M = max(2, TOTAL // N)
-    x = torch.randn(M, N, device=dev, dtype=dt)
+    elt = x.element_size()
+    if op == "sm_fwd":
+        ref = torch.softmax(x.float(), -1)
+        return (lambda: tsm.softmax_forward(x, dt), lambda: torch.softmax(x, -1),
+                2 * M * N * elt, rel_err(ref))
+    if op == "sm_bwd":
+        y = torch.softmax(x, -1)
+        dy = torch.randn_like(x)
+        ref = torch._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
+        return (lambda: tsm.softmax_backward(y, dy, dt),
+                lambda: torch._softmax_backward_data(dy, y, -1, dt), 3 * M * N * elt,
+                rel_err(ref))
     w = torch.randn(N, device=dev, dtype=dt)
     b = torch.randn(N, device=dev, dtype=dt)
-    ref = F.layer_norm(x.float(), (N,), w.float(), b.float())
-
-    def fn():
-        return tln.layernorm_forward(x, w, b, 1e-5, dt)[0]
-    variants = [("cur", nullctx, fn),
-                ("nohold", lambda: knobs(tln, FWD_HOLD_W_MAX_BLOCK=1024), fn)]
-    if N >= 16384:
-        variants.append(("cap16K", lambda: caps(ln_fwd=16384), fn))
-
-        @contextlib.contextmanager
-        def nosplit():
-            with caps(ln_fwd=16384):
-                _common._split_state["enabled"] = False
-                try:
-                    yield
-                finally:
-                    _common._split_state["enabled"] = True
-        variants.append(("looped", nosplit, fn))
-        for warps in (16, 32):
-            blk = triton.next_power_of_2(N)
-            if blk <= 32768:
-                cfg = (True, blk, 1, warps)
-                variants.append((f"w{warps}nohold", lambda cfg=cfg: knobs(
-                    tln, row_config=lambda n, k, *_: cfg, FWD_HOLD_W_MAX_BLOCK=1024), fn))
-    run_point("ln_fwd", dt, N, variants, lambda: F.layer_norm(x, (N,), w, b),
-              2 * M * N * x.element_size(), rel_err(ref))
-
-
-def ln_bwd_point(dt, N):
-    M = max(2, TOTAL // N)
-    x = torch.randn(M, N, device=dev, dtype=dt)
-    w = torch.randn(N, device=dev, dtype=dt)
-    b = torch.randn(N, device=dev, dtype=dt)
+    if op == "ln_fwd":
+        ref = F.layer_norm(x.float(), (N,), w.float(), b.float())
+        return (lambda: tln.layernorm_forward(x, w, b, 1e-5, dt)[0],
+                lambda: F.layer_norm(x, (N,), w, b), 2 * M * N * elt, rel_err(ref))
     dy = torch.randn_like(x)
     _, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dt)
     xr = x.detach().requires_grad_()
     wr = w.detach().requires_grad_()
     br = b.detach().requires_grad_()
     yr = F.layer_norm(xr, (N,), wr, br)
-    ref = torch.autograd.grad(yr, (xr, wr, br), dy, retain_graph=True)
-    ref_dx = ref[0].float()
-    ref_dw = ref[1].float()
+    ref = [r.float() for r in torch.autograd.grad(yr, (xr, wr, br), dy, retain_graph=True)]
 
     def check(out):
-        dx, dw, _ = out
-        return max(rel_err(ref_dx)(dx), rel_err(ref_dw)(dw))
+        return max(rel_err(r)(o) for o, r in zip(out, ref, strict=True) if o is not None)
+    return (lambda: tln.layernorm_backward(dy, x, w, mean, rstd, *parts),
+            lambda: torch.autograd.grad(yr, (xr, wr, br), dy, retain_graph=True),
+            3 * M * N * elt, check)
 
-    def fn():
-        return tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
-    variants = [("cur", nullctx, fn),
-                ("columns", lambda: knobs(tln, FUSED_BWD_MAX_BLOCK=0), fn)]
-    for tile in (4096, 8192) if triton.next_power_of_2(N) <= 8192 else ():
-        for per_sm in (1, 2, 4) if N <= 1024 else (1, 2):
-            for acc in ((True, False) if N <= 1024 else (True,)):
-                if tile < triton.next_power_of_2(N):
-                    continue
-                variants.append((f"f{tile // 1024}K/{per_sm}{'' if acc else '2d'}",
-                                 lambda tile=tile, per_sm=per_sm, acc=acc: knobs(
-                                     tln, FUSED_BWD_MAX_BLOCK=8192, FUSED_BWD_TILE=tile,
-                                     FUSED_BWD_PROGS_PER_SM=per_sm, FUSED_BWD_ACC_1D=acc), fn))
-    run_point("ln_bwd", dt, N, variants,
-              lambda: torch.autograd.grad(yr, (xr, wr, br), dy, retain_graph=True),
-              3 * M * N * x.element_size(), check)
+
+def point(op, dt, N, variants, parts=(True, True, True)):
+    fn, eager, nbytes, check = case(op, dt, N, parts)
+    tag = op if parts == (True, True, True) else op + "".join("xwb"[i] for i in range(3)
+                                                              if parts[i])
+    run_point(tag, dt, N, [("cur", nullctx, fn)] + [(n, c, fn) for n, c in variants], eager,
+              nbytes, check)
+    torch.cuda.empty_cache() if not SMOKE else None
+
+
+@contextlib.contextmanager
+def persistent(kind, value):
+    old = _common.PERSISTENT[kind]
+    _common.PERSISTENT[kind] = value
+    try:
+        yield
+    finally:
+        _common.PERSISTENT[kind] = old
+
+
+@contextlib.contextmanager
+def windows():
+    old = _common._WINDOWS
+    _common._WINDOWS = True
+    try:
+        yield
+    finally:
+        _common._WINDOWS = old
 
 
 t0 = time.time()
-which = sys.argv[1:] or ["ln_bwd", "ln_fwd", "sm_fwd"]
+which = sys.argv[1:] or ["ln_bwd", "ln_fwd", "sm"]
 bf, f32 = torch.bfloat16, torch.float32
 if "ln_bwd" in which:
     for dt in (bf, f32):
-        for N in (256, 512, 1024, 2048, 4096, 8192, 8193):
-            ln_bwd_point(dt, N)
+        for N in (256, 512, 1024, 2048, 4096, 8192):
+            point("ln_bwd", dt, N, [])
+        for N in (8193, 65537):
+            for parts in ((True, True, True), (True, False, False), (False, True, True)):
+                point("ln_bwd", dt, N, [("win", windows)], parts)
 if "ln_fwd" in which:
     for dt in (bf, f32):
-        for N in (8192, 16384, 32768, 65536, 65537, 131072, 262144):
-            ln_fwd_point(dt, N)
-if "sm_fwd" in which:
-    for dt in (f32, bf):
-        for N in ((256, 512, 1024) if dt == f32 else (256, 1024, 4096, 8192)):
-            softmax_fwd_point(dt, N)
+        for N in (256, 1024, 4096):
+            point("ln_fwd", dt, N, [("full", lambda: persistent("ln_fwd", False))])
+        cfg8 = [(f"w{w}", lambda w=w: knobs(tln, row_config=lambda n, k, *_, w=w: (
+            True, 8192, 1, w))) for w in (8, 16)]
+        point("ln_fwd", dt, 8192, cfg8 + [("full", lambda: persistent("ln_fwd", False))])
+        point("ln_fwd", dt, 8193, [("win", windows)])
+        for N in (32768, 65536, 131072, 262144):
+            point("ln_fwd", dt, N, [
+                (f"s{c // 1024}Kw{w}", lambda c=c, w=w: caps_and(c, w))
+                for c, w in ((8192, 8), (8192, 16), (16384, 16), (16384, 32))])
+if "sm" in which:
+    for dt in (bf, f32):
+        for N in (16384, 32768, 65536):
+            point("sm_fwd", dt, N, [("pers", lambda: persistent("softmax_fwd", True))])
+        point("sm_fwd", dt, 8193, [("win", windows)])
+        for N in (256, 1024, 4096, 16384):
+            point("sm_bwd", dt, N, [("full", lambda: persistent("softmax_bwd", False))])
+        point("sm_bwd", dt, 8193, [("win", windows)])
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

@@ -126,38 +126,55 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Launch configurations, from the H200 measurements in benchmarks/dev/probe.py (see
-# docs/performance.md). Per kernel kind: the largest padded row kept in registers (above it the
-# looped kernels win), the program tile in elements (several short rows per program so every
-# thread holds a few 16-byte vectors), and the threads per program.
+# Launch configurations, from the H200 measurements in benchmarks/dev/probe.py and
+# benchmarks/dev/tune.py (see docs/performance.md). Per kernel kind: the largest padded row kept
+# in registers (above it the split-row or looped kernels win), the program tile (several short
+# rows per program so every thread holds a few 16-byte vectors), the threads per program, and
+# whether the grid is persistent (about one resident wave of programs looping over row tiles) or
+# one program per tile.
 KIND_CAPS = {"softmax_fwd": 65536, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
 _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
+# Tiles of this many bytes, for kinds listed here (measured: softmax forward peaks at 4 KB per
+# program with one program per tile, 0.96-0.99 of copy bandwidth at N <= 8K).
+_TILE_BYTES = {"softmax_fwd": 4096}
+PERSISTENT = {"softmax_fwd": False, "softmax_bwd": True, "ln_fwd": True, "ln_bwd": True}
 
 
-def _warps_for(tile: int, kind: str) -> int:
+def _warps_for(tile: int, kind: str, elt_size: int) -> int:
     if kind == "ln_fwd":  # measured: LayerNorm forward prefers fewer, fuller threads
         return 4 if tile <= 8192 else min(32, tile // 1024)
     if kind == "softmax_fwd":
-        return 8 if tile <= 8192 else 16
+        if tile > 8192:
+            return 16
+        return 8 if tile * elt_size > 8192 else 4
     return max(4, min(16, tile // 512))
 
 
 @config_cache
 def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, int]:
     """(single_block, BLOCK, ROWS, num_warps) for rows of ``n`` elements and a kernel ``kind``
-    (``softmax_fwd``, ``softmax_bwd``, ``ln_fwd``, ``ln_bwd``). ``elt_size`` is accepted for
-    dtype-specific tuning (the measured optimum is currently the same for 2- and 4-byte types).
+    (``softmax_fwd``, ``softmax_bwd``, ``ln_fwd``, ``ln_bwd``) on ``elt_size``-byte elements.
 
     Single-block: BLOCK is the padded row and ROWS rows share a program. Looped: BLOCK is the
     chunk streamed per iteration, one row per program.
     """
     block = next_pow2(n)
     if block <= min(single_block_limit(), KIND_CAPS[kind]):
-        rows = max(1, min(64, _TILE_ELEMS[kind] // block))
-        return True, block, rows, _warps_for(rows * block, kind)
+        tile = _TILE_BYTES[kind] // elt_size if kind in _TILE_BYTES else _TILE_ELEMS[kind]
+        rows = max(1, min(64, tile // block))
+        return True, block, rows, _warps_for(rows * block, kind, elt_size)
     chunk = min(single_block_limit(), 8192)
     # Looped kernels run one program per row: more threads keep more bytes in flight.
     return False, chunk, 1, max(1, min(16, chunk // 512))
+
+
+def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device) -> int:
+    """Programs for a single-block launch of ``kind`` over ``num_tiles`` row tiles."""
+    if not PERSISTENT[kind]:
+        return max(1, num_tiles)
+    # One resident wave: 2048 threads per SM on Hopper/Ampere; the persistent loop does the rest.
+    per_sm = max(1, 2048 // (32 * num_warps))
+    return max(1, min(num_tiles, num_sms(device) * per_sm))
 
 
 # --------------------------------------------------------------------------- split rows
@@ -178,19 +195,20 @@ SPLIT_WARPS = 16
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 
 
-def split_rows_enabled(device: torch.device, n: int) -> bool:
-    """Whether the split-row (cooperative) kernels should run rows of ``n`` on ``device``.
+def split_rows_enabled(device: torch.device, n: int, chunk: int = SPLIT_CHUNK) -> bool:
+    """Whether the split-row (cooperative) kernels should run rows of ``n`` on ``device`` in
+    pieces of ``chunk`` elements.
 
     Measured on H200: they beat the looped kernels when the row fills its chunks (N a multiple
-    of SPLIT_CHUNK) or spans at least six of them; N = 65537 (a fifth, nearly empty chunk) is
+    of the chunk) or spans at least six of them; N = 65537 (a fifth, nearly empty chunk) is
     faster looped.
     """
     if not (_split_state["enabled"] and device.type == "cuda" and not _interpreting()):
         return False
-    chunks = -(-n // SPLIT_CHUNK)
+    chunks = -(-n // chunk)
     if chunks > num_sms(device):  # all chunks of a row must be resident at once
         return False
-    return n % SPLIT_CHUNK == 0 or n >= 6 * SPLIT_CHUNK
+    return n % chunk == 0 or n >= 6 * chunk
 
 
 def disable_split_rows(reason: str) -> None:

@@ -27,6 +27,7 @@ from fusedops.triton._common import (
     SPLIT_WARPS,
     Launcher,
     SplitLauncher,
+    grid_size,
     next_pow2,
     num_sms,
     row_config,
@@ -339,19 +340,44 @@ def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.co
     tl.store(out_ptr + s * N + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
-# Forward: weight/bias stay in registers across a program's row tiles for padded rows up to
-# this many elements, and are reloaded per tile (from L2) above it.
-FWD_HOLD_W_MAX_BLOCK = 65536
+# Forward: weight/bias stay in registers across a program's row tiles while each thread holds
+# at most this many row elements (and the program has at most 16 warps, so 128+ registers per
+# thread); otherwise they are reloaded per tile from L2. Measured on H200: holding them at 64
+# elements per thread (8K columns, 4 warps) or at 32 warps (32K columns) spills and costs
+# 10-30%.
+FWD_HOLD_W_MAX_PER_THREAD = 32
+
+
+def _hold_w(block: int, warps: int) -> bool:
+    return warps <= 16 and block // (32 * warps) <= FWD_HOLD_W_MAX_PER_THREAD
+
+# Split-row forward: (chunk elements, warps) per program.
+SPLIT_CONFIG = (SPLIT_CHUNK, SPLIT_WARPS)
 
 # Backward strategy for rows held in registers. Padded rows up to FUSED_BWD_MAX_BLOCK run one
 # persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes
 # of memory plus (2, programs, N) float32 partials); longer rows run the dx row kernel plus the
 # column dweight/dbias kernel (x and dy read twice: 5 passes, but no per-program accumulators
 # competing with the row for registers).
-FUSED_BWD_MAX_BLOCK = 4096
-FUSED_BWD_TILE = 4096      # elements per program tile (whole rows)
-FUSED_BWD_PROGS_PER_SM = 2  # programs per SM: partial-row traffic grows with it
-FUSED_BWD_ACC_1D = True
+FUSED_BWD_MAX_BLOCK = 8192
+# Overrides for experiments (benchmarks/dev/tune.py): (tile elements, programs per SM, ACC_1D).
+FUSED_BWD_OVERRIDE: tuple[int, int, bool] | None = None
+
+
+def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
+    """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
+    ``block``. Measured on H200 (benchmarks/dev/tune.py, 2026-11-21): 4096-element tiles at two
+    programs per SM up to 2K columns, with (ROWS, BLOCK) accumulators while a tile holds 4+ rows
+    (folding rows every tile costs a cross-warp reduction); one 8192-element program per SM
+    above. More programs per SM write more partial rows (2·programs·N·4 bytes)."""
+    if FUSED_BWD_OVERRIDE is not None:
+        tile, per_sm, acc_1d = FUSED_BWD_OVERRIDE
+    elif block <= 2048:
+        tile, per_sm, acc_1d = 4096, 2, block > 1024
+    else:
+        tile, per_sm, acc_1d = 8192, 1, True
+    tile = max(tile, block)
+    return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
 COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias kernel
 COLUMN_WARPS = 8
 
@@ -362,11 +388,6 @@ _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
-
-
-def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
-    per_sm = max(1, 2048 // (32 * num_warps))
-    return max(1, min(num_tiles, num_sms(device) * per_sm))
 
 
 def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool):
@@ -407,20 +428,21 @@ def layernorm_forward(
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
-        progs = _grid_size(tiles, warps, x.device)
+        progs = grid_size(tiles, warps, "ln_fwd", x.device)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
-            block, rows, has_w, has_b, vec, block <= FWD_HOLD_W_MAX_BLOCK,
+            block, rows, has_w, has_b, vec, _hold_w(block, warps),
         ), warps)
     else:
-        if split_rows_enabled(x.device, N):
-            C = triton.cdiv(N, SPLIT_CHUNK)
+        chunk, split_warps = SPLIT_CONFIG
+        if split_rows_enabled(x.device, N, chunk):
+            C = triton.cdiv(N, chunk)
             stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
             count = torch.zeros((M,), dtype=torch.int32, device=x.device)
             if _launch_fwd_split(
                 M * C, C,
                 (x, w, b, y, mean, rstd, stats, count, N, x.stride(0), y.stride(0), eps, M * C),
-                (SPLIT_CHUNK, C, next_pow2(C), has_w, has_b), SPLIT_WARPS, x.device,
+                (chunk, C, next_pow2(C), has_w, has_b), split_warps, x.device,
             ):
                 return y, mean, rstd
         _launch_fwd_looped((M,), (
@@ -456,15 +478,14 @@ def layernorm_backward(
     single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
     need_part = need_dw or need_db
     if single and need_part and block <= FUSED_BWD_MAX_BLOCK:
-        rows = max(1, FUSED_BWD_TILE // block)
-        warps = max(4, min(16, rows * block // 512))
+        rows, warps, per_sm, acc_1d = _fused_bwd_config(block)
         tiles = triton.cdiv(M, rows)
-        progs = max(1, min(tiles, num_sms(dev) * FUSED_BWD_PROGS_PER_SM))
+        progs = max(1, min(tiles, num_sms(dev) * per_sm))
         part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx if need_dx else x, part,
             M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            block, rows, has_w, need_dx, need_dw, need_db, 0, True, FUSED_BWD_ACC_1D,
+            block, rows, has_w, need_dx, need_dw, need_db, 0, True, acc_1d,
         ), warps)
         dw, db = _reduce_partials(part, need_dw, need_db)
         return dx, dw, db
@@ -476,10 +497,10 @@ def layernorm_backward(
             single, block, rows, warps = row_config(N + vec - 1, "ln_bwd", x.element_size())
     if need_dx and single:
         tiles = triton.cdiv(M, rows)
-        progs = _grid_size(tiles, warps, dev)
+        progs = grid_size(tiles, warps, "ln_bwd", dev)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            block, rows, has_w, True, False, False, vec, block <= FWD_HOLD_W_MAX_BLOCK, True,
+            block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True,
         ), warps)
     elif need_dx:
         _launch_dx_looped((M,), (

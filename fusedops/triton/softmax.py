@@ -24,8 +24,8 @@ from fusedops.triton._common import (
     SPLIT_WARPS,
     Launcher,
     SplitLauncher,
+    grid_size,
     next_pow2,
-    num_sms,
     row_config,
     row_window,
     split_rows_enabled,
@@ -204,10 +204,6 @@ def _split_scratch(M: int, N: int, per_chunk: int, device: torch.device):
 
 
 
-def _grid_size(num_tiles: int, num_warps: int, device: torch.device) -> int:
-    # One resident wave: 2048 threads per SM on Hopper/Ampere; the persistent loop covers the rest.
-    per_sm = max(1, 2048 // (32 * num_warps))
-    return max(1, min(num_tiles, num_sms(device) * per_sm))
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -221,10 +217,10 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return y
     stride = x.stride(0)
     vec = window_vec(N, (stride, N), x.element_size())
-    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_fwd")
+    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_fwd", x.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
-        progs = _grid_size(tiles, warps, x.device)
+        progs = grid_size(tiles, warps, "softmax_fwd", x.device)
         _launch_fwd_single(
             (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
         )
@@ -249,10 +245,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     if M == 0 or N == 0:
         return dx
     vec = window_vec(N, (N, dy.stride(0)), y.element_size())
-    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_bwd")
+    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_bwd", y.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
-        progs = _grid_size(tiles, warps, y.device)
+        progs = grid_size(tiles, warps, "softmax_bwd", y.device)
         _launch_bwd_single(
             (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
         )
