@@ -172,6 +172,15 @@ def persistent(kind, value):
 
 
 @contextlib.contextmanager
+def nosplit():
+    _common._split_state["enabled"] = False
+    try:
+        yield
+    finally:
+        _common._split_state["enabled"] = True
+
+
+@contextlib.contextmanager
 def windows():
     old = _common._WINDOWS
     _common._WINDOWS = True
@@ -186,31 +195,16 @@ which = sys.argv[1:] or ["ln_bwd", "ln_fwd", "sm"]
 bf, f32 = torch.bfloat16, torch.float32
 if "ln_bwd" in which:
     for dt in (bf, f32):
-        for N in (256, 512, 1024, 2048, 4096, 8192):
-            point("ln_bwd", dt, N, [])
-        for N in (8193, 65537):
-            for parts in ((True, True, True), (True, False, False), (False, True, True)):
-                point("ln_bwd", dt, N, [("win", windows)], parts)
+        for N in (8193, 16384, 32768, 65536, 65537, 131072, 262144):
+            point("ln_bwd", dt, N, [
+                (f"s{c // 1024}Kw{w}", lambda c=c, w=w: knobs(tln, SPLIT_BWD_CONFIG=(c, w)))
+                for c, w in ((4096, 8), (4096, 4), (2048, 4))] + [("nosplit", nosplit)])
 if "ln_fwd" in which:
     for dt in (bf, f32):
-        for N in (256, 1024, 4096):
-            point("ln_fwd", dt, N, [("full", lambda: persistent("ln_fwd", False))])
-        cfg8 = [(f"w{w}", lambda w=w: knobs(tln, row_config=lambda n, k, *_, w=w: (
-            True, 8192, 1, w))) for w in (8, 16)]
-        point("ln_fwd", dt, 8192, cfg8 + [("full", lambda: persistent("ln_fwd", False))])
-        point("ln_fwd", dt, 8193, [("win", windows)])
-        for N in (32768, 65536, 131072, 262144):
+        for N in (65536, 65537, 131072, 262144):
             point("ln_fwd", dt, N, [
-                (f"s{c // 1024}Kw{w}", lambda c=c, w=w: caps_and(c, w))
-                for c, w in ((8192, 8), (8192, 16), (16384, 16), (16384, 32))])
-if "sm" in which:
-    for dt in (bf, f32):
-        for N in (16384, 32768, 65536):
-            point("sm_fwd", dt, N, [("pers", lambda: persistent("softmax_fwd", True))])
-        point("sm_fwd", dt, 8193, [("win", windows)])
-        for N in (256, 1024, 4096, 16384):
-            point("sm_bwd", dt, N, [("full", lambda: persistent("softmax_bwd", False))])
-        point("sm_bwd", dt, 8193, [("win", windows)])
+                (f"s{c // 1024}Kw{w}", lambda c=c, w=w: knobs(tln, SPLIT_CONFIG=(c, w)))
+                for c, w in ((16384, 8), (8192, 4), (4096, 4))] + [("nosplit", nosplit)])
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

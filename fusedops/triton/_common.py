@@ -137,7 +137,9 @@ _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd
 # Tiles of this many bytes, for kinds listed here (measured: softmax forward peaks at 4 KB per
 # program with one program per tile, 0.96-0.99 of copy bandwidth at N <= 8K).
 _TILE_BYTES = {"softmax_fwd": 4096}
-PERSISTENT = {"softmax_fwd": False, "softmax_bwd": True, "ln_fwd": True, "ln_bwd": True}
+# Measured on H200 (benchmarks/dev/tune.py): one program per tile is 2-10% faster for softmax
+# and LayerNorm forward; the LayerNorm backward row kernel stays persistent.
+PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_bwd": True}
 
 
 def _warps_for(tile: int, kind: str, elt_size: int) -> int:
@@ -195,20 +197,22 @@ SPLIT_WARPS = 16
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 
 
-def split_rows_enabled(device: torch.device, n: int, chunk: int = SPLIT_CHUNK) -> bool:
+def split_rows_enabled(device: torch.device, n: int, chunk: int = SPLIT_CHUNK,
+                       even: bool = False) -> bool:
     """Whether the split-row (cooperative) kernels should run rows of ``n`` on ``device`` in
-    pieces of ``chunk`` elements.
+    pieces of at most ``chunk`` elements.
 
-    Measured on H200: they beat the looped kernels when the row fills its chunks (N a multiple
-    of the chunk) or spans at least six of them; N = 65537 (a fifth, nearly empty chunk) is
-    faster looped.
+    Fixed-size chunks (softmax) measured on H200: they beat the looped kernels when the row
+    fills its chunks (N a multiple of the chunk) or spans at least six of them; N = 65537 (a
+    fifth, nearly empty chunk) is faster looped. Kernels that cut the row into equal pieces
+    (``even``, LayerNorm) have no nearly empty chunk and only need all pieces resident.
     """
     if not (_split_state["enabled"] and device.type == "cuda" and not _interpreting()):
         return False
     chunks = -(-n // chunk)
     if chunks > num_sms(device):  # all chunks of a row must be resident at once
         return False
-    return n % chunk == 0 or n >= 6 * chunk
+    return even or n % chunk == 0 or n >= 6 * chunk
 
 
 def disable_split_rows(reason: str) -> None:
@@ -244,24 +248,31 @@ class SplitLauncher:
         self.launcher = Launcher(kernel, cooperative=True)
         self.blocks_per_sm: dict = {}
 
+    def programs(self, items: int, chunks: int, consts: tuple, num_warps: int,
+                 device: torch.device) -> int:
+        """The grid size the next launch with these arguments will use: a multiple of the chunk
+        count (so all chunks of a row run in the same round, and a program keeps one chunk)."""
+        per_sm = self.blocks_per_sm.get((num_warps, chunks, consts), 1)
+        return max(chunks, min(items, (num_sms(device) * per_sm // chunks) * chunks))
+
     def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
-                 device: torch.device) -> bool:
-        """Launch; False (and the looped kernels from then on) if the launch was refused."""
+                 device: torch.device, progs: int | None = None) -> int:
+        """Launch on ``progs`` programs (default :meth:`programs`); returns the grid size, or 0
+        (and the looped kernels from then on) if the launch was refused."""
         key = (num_warps, chunks, consts)
-        per_sm = self.blocks_per_sm.get(key, 1)
-        # A multiple of the chunk count, so all chunks of a row run in the same round.
-        progs = max(chunks, min(items, (num_sms(device) * per_sm // chunks) * chunks))
+        if progs is None:
+            progs = self.programs(items, chunks, consts, num_warps, device)
         try:
             compiled = self.launcher((progs,), (*runtime, progs, *consts), num_warps)
         except Exception as exc:  # cooperative launch refused, option unknown to this Triton...
             disable_split_rows(f"{type(exc).__name__}: {exc}")
-            return False
+            return 0
         if key not in self.blocks_per_sm:
             regs = int(getattr(compiled, "n_regs", 0) or 0)
             threads = 32 * num_warps
             by_regs = 65536 // (regs * threads) if regs else 1
             self.blocks_per_sm[key] = max(1, min(by_regs, 2048 // threads))
-        return True
+        return progs
 
 
 # --------------------------------------------------------------------------- row windows

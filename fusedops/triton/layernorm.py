@@ -23,8 +23,6 @@ import triton
 import triton.language as tl
 
 from fusedops.triton._common import (
-    SPLIT_CHUNK,
-    SPLIT_WARPS,
     Launcher,
     SplitLauncher,
     grid_size,
@@ -131,25 +129,26 @@ def _ln_fwd_looped(
 
 @triton.jit
 def _ln_fwd_split(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, stride_x,
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x,
     stride_y, eps, num_items, num_progs,
-    CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows". Each
     # chunk publishes its (mean, M2) about its own mean; the row's statistics are merged with
     # Chan's formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation.
+    # Chunk c covers columns [c·L, min((c+1)·L, N)) in BLOCK >= L lanes.
     pid = tl.program_id(0)
-    lanes = tl.arange(0, CHUNK)
+    lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     for item in range(pid, num_items, num_progs):
         row = item // C
         chunk = item % C
-        cols = chunk * CHUNK + lanes
-        mask = cols < N
+        cols = chunk * L + lanes
+        mask = (lanes < L) & (cols < N)
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
                     other=0.0).to(tl.float32)
-        n_c = tl.minimum(N - chunk * CHUNK, CHUNK).to(tl.float32)
+        n_c = tl.minimum(N - chunk * L, L).to(tl.float32)
         mean_c = tl.sum(x, axis=0) / n_c
         xc = tl.where(mask, x - mean_c, 0.0)
         tl.store(stats_ptr + item * 2, mean_c)
@@ -159,7 +158,7 @@ def _ln_fwd_split(
         ok = peers < C
         means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
         m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        counts = tl.where(ok, tl.minimum(N - peers * CHUNK, CHUNK), 0).to(tl.float32)
+        counts = tl.where(ok, tl.minimum(N - peers * L, L), 0).to(tl.float32)
         mean = tl.sum(counts * means, axis=0) / N
         dev = means - mean
         var = (tl.sum(m2s, axis=0) + tl.sum(counts * dev * dev, axis=0)) / N
@@ -244,6 +243,64 @@ def _ln_bwd_single(
         tl.store(out, dw_row, mask=cols < N)
     if NEED_DB:
         tl.store(out + num_progs.to(tl.int64) * N, db_row, mask=cols < N)
+
+
+@triton.jit
+def _ln_bwd_split(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, count_ptr,
+    N, L, stride_dy, stride_x, stride_dx, num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+):
+    # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
+    # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
+    # partials in registers across rows. Each chunk publishes its two partial row sums, waits for
+    # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
+    # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, C_P2)
+    cols = (pid % C) * L + lanes
+    cmask = (lanes < L) & (cols < N)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], tl.float32)
+    db_acc = tl.zeros([BLOCK], tl.float32)
+    for item in range(pid, num_items, num_progs):
+        row = item // C
+        row64 = row.to(tl.int64)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+        # Accumulate before waiting: only xhat and w·dy stay live across the wait.
+        if NEED_DW:
+            dw_acc += dy * xhat
+        if NEED_DB:
+            db_acc += dy
+        if NEED_DX:
+            if HAS_W:
+                wdy = dy * w
+            else:
+                wdy = dy
+            tl.store(stats_ptr + item * 2, tl.sum(xhat * wdy, axis=0))
+            tl.store(stats_ptr + item * 2 + 1, tl.sum(wdy, axis=0))
+            wait_for_row(count_ptr, row, C)
+            base = (row * C + peers) * 2
+            ok = peers < C
+            c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
+                        axis=0) / N
+            c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
+                                cache_modifier=".cg"), axis=0) / N
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+            tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
+                     mask=cmask)
+    out = part_ptr + (pid // C).to(tl.int64) * N + cols
+    if NEED_DW:
+        tl.store(out, dw_acc, mask=cmask)
+    if NEED_DB:
+        tl.store(out + (num_progs // C).to(tl.int64) * N, db_acc, mask=cmask)
 
 
 @triton.jit
@@ -351,8 +408,16 @@ FWD_HOLD_W_MAX_PER_THREAD = 32
 def _hold_w(block: int, warps: int) -> bool:
     return warps <= 16 and block // (32 * warps) <= FWD_HOLD_W_MAX_PER_THREAD
 
-# Split-row forward: (chunk elements, warps) per program.
-SPLIT_CONFIG = (SPLIT_CHUNK, SPLIT_WARPS)
+# Split-row kernels: (largest chunk in elements, warps) per program. A row of N is cut into
+# C = ceil(N / chunk) equal pieces (no nearly empty last chunk at N = 2^k + 1).
+SPLIT_CONFIG = (8192, 8)
+SPLIT_BWD_CONFIG = (8192, 16)
+
+
+def _even_chunks(n: int, chunk: int) -> tuple[int, int]:
+    """(C, L): C pieces of L elements (the last one possibly shorter) covering a row of n."""
+    c = triton.cdiv(n, chunk)
+    return c, triton.cdiv(n, c)
 
 # Backward strategy for rows held in registers. Padded rows up to FUSED_BWD_MAX_BLOCK run one
 # persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes
@@ -385,6 +450,7 @@ _launch_fwd_single = Launcher(_ln_fwd_single)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
+_launch_bwd_split = SplitLauncher(_ln_bwd_split)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
@@ -435,14 +501,15 @@ def layernorm_forward(
         ), warps)
     else:
         chunk, split_warps = SPLIT_CONFIG
-        if split_rows_enabled(x.device, N, chunk):
-            C = triton.cdiv(N, chunk)
+        if split_rows_enabled(x.device, N, chunk, even=True):
+            C, L = _even_chunks(N, chunk)
             stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
             count = torch.zeros((M,), dtype=torch.int32, device=x.device)
             if _launch_fwd_split(
                 M * C, C,
-                (x, w, b, y, mean, rstd, stats, count, N, x.stride(0), y.stride(0), eps, M * C),
-                (chunk, C, next_pow2(C), has_w, has_b), split_warps, x.device,
+                (x, w, b, y, mean, rstd, stats, count, N, L, x.stride(0), y.stride(0), eps,
+                 M * C),
+                (next_pow2(L), C, next_pow2(C), has_w, has_b), split_warps, x.device,
             ):
                 return y, mean, rstd
         _launch_fwd_looped((M,), (
@@ -489,6 +556,26 @@ def layernorm_backward(
         ), warps)
         dw, db = _reduce_partials(part, need_dw, need_db)
         return dx, dw, db
+    chunk, split_warps = SPLIT_BWD_CONFIG
+    if block > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, chunk, even=True) and (
+            need_dx or need_part):
+        C, L = _even_chunks(N, chunk)
+        stats = torch.empty((M * C * 2,), dtype=torch.float32, device=dev)
+        count = torch.zeros((M,), dtype=torch.int32, device=dev)
+        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db)
+        progs = _launch_bwd_split.programs(M * C, C, consts, split_warps, dev)
+        # One partial row per group of C programs (a program keeps one chunk of the row).
+        part = torch.empty((2, progs // C, N), dtype=torch.float32, device=dev)
+        if _launch_bwd_split(
+            M * C, C,
+            (dy, x, w, mean, rstd, dx if need_dx else x, part, stats, count, N, L,
+             dy.stride(0), x.stride(0), N, M * C),
+            consts, split_warps, dev, progs,
+        ):
+            dw = db = None
+            if need_part:
+                dw, db = _reduce_partials(part, need_dw, need_db)
+            return dx, dw, db
     # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
     # dweight/dbias from a column-blocked pass that reads x and dy once more.
     if need_dx and single:
