@@ -496,6 +496,26 @@ def test_gpu_long_rows(n, dtype):
 
 
 @gpu_test
+@pytest.mark.parametrize("n", [8193, 65537])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_layernorm_unaligned_16bit_rows(n, dtype):
+    """16-bit rows of 2^k + 1 with weights in the input dtype take PyTorch's native backward
+    (fusedops/triton/layernorm.py: NATIVE_UNALIGNED_16BIT_BWD); with float32 weights, the
+    split-row kernels. Both must match the float64 oracle, and the fused forward must stay ours."""
+    from fusedops.triton import layernorm as tln
+
+    torch.manual_seed(n)
+    x = _cuda(40, n, dtype=dtype, scale=2)
+    assert tln._native_unaligned(x, x, _cuda(n, dtype=dtype))
+    assert not tln._native_unaligned(x, x, _cuda(n))
+    _gpu_check_layernorm(x, n, _cuda(n, dtype=dtype), _cuda(n, dtype=dtype))
+    _gpu_check_layernorm(x, n, _cuda(n), _cuda(n))
+    with fusedops.count_fused_calls() as counts:
+        fused_layernorm(x, n, _cuda(n, dtype=dtype))
+    assert counts["layernorm_forward"] == 1
+
+
+@gpu_test
 @pytest.mark.parametrize("shape", [(4096, 4096), (16384, 1024), (3000, 5000), (257, 16385),
                                    (100000, 33), (8, 262144)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -198,13 +198,13 @@ if "ln_bwd" in which:
         for N in (8193, 16384, 32768, 65536, 65537, 131072, 262144):
             point("ln_bwd", dt, N, [
                 (f"s{c // 1024}Kw{w}", lambda c=c, w=w: knobs(tln, SPLIT_BWD_CONFIG=(c, w)))
-                for c, w in ((4096, 8), (4096, 4), (2048, 4))] + [("nosplit", nosplit)])
+                for c, w in ((8192, 16), (4096, 8), (2048, 4))] + [("nosplit", nosplit)])
 if "ln_fwd" in which:
     for dt in (bf, f32):
         for N in (65536, 65537, 131072, 262144):
             point("ln_fwd", dt, N, [
                 (f"s{c // 1024}Kw{w}", lambda c=c, w=w: knobs(tln, SPLIT_CONFIG=(c, w)))
-                for c, w in ((16384, 8), (8192, 4), (4096, 4))] + [("nosplit", nosplit)])
+                for c, w in ((8192, 8), (8192, 4), (4096, 4))] + [("nosplit", nosplit)])
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

@@ -248,29 +248,39 @@ class SplitLauncher:
         self.launcher = Launcher(kernel, cooperative=True)
         self.blocks_per_sm: dict = {}
 
-    def programs(self, items: int, chunks: int, consts: tuple, num_warps: int,
+    def programs(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
                  device: torch.device) -> int:
-        """The grid size the next launch with these arguments will use: a multiple of the chunk
-        count (so all chunks of a row run in the same round, and a program keeps one chunk)."""
-        per_sm = self.blocks_per_sm.get((num_warps, chunks, consts), 1)
+        """The grid size a launch with these arguments uses: a multiple of the chunk count (so
+        all chunks of a row run in the same round, and a program keeps one chunk)."""
+        per_sm = self.blocks_per_sm.get(self._key(chunks, runtime, consts, num_warps), 1)
         return max(chunks, min(items, (num_sms(device) * per_sm // chunks) * chunks))
+
+    @staticmethod
+    def _key(chunks: int, runtime: tuple, consts: tuple, num_warps: int) -> tuple:
+        # Occupancy is per compiled kernel: dtypes and alignment change its register count.
+        return (num_warps, chunks, consts, *map(_spec, runtime))
 
     def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
                  device: torch.device, progs: int | None = None) -> int:
         """Launch on ``progs`` programs (default :meth:`programs`); returns the grid size, or 0
-        (and the looped kernels from then on) if the launch was refused."""
-        key = (num_warps, chunks, consts)
+        if the launch was refused (the caller then uses another kernel for this call)."""
+        key = self._key(chunks, runtime, consts, num_warps)
         if progs is None:
-            progs = self.programs(items, chunks, consts, num_warps, device)
+            progs = self.programs(items, chunks, runtime, consts, num_warps, device)
         try:
             compiled = self.launcher((progs,), (*runtime, progs, *consts), num_warps)
         except Exception as exc:  # cooperative launch refused, option unknown to this Triton...
-            disable_split_rows(f"{type(exc).__name__}: {exc}")
+            if self.blocks_per_sm.get(key, 1) > 1:
+                self.blocks_per_sm[key] = 1  # the occupancy estimate was too high: retry lower
+            else:
+                disable_split_rows(f"{type(exc).__name__}: {exc}")
             return 0
         if key not in self.blocks_per_sm:
             regs = int(getattr(compiled, "n_regs", 0) or 0)
             threads = 32 * num_warps
-            by_regs = 65536 // (regs * threads) if regs else 1
+            # Registers are allocated per warp in units of 256.
+            per_warp = -(-regs * 32 // 256) * 256 if regs else 0
+            by_regs = 65536 // (per_warp * num_warps) if regs else 1
             self.blocks_per_sm[key] = max(1, min(by_regs, 2048 // threads))
         return progs
 

@@ -381,20 +381,25 @@ def _ln_bwd_dwdb_columns(
 
 
 @triton.jit
-def _sum_partials(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    # part: (S, P, N) float32, out: (S, N); program (column block, s). A fixed (BLOCK_P,
-    # BLOCK_C) tile order and reduction tree: bitwise reproducible run to run, and wide enough
-    # that thousands of partial rows do not serialise into one thread's dependent loads.
+def _sum_partials(part_ptr, dw_ptr, db_ptr, P, N, FIRST: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    # part: (2, P, N) float32 (dweight, dbias partials); program (column block, set - FIRST).
+    # A fixed (BLOCK_P, BLOCK_C) tile order and reduction tree: bitwise reproducible run to run,
+    # and wide enough that thousands of partial rows do not serialise into dependent loads.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    s = tl.program_id(1).to(tl.int64)
+    which = tl.program_id(1) + FIRST
     cmask = cols < N
-    base = part_ptr + s * P * N
+    base = part_ptr + which.to(tl.int64) * P * N
     acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         acc += tl.load(base + p.to(tl.int64)[:, None] * N + cols[None, :],
                        mask=(p < P)[:, None] & cmask[None, :], other=0.0)
-    tl.store(out_ptr + s * N + cols, tl.sum(acc, axis=0), mask=cmask)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(dw_ptr + cols, total, mask=cmask)
+    else:
+        tl.store(db_ptr + cols, total, mask=cmask)
 
 
 # Forward: weight/bias stay in registers across a program's row tiles while each thread holds
@@ -410,14 +415,55 @@ def _hold_w(block: int, warps: int) -> bool:
 
 # Split-row kernels: (largest chunk in elements, warps) per program. A row of N is cut into
 # C = ceil(N / chunk) equal pieces (no nearly empty last chunk at N = 2^k + 1).
-SPLIT_CONFIG = (8192, 8)
-SPLIT_BWD_CONFIG = (8192, 16)
+# None = the measured defaults below; a (chunk, warps) tuple overrides them (experiments).
+SPLIT_CONFIG: tuple[int, int] | None = None
+SPLIT_BWD_CONFIG: tuple[int, int] | None = None
+
+
+def _split_config(kind: str, elt_size: int, aligned: bool) -> tuple[int, int]:
+    """(chunk, warps) of the split-row LayerNorm kernels, measured on H200 with
+    benchmarks/dev/tune.py: forward 8192-element chunks, 4 warps for 16-bit or unaligned rows
+    (0.79 -> 1.16 TB/s at bf16 N = 65537), 8 for aligned float32; backward 4096-element chunks
+    on 4 warps (fewer registers per program, two or more programs per SM)."""
+    override = SPLIT_CONFIG if kind == "fwd" else SPLIT_BWD_CONFIG
+    if override is not None:
+        return override
+    if kind == "fwd":
+        return (8192, 4) if (elt_size == 2 or not aligned) else (8192, 8)
+    return (4096, 4)
 
 
 def _even_chunks(n: int, chunk: int) -> tuple[int, int]:
     """(C, L): C pieces of L elements (the last one possibly shorter) covering a row of n."""
     c = triton.cdiv(n, chunk)
     return c, triton.cdiv(n, c)
+
+# 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
+# long for the fused single kernel: every Triton kernel here then reads and writes with scalar
+# 2-byte accesses, and the best of them (the split backward) measured 1.01 TB/s against
+# PyTorch's native backward's 1.23 at N = 8193 (bf16, H200). Those calls run PyTorch's native
+# CUDA kernel instead (same math: fp32 statistics from our forward, fp32 accumulation).
+NATIVE_UNALIGNED_16BIT_BWD = True
+
+
+def _native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    n = x.shape[1]
+    return (NATIVE_UNALIGNED_16BIT_BWD and x.is_cuda and x.element_size() == 2 and n % 8 != 0
+            and next_pow2(n) > FUSED_BWD_MAX_BLOCK and x.is_contiguous() and dy.is_contiguous()
+            and dy.dtype == x.dtype and (weight is None or weight.dtype == x.dtype))
+
+
+def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
+    M, N = x.shape
+    bias = torch.zeros_like(weight) if (need_db and weight is not None) else None
+    if need_db and bias is None:
+        bias = torch.zeros((N,), dtype=x.dtype, device=x.device)
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy, x, [N], mean.view(M, 1), rstd.view(M, 1), weight, bias,
+        [need_dx, need_dw and weight is not None, need_db])
+    return (dx if need_dx else None, dw.float() if need_dw else None,
+            db.float() if need_db else None)
+
 
 # Backward strategy for rows held in registers. Padded rows up to FUSED_BWD_MAX_BLOCK run one
 # persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes
@@ -457,16 +503,16 @@ _launch_sum = Launcher(_sum_partials)
 
 
 def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool):
-    """Sum (2, P, N) float32 partials over P in a fixed order: (dweight, dbias), each (N,) or
-    None."""
+    """Sum (2, P, N) float32 partials over P in a fixed order: (dweight, dbias), each a separate
+    (N,) float32 tensor (outputs of a custom op must not alias each other) or None."""
     _, P, N = part.shape
-    first = 0 if need_dw else 1
-    sets = int(need_dw) + int(need_db)
-    out = torch.empty((2, N), dtype=torch.float32, device=part.device)
+    dw = torch.empty((N,), dtype=torch.float32, device=part.device) if need_dw else None
+    db = torch.empty((N,), dtype=torch.float32, device=part.device) if need_db else None
     block_p, block_c = 32, 64
-    _launch_sum((triton.cdiv(N, block_c), sets),
-                (part[first], out[first], P, N, block_p, block_c), 4)
-    return (out[0] if need_dw else None), (out[1] if need_db else None)
+    _launch_sum((triton.cdiv(N, block_c), int(need_dw) + int(need_db)), (
+        part, dw if need_dw else db, db if need_db else dw, P, N, 0 if need_dw else 1,
+        block_p, block_c), 4)
+    return dw, db
 
 
 def layernorm_forward(
@@ -500,7 +546,7 @@ def layernorm_forward(
             block, rows, has_w, has_b, vec, _hold_w(block, warps),
         ), warps)
     else:
-        chunk, split_warps = SPLIT_CONFIG
+        chunk, split_warps = _split_config("fwd", x.element_size(), x.stride(0) % 8 == 0)
         if split_rows_enabled(x.device, N, chunk, even=True):
             C, L = _even_chunks(N, chunk)
             stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
@@ -538,6 +584,8 @@ def layernorm_backward(
     dev = x.device
     has_w = weight is not None
     w = weight if has_w else x
+    if M > 0 and N > 0 and _native_unaligned(x, dy, weight):
+        return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
     if M == 0 or N == 0:
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
@@ -556,22 +604,21 @@ def layernorm_backward(
         ), warps)
         dw, db = _reduce_partials(part, need_dw, need_db)
         return dx, dw, db
-    chunk, split_warps = SPLIT_BWD_CONFIG
-    if block > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, chunk, even=True) and (
+    chunk, split_warps = _split_config("bwd", x.element_size(), x.stride(0) % 8 == 0)
+    if next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, chunk, even=True) and (
             need_dx or need_part):
         C, L = _even_chunks(N, chunk)
         stats = torch.empty((M * C * 2,), dtype=torch.float32, device=dev)
         count = torch.zeros((M,), dtype=torch.int32, device=dev)
         consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db)
-        progs = _launch_bwd_split.programs(M * C, C, consts, split_warps, dev)
+        # ``mean`` stands in for the partials (same dtype/alignment) until they are sized.
+        args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, stats, count, N, L,
+                dy.stride(0), x.stride(0), N, M * C]
+        progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
         # One partial row per group of C programs (a program keeps one chunk of the row).
         part = torch.empty((2, progs // C, N), dtype=torch.float32, device=dev)
-        if _launch_bwd_split(
-            M * C, C,
-            (dy, x, w, mean, rstd, dx if need_dx else x, part, stats, count, N, L,
-             dy.stride(0), x.stride(0), N, M * C),
-            consts, split_warps, dev, progs,
-        ):
+        args[6] = part
+        if _launch_bwd_split(M * C, C, tuple(args), consts, split_warps, dev, progs):
             dw = db = None
             if need_part:
                 dw, db = _reduce_partials(part, need_dw, need_db)
