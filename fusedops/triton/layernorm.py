@@ -420,23 +420,39 @@ SPLIT_CONFIG: tuple[int, int] | None = None
 SPLIT_BWD_CONFIG: tuple[int, int] | None = None
 
 
-def _split_config(kind: str, elt_size: int, aligned: bool) -> tuple[int, int]:
-    """(chunk, warps) of the split-row LayerNorm kernels, measured on H200 with
-    benchmarks/dev/tune.py: forward 8192-element chunks, 4 warps for 16-bit or unaligned rows
-    (0.79 -> 1.16 TB/s at bf16 N = 65537), 8 for aligned float32; backward 4096-element chunks
-    on 4 warps (fewer registers per program, two or more programs per SM)."""
+def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int, int] | None:
+    """(chunk, warps) of the split-row LayerNorm kernel for rows of ``n``, or None where the
+    other kernels measured faster (H200, benchmarks/dev/tune.py, 2026-11-21).
+
+    Forward: 8192-element chunks on 4 warps for 16-bit or unaligned rows (bf16 N = 65537: 0.79
+    TB/s at 8 warps, 1.16 at 4), 4096 on 4 warps for aligned float32 (2.48-2.87 vs 1.94-1.98
+    looped); aligned 16-bit rows of 256K+ stream faster looped (2.21 vs 2.08). Backward: small
+    chunks while the row has few of them, 8192 on 16 warps for long 16-bit rows (bf16 256K: 1.54
+    vs 1.30 at 2048/4); aligned 16-bit rows up to 16K keep the dx + column kernels (2.12 vs
+    2.03)."""
     override = SPLIT_CONFIG if kind == "fwd" else SPLIT_BWD_CONFIG
     if override is not None:
         return override
     if kind == "fwd":
-        return (8192, 4) if (elt_size == 2 or not aligned) else (8192, 8)
-    return (4096, 4)
+        if elt_size == 2 and aligned and n >= 262144:
+            return None
+        return (4096, 4) if (elt_size == 4 and aligned) else (8192, 4)
+    if elt_size == 2:
+        if aligned and n <= 16384:
+            return None
+        return (2048, 4) if n <= 32768 else (8192, 16)
+    if n < 16384:
+        return (4096, 4)
+    if n <= 32768:
+        return (2048, 4)
+    return (4096, 4) if n <= 65536 else (4096, 8)
 
 
 def _even_chunks(n: int, chunk: int) -> tuple[int, int]:
     """(C, L): C pieces of L elements (the last one possibly shorter) covering a row of n."""
     c = triton.cdiv(n, chunk)
     return c, triton.cdiv(n, c)
+
 
 # 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
 # long for the fused single kernel: every Triton kernel here then reads and writes with scalar
@@ -546,8 +562,9 @@ def layernorm_forward(
             block, rows, has_w, has_b, vec, _hold_w(block, warps),
         ), warps)
     else:
-        chunk, split_warps = _split_config("fwd", x.element_size(), x.stride(0) % 8 == 0)
-        if split_rows_enabled(x.device, N, chunk, even=True):
+        cfg = _split_config("fwd", N, x.element_size(), x.stride(0) % 8 == 0)
+        chunk, split_warps = cfg or (0, 0)
+        if cfg and split_rows_enabled(x.device, N, chunk, even=True):
             C, L = _even_chunks(N, chunk)
             stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
             count = torch.zeros((M,), dtype=torch.int32, device=x.device)
@@ -604,9 +621,11 @@ def layernorm_backward(
         ), warps)
         dw, db = _reduce_partials(part, need_dw, need_db)
         return dx, dw, db
-    chunk, split_warps = _split_config("bwd", x.element_size(), x.stride(0) % 8 == 0)
-    if next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, chunk, even=True) and (
-            need_dx or need_part):
+    aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
+    cfg = _split_config("bwd", N, x.element_size(), aligned)
+    chunk, split_warps = cfg or (0, 0)
+    if cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(
+            dev, N, chunk, even=True) and (need_dx or need_part):
         C, L = _even_chunks(N, chunk)
         stats = torch.empty((M * C * 2,), dtype=torch.float32, device=dev)
         count = torch.zeros((M,), dtype=torch.int32, device=dev)
