@@ -4,7 +4,7 @@
 #   benchmarks/run_gpu.sh [--tests gpu|all|none] [--budget SECONDS] [--compile-budget SECONDS]
 #                         [--] [extra `python -m fusedops bench` flags...]
 #
-#   --tests gpu     (default) python -m pytest -m gpu -x -q tests
+#   --tests gpu     (default) python -m pytest -m gpu -q tests
 #   --tests all     the whole suite on the GPU machine (-n 8), Triton compiled, not interpreted
 #   --tests none    skip the tests
 #   --budget S      wall-clock budget of the whole script (default 480 s); the sweep starts no new
@@ -73,7 +73,7 @@ EOF
 TEST_RC=0
 if [ "$TESTS" != none ]; then
     if [ "$TESTS" = gpu ]; then
-        TEST_CMD=("$PY" -m pytest -m gpu -x -q -p no:cacheprovider tests)
+        TEST_CMD=("$PY" -m pytest -m gpu -q -p no:cacheprovider tests)
     else
         TEST_CMD=("$PY" -m pytest -x -q -n 8 -p no:cacheprovider tests)
     fi

@@ -70,7 +70,8 @@ def _softmax_fwd_looped(x_ptr, y_ptr, N, stride_x, stride_y, CHUNK: tl.constexpr
     for start in range(0, N, CHUNK):
         cols = start + lanes
         x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
+        # tl.maximum drops NaN; keep a lane's NaN sticky so the row comes out NaN, as in torch.
+        m_new = tl.where((x != x) | (m != m), float("nan"), tl.maximum(m, x))
         # A lane that has only seen -inf keeps s = 0 (avoids -inf - -inf = NaN).
         scale = tl.where(m_new == -float("inf"), 0.0, tl.exp2((m - m_new) * LOG2E))
         s = s * scale + tl.where(m_new == -float("inf"), 0.0, tl.exp2((x - m_new) * LOG2E))
@@ -147,6 +148,8 @@ def _softmax_fwd_split(
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
                     other=-float("inf")).to(tl.float32)
         m = tl.max(x, axis=0)
+        # tl.max drops NaN: a chunk holding one publishes a NaN max, so the whole row is NaN.
+        m = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), m)
         s = tl.sum(tl.exp2((x - m) * LOG2E), axis=0)
         s = tl.where(m == -float("inf"), 0.0, s)  # an all -inf chunk contributes nothing
         tl.store(stats_ptr + item * 2, m)
