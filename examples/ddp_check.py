@@ -37,7 +37,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 WORLD_SIZE = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Default loss tolerances (absolute, relative) per training dtype.
-DEFAULT_TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
+# bfloat16: both runs round every activation to 8 significant bits, not always at the same
+# points, and training compounds the differences (measured on CPU: about 0.1% over 10 steps);
+# 2% is about two bfloat16 ulps.
+DEFAULT_TOL = {"float32": (1e-5, 1e-4), "bfloat16": (2e-3, 2e-2)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused-backend", choices=["auto", "triton", "reference"], default="auto",
                    help="fusedops backend for the patched run (auto: Triton on CUDA, the "
                         "PyTorch reference on CPU; triton on CPU runs Triton's interpreter)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--atol", type=float, default=None, help="absolute loss tolerance")
     p.add_argument("--rtol", type=float, default=None, help="relative loss tolerance")
@@ -91,7 +94,8 @@ def batches(args: argparse.Namespace, rank: int) -> list[tuple[torch.Tensor, tor
     out = []
     for _ in range(args.steps):
         x = torch.randn(args.batch_size, args.seq_len, 6, generator=g)
-        target = x[:, :, 0].mean(1, keepdim=True) * 2 + x[:, :, 1].amax(1, keepdim=True)
+        target = (x[:, :, 0].mean(1, keepdim=True) * 4
+                  + (x[:, :, 1] * x[:, :, 2]).mean(1, keepdim=True) * 2)
         out.append((x, target))
     return out
 
