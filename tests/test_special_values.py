@@ -83,7 +83,7 @@ def softmax_rows(dtype: torch.dtype, n: int = N) -> tuple[torch.Tensor, list[str
     t[3] = t[n - 1] = INF
     rows["two_pos_inf"] = t
     t = r()
-    t[20] = NAN  # (a NaN where a lane's running max is still -inf: test_softmax_nan_lane_...)
+    t[20] = NAN  # (NaNs where a lane's running max is still -inf: test_softmax_nan_lane_...)
     rows["nan"] = t
     t = r()
     t[0], t[1], t[2] = NAN, INF, -INF
@@ -198,22 +198,11 @@ def _nan_lane_rows(n: int, chunk: int) -> torch.Tensor:
     return x
 
 
-def _looped_nan_xfail(request) -> None:
-    variant = request.node.callspec.params["target"][2]
-    device = request.node.callspec.params["target"][1]
-    if variant == "looped":
-        request.applymarker(pytest.mark.xfail(
-            strict=device == "cpu",  # seen under the interpreter; expected on CUDA as well
-            reason="looped softmax forward drops a NaN that arrives while the lane's running "
-                   "max is -inf (tl.maximum ignores NaN; s is reset where m_new == -inf)",
-        ))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_softmax_nan_lane_with_neg_inf_running_max(request, target, dtype):
+def test_softmax_nan_lane_with_neg_inf_running_max(target, dtype):
     """Any NaN in a row makes the whole softmax row NaN (torch), also when the NaN comes first
-    in its lane or after -inf values only."""
-    _looped_nan_xfail(request)
+    in its lane or after -inf values only (the looped kernel's running max is still -inf there,
+    and tl.maximum ignores NaN), or shares a chunk with -inf values only (split rows)."""
     x = _nan_lane_rows(N, 16).to(dtype).to(target)
     dy = torch.randn(x.shape, generator=_gen(15)).to(dtype).to(target)
     check_softmax_special(x, dy)
@@ -405,10 +394,10 @@ def test_gpu_long_rows_special_values(n, dtype):
 
 
 @gpu
-@pytest.mark.xfail(strict=False, reason="NaN in a chunk whose max is -inf is dropped by the "
-                   "looped and split-row softmax forward (see test_softmax_nan_lane_...)")
 @pytest.mark.parametrize("n", [2 * 16384, 6 * 16384 + 5, 70000])
 def test_gpu_long_rows_nan_in_masked_chunk(n):
+    """NaNs where the running max is -inf, in rows long enough for the split-row (2 x 16384,
+    6 x 16384 + 5) and looped (70000) kernels: the rows are NaN, as in torch."""
     from fusedops.triton._common import SPLIT_CHUNK
 
     x = _nan_lane_rows(n, SPLIT_CHUNK).cuda()
