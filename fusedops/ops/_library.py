@@ -68,12 +68,13 @@ def layernorm_backward(
     dx, dw, db = _dispatch.backend_for(x).layernorm_backward(
         dy, x, weight, mean, rstd, need_dx, need_dw, need_db
     )
-    # Missing outputs: fresh (never shared) empty tensors with the dtypes the fake reports.
+    # Missing outputs: fresh (never shared) empty tensors with the dtypes the fake reports
+    # (a backend may return dweight/dbias in the weight's dtype: cast to what the fake says).
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (
         dx if dx is not None else x.new_empty((0,)),
-        dw if dw is not None else x.new_empty((0,), dtype=acc),
-        db if db is not None else x.new_empty((0,), dtype=acc),
+        dw.to(acc) if dw is not None else x.new_empty((0,), dtype=acc),
+        db.to(acc) if db is not None else x.new_empty((0,), dtype=acc),
     )
 
 

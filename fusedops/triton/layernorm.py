@@ -242,7 +242,8 @@ def _ln_bwd_single(
     if NEED_DW:
         tl.store(out, dw_row, mask=cols < N)
     if NEED_DB:
-        tl.store(out + num_progs.to(tl.int64) * N, db_row, mask=cols < N)
+        # num_progs may arrive as the constant 1; (programs x N) fits int32 for these rows.
+        tl.store(out + num_progs * N, db_row, mask=cols < N)
 
 
 @triton.jit
@@ -300,7 +301,7 @@ def _ln_bwd_split(
     if NEED_DW:
         tl.store(out, dw_acc, mask=cmask)
     if NEED_DB:
-        tl.store(out + (num_progs // C).to(tl.int64) * N, db_acc, mask=cmask)
+        tl.store(out + (num_progs // C) * N, db_acc, mask=cmask)  # < 2^31: partial rows x N
 
 
 @triton.jit
@@ -471,14 +472,14 @@ def _native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | 
 
 def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
     M, N = x.shape
-    bias = torch.zeros_like(weight) if (need_db and weight is not None) else None
-    if need_db and bias is None:
-        bias = torch.zeros((N,), dtype=x.dtype, device=x.device)
+    # The native kernel only reads bias's shape and dtype (to allocate dbias): the weight serves.
+    bias = weight if weight is not None else (
+        torch.empty((N,), dtype=x.dtype, device=x.device) if need_db else None)
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
         dy, x, [N], mean.view(M, 1), rstd.view(M, 1), weight, bias,
         [need_dx, need_dw and weight is not None, need_db])
-    return (dx if need_dx else None, dw.float() if need_dw else None,
-            db.float() if need_db else None)
+    # dweight/dbias come back in the weight's dtype (accumulated in float32 by the kernel).
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
 
 
 # Backward strategy for rows held in registers. Padded rows up to FUSED_BWD_MAX_BLOCK run one
@@ -556,7 +557,7 @@ def layernorm_forward(
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
     if single:
         tiles = triton.cdiv(M, rows)
-        progs = grid_size(tiles, warps, "ln_fwd", x.device)
+        progs = grid_size(tiles, warps, "ln_fwd", x.device, block)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
             block, rows, has_w, has_b, vec, _hold_w(block, warps),
@@ -594,8 +595,9 @@ def layernorm_backward(
     """Gradients of row LayerNorm.
 
     dy, x: (M, N) unit column stride, any row stride; weight: (N,) or None; mean/rstd: (M,)
-    float32 from the forward. Returns dx (M, N) contiguous in x's dtype (or None), and float32
-    (N,) dweight / dbias (or None), reduced deterministically from per-program partials.
+    float32 from the forward. Returns dx (M, N) contiguous in x's dtype (or None), and (N,)
+    dweight / dbias (or None): float32, reduced deterministically from per-program partials, or
+    in the weight's dtype where PyTorch's native kernel runs (see NATIVE_UNALIGNED_16BIT_BWD).
     """
     M, N = x.shape
     dev = x.device
