@@ -502,6 +502,13 @@ FUSED_BWD_MAX_BLOCK = 8192
 FUSED_BWD_OVERRIDE: tuple[int, int, bool] | None = None
 
 
+def _max_partial_rows(x: torch.Tensor) -> int:
+    """Most (2, N) float32 partial rows a backward call may allocate: 1/8 of x's bytes, so
+    small batches do not pay scratch comparable to their activations (peak memory stays
+    within a few percent of torch's); large ones are not limited by it."""
+    return max(1, x.numel() * x.element_size() // 8 // (8 * x.shape[1]))
+
+
 def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
     """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
     ``block``. Measured on H200 (benchmarks/dev/tune.py, 2026-11-21): 4096-element tiles at two
@@ -626,7 +633,7 @@ def layernorm_backward(
     if single and need_part and block <= FUSED_BWD_MAX_BLOCK:
         rows, warps, per_sm, acc_1d = _fused_bwd_config(block)
         tiles = triton.cdiv(M, rows)
-        progs = max(1, min(tiles, num_sms(dev) * per_sm))
+        progs = max(1, min(tiles, num_sms(dev) * per_sm, _max_partial_rows(x)))
         part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx if need_dx else x, part,
@@ -648,6 +655,7 @@ def layernorm_backward(
         args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, stats, count, N, L,
                 dy.stride(0), x.stride(0), N, M * C]
         progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
+        progs = max(C, min(progs, _max_partial_rows(x) * C))
         # One partial row per group of C programs (a program keeps one chunk of the row).
         part = torch.empty((2, progs // C, N), dtype=torch.float32, device=dev)
         args[6] = part
