@@ -72,9 +72,14 @@ class CountingLauncher:
 
     def __call__(self, *args, **kwargs):
         result = self.inner(*args, **kwargs)
-        if result is not False:
+        # Split launchers return the grid size, or 0/False when the launch was refused.
+        if result is not False and not (isinstance(result, int) and result == 0):
             LAUNCHES[self.name] += 1
         return result
+
+    def __getattr__(self, name: str):
+        # Everything else (e.g. SplitLauncher.programs) is the wrapped launcher's.
+        return getattr(self.inner, name)
 
 
 def wrap_launchers() -> list[str]:
