@@ -191,11 +191,15 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         finally:
             _common._WINDOWS = False
         _common.set_single_block_limit(256)
+        # Split rows off too: LayerNorm's even-chunk split kernels take any long row on CUDA.
+        split = _common._split_state["enabled"]
+        _common._split_state["enabled"] = False
         try:
             layernorm_case(f"layernorm looped {tag}", randn(3, 1000, dtype=dtype, seed=6),
                            *params(1000), randn(3, 1000, dtype=dtype, seed=7))
         finally:
             _common.set_single_block_limit(None)
+            _common._split_state["enabled"] = split
         saved = tln.FUSED_BWD_MAX_BLOCK
         tln.FUSED_BWD_MAX_BLOCK = 0  # dx row kernel + column dweight/dbias kernel at short rows
         try:
