@@ -4,16 +4,21 @@ Bytes moved (the floor): forward reads x once, writes y once (2·M·N·elt) plus
 8·M bytes of float32 mean/rstd; backward reads x and dy once and writes dx once (3·M·N·elt) plus
 the weights, mean/rstd and the float32 dweight/dbias partials.
 
-* Forward, single-block: ``ROWS`` whole rows per program in registers; exact two-pass mean and
-  variance from registers; persistent grid; weight and bias loaded once per program.
-* Forward, looped (row longer than ``single_block_limit()``): pass 1 streams the row with a
-  per-lane Welford update merged across lanes with Chan's formula; pass 2 normalises and writes.
-* Backward, single-block: persistent programs each accumulate dweight/dbias for their rows in
-  float32 registers and write one partial row each; a second kernel sums the partials in a fixed
-  order (deterministic: no atomics).
-* Backward, looped: one program per row streams it twice (the two row sums, then dx); dweight/
-  dbias come from a column-blocked kernel over (row-split, column-block) tiles, then the same
-  deterministic partial reduction.
+* Forward, single-block: ``ROWS`` whole rows per program in registers; mean about the row's
+  first element, variance from registers.
+* Forward, split-row (long rows, CUDA): equal chunks in cooperating programs publish (mean, M2),
+  merged with Chan's formula; one read, one write.
+* Forward, looped: pass 1 streams the row with a per-lane Welford update merged across lanes
+  with Chan's formula; pass 2 normalises and writes.
+* Backward, fused (rows up to 8K): persistent programs write dx and accumulate dweight/dbias
+  for their rows in float32 registers, one partial row pair each; ``_sum_partials`` adds them
+  in a fixed order (deterministic: no atomics).
+* Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its
+  chunk's dweight/dbias partials in registers across rows.
+* Backward, dx row kernel (single-block or looped) + column-blocked dweight/dbias kernel: where
+  those measured faster, on the interpreter, and after a refused split launch.
+* Backward, 16-bit rows not a multiple of 8 and longer than 8K: PyTorch's native kernel (see
+  ``NATIVE_UNALIGNED_16BIT_BWD``).
 """
 
 from __future__ import annotations
