@@ -108,7 +108,9 @@ inline float fusedops_tg_max(float v, TG shared, uint lane, uint sg, uint nsg) {
 // s was accumulated relative to max m; rescale it to the new max m_new >= m.
 // An empty partial (m == -inf) contributes nothing, even when m_new is also -inf.
 inline float fusedops_rescale(float s, float m, float m_new) {
-  return (m == -INFINITY) ? 0.0f : s * precise::exp(m - m_new);
+  // A NaN sum stays NaN even where the (NaN-ignoring) max reads -inf: a NaN anywhere in a row
+  // makes the whole row NaN, as in torch.
+  return (m == -INFINITY) ? (isnan(s) ? s : 0.0f) : s * precise::exp(m - m_new);
 }
 
 // Combined (max, sum of exp(x - max)) reduction for the online softmax: one pass through

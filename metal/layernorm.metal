@@ -1,6 +1,7 @@
 // fusedops Metal shaders: row LayerNorm, forward and backward.
 //
-// forward:  mean = sum(x) / n,  rstd = 1 / sqrt(sum((x - mean)^2) / n + eps)
+// forward:  mean = x0 + sum(x - x0) / n (x0 = the row's first element),
+//           rstd = 1 / sqrt(sum((x - mean)^2) / n + eps)
 //           y = (x - mean) * rstd * w + b          (w, b optional, float32)
 // backward: xhat = (x - mean) * rstd,  wdy = dy * w
 //           dx = (wdy - (xhat * mean(xhat * wdy) + mean(wdy))) * rstd
@@ -53,8 +54,16 @@ template <typename T, typename U>
   const float inv_n = 1.0f / float(n);
   for (ulong row = tg_id; row < ulong(n_rows); row += n_tg) {
     float v[FUSEDOPS_READS];
-    fusedops_load(x + row * x_stride, i, n, aligned, v, 0.0f);
-    const float mean = fusedops_tg_sum(v[0] + v[1] + v[2] + v[3], shared, lane, sg, nsg) * inv_n;
+    device const T* xr = x + row * x_stride;
+    fusedops_load(xr, i, n, aligned, v, 0.0f);
+    // Mean about the row's first element: exact for constant rows (y is then exactly the bias,
+    // as in torch) and no cancellation for rows far from zero.
+    const float x0 = float(xr[0]);
+    float part = 0.0f;
+    for (uint k = 0; k < FUSEDOPS_READS; ++k) {
+      part += (i + k < n) ? v[k] - x0 : 0.0f;
+    }
+    const float mean = x0 + fusedops_tg_sum(part, shared, lane, sg, nsg) * inv_n;
     float sq = 0.0f;
     for (uint k = 0; k < FUSEDOPS_READS; ++k) {
       v[k] = (i + k < n) ? v[k] - mean : 0.0f;
@@ -104,13 +113,17 @@ template <typename T, typename U>
   for (ulong row = tg_id; row < ulong(n_rows); row += n_tg) {
     device const T* xr = x + row * x_stride;
     device U* yr = y + row * n;
+    // Mean about the row's first element (see fusedops_layernorm_fwd_single).
+    const float x0 = float(xr[0]);
     float acc = 0.0f;
     for (uint i = lid * FUSEDOPS_READS; i < n; i += step) {
       float v[FUSEDOPS_READS];
       fusedops_load(xr, i, n, aligned, v, 0.0f);
-      acc += (v[0] + v[1]) + (v[2] + v[3]);
+      for (uint k = 0; k < FUSEDOPS_READS; ++k) {
+        acc += (i + k < n) ? v[k] - x0 : 0.0f;
+      }
     }
-    const float mean = fusedops_tg_sum(acc, shared, lane, sg, nsg) * inv_n;
+    const float mean = x0 + fusedops_tg_sum(acc, shared, lane, sg, nsg) * inv_n;
     acc = 0.0f;
     for (uint i = lid * FUSEDOPS_READS; i < n; i += step) {
       float v[FUSEDOPS_READS];

@@ -77,7 +77,10 @@ template <typename T, typename U>
     for (uint i = lid * FUSEDOPS_READS; i < n; i += step) {
       float v[FUSEDOPS_READS];
       fusedops_load(xr, i, n, aligned, v, -INFINITY);
-      const float m_new = max(m, max(max(v[0], v[1]), max(v[2], v[3])));
+      // max() returns the other operand for a NaN: keep a NaN sticky in m so the whole row
+      // comes out NaN, as in torch (also when the NaN arrives while m is still -inf).
+      const bool nan = isnan(m) || isnan(v[0]) || isnan(v[1]) || isnan(v[2]) || isnan(v[3]);
+      const float m_new = nan ? NAN : max(m, max(max(v[0], v[1]), max(v[2], v[3])));
       s = fusedops_rescale(s, m, m_new);
       if (m_new != -INFINITY) {
         for (uint k = 0; k < FUSEDOPS_READS; ++k) {

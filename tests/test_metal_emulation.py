@@ -121,11 +121,16 @@ def test_metal_softmax_strided_rows(lib, layout, n, max_threads):
 
 @pytest.mark.parametrize("n,max_threads", [(40, 256), (1030, 256), (4100, 1024)])
 def test_metal_softmax_infinities(lib, n, max_threads):
-    """Masked rows (-inf), fully masked rows (NaN as in torch) and a leading masked chunk."""
-    x = torch.randn(4, n)
+    """Masked rows (-inf), fully masked rows (NaN as in torch), a leading masked chunk, and a NaN
+    that arrives while a thread's running max is still -inf (the whole row must be NaN)."""
+    x = torch.randn(6, n)
     x[0, : n // 2] = float("-inf")  # first half masked: the online max starts at -inf
     x[1, :] = float("-inf")  # fully masked
     x[2, 1::3] = float("-inf")
+    x[4, :] = float("-inf")
+    x[4, n - 3] = float("nan")  # a later chunk of some thread, after -inf only
+    x[4, 0] = 1.0
+    x[5, n // 3] = float("nan")
     L = launcher(lib, max_threads)
     y = metal.softmax_forward_with(L, x, torch.float32)
     ref = torch.softmax(x.double(), -1)
@@ -269,7 +274,8 @@ def test_metal_layernorm_groups_own_several_rows(lib, monkeypatch, n, max_thread
 
 
 def test_metal_layernorm_constant_rows_and_eps(lib):
-    """Zero variance (rstd = 1/sqrt(eps)) and a large eps."""
+    """Zero variance (rstd = 1/sqrt(eps)) and a large eps; constant rows whose sum is not exact
+    in float32 still give mean = the value and y = bias exactly (single-row and looped)."""
     x = torch.full((2, 300), 3.25)
     for eps in (1e-5, 0.5):
         y, mean, rstd = metal.layernorm_forward_with(launcher(lib, 256), x, None, None, eps,
@@ -277,6 +283,13 @@ def test_metal_layernorm_constant_rows_and_eps(lib):
         y_ref, mean_ref, rstd_ref = layernorm_ref(x, None, None, eps)
         assert_close_to_ref(y, y_ref, torch.float32)
         assert_close_to_ref(rstd, rstd_ref, torch.float32)
+    for n in (300, 2049):  # single-row and looped on the 256-thread device
+        x = torch.full((3, n), 0.1)
+        b = torch.randn(n)
+        y, mean, _ = metal.layernorm_forward_with(launcher(lib, 256), x, None, b, 1e-5,
+                                                  torch.float32)
+        assert torch.equal(mean, torch.full((3,), 0.1))
+        assert torch.equal(y, b.expand(3, n))
 
 
 def test_metal_empty_and_degenerate_shapes(lib):
