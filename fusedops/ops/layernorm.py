@@ -33,7 +33,9 @@ def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db):
 
 
 def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else p.reshape(-1).contiguous()
+    if p is None or (p.dim() == 1 and p.is_contiguous()):  # the common case: no view to make
+        return p
+    return p.reshape(-1).contiguous()
 
 
 class LayerNormFunction(torch.autograd.Function):

@@ -53,8 +53,14 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions whose
+# Python call costs microseconds (argument unwrapping) on every launch; these are plain ints.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def _spec(a: object) -> object:
@@ -233,7 +239,7 @@ def split_rows_enabled(device: torch.device, n: int, chunk: int = SPLIT_CHUNK,
     """
     if not (_split_state["enabled"] and device.type == "cuda" and not _interpreting()):
         return False
-    chunks = -(-n // chunk)
+    chunks = cdiv(n, chunk)
     if chunks > num_sms(device):  # all chunks of a row must be resident at once
         return False
     return even or n % chunk == 0 or n >= 6 * chunk

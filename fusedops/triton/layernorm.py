@@ -30,6 +30,7 @@ import triton.language as tl
 from fusedops.triton._common import (
     Launcher,
     SplitLauncher,
+    cdiv,
     grid_size,
     next_pow2,
     num_sms,
@@ -466,8 +467,8 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int,
 
 def _even_chunks(n: int, chunk: int) -> tuple[int, int]:
     """(C, L): C pieces of L elements (the last one possibly shorter) covering a row of n."""
-    c = triton.cdiv(n, chunk)
-    return c, triton.cdiv(n, c)
+    c = cdiv(n, chunk)
+    return c, cdiv(n, c)
 
 
 # 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
@@ -550,7 +551,7 @@ def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool):
     dw = torch.empty((N,), dtype=torch.float32, device=part.device) if need_dw else None
     db = torch.empty((N,), dtype=torch.float32, device=part.device) if need_db else None
     block_p, block_c = 32, 64
-    _launch_sum((triton.cdiv(N, block_c), int(need_dw) + int(need_db)), (
+    _launch_sum((cdiv(N, block_c), int(need_dw) + int(need_db)), (
         part, dw if need_dw else db, db if need_db else dw, P, N, 0 if need_dw else 1,
         block_p, block_c), 4)
     return dw, db
@@ -580,7 +581,7 @@ def layernorm_forward(
     vec = window_vec(N, (x.stride(0), N), x.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
     if single:
-        tiles = triton.cdiv(M, rows)
+        tiles = cdiv(M, rows)
         progs = grid_size(tiles, warps, "ln_fwd", x.device, block)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
@@ -637,7 +638,7 @@ def layernorm_backward(
     need_part = need_dw or need_db
     if single and need_part and block <= FUSED_BWD_MAX_BLOCK:
         rows, warps, per_sm, acc_1d = _fused_bwd_config(block)
-        tiles = triton.cdiv(M, rows)
+        tiles = cdiv(M, rows)
         progs = max(1, min(tiles, num_sms(dev) * per_sm, _max_partial_rows(x)))
         part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
         _launch_bwd_single((progs,), (
@@ -676,7 +677,7 @@ def layernorm_backward(
         if vec:
             single, block, rows, warps = row_config(N + vec - 1, "ln_bwd", x.element_size())
     if need_dx and single:
-        tiles = triton.cdiv(M, rows)
+        tiles = cdiv(M, rows)
         progs = grid_size(tiles, warps, "ln_bwd", dev)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
@@ -690,11 +691,11 @@ def layernorm_backward(
     dw = db = None
     if need_part:
         block_c, block_r = COLUMN_TILE
-        col_blocks = triton.cdiv(N, block_c)
+        col_blocks = cdiv(N, block_c)
         # About eight programs per SM in total, each owning a (row-split, column-block) tile.
-        splits = max(1, min(triton.cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
-        rows_per_split = triton.cdiv(triton.cdiv(M, splits), block_r) * block_r
-        splits = triton.cdiv(M, rows_per_split)
+        splits = max(1, min(cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
+        rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
+        splits = cdiv(M, rows_per_split)
         part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
         _launch_dwdb_columns((col_blocks, splits), (
             dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),

@@ -24,6 +24,7 @@ from fusedops.triton._common import (
     SPLIT_WARPS,
     Launcher,
     SplitLauncher,
+    cdiv,
     grid_size,
     next_pow2,
     row_config,
@@ -199,7 +200,7 @@ _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 
 def _split_scratch(M: int, N: int, per_chunk: int, device: torch.device):
     """(chunks, stats, counters) for a split-row launch over (M, N)."""
-    chunks = triton.cdiv(N, SPLIT_CHUNK)
+    chunks = cdiv(N, SPLIT_CHUNK)
     stats = torch.empty((M * chunks * per_chunk,), dtype=torch.float32, device=device)
     return chunks, stats, torch.zeros((M,), dtype=torch.int32, device=device)
 
@@ -222,7 +223,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     vec = window_vec(N, (stride, N), x.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_fwd", x.element_size())
     if single:
-        tiles = triton.cdiv(M, rows)
+        tiles = cdiv(M, rows)
         progs = grid_size(tiles, warps, "softmax_fwd", x.device)
         _launch_fwd_single(
             (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
@@ -250,7 +251,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     vec = window_vec(N, (N, dy.stride(0)), y.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_bwd", y.element_size())
     if single:
-        tiles = triton.cdiv(M, rows)
+        tiles = cdiv(M, rows)
         progs = grid_size(tiles, warps, "softmax_bwd", y.device)
         _launch_bwd_single(
             (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
