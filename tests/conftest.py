@@ -63,6 +63,19 @@ def triton_backend():
         yield
 
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.fixture
+def triton_on_cpu(triton_backend):
+    """The Triton kernels on CPU tensors: only through the interpreter. On a GPU machine (compiled
+    Triton, which cannot take CPU tensors) these tests skip; their CUDA counterparts are the
+    ``gpu``-marked tests (e.g. test_gpu_hf_eager_triton, test_gpu_patched_*)."""
+    if not INTERPRETING:
+        pytest.skip("CPU tensors need the Triton interpreter; CUDA variants cover this here")
+    yield
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"

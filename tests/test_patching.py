@@ -105,7 +105,7 @@ def test_dynamic_subclass_is_cached():
     assert type(a) is PlainSubLayerNorm
 
 
-def test_fused_kernels_really_run(triton_backend):
+def test_fused_kernels_really_run(triton_on_cpu):
     model, ref, inputs = twins(handwritten)
     patch_model(model)
     counts = fused_counts(model, inputs)
@@ -121,7 +121,7 @@ def test_fused_kernels_really_run(triton_backend):
     assert fused_counts(ref, inputs) == {}
 
 
-def test_verification_counts_fused_kernels(triton_backend):
+def test_verification_counts_fused_kernels(triton_on_cpu):
     model, _, inputs = twins(handwritten)
     report = patch_model(model, example_inputs=inputs)
     v = report.verification
@@ -325,7 +325,7 @@ def test_cpu_autocast_passes_through():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_mode_active_only_during_forward(triton_backend):
+def test_mode_active_only_during_forward(triton_on_cpu):
     seen = []
     model = Calls(lambda x: (seen.append(_active_mode()), x.softmax(-1))[1])
     patch_model(model)
@@ -394,7 +394,7 @@ class Recursive(nn.Module):
         return self.child(x)
 
 
-def test_reentrant_and_nested_patched_models(triton_backend):
+def test_reentrant_and_nested_patched_models(triton_on_cpu):
     model = Recursive()
     x = torch.randn(2, 4)
     expected = model(x)
@@ -446,7 +446,7 @@ def test_threads_each_get_their_own_mode():
     assert not errors
 
 
-def test_direct_forward_call_and_signature(triton_backend):
+def test_direct_forward_call_and_signature(triton_on_cpu):
     model, _, inputs = twins(handwritten)
     signature = inspect.signature(model.forward)
     patch_model(model)
@@ -457,7 +457,7 @@ def test_direct_forward_call_and_signature(triton_backend):
     assert stack_len() == 0
 
 
-def test_existing_instance_forward_is_wrapped_and_restored(triton_backend):
+def test_existing_instance_forward_is_wrapped_and_restored(triton_on_cpu):
     model = nn.Sequential(nn.Linear(4, 4))
     calls = []
 
@@ -549,7 +549,7 @@ def test_exclude_by_name_prefix():
     assert "nope" in str(report)
 
 
-def test_exclude_by_type_and_exact_name(triton_backend):
+def test_exclude_by_type_and_exact_name(triton_on_cpu):
     model, _, inputs = twins(lambda: (TwoBlocks(), (handwritten_inputs(),)))
     report = patch_model(model, exclude=[nn.Softmax, "block0.ln_nano"])
     reasons = {s["name"]: s["reason"] for s in report.skipped}
@@ -618,7 +618,7 @@ def test_patch_twice_is_harmless_and_unpatch_restores():
     assert_same_training(model, ref, inputs)
 
 
-def test_no_fused_call_after_unpatch(triton_backend):
+def test_no_fused_call_after_unpatch(triton_on_cpu):
     model, _, inputs = twins(handwritten)
     patch_model(model)
     assert fused_counts(model, inputs)
@@ -626,7 +626,7 @@ def test_no_fused_call_after_unpatch(triton_backend):
     assert fused_counts(model, inputs) == {}
 
 
-def test_patched_context_manager(triton_backend):
+def test_patched_context_manager(triton_on_cpu):
     model, _, inputs = twins(handwritten)
     before = structure(model)
     with fusedops.patched(model, ops=("softmax",)) as report:
@@ -666,7 +666,7 @@ def test_optimizer_built_before_patching_trains():
     assert_same_training(model, ref, inputs)
 
 
-def test_deepcopy_and_pickle_of_patched_model(triton_backend):
+def test_deepcopy_and_pickle_of_patched_model(triton_on_cpu):
     model, ref, inputs = twins(handwritten)
     patch_model(model)
     clone = copy.deepcopy(model)

@@ -52,7 +52,7 @@ def test_hf_matches_unpatched(name, training):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_hf_fused_kernels_run(name, triton_backend):
+def test_hf_fused_kernels_run(name, triton_on_cpu):
     model, ref, inputs, n_ln, n_softmax = make(name)
     patch_model(model)
     assert fused_counts(model, inputs) == {
