@@ -430,6 +430,7 @@ FWD_HOLD_W_MAX_PER_THREAD = 32
 def _hold_w(block: int, warps: int) -> bool:
     return warps <= 16 and block // (32 * warps) <= FWD_HOLD_W_MAX_PER_THREAD
 
+
 # Split-row kernels: (largest chunk in elements, warps) per program. A row of N is cut into
 # C = ceil(N / chunk) equal pieces (no nearly empty last chunk at N = 2^k + 1).
 # None = the measured defaults below; a (chunk, warps) tuple overrides them (experiments).
@@ -498,11 +499,12 @@ def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
 
 
-# Backward strategy for rows held in registers. Padded rows up to FUSED_BWD_MAX_BLOCK run one
-# persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes
-# of memory plus (2, programs, N) float32 partials); longer rows run the dx row kernel plus the
-# column dweight/dbias kernel (x and dy read twice: 5 passes, but no per-program accumulators
-# competing with the row for registers).
+# Backward strategy (module docstring). Padded rows up to FUSED_BWD_MAX_BLOCK run one persistent
+# kernel that writes dx and accumulates dweight/dbias partials per program (3 passes of memory
+# plus (2, programs, N) float32 partials; above 8K the row and the accumulators no longer fit
+# one program's registers without spilling). Longer rows run the split-row kernel where
+# _split_config says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy
+# read twice: 5 passes).
 FUSED_BWD_MAX_BLOCK = 8192
 # Overrides for experiments (benchmarks/dev/tune.py): (tile elements, programs per SM, ACC_1D).
 FUSED_BWD_OVERRIDE: tuple[int, int, bool] | None = None
