@@ -72,6 +72,13 @@ def caps(**values):
 
 
 @contextlib.contextmanager
+def split_below(chunk, warps):
+    """LayerNorm forward rows above 8K on the split-row kernel with (chunk, warps)."""
+    with caps(ln_fwd=8192), knobs(tln, SPLIT_CONFIG=(chunk, warps)):
+        yield
+
+
+@contextlib.contextmanager
 def caps_and(chunk, warps):
     with caps(ln_fwd=16384), knobs(tln, SPLIT_CONFIG=(chunk, warps)):
         yield
@@ -191,45 +198,22 @@ def windows():
 
 
 t0 = time.time()
-which = sys.argv[1:] or ["ln_fwd_small", "sm_big", "ln_bwd"]
+which = sys.argv[1:] or ["ln_fwd_mid", "ln_bwd_mid"]
 bf, f32 = torch.bfloat16, torch.float32
-if "ln_fwd_small" in which:
+if "ln_fwd_mid" in which:
     for dt in (bf, f32):
-        elt = 2 if dt == bf else 4
-        for N in (256, 512, 1024, 2048):
-            vs = []
-            for tile_bytes in (4096, 8192, 16384):
-                for w in (4, 8):
-                    rows = max(1, tile_bytes // elt // N)
-                    if rows * N // (32 * w) < 4:
-                        continue
-                    cfg = (True, N, rows, w)
-                    vs.append((f"t{tile_bytes // 1024}KBw{w}", lambda cfg=cfg: knobs(
-                        tln, row_config=lambda n, k, *_, cfg=cfg: cfg)))
-            point("ln_fwd", dt, N, vs)
-        vs = []
-        for w in (8, 16, 32):
-            cfg = (True, 16384, 1, w)
-            vs.append((f"w{w}", lambda cfg=cfg: knobs(tln, row_config=lambda n, k, *_, cfg=cfg: cfg)))
-            vs.append((f"w{w}nohold", lambda cfg=cfg: knobs(
-                tln, row_config=lambda n, k, *_, cfg=cfg: cfg, FWD_HOLD_W_MAX_PER_THREAD=0)))
-        point("ln_fwd", dt, 16384, vs)
-if "sm_big" in which:
+        for N in (16384, 32768):
+            point("ln_fwd", dt, N, [
+                (f"cap8K_s{c // 1024}Kw{w}", lambda c=c, w=w: split_below(c, w))
+                for c, w in ((2048, 4), (4096, 4), (8192, 4), (8192, 8))])
+if "ln_bwd_mid" in which:
     for dt in (bf, f32):
-        point("sm_bwd", dt, 32768, [("cap16K", lambda: caps(softmax_bwd=16384))])
-        vs = [("pers", lambda: persistent("softmax_fwd", True))]
-        for w in (8, 32):
-            cfg = (True, 16384, 1, w)
-            vs.append((f"w{w}", lambda cfg=cfg: knobs(tsm, row_config=lambda n, k, *_, cfg=cfg: cfg)))
-        point("sm_fwd", dt, 16384, vs)
-if "ln_bwd" in which:
-    for dt in (bf, f32):
-        for N in (512, 8192):
+        for N in (1024, 2048, 4096):
             point("ln_bwd", dt, N, [
                 (f"f{t // 1024}K/{p}{'' if a else '2d'}", lambda t=t, p=p, a=a: knobs(
                     tln, FUSED_BWD_OVERRIDE=(t, p, a)))
-                for t, p, a in ((4096, 2, False), (8192, 1, False), (8192, 2, False),
-                                (16384, 1, True), (8192, 2, True))])
+                for t, p, a in ((8192, 1, True), (16384, 1, True), (8192, 2, False),
+                                (16384, 1, False))])
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:
