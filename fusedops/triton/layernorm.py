@@ -521,15 +521,14 @@ def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
     """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
     ``block``. Measured on H200 (benchmarks/dev/tune.py, 2026-11-21): 4096-element tiles at two
     programs per SM up to 2K columns, with (ROWS, BLOCK) accumulators while a tile holds 4+ rows
-    (folding rows every tile costs a cross-warp reduction); one 8192-element program per SM
-    above. More programs per SM write more partial rows (2·programs·N·4 bytes)."""
+    (folding rows every tile costs a cross-warp reduction); above, one 16-warp program per SM
+    on 16K-element tiles (4 rows of 4K, 2 of 8K). More programs per SM write more partial rows
+    (2·programs·N·4 bytes)."""
     if FUSED_BWD_OVERRIDE is not None:
         tile, per_sm, acc_1d = FUSED_BWD_OVERRIDE
     elif block <= 2048:
         tile, per_sm, acc_1d = 4096, 2, block > 1024
-    elif block <= 4096:
-        tile, per_sm, acc_1d = 8192, 1, True
-    else:  # two 8K rows per 16-warp program: 3.55 vs 2.27 TB/s (bf16), 3.87 vs 3.32 (fp32)
+    else:  # 16K-element 16-warp tiles: bf16 8K 3.55 vs 2.27 TB/s, bf16 4K 3.52 vs 2.69
         tile, per_sm, acc_1d = 16384, 1, True
     tile = max(tile, block)
     return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
