@@ -1,0 +1,129 @@
+"""The host-side launch rules of the Triton backend (fusedops/triton/_common.py, layernorm.py).
+
+These rules were chosen from H200 measurements (benchmarks/results/tune-h200-2026-11-21/); the
+tests pin the decisions the docs describe, and the invariants every kernel relies on (a split
+grid is a multiple of its chunk count, chunks cover the row, partial buffers stay bounded).
+They need no GPU: they call the pure-Python rule functions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from fusedops.triton import _common
+from fusedops.triton import layernorm as tln
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 9, 1000, 1024, 1025, 65537, 1 << 20])
+def test_next_pow2_matches_triton(n):
+    assert _common.next_pow2(n) == triton.next_power_of_2(max(n, 1))
+
+
+def test_cdiv_matches_triton():
+    for a in range(0, 70):
+        for b in range(1, 17):
+            assert _common.cdiv(a, b) == triton.cdiv(a, b)
+
+
+def test_row_config_rules():
+    rc = _common.row_config
+    # softmax forward: 4 KB tiles on 4 warps for short rows; 8 warps at 16K columns; 16 above
+    assert rc(256, "softmax_fwd", 4) == (True, 256, 4, 4)
+    assert rc(256, "softmax_fwd", 2) == (True, 256, 8, 4)
+    assert rc(8192, "softmax_fwd", 2)[3] == 8  # a 16 KB row: 8 warps
+    assert rc(16384, "softmax_fwd", 4)[3] == 8
+    assert rc(32768, "softmax_fwd", 2)[3] == 16
+    # float32 softmax backward: 32K rows go to the split-row/looped kernels, 16-bit stay
+    assert rc(32768, "softmax_bwd", 4)[0] is False
+    assert rc(32768, "softmax_bwd", 2)[0] is True
+    # short LayerNorm rows: 8 KB tiles
+    assert rc(256, "ln_fwd", 2) == (True, 256, 16, 4)
+    assert rc(256, "ln_fwd", 4) == (True, 256, 8, 4)
+    assert rc(4096, "ln_fwd", 2) == (True, 4096, 2, 4)  # 8192-element tiles above 2 KB rows
+    # above every cap: looped chunks
+    assert rc(1 << 20, "ln_bwd", 2)[0] is False
+
+
+def test_grid_size_rules():
+    dev = torch.device("cpu")  # num_sms reports 4 off-GPU
+    # one program per tile for softmax and short LayerNorm forward rows
+    assert _common.grid_size(1000, 4, "softmax_fwd", dev, 256) == 1000
+    assert _common.grid_size(1000, 4, "ln_fwd", dev, 8192) == 1000
+    # persistent: one resident wave (2048 threads per SM), never more programs than tiles
+    assert _common.grid_size(1000, 16, "ln_fwd", dev, 16384) == 4 * 4
+    assert _common.grid_size(3, 16, "ln_fwd", dev, 16384) == 3
+    assert _common.grid_size(1000, 8, "ln_bwd", dev, 1024) == 4 * 8
+
+
+@pytest.mark.parametrize("n", [8193, 16385, 65537, 100000, 262144, (1 << 22) + 3])
+@pytest.mark.parametrize("chunk", [2048, 4096, 8192])
+def test_even_chunks_cover_the_row(n, chunk):
+    c, length = tln._even_chunks(n, chunk)
+    assert length <= chunk
+    assert c * length >= n > (c - 1) * length  # every chunk, the last included, is non-empty
+    assert c == _common.cdiv(n, chunk)
+
+
+def test_split_config_rules():
+    cfg = tln._split_config
+    # forward: 8192/4 for 16-bit or unaligned rows, 4096/4 for aligned float32
+    assert cfg("fwd", 65537, 2, False) == (8192, 4)
+    assert cfg("fwd", 65536, 4, True) == (4096, 4)
+    assert cfg("fwd", 65537, 4, False) == (8192, 4)
+    assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
+    # backward: aligned 16-bit rows up to 16K keep the dx + column kernels
+    assert cfg("bwd", 16384, 2, True) is None
+    assert cfg("bwd", 8193, 2, False) == (2048, 4)
+    assert cfg("bwd", 32768, 2, True) == (2048, 4)
+    assert cfg("bwd", 65536, 2, True) == (8192, 16)
+    assert cfg("bwd", 8193, 4, False) == (4096, 4)
+    assert cfg("bwd", 32768, 4, True) == (2048, 4)
+    assert cfg("bwd", 65536, 4, True) == (4096, 4)
+    assert cfg("bwd", 262144, 4, True) == (4096, 8)
+
+
+def test_split_config_overrides(monkeypatch):
+    monkeypatch.setattr(tln, "SPLIT_CONFIG", (1024, 2))
+    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (512, 4))
+    assert tln._split_config("fwd", 1 << 20, 2, True) == (1024, 2)
+    assert tln._split_config("bwd", 16384, 2, True) == (512, 4)
+
+
+def test_fused_backward_config():
+    # (ROWS, warps, programs per SM, ACC_1D)
+    assert tln._fused_bwd_config(256) == (16, 8, 2, False)  # 2-D accumulators for short rows
+    assert tln._fused_bwd_config(1024) == (4, 8, 2, False)
+    assert tln._fused_bwd_config(2048) == (2, 8, 2, True)
+    assert tln._fused_bwd_config(4096) == (4, 16, 1, True)  # 16K-element tiles from 4K
+    assert tln._fused_bwd_config(8192) == (2, 16, 1, True)
+
+
+def test_partial_rows_bounded_by_an_eighth_of_x():
+    for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
+                        (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
+        x = torch.empty(m, n, dtype=dtype)
+        rows = tln._max_partial_rows(x)
+        assert rows >= 1
+        if rows > 1:
+            assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
+
+
+def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
+    # CPU tensors never take the native path (it is measured and enabled on CUDA only)
+    x = torch.empty(2, 8193, dtype=torch.bfloat16)
+    assert not tln._native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
+
+
+def test_split_programs_are_a_multiple_of_the_chunks():
+    launcher = _common.SplitLauncher(tln._ln_fwd_split)
+    dev = torch.device("cpu")
+    x = torch.empty(2, 8)
+    runtime = (x, x, x, x, x, x, x, x, 8, 4, 8, 8, 1e-5, 6)
+    consts = (4, 3, 4, True, True)
+    first = launcher.programs(30, 3, runtime, consts, 4, dev)
+    assert first % 3 == 0 and first >= 3
+    # the same arguments always give the same grid (deterministic partial sums)
+    assert launcher.programs(30, 3, runtime, consts, 4, dev) == first
+    assert launcher.programs(2, 3, runtime, consts, 4, dev) == 3  # at least one row's chunks
