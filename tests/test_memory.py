@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from _reliability import enter_target, target_params
 
 from fusedops import fused_layernorm, fused_softmax
+from fusedops.tools.memory import peak_bytes, saved_bytes
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -33,20 +34,6 @@ HALF = (torch.float16, torch.bfloat16)
 def target(request):
     with enter_target(request.param) as device:
         yield device
-
-
-def saved_bytes(fn) -> tuple[int, object]:
-    """(bytes of the unique storages saved for backward while ``fn`` runs, fn's result)."""
-    storages: dict[tuple, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[(t.device, s.data_ptr())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(storages.values()), out
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -125,17 +112,6 @@ def test_nothing_saved_without_grad(target):
 MIB = 1 << 20
 
 
-def _peak_bytes(step) -> int:
-    """Peak allocated bytes above the starting point while ``step`` runs (warmed up first)."""
-    step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 # Slack allowed above torch's peak, and why. LayerNorm: its dweight/dbias are reduced without
 # atomics (deterministic) from float32 partial sums, one (2, N) row pair per program, a few
 # programs per SM: up to 5% of torch's peak plus 1 MiB. Softmax: the split-row kernels' per-chunk
@@ -170,7 +146,7 @@ def test_gpu_peak_memory_forward_backward(op, m, n, dtype):
             y.backward(dy)
             del y, leaves
 
-        return _peak_bytes(step)
+        return peak_bytes(step)
 
     fused, ref = run(True), run(False)
     fraction, fixed = LAYERNORM_SLACK if op == "layernorm" else SOFTMAX_SLACK

@@ -13,38 +13,15 @@ a warm-up call. The same measurements back the assertions in tests/test_memory.p
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from fusedops import fused_layernorm, fused_softmax
+from fusedops.tools.memory import peak_bytes, saved_bytes
 
 SHAPES = [(4096, 1024), (1024, 4096), (64, 70000), (8, 2 * 16384), (16384, 64)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def saved_bytes(fn: Callable[[], object]) -> int:
-    storages: dict[tuple, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        storages[(t.device, s.data_ptr())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
-def peak_bytes(step: Callable[[], None]) -> int:
-    step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def make_fns(op: str, fused: bool, x, w, b, dy):
@@ -95,7 +72,7 @@ def main() -> None:
                 result = {}
                 for fused in (True, False):
                     saved_only, step = make_fns(op, fused, x, w, b, dy)
-                    saved = saved_bytes(saved_only)
+                    saved = saved_bytes(saved_only)[0]
                     peak = peak_bytes(step) if cuda else None
                     result[fused] = (saved, peak)
                 (sf, pf), (st, pt) = result[True], result[False]
