@@ -6,6 +6,7 @@ the same *2-D row contract* (see ``docs/design.md``):
 * ``softmax_forward(x, out_dtype) -> y``
 * ``softmax_backward(y, dy, out_dtype) -> dx``
 * ``layernorm_forward(x, weight, bias, eps, out_dtype) -> (y, mean, rstd)``
+* ``layernorm_forward_y(x, weight, bias, eps, out_dtype) -> y`` (no backward will follow)
 * ``layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db) -> (dx, dw, db)``
 
 where ``x``/``dy`` are ``(M, N)`` with unit column stride and any row stride, ``y`` is ``(M, N)``

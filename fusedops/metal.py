@@ -414,6 +414,10 @@ def layernorm_forward(x, weight, bias, eps, out_dtype):
     return layernorm_forward_with(impl, x, weight, bias, eps, out_dtype)
 
 
+def layernorm_forward_y(x, weight, bias, eps, out_dtype):
+    return layernorm_forward(x, weight, bias, eps, out_dtype)[0]
+
+
 def layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
     impl = _get_impl()
     if isinstance(impl, _Extension):

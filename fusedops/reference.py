@@ -57,6 +57,17 @@ def layernorm_forward(
     return y.to(out_dtype), mean, rstd
 
 
+def layernorm_forward_y(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`layernorm_forward` without the statistics (no backward will follow)."""
+    return layernorm_forward(x, weight, bias, eps, out_dtype)[0]
+
+
 def layernorm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -38,6 +38,7 @@ if AVAILABLE:
         return run
 
     layernorm_forward = _on_tensor_device(_layernorm.layernorm_forward)
+    layernorm_forward_y = _on_tensor_device(_layernorm.layernorm_forward_y)
     layernorm_backward = _on_tensor_device(_layernorm.layernorm_backward)
     softmax_forward = _on_tensor_device(_softmax.softmax_forward)
     softmax_backward = _on_tensor_device(_softmax.softmax_backward)
@@ -47,6 +48,7 @@ __all__ = [
     "NAME",
     "layernorm_backward",
     "layernorm_forward",
+    "layernorm_forward_y",
     "softmax_backward",
     "softmax_forward",
 ]

@@ -49,8 +49,9 @@ def _ln_fwd_single(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
     num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    VEC: tl.constexpr, HOLD_W: tl.constexpr,
+    VEC: tl.constexpr, HOLD_W: tl.constexpr, STATS: tl.constexpr,
 ):
+    # STATS: write mean/rstd (False for inference calls, which then allocate neither).
     # HOLD_W: load weight/bias once per program and keep them in registers across its row tiles
     # (short rows); long rows reload them per tile from L2 instead, which frees the registers
     # that would otherwise spill (a 32K-column row at 32 warps spills 240+ bytes per thread).
@@ -93,8 +94,9 @@ def _ln_fwd_single(
         if HAS_B:
             y = y + b
         window_store(y_ptr, offs_y, y.to(y_ptr.dtype.element_ty), mask, smask, VEC)
-        tl.store(mean_ptr + rows, mean, mask=row_mask)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        if STATS:
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -570,23 +572,43 @@ def layernorm_forward(
 
     Returns y (M, N) contiguous of ``out_dtype``, mean and rstd (M,) float32.
     """
+    return _forward(x, weight, bias, eps, out_dtype, True)
+
+
+def layernorm_forward_y(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`layernorm_forward` for calls that need no backward: returns only y. Rows held in
+    registers skip the mean/rstd buffers altogether (two allocations less per call)."""
+    return _forward(x, weight, bias, eps, out_dtype, False)[0]
+
+
+def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     M, N = x.shape
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
-    if M == 0 or N == 0:
-        return y, mean, rstd
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = window_vec(N, (x.stride(0), N), x.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
+    if single and not with_stats:
+        mean = rstd = None
+    else:
+        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return y, mean, rstd
     if single:
         tiles = cdiv(M, rows)
         progs = grid_size(tiles, warps, "ln_fwd", x.device, block)
         _launch_fwd_single((progs,), (
-            x, w, b, y, mean, rstd, M, N, x.stride(0), y.stride(0), eps, tiles, progs,
-            block, rows, has_w, has_b, vec, _hold_w(block, warps),
+            x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
+            x.stride(0), y.stride(0), eps, tiles, progs,
+            block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats,
         ), warps)
     else:
         cfg = _split_config("fwd", N, x.element_size(), x.stride(0) % 8 == 0)
