@@ -197,8 +197,59 @@ def windows():
         _common._WINDOWS = old
 
 
+@contextlib.contextmanager
+def override(kind, **values):
+    """Replace row_config's measured rules for ``kind`` (tile, warps, looped=(chunk, warps))."""
+    old = _common.OVERRIDES.get(kind)
+    _common.OVERRIDES[kind] = values
+    _common.set_single_block_limit(_common.single_block_limit())
+    try:
+        yield
+    finally:
+        if old is None:
+            _common.OVERRIDES.pop(kind, None)
+        else:
+            _common.OVERRIDES[kind] = old
+        _common.set_single_block_limit(_common.single_block_limit())
+
+
+@contextlib.contextmanager
+def looped(kind, chunk, warps):
+    """Rows above 8K on the looped kernel (no split rows) with (chunk, warps)."""
+    with caps(**{kind: 8192}), nosplit(), override(kind, looped=(chunk, warps)):
+        yield
+
+
+def tiles_warps(kind, pairs):
+    return [(f"t{t}w{w}", lambda t=t, w=w: override(kind, tile=t, warps=w)) for t, w in pairs]
+
+
 t0 = time.time()
 which = sys.argv[1:] or ["ln_fwd_mid", "ln_bwd_mid"]
+fp16 = torch.float16
+SHORT = ((1024, 1), (2048, 1), (2048, 2), (4096, 2), (4096, 4))
+if "short_rows" in which:  # Inductor: one warp per row (tile of 32 elements per thread)
+    for dt in (torch.bfloat16, fp16, torch.float32):
+        for N in (256, 512, 1024):
+            point("ln_fwd", dt, N, tiles_warps("ln_fwd", SHORT))
+    for dt in (torch.bfloat16, fp16):
+        for N in (256, 512, 1024):
+            point("sm_fwd", dt, N, tiles_warps("softmax_fwd", SHORT))
+if "sm_bwd_mid" in which:  # Inductor: 16 warps at 4K (looped 2048), 32 warps at 16K
+    for dt in (torch.bfloat16, fp16):
+        for N in (2048, 4096, 8192, 16384, 32768):
+            point("sm_bwd", dt, N, [
+                (f"w{w}", lambda w=w: override("softmax_bwd", warps=w)) for w in (8, 16, 32)]
+                + [(f"t{t}w16", lambda t=t: override("softmax_bwd", tile=t, warps=16))
+                   for t in (8192, 16384) if t >= N])
+if "ln_fwd_loop" in which:  # Inductor: looped 2048 x 16 warps at 16K, 32 warps whole row at 32K
+    for dt, N in ((torch.bfloat16, 16384), (fp16, 16384), (torch.float32, 16384),
+                  (torch.float32, 32768), (torch.bfloat16, 32768)):
+        point("ln_fwd", dt, N, [
+            (f"loop{c}w{w}", lambda c=c, w=w: looped("ln_fwd", c, w))
+            for c, w in ((2048, 16), (4096, 16), (2048, 8), (1024, 8))]
+            + [("w16", lambda: override("ln_fwd", warps=16)),
+               ("w32", lambda: override("ln_fwd", warps=32))])
 bf, f32 = torch.bfloat16, torch.float32
 if "ln_fwd_mid" in which:
     for dt in (bf, f32):

@@ -206,7 +206,15 @@ _TILE_BYTES = {"softmax_fwd": 4096}
 PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_bwd": True}
 
 
+# Experiments only (benchmarks/dev/tune.py): per kind, "tile" (elements per program), "warps"
+# and "looped" ((chunk, warps) of the looped kernels) replace the measured rules below.
+OVERRIDES: dict[str, dict[str, object]] = {}
+
+
 def _warps_for(tile: int, kind: str, elt_size: int) -> int:
+    forced = OVERRIDES.get(kind, {}).get("warps")
+    if forced:
+        return forced
     if kind == "ln_fwd":  # measured: LayerNorm forward prefers fewer, fuller threads
         return 4 if tile <= 8192 else min(32, tile // 1024)
     if kind == "softmax_fwd":  # 16K columns: 8 warps (fp32 4.08 vs 3.61 TB/s at 16)
@@ -217,6 +225,9 @@ def _warps_for(tile: int, kind: str, elt_size: int) -> int:
 
 
 def _tile_elems(kind: str, block: int, elt_size: int) -> int:
+    forced = OVERRIDES.get(kind, {}).get("tile")
+    if forced:
+        return forced
     if kind in _TILE_BYTES:
         return _TILE_BYTES[kind] // elt_size
     if kind == "ln_fwd" and block * elt_size <= 2048:
@@ -246,6 +257,9 @@ def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, in
         tile = _tile_elems(kind, block, elt_size)
         rows = max(1, min(64, tile // block))
         return True, block, rows, _warps_for(rows * block, kind, elt_size)
+    forced = OVERRIDES.get(kind, {}).get("looped")
+    if forced:
+        return (False, *forced[:1], 1, *forced[1:])
     chunk = min(single_block_limit(), 8192)
     # Looped kernels run one program per row: more threads keep more bytes in flight.
     return False, chunk, 1, max(1, min(16, chunk // 512))
