@@ -31,15 +31,24 @@ def test_row_config_rules():
     rc = _common.row_config
     # softmax forward: 4 KB tiles on 4 warps for short rows; 8 warps at 16K columns; 16 above
     assert rc(256, "softmax_fwd", 4) == (True, 256, 4, 4)
-    assert rc(256, "softmax_fwd", 2) == (True, 256, 8, 4)
+    assert rc(1024, "softmax_fwd", 2) == (True, 1024, 2, 4)
+    # short 16-bit rows: one warp per 1K-element softmax tile, 2K-element LayerNorm tile
+    assert rc(256, "softmax_fwd", 2) == (True, 256, 4, 1)
+    assert rc(128, "softmax_fwd", 2) == (True, 128, 8, 1)
+    assert rc(1024, "ln_fwd", 2) == (True, 1024, 2, 1)
+    assert rc(512, "ln_fwd", 2) == (True, 512, 8, 2)
+    # 16-bit softmax backward: 16 warps up to 8K-element tiles from 2K rows, 8 for 16K/32K
+    assert rc(2048, "softmax_bwd", 2)[3] == 16
+    assert rc(16384, "softmax_bwd", 2)[3] == 8
+    assert rc(2048, "softmax_bwd", 4)[3] == 8
     assert rc(8192, "softmax_fwd", 2)[3] == 8  # a 16 KB row: 8 warps
     assert rc(16384, "softmax_fwd", 4)[3] == 8
     assert rc(32768, "softmax_fwd", 2)[3] == 16
     # float32 softmax backward: 32K rows go to the split-row/looped kernels, 16-bit stay
     assert rc(32768, "softmax_bwd", 4)[0] is False
     assert rc(32768, "softmax_bwd", 2)[0] is True
-    # short LayerNorm rows: 8 KB tiles
-    assert rc(256, "ln_fwd", 2) == (True, 256, 16, 4)
+    # short float32 LayerNorm rows: 8 KB tiles on 4 warps
+    assert rc(256, "ln_fwd", 2) == (True, 256, 8, 1)
     assert rc(256, "ln_fwd", 4) == (True, 256, 8, 4)
     assert rc(4096, "ln_fwd", 2) == (True, 4096, 2, 4)  # 8192-element tiles above 2 KB rows
     # above every cap: looped chunks

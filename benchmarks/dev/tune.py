@@ -215,8 +215,8 @@ def override(kind, **values):
 
 @contextlib.contextmanager
 def looped(kind, chunk, warps):
-    """Rows above 8K on the looped kernel (no split rows) with (chunk, warps)."""
-    with caps(**{kind: 8192}), nosplit(), override(kind, looped=(chunk, warps)):
+    """Every row on the looped kernel (no split rows) with (chunk, warps)."""
+    with caps(**{kind: 1}), nosplit(), override(kind, looped=(chunk, warps)):
         yield
 
 
@@ -224,8 +224,24 @@ def tiles_warps(kind, pairs):
     return [(f"t{t}w{w}", lambda t=t, w=w: override(kind, tile=t, warps=w)) for t, w in pairs]
 
 
+def loops(kind, pairs):
+    return [(f"loop{c}w{w}", lambda c=c, w=w: looped(kind, c, w)) for c, w in pairs]
+
+
 t0 = time.time()
 which = sys.argv[1:] or ["ln_fwd_mid", "ln_bwd_mid"]
+if "r8" in which:  # looped kernels with L2 eviction hints (Inductor's two-pass reductions)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for N in (256, 512, 1024):
+            point("ln_fwd", dt, N, [])
+    for dt in (torch.bfloat16, torch.float16):
+        for N in (256, 512):
+            point("sm_fwd", dt, N, [])
+        for N in (4096, 16384, 32768):
+            point("sm_bwd", dt, N, loops("softmax_bwd", ((2048, 16), (4096, 16), (min(N, 16384), 32))))
+    for dt, N in ((torch.bfloat16, 16384), (torch.float16, 16384), (torch.float32, 16384),
+                  (torch.float32, 32768), (torch.bfloat16, 32768)):
+        point("ln_fwd", dt, N, loops("ln_fwd", ((2048, 16), (4096, 16), (2048, 8), (N, 32))))
 fp16 = torch.float16
 SHORT = ((1024, 1), (2048, 1), (2048, 2), (4096, 2), (4096, 4))
 if "short_rows" in which:  # Inductor: one warp per row (tile of 32 elements per thread)

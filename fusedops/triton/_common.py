@@ -211,10 +211,25 @@ PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_b
 OVERRIDES: dict[str, dict[str, object]] = {}
 
 
-def _warps_for(tile: int, kind: str, elt_size: int) -> int:
+# Short 16-bit rows: (tile elements, warps) by padded row length (H200, tune round 7). One or
+# two warps per program, as Inductor does here, so a row's reductions stay within a warp or two
+# (LayerNorm forward bf16 512: 3.91 vs 3.28 TB/s at 4 warps; 1K: 3.95 vs 3.67; softmax forward
+# bf16 256/512: 4.10-4.11 vs 3.95-3.96). float32 rows measured no better (4.06-4.15 either way).
+_SHORT_16BIT = {
+    "ln_fwd": {256: (2048, 1), 512: (4096, 2), 1024: (2048, 1)},
+    "softmax_fwd": {256: (1024, 1), 512: (1024, 1)},
+}
+
+
+def _warps_for(tile: int, kind: str, elt_size: int, block: int) -> int:
     forced = OVERRIDES.get(kind, {}).get("warps")
     if forced:
         return forced
+    if kind == "softmax_bwd" and elt_size == 2 and block >= 2048:
+        # 16-bit rows of 2K-32K (round 7, bf16/fp16): 16 warps up to 8K-element tiles
+        # (4.24-4.26 vs 4.20-4.23 TB/s at 8), 8 warps for 16K/32K rows (32K: 3.84-3.89 vs
+        # 3.73-3.82 at 16).
+        return 16 if tile <= 8192 else 8
     if kind == "ln_fwd":  # measured: LayerNorm forward prefers fewer, fuller threads
         return 4 if tile <= 8192 else min(32, tile // 1024)
     if kind == "softmax_fwd":  # 16K columns: 8 warps (fp32 4.08 vs 3.61 TB/s at 16)
@@ -254,9 +269,13 @@ def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, in
     """
     block = next_pow2(n)
     if block <= min(single_block_limit(), _cap(kind, elt_size)):
+        short = _SHORT_16BIT.get(kind) if elt_size == 2 and not OVERRIDES.get(kind) else None
+        if short and block <= 1024 and max(block, 256) in short:
+            tile, warps = short[max(block, 256)]
+            return True, block, max(1, tile // block), warps
         tile = _tile_elems(kind, block, elt_size)
         rows = max(1, min(64, tile // block))
-        return True, block, rows, _warps_for(rows * block, kind, elt_size)
+        return True, block, rows, _warps_for(rows * block, kind, elt_size, block)
     forced = OVERRIDES.get(kind, {}).get("looped")
     if forced:
         return (False, *forced[:1], 1, *forced[1:])

@@ -115,7 +115,9 @@ def _ln_fwd_looped(
     for start in range(0, N, CHUNK):
         cols = start + lanes
         valid = cols < N
-        x = tl.load(x_row + cols, mask=valid, other=0.0).to(tl.float32)
+        # evict_last keeps the row in L2 for the second pass; evict_first lets it go after it.
+        x = tl.load(x_row + cols, mask=valid, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
         cnt_new = cnt + valid.to(tl.float32)
         delta = tl.where(valid, x - avg, 0.0)
         avg += delta / tl.maximum(cnt_new, 1.0)
@@ -132,12 +134,15 @@ def _ln_fwd_looped(
     for start in range(0, N, CHUNK):
         cols = start + lanes
         valid = cols < N
-        x = tl.load(x_row + cols, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=valid, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
         y = (x - mean) * rstd
         if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            y = y * tl.load(w_ptr + cols, mask=valid, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
         if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+            y = y + tl.load(b_ptr + cols, mask=valid, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
 
 

@@ -70,7 +70,9 @@ def _softmax_fwd_looped(x_ptr, y_ptr, N, stride_x, stride_y, CHUNK: tl.constexpr
     s = tl.zeros([CHUNK], tl.float32)
     for start in range(0, N, CHUNK):
         cols = start + lanes
-        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf")).to(tl.float32)
+        # evict_last keeps the row in L2 for the second pass; evict_first lets it go after it.
+        x = tl.load(x_row + cols, mask=cols < N, other=-float("inf"),
+                    eviction_policy="evict_last").to(tl.float32)
         # tl.maximum drops NaN; keep a lane's NaN sticky so the row comes out NaN, as in torch.
         m_new = tl.where((x != x) | (m != m), float("nan"), tl.maximum(m, x))
         # A lane that has only seen -inf keeps s = 0 (avoids -inf - -inf = NaN).
@@ -84,7 +86,8 @@ def _softmax_fwd_looped(x_ptr, y_ptr, N, stride_x, stride_y, CHUNK: tl.constexpr
     for start in range(0, N, CHUNK):
         cols = start + lanes
         mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        x = tl.load(x_row + cols, mask=mask, other=-float("inf"),
+                    eviction_policy="evict_first").to(tl.float32)
         y = tl.exp2((x - row_max) * LOG2E) * inv
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -121,15 +124,17 @@ def _softmax_bwd_looped(
     for start in range(0, N, CHUNK):
         cols = start + lanes
         mask = cols < N
-        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += y * dy
+        y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        acc += y.to(tl.float32) * dy.to(tl.float32)
     dot = tl.sum(acc, axis=0)
     for start in range(0, N, CHUNK):
         cols = start + lanes
         mask = cols < N
-        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_row + cols, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
         tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
