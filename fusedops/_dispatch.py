@@ -143,7 +143,8 @@ def _select(device_type: str, dtype: torch.dtype) -> ModuleType:
 
 def backend_for(x: torch.Tensor) -> ModuleType:
     """The backend module that runs an op on ``x`` (cached per device type and dtype)."""
-    key = (x.device.type, x.dtype)
+    # is_cuda is a cheap flag; building x.device costs more on the per-call path.
+    key = ("cuda" if x.is_cuda else x.device.type, x.dtype)
     backend = _cache.get(key)
     if backend is None:
         backend = _cache[key] = _select(*key)

@@ -16,6 +16,8 @@ def check_float_tensor(t: object, name: str) -> torch.Tensor:
 
 
 def normalize_dim(dim: object, ndim: int, name: str = "dim") -> int:
+    if dim.__class__ is int and -ndim <= dim < ndim:  # the common case, checked cheaply
+        return dim % ndim
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
     rank = max(ndim, 1)
@@ -36,6 +38,13 @@ def check_float_dtype(dtype: object, name: str = "dtype") -> torch.dtype | None:
 
 
 def normalize_shape(normalized_shape: object) -> tuple[int, ...]:
+    cls = normalized_shape.__class__
+    if cls is int:
+        return (normalized_shape,)
+    if (cls is tuple or cls is torch.Size or cls is list) and len(normalized_shape) == 1:
+        n = normalized_shape[0]
+        if n.__class__ is int and n >= 0:  # the common case: one trailing dim
+            return (n,)
     if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
         return (normalized_shape,)
     if isinstance(normalized_shape, torch.Size | Sequence) and all(
@@ -60,7 +69,9 @@ def check_layernorm_args(
     eps: object,
 ) -> None:
     x = check_float_tensor(x, "x")
-    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+    if len(shape) == 1 and x.dim() >= 1 and x.shape[-1] == shape[0]:
+        pass  # the common case, without building a tuple of x's trailing dims
+    elif tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
         raise ValueError(
             f"normalized_shape={list(shape)} does not match the trailing dimensions of x "
             f"with shape {list(x.shape)}"
@@ -69,7 +80,7 @@ def check_layernorm_args(
         if p is None:
             continue
         check_float_tensor(p, name)
-        if tuple(p.shape) != shape:
+        if p.shape != shape:
             raise ValueError(
                 f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
             )

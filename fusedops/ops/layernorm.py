@@ -65,7 +65,7 @@ class LayerNormFunction(torch.autograd.Function):
             None if weight is None else weight.shape,
             None if bias is None else bias.shape,
         )
-        return y2.view(x.shape)
+        return y2 if x2 is x else y2.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -129,13 +129,21 @@ def fused_layernorm(
         or (bias is not None and bias.requires_grad)
     ):
         return LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)
-    # Inference: no autograd.Function, no saved tensors, no mean/rstd buffers (host cost).
-    x2 = as_rows(x, n)
+    return _forward_inference(x, len(shape), n, weight, bias, eps, out_dtype)
+
+
+def _forward_inference(x, dims: int, n: int, weight, bias, eps: float, out_dtype):
+    """Forward over the last ``dims`` dims (``n`` elements) with no autograd.Function, no saved
+    tensors and no mean/rstd buffers (host cost per call)."""
     w, b = _flat(weight), _flat(bias)
     if torch.compiler.is_compiling():
+        x2 = as_rows(x, n)
         y2 = _library.layernorm_forward(x2, w, b, eps, out_dtype)[0]
-    else:
-        backend = _dispatch.backend_for(x2)
-        _dispatch.record("layernorm_forward", backend)
-        y2 = backend.layernorm_forward_y(x2, w, b, eps, out_dtype)
-    return y2.view(x.shape)
+        return y2.view(x.shape)
+    backend = _dispatch.backend_for(x)
+    _dispatch.record("layernorm_forward", backend)
+    if dims == 1 and x.is_contiguous() and getattr(backend, "ROWS_ND", False):
+        return backend.layernorm_forward_y(x, w, b, eps, out_dtype)  # x as is: no views
+    x2 = as_rows(x, n)
+    y2 = backend.layernorm_forward_y(x2, w, b, eps, out_dtype)
+    return y2 if x2 is x else y2.view(x.shape)

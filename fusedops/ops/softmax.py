@@ -41,7 +41,8 @@ def _from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     if like.dim() == 0:
         return rows.reshape(())
     if dim == like.dim() - 1:
-        return rows.view(like.shape)
+        # 2-D inputs: rows already has like's shape (skip the view: host cost per call).
+        return rows if like.dim() == 2 else rows.view(like.shape)
     moved = list(like.shape)
     moved.append(moved.pop(dim))
     # Keep torch's contract of a result laid out like a contiguous input.
@@ -114,5 +115,14 @@ def fused_softmax(
         return torch.softmax(x, dim).to(out_dtype)
     if x.requires_grad and torch.is_grad_enabled():
         return SoftmaxFunction.apply(x, dim, out_dtype)
-    # Inference: skip autograd.Function bookkeeping and saving y (host cost per call).
+    return _forward_inference(x, dim, out_dtype)
+
+
+def _forward_inference(x: torch.Tensor, dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Forward without autograd bookkeeping or saving y (host cost per call)."""
+    if dim == x.dim() - 1 and x.is_contiguous() and not torch.compiler.is_compiling():
+        backend = _dispatch.backend_for(x)
+        if getattr(backend, "ROWS_ND", False):  # takes x as is: no views around the call
+            _dispatch.record("softmax_forward", backend)
+            return backend.softmax_forward(x, out_dtype)
     return _from_rows(_forward_rows(_to_rows(x, dim), out_dtype), x, dim)

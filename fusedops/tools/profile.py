@@ -402,21 +402,30 @@ def annotate_fused_calls() -> Iterator[None]:
     saved = []
     for mod, label in ((sm_mod, "fusedops::softmax_forward"),
                        (ln_mod, "fusedops::layer_norm_forward")):
-        original = getattr(mod, "_forward_rows", None)
-        if original is None:
-            continue
+        # _forward_inference may call _forward_rows: only the outermost range is opened.
+        active = [False]
+        for attr in ("_forward_rows", "_forward_inference"):
+            original = getattr(mod, attr, None)
+            if original is None:
+                continue
 
-        def wrapped(*args, _original=original, _label=label):
-            with torch.profiler.record_function(_label):
-                return _original(*args)
+            def wrapped(*args, _original=original, _label=label, _active=active):
+                if _active[0]:
+                    return _original(*args)
+                _active[0] = True
+                try:
+                    with torch.profiler.record_function(_label):
+                        return _original(*args)
+                finally:
+                    _active[0] = False
 
-        saved.append((mod, original))
-        mod._forward_rows = wrapped
+            saved.append((mod, attr, original))
+            setattr(mod, attr, wrapped)
     try:
         yield
     finally:
-        for mod, original in saved:
-            mod._forward_rows = original
+        for mod, attr, original in saved:
+            setattr(mod, attr, original)
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:

@@ -6,6 +6,9 @@ Runs on CUDA (and ROCm) tensors, and on CPU tensors under ``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 NAME = "triton"
+# softmax_forward / layernorm_forward_y also take contiguous tensors of any rank >= 1 (rows along
+# the last dim) and return results of that shape: inference calls skip two views.
+ROWS_ND = True
 
 try:
     import triton  # noqa: F401
@@ -27,11 +30,13 @@ if AVAILABLE:
         current device and its current stream, so a tensor on cuda:1 while cuda:0 is current
         would otherwise be launched on the wrong GPU."""
 
+        get_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
+
         @functools.wraps(fn)
         def run(first, *args):
-            dev = first.device
-            if dev.type == "cuda" and dev.index != torch.cuda.current_device():
-                with torch.cuda.device(dev):
+            index = first.get_device()  # -1 for CPU tensors (the interpreter)
+            if index >= 0 and first.is_cuda and index != get_device():
+                with torch.cuda.device(index):
                     return fn(first, *args)
             return fn(first, *args)
 

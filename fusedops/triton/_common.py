@@ -53,6 +53,25 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+def rows_and_output(x: torch.Tensor, out_dtype: torch.dtype):
+    """(M, N, row stride of x, y) for a row-wise op on ``x``: a 2-D tensor with unit column
+    stride and any row stride, or a contiguous tensor of any rank >= 1 whose last dim is the row
+    (forward entry points take those as is, which saves a view on each side of the call). ``y``
+    is a new contiguous tensor of ``x``'s shape and ``out_dtype``."""
+    if x.dim() == 2:
+        M, N = x.shape
+        stride = x.stride(0)
+    else:
+        N = x.shape[-1]
+        M = x.numel() // N if N else 0
+        stride = N
+    if x.is_contiguous():
+        y = torch.empty_like(x, dtype=out_dtype)  # about 1 µs cheaper than torch.empty(shape)
+    else:
+        y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    return M, N, stride, y
+
+
 # Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions whose
 # Python call costs microseconds (argument unwrapping) on every launch; these are plain ints.
 def cdiv(a: int, b: int) -> int:

@@ -36,6 +36,7 @@ from fusedops.triton._common import (
     num_sms,
     row_config,
     row_window,
+    rows_and_output,
     split_rows_enabled,
     wait_for_row,
     window_load,
@@ -588,17 +589,17 @@ def layernorm_forward_y(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """:func:`layernorm_forward` for calls that need no backward: returns only y. Rows held in
-    registers skip the mean/rstd buffers altogether (two allocations less per call)."""
+    registers skip the mean/rstd buffers altogether (two allocations less per call). ``x`` may
+    also be a contiguous tensor of any rank >= 1 normalised over its last dim; y has its shape."""
     return _forward(x, weight, bias, eps, out_dtype, False)[0]
 
 
 def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    M, N, stride, y = rows_and_output(x, out_dtype)
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
-    vec = window_vec(N, (x.stride(0), N), x.element_size())
+    vec = window_vec(N, (stride, N), x.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
     if single and not with_stats:
         mean = rstd = None
@@ -612,11 +613,11 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         progs = grid_size(tiles, warps, "ln_fwd", x.device, block)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
-            x.stride(0), y.stride(0), eps, tiles, progs,
+            stride, N, eps, tiles, progs,
             block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats,
         ), warps)
     else:
-        cfg = _split_config("fwd", N, x.element_size(), x.stride(0) % 8 == 0)
+        cfg = _split_config("fwd", N, x.element_size(), stride % 8 == 0)
         chunk, split_warps = cfg or (0, 0)
         if cfg and split_rows_enabled(x.device, N, chunk, even=True):
             C, L = _even_chunks(N, chunk)
@@ -624,13 +625,13 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             count = torch.zeros((M,), dtype=torch.int32, device=x.device)
             if _launch_fwd_split(
                 M * C, C,
-                (x, w, b, y, mean, rstd, stats, count, N, L, x.stride(0), y.stride(0), eps,
+                (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps,
                  M * C),
                 (next_pow2(L), C, next_pow2(C), has_w, has_b), split_warps, x.device,
             ):
                 return y, mean, rstd
         _launch_fwd_looped((M,), (
-            x, w, b, y, mean, rstd, N, x.stride(0), y.stride(0), eps, block, has_w, has_b,
+            x, w, b, y, mean, rstd, N, stride, N, eps, block, has_w, has_b,
         ), warps)
     return y, mean, rstd
 

@@ -29,6 +29,7 @@ from fusedops.triton._common import (
     next_pow2,
     row_config,
     row_window,
+    rows_and_output,
     split_rows_enabled,
     wait_for_row,
     window_load,
@@ -216,15 +217,14 @@ def _split_scratch(M: int, N: int, per_chunk: int, device: torch.device):
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Row softmax. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride.
+    """Row softmax. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride, or a
+    contiguous tensor of any rank >= 1 (rows along the last dim).
 
-    Returns a contiguous (M, N) tensor of ``out_dtype``.
+    Returns a contiguous tensor of ``x``'s shape and ``out_dtype``.
     """
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    M, N, stride, y = rows_and_output(x, out_dtype)
     if M == 0 or N == 0:
         return y
-    stride = x.stride(0)
     vec = window_vec(N, (stride, N), x.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_fwd", x.element_size())
     if single:

@@ -1,0 +1,133 @@
+"""The lean per-call host path: inference calls hand contiguous N-d tensors to the Triton backend
+as they are, LayerNorm inference allocates no statistics, and the launch cache key tells apart
+every argument property Triton specialises a compiled kernel on.
+
+On CPU the kernels run through the Triton interpreter; with a GPU the same tests run the compiled
+kernels (``ON_DEVICE``), which is where the direct-launch cache is exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import INTERPRETING, triton_kernels_ready
+
+import fusedops
+from fusedops import _dispatch
+from fusedops.triton import _common
+
+ON_DEVICE = True
+
+pytestmark = pytest.mark.skipif(not triton_kernels_ready(), reason="Triton not available")
+
+
+def _dev() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_only():
+    if _dev() == "cpu" and not INTERPRETING:
+        pytest.skip("CPU tensors need the Triton interpreter")
+    with fusedops.use_backend("triton"):
+        yield
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 96), (96,), (2, 3, 4, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_nd_matches_rows(shape, dtype):
+    """The N-d inference path gives the same bits as the 2-D row path (same kernel)."""
+    x = torch.randn(shape, dtype=dtype, device=_dev())
+    n = shape[-1]
+    w = torch.randn(n, dtype=dtype, device=x.device)
+    b = torch.randn(n, dtype=dtype, device=x.device)
+    with torch.no_grad():
+        y = fusedops.fused_softmax(x)
+        z = fusedops.fused_layernorm(x, (n,), w, b)
+    backend = _dispatch.backend_for(x)
+    rows = x.reshape(-1, n)
+    assert y.shape == x.shape and y.is_contiguous()
+    assert z.shape == x.shape and z.is_contiguous()
+    assert torch.equal(y, backend.softmax_forward(rows, dtype).view(shape))
+    assert torch.equal(z, backend.layernorm_forward(rows, w, b, 1e-5, dtype)[0].view(shape))
+    # and the autograd path (2-D rows, statistics kept) agrees bit for bit
+    xr = x.clone().requires_grad_()
+    assert torch.equal(fusedops.fused_softmax(xr), y)
+    assert torch.equal(fusedops.fused_layernorm(xr, (n,), w, b), z)
+
+
+def test_inference_non_contiguous_and_inner_dims():
+    """Inputs the N-d path does not take (strided, softmax over an inner dim, several normalised
+    dims) still go through the row views and match torch."""
+    x = torch.randn(4, 6, 40, device=_dev())
+    with torch.no_grad():
+        t = x.transpose(0, 1)
+        torch.testing.assert_close(fusedops.fused_softmax(t), torch.softmax(t, -1))
+        torch.testing.assert_close(fusedops.fused_softmax(x, 1), torch.softmax(x, 1))
+        torch.testing.assert_close(fusedops.fused_layernorm(x, (6, 40)),
+                                   torch.nn.functional.layer_norm(x, (6, 40)),
+                                   atol=1e-5, rtol=1e-5)
+        s = x[:, :, :33]
+        torch.testing.assert_close(fusedops.fused_layernorm(s, (33,)),
+                                   torch.nn.functional.layer_norm(s, (33,)),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_layernorm_inference_allocates_no_statistics():
+    from fusedops.triton import layernorm as tln
+
+    x = torch.randn(8, 64, device=_dev())
+    y, mean, rstd = tln._forward(x, None, None, 1e-5, x.dtype, False)
+    assert mean is None and rstd is None
+    y2, mean2, rstd2 = tln._forward(x, None, None, 1e-5, x.dtype, True)
+    assert torch.equal(y, y2) and mean2.shape == (8,) and rstd2.shape == (8,)
+    # long rows (looped / split kernels) keep their statistics buffers internally
+    long = torch.randn(2, 70000, device=_dev()) if _dev() == "cuda" else None
+    if long is not None:
+        torch.testing.assert_close(tln.layernorm_forward_y(long, None, None, 1e-5, long.dtype),
+                                   torch.nn.functional.layer_norm(long, (70000,)),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_launch_key_separates_specialisations():
+    """Every property Triton specialises on changes the key; nothing else does."""
+    base = torch.zeros(64, dtype=torch.float32)
+    key = _common._launch_key
+
+    def k(*args, warps=4, n=None):
+        return key(warps, args, len(args) if n is None else n)
+
+    same = k(base, 32, 7, 1e-5)
+    assert k(torch.ones(64), 48, 23, 2e-3) == same  # same alignment, divisibility, ==1, dtype
+    assert k(base[1:], 32, 7, 1e-5) != same  # pointer no longer 16-byte aligned
+    assert k(base.half(), 32, 7, 1e-5) != same  # dtype
+    assert k(base, 33, 7, 1e-5) != same  # not a multiple of 16
+    assert k(base, 32, 1, 1e-5) != same  # equal to 1 (Triton makes it a constant)
+    assert k(base, 32, 2**31 + 7, 1e-5) != same  # 64-bit integer
+    assert k(base, 32, 7, 1e-5, warps=8) != same
+    # constexprs (after the runtime arguments) enter by value
+    assert k(base, 32, 7, 64, n=3) != k(base, 32, 7, 128, n=3)
+    assert k(base, 32, 7, 64, n=3)[0] == base.get_device()  # the device index comes first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need a GPU")
+@pytest.mark.gpu
+def test_direct_launch_matches_triton_launch():
+    """After the first (Triton) launch of a specialisation, later calls take the cached direct
+    path; results stay identical, including on a non-default stream and for a misaligned view
+    that needs a different compiled kernel."""
+    from fusedops.triton import softmax as tsm
+
+    x = torch.randn(300, 1000, device="cuda")
+    first = tsm.softmax_forward(x, x.dtype)
+    assert tsm._launch_fwd_single.compiled, "the compiled kernel was not cached"
+    again = tsm.softmax_forward(x, x.dtype)
+    assert torch.equal(first, again)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        on_stream = tsm.softmax_forward(x, x.dtype)
+    s.synchronize()
+    assert torch.equal(first, on_stream)
+    flat = torch.randn(300 * 1001 + 1, device="cuda")
+    odd = flat[1:].view(300, 1001)[:, :1000]  # misaligned base pointer, row stride 1001
+    torch.testing.assert_close(tsm.softmax_forward(odd, odd.dtype), torch.softmax(odd, -1))
