@@ -82,7 +82,7 @@ def test_layernorm_inference_allocates_no_statistics():
     y2, mean2, rstd2 = tln._forward(x, None, None, 1e-5, x.dtype, True)
     assert torch.equal(y, y2) and mean2.shape == (8,) and rstd2.shape == (8,)
     # large 16-bit inputs take the variant with statistics (it measured faster there)
-    h = torch.randn(8, 64, device=_dev(), dtype=torch.bfloat16)
+    h = torch.randn(2, 8192, device=_dev(), dtype=torch.bfloat16)
     assert tln._forward(h, None, None, 1e-5, h.dtype, False)[1] is None
     old = tln.STATS_FREE_16BIT_MAX
     tln.STATS_FREE_16BIT_MAX = 16

@@ -581,11 +581,11 @@ def layernorm_forward(
     return _forward(x, weight, bias, eps, out_dtype, True)
 
 
-# 16-bit inference calls up to this many elements use the kernel variant that writes no mean/rstd
-# (and allocate neither): calls that small are bound by host time, where two allocations count.
-# Measured on H200 at M·N = 2^27 (the same kernel, STATS on vs off): bf16 4K 3.69 vs 3.62 TB/s,
-# 8K 3.62 vs 2.98, 16K 2.78 vs 2.71; fp16 within 2%; float32 8K 4.02 vs 4.04, 16K 3.52 vs
-# 3.80 (float32 always takes the variant without statistics).
+# Inference calls use the kernel variant that writes no mean/rstd (and allocate neither), except
+# 16-bit rows of 8K+ columns above this many elements. Measured on H200 at M·N = 2^27 (the same
+# kernel, STATS on vs off): bf16 2K 3.63 vs 3.99 TB/s (two sweeps), 4K 3.69 vs 3.62, 8K 3.62 vs
+# 2.98, 16K 2.78 vs 2.71; fp16 within 2%; float32 8K 4.02 vs 4.04, 16K 3.52 vs 3.80. Calls this
+# small are bound by host time, where two allocations count.
 STATS_FREE_16BIT_MAX = 1 << 22
 
 
@@ -609,9 +609,10 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     b = bias if has_b else y
     vec = window_vec(N, (stride, N), x.element_size())
     single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
-    if not with_stats and x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX:
-        # The variant without statistics compiles slower for large 16-bit inputs (bf16 8K:
-        # 2.98 vs 3.62 TB/s); there the two small buffers cost nothing next to the kernel.
+    if (not with_stats and x.element_size() == 2 and block >= 8192
+            and M * N > STATS_FREE_16BIT_MAX):
+        # The variant without statistics compiles slower for large 16-bit inputs with rows of
+        # 8K+ (bf16 8K: 2.98 vs 3.62 TB/s); the two small buffers cost nothing next to the kernel.
         with_stats = True
     if single and not with_stats:
         mean = rstd = None
