@@ -3,7 +3,7 @@ Inductor picked (block sizes, warps, registers, spills) per (op, dtype, N) at MÂ
 
     python benchmarks/dev/inductor_configs.py --out out/inductor ln_fwd:bf16:1024 sm_bwd:bf16:4096
 
-Writes ``<op>_<dtype>_<N>.py`` (the generated code) and ``configs.json`` under ``--out``.
+Writes ``<op>_<dtype>_<N>.txt`` (the generated code) and ``configs.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
         before = len(launch_configs())
         _, code = run_and_get_code(fn, x, w, b, dy)
         configs = launch_configs()[before:]
-        with open(os.path.join(args.out, f"{op}_{dt}_{n}.py"), "w") as f:
+        with open(os.path.join(args.out, f"{op}_{dt}_{n}.txt"), "w") as f:
             f.write("\n\n# ----\n\n".join(code))
         results.append({"case": case, "configs": configs})
         print(case, json.dumps(configs))
