@@ -9,7 +9,10 @@ Three properties, for softmax (y, dx) and LayerNorm (y, dx, dweight, dbias):
 * **batch split**: the row-wise results (y, dx) of rows ``[0:M]`` and ``[M:2M]`` computed in two
   calls of shape ``(M, N)`` are bitwise equal to the same rows of one ``(2M, N)`` call. (dweight
   and dbias sum over rows, so their bits depend on the row count: they are compared between
-  calls of the same shape.)
+  calls of the same shape.) Rows that are not a multiple of 16 bytes (N = 37) are read as an
+  aligned body plus edges that depend on where the row starts: a split that moves rows to
+  another 16-byte phase (M = 6) keeps the bits under ``torch.use_deterministic_algorithms``,
+  one that keeps the phase (M = 8) always does.
 
 CPU: the reference and the Triton kernels through the interpreter (single-block and looped
 variants). CUDA (``gpu``): shapes that exercise the multi-program partial reductions of
@@ -19,6 +22,8 @@ strategies.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -77,6 +82,17 @@ def assert_bitwise(a: tuple, b: tuple, names: tuple[str, ...], what: str) -> Non
             raise AssertionError(f"{what}: {name} differs bitwise (max |diff| {diff:.3e})")
 
 
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    was, warn = (torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(on or was, warn_only=warn if was else True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 def check_determinism(op: str, m: int, n: int, dtype: torch.dtype, device: str,
                       repeats: int = 3) -> None:
     x, dy, w, b = _inputs(2 * m, n, dtype, device, seed=m * 31 + n)
@@ -89,21 +105,32 @@ def check_determinism(op: str, m: int, n: int, dtype: torch.dtype, device: str,
     copies = [t.clone() for t in (x, dy, w, b)]
     del junk
     assert_bitwise(first, run(op, *copies), names, f"{op} fresh copies")
-    # Batch split: two (m, n) calls vs one (2m, n) call, row-wise results.
-    halves = [run(op, x[s].clone(), dy[s].clone(), w, b) for s in (slice(0, m), slice(m, 2 * m))]
+    # Batch split: two (m, n) calls vs one (2m, n) call, row-wise results. Rows that are not a
+    # multiple of 16 bytes are read as an aligned body plus edges, whose split depends on where
+    # the row starts; a split that moves rows to another 16-byte phase keeps the bits only under
+    # torch.use_deterministic_algorithms (see fusedops/triton/_common.py, unaligned_vec).
+    elt = x.element_size()
+    same_phase = (n * elt) % 16 == 0 or (m * n * elt) % 16 == 0
+    with _deterministic(not same_phase):
+        if not same_phase:
+            first = run(op, x, dy, w, b)
+        halves = [run(op, x[s].clone(), dy[s].clone(), w, b)
+                  for s in (slice(0, m), slice(m, 2 * m))]
     for k in range(2):  # y and dx
         joined = torch.cat([halves[0][k], halves[1][k]])
         assert_bitwise((first[k],), (joined,), (names[k],), f"{op} batch split")
     # Reductions over rows (dweight/dbias): two identical calls of the same (m, n) shape.
     if op == "layernorm":
-        again = run(op, x[:m].clone(), dy[:m].clone(), w, b)
+        with _deterministic(not same_phase):  # the mode halves[0] was computed in
+            again = run(op, x[:m].clone(), dy[:m].clone(), w, b)
         assert_bitwise(halves[0], again, names, f"{op} same-shape half")
 
 
 @pytest.mark.parametrize("op", ["softmax", "layernorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_determinism(target, op, dtype):
-    check_determinism(op, 6, 37, dtype, target)
+@pytest.mark.parametrize("m", [6, 8], ids=["phase-changing-split", "same-phase-split"])
+def test_determinism(target, op, dtype, m):
+    check_determinism(op, m, 37, dtype, target)
 
 
 @pytest.fixture(params=target_params(looped=False))

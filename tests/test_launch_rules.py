@@ -136,3 +136,19 @@ def test_split_programs_are_a_multiple_of_the_chunks():
     # the same arguments always give the same grid (deterministic partial sums)
     assert launcher.programs(30, 3, runtime, consts, 4, dev) == first
     assert launcher.programs(2, 3, runtime, consts, 4, dev) == 3  # at least one row's chunks
+
+
+def test_unaligned_config_rules():
+    uc = _common.unaligned_config
+    # aligned rows: row_config unchanged, VEC 0
+    assert uc(8192, "softmax_fwd", 2, 0) == (*_common.row_config(8192, "softmax_fwd", 2), 0)
+    # 2^k + 1 rows: configured for the 2^k aligned body (not padded to 2^(k+1)), with the
+    # round-9 warps
+    assert uc(8193, "softmax_fwd", 2, 8) == (True, 8192, 1, 4, 8)
+    assert uc(8193, "softmax_bwd", 2, 8)[1:] == (8192, 1, 8, 8)
+    assert uc(1025, "softmax_bwd", 2, 8)[3:] == (16, 8)
+    assert uc(65537, "softmax_fwd", 2, 8)[:2] == (True, 65536)
+    # short float32 backward rows (and LayerNorm dx rows up to 1K) stay on scalar access
+    assert uc(1025, "softmax_bwd", 4, 4) == (*_common.row_config(1025, "softmax_bwd", 4), 0)
+    assert uc(1025, "ln_bwd", 2, 8)[-1] == 0
+    assert uc(4097, "ln_bwd", 2, 8)[1:] == (4096, _common.row_config(4096, "ln_bwd", 2)[2], 4, 8)

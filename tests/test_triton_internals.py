@@ -1,4 +1,5 @@
-"""Launch-side internals of the Triton backend: opt-in row windows and the split-row rule."""
+"""Launch-side internals of the Triton backend: unaligned rows (body + edges) and the split-row
+rule."""
 
 from __future__ import annotations
 
@@ -11,27 +12,37 @@ import fusedops
 from fusedops.triton import _common
 
 
-@pytest.fixture
-def row_windows(monkeypatch):
-    monkeypatch.setattr(_common, "_WINDOWS", True)
+def _t(n: int, dtype=torch.bfloat16, offset: int = 0) -> torch.Tensor:
+    return torch.empty(n + offset, dtype=dtype)[offset:]
 
 
-def test_window_vec_rule(row_windows):
-    assert _common.window_vec(33, (33, 33), 2) == 8  # unaligned contiguous rows: windowed
-    assert _common.window_vec(33, (33, 33), 4) == 4
-    assert _common.window_vec(32, (32, 32), 2) == 0  # aligned rows need no window
-    assert _common.window_vec(33, (40, 33), 2) == 0  # different strides: one window can't serve
+def test_unaligned_vec_rule():
+    a = _t(64)
+    assert _common.unaligned_vec(33, (33, 33), 2, (a, a)) == 8  # unaligned rows: body + edges
+    assert _common.unaligned_vec(33, (33, 33), 4, (a, a)) == 4
+    assert _common.unaligned_vec(32, (32, 32), 2, (a, a)) == 0  # aligned rows need no split
+    assert _common.unaligned_vec(33, (40, 33), 2, (a, a)) == 0  # strides differ: no common split
+    assert _common.unaligned_vec(15, (15, 15), 2, (a, a)) == 0  # rows shorter than two vectors
+    assert _common.unaligned_vec(33, (33, 33), 2, (a, _t(64, offset=1))) == 0  # base unaligned
+    assert _common.body_len(8193, 8) == 8192
+    assert _common.body_len(8193, 4) == 8192
+    assert _common.body_len(8192, 0) == 8192
 
 
-def test_window_off_by_default():
-    assert _common.window_vec(33, (33, 33), 2) == 0
+def test_unaligned_split_can_be_turned_off(monkeypatch):
+    monkeypatch.setitem(_common._BODY, "enabled", False)
+    a = _t(64)
+    assert _common.unaligned_vec(33, (33, 33), 2, (a, a)) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,n", [(1, 17), (3, 33), (7, 1025), (5, 255)])
-def test_windowed_kernels_match_float64(row_windows, triton_backend, device, dtype, m, n):
+@pytest.mark.parametrize("m,n", [(1, 17), (3, 33), (7, 1025), (5, 255), (9, 23)])
+def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
+    # Every row start has a different misalignment (head 0..VEC-1), including rows whose body
+    # is one vector (n = 17 bf16) and rows whose edges hold VEC - 1 elements on both sides.
     torch.manual_seed(m * n)
     x = (torch.randn(m, n, device=device) * 3 + 1).to(dtype).requires_grad_(True)
+    assert _common.unaligned_vec(n, (n, n), x.element_size(), (x, x)) > 0  # the split path runs
     w = torch.randn(n, device=device, requires_grad=True)
     b = torch.randn(n, device=device, requires_grad=True)
     g = torch.randn(m, n, device=device).to(dtype)
@@ -62,3 +73,24 @@ def test_split_rows_rule():
     assert _common.split_rows_enabled(cuda, 4 * chunk + 1) is False
     assert _common.split_rows_enabled(cuda, 6 * chunk + 1) == enabled
     assert _common.split_rows_enabled(torch.device("cpu"), 8 * chunk) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_unaligned_rows_on_a_persistent_grid(monkeypatch, triton_backend, device, dtype):
+    # More row tiles than programs: each program loops over tiles that must all share one
+    # misalignment, since it holds the weight shifted by it (grid rounded to a multiple of VEC).
+    monkeypatch.setattr(_common, "num_sms", lambda dev: 1)
+    m, n = 1100, 33
+    assert _common.grid_size(100, 8, "ln_bwd", torch.device(device), vec=8) == 8
+    assert _common.grid_size(100, 16, "ln_bwd", torch.device(device), vec=8) == 8
+    torch.manual_seed(0)
+    x = (torch.randn(m, n, device=device) * 2 - 1).to(dtype).requires_grad_(True)
+    w = torch.randn(n, device=device)  # no gradient: the dx row kernel runs
+    g = torch.randn(m, n, device=device).to(dtype)
+    x64 = x.detach().double().requires_grad_(True)
+    y = fusedops.fused_layernorm(x, n, w)
+    r = F.layer_norm(x64, (n,), w.double())
+    assert_close_to_ref(y, r, dtype, scale=4)
+    (dx,) = torch.autograd.grad(y, x, g)
+    (dr,) = torch.autograd.grad(r, x64, g.double())
+    assert_close_to_ref(dx, dr, dtype, scale=8)

@@ -11,8 +11,8 @@ kernel that silently skips work fails here too. Every launcher in fusedops/trito
 attributes named ``_launch_*``) is wrapped to count its launches; the run fails if any of them
 never launched, so a new kernel variant without a case here is noticed.
 
-Variants: softmax forward/backward single-block (aligned and, with FUSEDOPS_ROW_WINDOW's
-windows, unaligned rows), looped (single-block limit shrunk to 256), split-row (N = 2 x 16384
+Variants: softmax forward/backward single-block (aligned rows and, as an aligned body
+plus element-wise edges, unaligned ones), looped (single-block limit shrunk to 256), split-row (N = 2 x 16384
 and 6 x 16384 + 5, M = 3); LayerNorm forward single/looped/split-row, the fused backward with
 per-program dweight/dbias partials, the dx row kernel (single/looped) with the column
 dweight/dbias kernel (FUSED_BWD_MAX_BLOCK = 0 forces it at short rows), the partial-sum kernel,
@@ -153,12 +153,9 @@ def softmax_cases(dtype: torch.dtype) -> None:
     wide = randn(5, 1100, dtype=dtype, seed=1)
     softmax_case(f"softmax single strided {t}", wide[:, 50:1050],
                  randn(1, 1000, dtype=dtype, seed=2).expand(5, 1000))
-    _common._WINDOWS = True  # unaligned rows through 16-byte windows
-    try:
-        softmax_case(f"softmax windowed {t}", randn(5, 1025, dtype=dtype, seed=3),
-                     randn(5, 1025, dtype=dtype, seed=4))
-    finally:
-        _common._WINDOWS = False
+    # Unaligned rows: aligned body plus element-wise edges (the default).
+    softmax_case(f"softmax unaligned {t}", randn(5, 1025, dtype=dtype, seed=3),
+                 randn(5, 1025, dtype=dtype, seed=4))
     _common.set_single_block_limit(256)  # rows of 1000: looped, 4 chunks
     try:
         softmax_case(f"softmax looped {t}", randn(3, 1000, dtype=dtype, seed=5),
@@ -184,12 +181,8 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         wide = randn(6, 1100, dtype=dtype, seed=2)
         layernorm_case(f"layernorm single strided {tag}", wide[:, 7:1007], *params(1000),
                        randn(1, 1000, dtype=dtype, seed=3).expand(6, 1000))
-        _common._WINDOWS = True
-        try:
-            layernorm_case(f"layernorm windowed {tag}", randn(5, 1025, dtype=dtype, seed=4),
-                           *params(1025), randn(5, 1025, dtype=dtype, seed=5))
-        finally:
-            _common._WINDOWS = False
+        layernorm_case(f"layernorm unaligned {tag}", randn(5, 1025, dtype=dtype, seed=4),
+                       *params(1025), randn(5, 1025, dtype=dtype, seed=5))
         _common.set_single_block_limit(256)
         # Split rows off too: LayerNorm's even-chunk split kernels take any long row on CUDA.
         split = _common._split_state["enabled"]

@@ -188,13 +188,15 @@ def nosplit():
 
 
 @contextlib.contextmanager
-def windows():
-    old = _common._WINDOWS
-    _common._WINDOWS = True
+def scalar_unaligned():
+    """Unaligned rows without the aligned body/edge split (scalar accesses, as before it)."""
+    _common._BODY["enabled"] = False
+    _common.set_single_block_limit(_common.single_block_limit())
     try:
         yield
     finally:
-        _common._WINDOWS = old
+        _common._BODY["enabled"] = True
+        _common.set_single_block_limit(_common.single_block_limit())
 
 
 @contextlib.contextmanager
@@ -230,6 +232,18 @@ def loops(kind, pairs):
 
 t0 = time.time()
 which = sys.argv[1:] or ["ln_fwd_mid", "ln_bwd_mid"]
+if "unaligned" in which:  # round 9: aligned body + element-wise edges for N = 2^k + 1
+    def warps(kind, *ws):
+        return [(f"w{w}", lambda w=w: override(kind, warps=w)) for w in ws]
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for N in (1025, 2049, 4097, 8193, 65537):
+            point("sm_fwd", dt, N, [("scalar", scalar_unaligned)] + warps("softmax_fwd", 4, 8, 16))
+            point("sm_bwd", dt, N, [("scalar", scalar_unaligned)] + warps("softmax_bwd", 8, 16))
+            point("ln_fwd", dt, N, [("scalar", scalar_unaligned)] + warps("ln_fwd", 4, 8, 16))
+            point("ln_bwd", dt, N, [("scalar", scalar_unaligned),
+                                    ("nonative", lambda: knobs(tln, NATIVE_UNALIGNED_16BIT_BWD=False))])
+            point("ln_bwd", dt, N, [("scalar", scalar_unaligned)] + warps("ln_bwd", 4, 8, 16),
+                  parts=(True, False, False))
 if "r8" in which:  # looped kernels with L2 eviction hints (Inductor's two-pass reductions)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         for N in (256, 512, 1024):

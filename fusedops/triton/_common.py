@@ -309,14 +309,19 @@ PERSISTENT_ABOVE = {"ln_fwd": 8192}
 
 
 def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
-              block: int = 0) -> int:
+              block: int = 0, vec: int = 0) -> int:
     """Programs for a single-block launch of ``kind`` over ``num_tiles`` row tiles of padded
-    rows of ``block`` elements."""
+    rows of ``block`` elements. With unaligned rows (``vec`` > 0, see :func:`tile_rows`) a
+    persistent grid is a multiple of ``vec``, so all tiles of a program share one misalignment
+    (weights held in registers stay valid)."""
     if not PERSISTENT[kind] and block <= PERSISTENT_ABOVE.get(kind, 1 << 62):
         return max(1, num_tiles)
     # One resident wave: 2048 threads per SM on Hopper/Ampere; the persistent loop does the rest.
     per_sm = max(1, 2048 // (32 * num_warps))
-    return max(1, min(num_tiles, num_sms(device) * per_sm))
+    progs = max(1, min(num_tiles, num_sms(device) * per_sm))
+    if vec and progs < num_tiles:
+        progs = max(vec, progs // vec * vec)
+    return progs
 
 
 # --------------------------------------------------------------------------- split rows
@@ -443,76 +448,127 @@ class SplitLauncher:
         return progs
 
 
-# --------------------------------------------------------------------------- row windows
+# --------------------------------------------------------------------------- unaligned rows
+# In a contiguous tensor whose rows are not a multiple of 16 bytes (N = 2^k + 1, say), row r
+# starts at r·N elements: Triton cannot prove any alignment and falls back to 2-byte scalar
+# accesses, which halve the bandwidth (0.44-0.54 of copy at N = 8193). The single-block kernels
+# instead split each row into its *body*, from the first 16-byte boundary inside the row to the
+# last one, addressed from that aligned element with a mask whose bound is a multiple of the
+# vector width (so every access is a 16-byte vector), and its two *edges*, at most VEC - 1
+# elements on each side, read and written element by element in a small [ROWS, 2·VEC] tile. No
+# access leaves the row. (An earlier design read an aligned window of the whole row with
+# per-element masks; the second full-width edge store made it slower than scalar access.)
+
+
 @triton.jit
-def row_window(rows, M, N, stride, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
-    """Addressing of a [ROWS, BLOCK_N] tile of rows ``rows``.
+def tile_rows(tile, stride, ROWS: tl.constexpr, VEC: tl.constexpr):
+    """``(rows, head)`` of row tile ``tile``.
 
-    Returns ``(offs, mask, col, load_mask, store_mask)``: element offsets, the exact element
-    mask, each lane's column, and vector-granular masks for loads and stores.
-
-    VEC == 0: lane j is column j of each row (rows start 16-byte aligned, which Triton's
-    specialisation of ``stride`` proves), and all three masks are the element mask.
-    VEC > 0: rows start unaligned (an odd N such as 2^k + 1 in a contiguous tensor). Each row is
-    read through a window starting at the aligned address just below it, so lane j holds column
-    j - shift. The load mask keeps whole 16-byte vectors (it may read a few elements of the
-    neighbouring rows, which callers discard with ``mask``) but never a vector that crosses the
-    end of the tensor (M * stride elements); the store mask keeps only the vectors entirely inside
-    the row, and callers store the row's two edge vectors element by element. Every other access
-    stays a 16-byte vector: no 2^k + 1 cliff. Needs BLOCK_N >= N + VEC - 1.
+    VEC == 0: ROWS consecutive rows, head 0. VEC > 0 (unaligned rows): ROWS rows VEC apart
+    (the rows congruent to ``tile`` modulo VEC), which all start at the same misalignment;
+    ``head`` (0 <= head < VEC) is the distance from their start to the first 16-byte boundary,
+    so lane j of the aligned body is column ``head + j`` in every row of the tile and per-column
+    data (LayerNorm's weight) is fetched once per tile. See :func:`num_row_tiles`.
     """
-    lanes = tl.arange(0, BLOCK_N)
+    if VEC > 0:
+        r0 = (tile // VEC) * (ROWS * VEC) + tile % VEC
+        rows = r0 + tl.arange(0, ROWS) * VEC
+        s0 = r0.to(tl.int64) * stride
+        head = (((s0 + (VEC - 1)) // VEC) * VEC - s0).to(tl.int32)
+    else:
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        head = 0
+    return rows, head
+
+
+@triton.jit
+def row_body(rows, head, M, N, stride, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """``(offs, mask)`` of a [ROWS, BLOCK_N] tile of the rows ``rows`` (from :func:`tile_rows`).
+
+    VEC == 0 (rows start 16-byte aligned, which Triton's specialisation of ``stride`` proves):
+    lane j is column j. VEC > 0: lane j is column ``head + j``; the mask covers the row's aligned
+    body only (:func:`row_edges` covers the rest). Needs N >= 2·VEC and
+    BLOCK_N >= (N // VEC) * VEC.
+    """
+    lanes = tl.arange(0, BLOCK_N)[None, :]
     start = rows.to(tl.int64) * stride
     row_ok = (rows < M)[:, None]
     if VEC > 0:
-        base = (start // VEC) * VEC
-        col = lanes[None, :] - (start - base)[:, None]
-        offs = base[:, None] + lanes[None, :]
-        mask = row_ok & (col >= 0) & (col < N)
-        v_lo = base[:, None] + ((lanes // VEC) * VEC)[None, :]
-        v_hi = v_lo + VEC
-        end = (start + N)[:, None]
-        load_mask = row_ok & (v_hi > start[:, None]) & (v_lo < end) & (v_hi <= M * stride)
-        store_mask = row_ok & (v_lo >= start[:, None]) & (v_hi <= end)
+        # Written as a multiple of VEC so that Triton's alignment analysis sees it as one.
+        first = ((start + (VEC - 1)) // VEC) * VEC
+        offs = first[:, None] + lanes
+        mask = row_ok & (lanes < ((N - head) // VEC) * VEC)
     else:
-        col = lanes[None, :] + tl.zeros_like(start)[:, None]
-        offs = start[:, None] + lanes[None, :]
-        mask = row_ok & (col < N)
-        load_mask = mask
-        store_mask = mask
-    return offs, mask, col, load_mask, store_mask
+        offs = start[:, None] + lanes
+        mask = row_ok & (lanes < N)
+    return offs, mask
 
 
 @triton.jit
-def window_load(ptr, offs, mask, load_mask, fill, is_last_tile, VEC: tl.constexpr):
-    """Load a tile addressed by :func:`row_window`; lanes outside the rows hold ``fill``."""
-    v = tl.load(ptr + offs, mask=load_mask, other=fill)
-    if VEC > 0:
-        v = tl.where(mask, v, fill)
-        if is_last_tile:  # the tensor's final partial vector: element by element
-            tail = mask & (load_mask == 0)
-            v = tl.where(tail, tl.load(ptr + offs, mask=tail, other=fill), v)
-    return v
+def row_edges(rows, head, M, N, stride, VEC: tl.constexpr):
+    """The elements of rows ``rows`` outside their aligned bodies (see :func:`row_body`):
+    ``(offs, mask, col)``, offsets and mask of a [ROWS, 2·VEC] tile (lanes < VEC: the head,
+    the rest: the tail) and the [1, 2·VEC] columns."""
+    j = tl.arange(0, 2 * VEC)[None, :]
+    tail = head + ((N - head) // VEC) * VEC  # first column after the body
+    col = tl.where(j < VEC, j, tail + (j - VEC))
+    mask = (rows < M)[:, None] & tl.where(j < VEC, j < head, col < N)
+    offs = rows.to(tl.int64)[:, None] * stride + col
+    return offs, mask, col
 
 
-@triton.jit
-def window_store(ptr, offs, value, mask, store_mask, VEC: tl.constexpr):
-    """Store a tile addressed by :func:`row_window` (vectors inside rows, then the edges)."""
-    tl.store(ptr + offs, value, mask=store_mask)
-    if VEC > 0:
-        tl.store(ptr + offs, value, mask=mask & (store_mask == 0))
+# FUSEDOPS_ROW_BODY=0 turns the body/edge split off (scalar access for unaligned rows), for
+# measurements against it.
+_BODY = {"enabled": __import__("os").environ.get("FUSEDOPS_ROW_BODY", "1") != "0"}
 
 
-# Off by default: on H200 the windowed kernels measured *slower* at N = 8193 (0.16 vs 0.46 of
-# copy bandwidth for bf16 softmax forward; docs/performance.md), because the masks keep Triton
-# from emitting vector accesses. FUSEDOPS_ROW_WINDOW=1 turns them on for experiments.
-_WINDOWS = __import__("os").environ.get("FUSEDOPS_ROW_WINDOW", "0") == "1"
+def unaligned_vec(n: int, strides: tuple[int, ...], elt_size: int,
+                  tensors: tuple[torch.Tensor, ...] = ()) -> int:
+    """VEC for :func:`row_body`: the elements per 16 bytes when the rows start unaligned and one
+    body/edge split serves every tensor of the call (equal row strides, 16-byte aligned base
+    pointers); 0 otherwise (aligned rows, or the scalar fallback).
 
-
-def window_vec(n: int, strides: tuple[int, ...], elt_size: int) -> int:
-    """VEC for :func:`row_window`: 0 when rows are 16-byte aligned (or the tensors' row strides
-    differ, so one window cannot serve them all), else the elements per 16 bytes."""
+    The split moves a column to another lane (so another place in the reduction tree) depending
+    on where its row starts, so a row's last bits depend on its position in the batch. Under
+    ``torch.use_deterministic_algorithms(True)`` unaligned rows take the scalar path instead,
+    whose results depend on the row's values only (batch-split invariant)."""
     vec = 16 // elt_size
-    if not _WINDOWS or n < 2 * vec or all(s % vec == 0 for s in strides) or len(set(strides)) != 1:
+    if (not _BODY["enabled"] or n < 2 * vec or all(s % vec == 0 for s in strides)
+            or len(set(strides)) != 1 or any(t.data_ptr() % 16 for t in tensors)
+            or torch.are_deterministic_algorithms_enabled()):
         return 0
     return vec
+
+
+def num_row_tiles(m: int, rows: int, vec: int) -> int:
+    """Row tiles of :func:`tile_rows` covering ``m`` rows (with VEC > 0, up to VEC - 1 of them
+    hold fewer rows)."""
+    return vec * cdiv(cdiv(m, vec), rows) if vec else cdiv(m, rows)
+
+
+def body_len(n: int, vec: int) -> int:
+    """Longest aligned body of a row of ``n`` elements (the padded length to configure for)."""
+    return (n // vec) * vec if vec else n
+
+
+def unaligned_config(n: int, kind: str, elt_size: int, vec: int) -> tuple[int, int, int, int, int]:
+    """(single_block, BLOCK, ROWS, num_warps, VEC) for rows of ``n`` with VEC from
+    :func:`unaligned_vec`: :func:`row_config` for the aligned body, with the warps measured for
+    the body/edge kernels on H200 (tune round 9, bf16/fp16/fp32 at N = 1025-8193). VEC comes
+    back 0 where scalar access measured faster (short float32 rows in the backward kernels)."""
+    if not vec:
+        return (*row_config(n, kind, elt_size), 0)
+    single, block, rows, warps = row_config(body_len(n, vec), kind, elt_size)
+    if not single or OVERRIDES.get(kind, {}).get("warps"):
+        return single, block, rows, warps, vec
+    if kind in ("softmax_bwd", "ln_bwd") and block <= 1024 and (elt_size == 4 or kind == "ln_bwd"):
+        # float32 softmax backward 1025: 4.06 TB/s scalar vs 3.36; LayerNorm dx 3.39 vs 2.98
+        # (16-bit: a tie at 1.81-1.93).
+        return (*row_config(n, kind, elt_size), 0)
+    if kind == "softmax_fwd" and block <= 8192:
+        warps = 4  # bf16 8193: 4.01 vs 2.73 TB/s at 8 warps; 4097: 3.55 either way
+    elif kind == "softmax_bwd":
+        warps = 16 if block <= 1024 else 8  # bf16 1025: 2.55 vs 2.07; 4097: 4.17 vs 2.52
+    elif kind == "ln_bwd":
+        warps = 4  # bf16 4097: 2.68 vs 2.13 TB/s at 8 warps; float32 2049: 4.02 vs 3.85
+    return single, block, rows, warps, vec

@@ -33,15 +33,17 @@ from fusedops.triton._common import (
     cdiv,
     grid_size,
     next_pow2,
+    num_row_tiles,
     num_sms,
+    row_body,
     row_config,
-    row_window,
+    row_edges,
     rows_and_output,
     split_rows_enabled,
+    tile_rows,
+    unaligned_config,
+    unaligned_vec,
     wait_for_row,
-    window_load,
-    window_store,
-    window_vec,
 )
 
 
@@ -56,45 +58,64 @@ def _ln_fwd_single(
     # HOLD_W: load weight/bias once per program and keep them in registers across its row tiles
     # (short rows); long rows reload them per tile from L2 instead, which frees the registers
     # that would otherwise spill (a 32K-column row at 32 warps spills 240+ bytes per thread).
+    # With VEC > 0 lane j is column head + j, the same in every row of a tile, and in every tile
+    # of a program when num_progs is a multiple of VEC (the launcher sees to it for HOLD_W).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    if HOLD_W and VEC == 0:  # aligned rows: every lane is the same column in every row
+    if HOLD_W:
+        first_rows, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
+        hold_mask = cols < ((N - pid_head) // VEC) * VEC if VEC > 0 else cols < N
         if HAS_W:
-            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptr + pid_head + cols, mask=hold_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_B:
-            b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            b = tl.load(b_ptr + pid_head + cols, mask=hold_mask, other=0.0).to(tl.float32)[None, :]
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * ROWS + tl.arange(0, ROWS)
+        rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
-        offs, mask, col, lmask, smask = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
-        offs_y, _, _, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
-        x = window_load(x_ptr, offs, mask, lmask, 0.0, tile == num_tiles - 1,
-                        VEC).to(tl.float32)
+        # VEC > 0: unaligned rows as an aligned body (lane j = column head + j) plus edges (see
+        # row_body in _common.py); the launcher then guarantees stride_x == stride_y.
+        offs, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
+        offs_y, _ = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # Mean about the row's first element: exact for constant rows (y is then exactly the
         # bias, as in torch) and no cancellation for rows far from zero (mean 1e4, small spread).
         x0 = tl.load(x_ptr + rows.to(tl.int64) * stride_x, mask=row_mask,
                      other=0.0).to(tl.float32)
-        mean = x0 + tl.sum(tl.where(mask, x - x0[:, None], 0.0), axis=1) / N
+        if VEC > 0:  # issued before any reduction, so all loads are in flight together
+            e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+        total = tl.sum(tl.where(mask, x - x0[:, None], 0.0), axis=1)
+        if VEC > 0:
+            total += tl.sum(tl.where(e_mask, xe - x0[:, None], 0.0), axis=1)
+        mean = x0 + total / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
-        var = tl.sum(xc * xc, axis=1) / N
+        sq = tl.sum(xc * xc, axis=1)
+        if VEC > 0:
+            xce = tl.where(e_mask, xe - mean[:, None], 0.0)
+            sq += tl.sum(xce * xce, axis=1)
+        var = sq / N
         # A variance that overflows float32 gives NaN (as torch does), never a row of zeros.
         rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
         y = xc * rstd[:, None]
-        if VEC > 0:  # windowed rows: lanes map to different columns per row (L1-cached gather)
+        if not HOLD_W:  # long rows: weight and bias reloaded per tile (from L2)
+            wcols = head + cols[None, :]
+            wmask = (cols < ((N - head) // VEC) * VEC if VEC > 0 else cols < N)[None, :]
             if HAS_W:
-                w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + wcols, mask=wmask, other=0.0).to(tl.float32)
             if HAS_B:
-                b = tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
-        elif not HOLD_W:
-            if HAS_W:
-                w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            if HAS_B:
-                b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                b = tl.load(b_ptr + wcols, mask=wmask, other=0.0).to(tl.float32)
         if HAS_W:
             y = y * w
         if HAS_B:
             y = y + b
-        window_store(y_ptr, offs_y, y.to(y_ptr.dtype.element_ty), mask, smask, VEC)
+        if VEC > 0:
+            ye = xce * rstd[:, None]
+            if HAS_W:
+                ye = ye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
+            if HAS_B:
+                ye = ye + tl.load(b_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -213,8 +234,10 @@ def _ln_bwd_single(
     # reduce over rows once at the end (no cross-warp reduction per tile).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    if HAS_W and HOLD_W and VEC == 0:
-        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_W and HOLD_W:  # see _ln_fwd_single
+        first_rows, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
+        hold_mask = cols < ((N - pid_head) // VEC) * VEC if VEC > 0 else cols < N
+        w = tl.load(w_ptr + pid_head + cols, mask=hold_mask, other=0.0).to(tl.float32)[None, :]
     if ACC_1D:
         dw_acc = tl.zeros([BLOCK_N], tl.float32)
         db_acc = tl.zeros([BLOCK_N], tl.float32)
@@ -222,30 +245,46 @@ def _ln_bwd_single(
         dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * ROWS + tl.arange(0, ROWS)
+        rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
-        last = tile == num_tiles - 1
-        offs_x, mask, col, lmask, smask = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
-        offs_dy, _, _, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
-        x = window_load(x_ptr, offs_x, mask, lmask, 0.0, last, VEC).to(tl.float32)
-        dy = window_load(dy_ptr, offs_dy, mask, lmask, 0.0, last, VEC).to(tl.float32)
+        offs_x, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
+        offs_dy, _ = row_body(rows, head, M, N, stride_dy, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs_x, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        if VEC > 0:  # unaligned rows (dx only): edges loaded with the body
+            e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DX:
             if HAS_W:
-                if VEC > 0:
-                    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
-                elif not HOLD_W:
-                    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                if not HOLD_W:
+                    wmask = cols < ((N - head) // VEC) * VEC if VEC > 0 else cols < N
+                    w = tl.load(w_ptr + head + cols, mask=wmask,
+                                other=0.0).to(tl.float32)[None, :]
                 wdy = dy * w
             else:
                 wdy = dy
-            c1 = tl.sum(xhat * wdy, axis=1) / N
-            c2 = tl.sum(wdy, axis=1) / N
+            c1 = tl.sum(xhat * wdy, axis=1)
+            c2 = tl.sum(wdy, axis=1)
+            if VEC > 0:
+                xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
+                if HAS_W:
+                    wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
+                else:
+                    wdye = dye
+                c1 += tl.sum(xhe * wdye, axis=1)
+                c2 += tl.sum(wdye, axis=1)
+            c1 = c1 / N
+            c2 = c2 / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            offs_dx, _, _, _, _ = row_window(rows, M, N, stride_dx, BLOCK_N, VEC)
-            window_store(dx_ptr, offs_dx, dx.to(dx_ptr.dtype.element_ty), mask, smask, VEC)
+            offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
+            tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if VEC > 0:
+                dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * rstd[:, None]
+                tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
         if ACC_1D:
             if NEED_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
@@ -607,8 +646,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
-    vec = window_vec(N, (stride, N), x.element_size())
-    single, block, rows, warps = row_config(N + max(vec - 1, 0), "ln_fwd", x.element_size())
+    vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
+    single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
     if (not with_stats and x.element_size() == 2 and block >= 8192
             and M * N > STATS_FREE_16BIT_MAX):
         # The variant without statistics compiles slower for large 16-bit inputs with rows of
@@ -622,8 +661,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     if M == 0 or N == 0:
         return y, mean, rstd
     if single:
-        tiles = cdiv(M, rows)
-        progs = grid_size(tiles, warps, "ln_fwd", x.device, block)
+        tiles = num_row_tiles(M, rows, vec)
+        progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
             stride, N, eps, tiles, progs,
@@ -715,12 +754,13 @@ def layernorm_backward(
     # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
     # dweight/dbias from a column-blocked pass that reads x and dy once more.
     if need_dx and single:
-        vec = window_vec(N, (dy.stride(0), x.stride(0), N), x.element_size())
+        vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x, dx))
         if vec:
-            single, block, rows, warps = row_config(N + vec - 1, "ln_bwd", x.element_size())
+            single, block, rows, warps, vec = unaligned_config(N, "ln_bwd", x.element_size(),
+                                                               vec)
     if need_dx and single:
-        tiles = cdiv(M, rows)
-        progs = grid_size(tiles, warps, "ln_bwd", dev)
+        tiles = num_row_tiles(M, rows, vec)
+        progs = grid_size(tiles, warps, "ln_bwd", dev, vec=vec)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
             block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True,

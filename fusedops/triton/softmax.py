@@ -27,14 +27,15 @@ from fusedops.triton._common import (
     cdiv,
     grid_size,
     next_pow2,
-    row_config,
-    row_window,
+    num_row_tiles,
+    row_body,
+    row_edges,
     rows_and_output,
     split_rows_enabled,
+    tile_rows,
+    unaligned_config,
+    unaligned_vec,
     wait_for_row,
-    window_load,
-    window_store,
-    window_vec,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -45,19 +46,29 @@ def _softmax_fwd_single(
     x_ptr, y_ptr, M, N, stride_x, stride_y, num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
 ):
-    # With VEC > 0 the launcher guarantees stride_x == stride_y, so both windows coincide.
+    # VEC > 0: unaligned rows as an aligned body plus edges (see row_body in _common.py); the
+    # launcher then guarantees stride_x == stride_y, so one split serves x and y.
     pid = tl.program_id(0)
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * ROWS + tl.arange(0, ROWS)
-        offs, mask, _, lmask, smask = row_window(rows, M, N, stride_x, BLOCK_N, VEC)
-        offs_y, _, _, _, _ = row_window(rows, M, N, stride_y, BLOCK_N, VEC)
-        x = window_load(x_ptr, offs, mask, lmask, -float("inf"), tile == num_tiles - 1,
-                        VEC).to(tl.float32)
+        rows, head = tile_rows(tile, stride_x, ROWS, VEC)
+        offs, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
+        offs_y, _ = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        if VEC > 0:  # issued before any reduction, so both loads are in flight together
+            e_offs, e_mask, _ = row_edges(rows, head, M, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=-float("inf")).to(tl.float32)
         row_max = tl.max(x, axis=1)
+        if VEC > 0:
+            row_max = tl.maximum(row_max, tl.max(xe, axis=1))
         e = tl.exp2((x - row_max[:, None]) * LOG2E)
         denom = tl.sum(e, axis=1)
-        y = e * (1.0 / denom)[:, None]
-        window_store(y_ptr, offs_y, y.to(y_ptr.dtype.element_ty), mask, smask, VEC)
+        if VEC > 0:
+            ee = tl.exp2((xe - row_max[:, None]) * LOG2E)
+            denom += tl.sum(ee, axis=1)
+        inv = (1.0 / denom)[:, None]
+        tl.store(y_ptr + offs_y, (e * inv).to(y_ptr.dtype.element_ty), mask=mask)
+        if VEC > 0:
+            tl.store(y_ptr + e_offs, (ee * inv).to(y_ptr.dtype.element_ty), mask=e_mask)
 
 
 @triton.jit
@@ -101,15 +112,23 @@ def _softmax_bwd_single(
     # y and dx are contiguous (row stride N); with VEC > 0 the launcher guarantees dy is too.
     pid = tl.program_id(0)
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * ROWS + tl.arange(0, ROWS)
-        last = tile == num_tiles - 1
-        offs, mask, _, lmask, smask = row_window(rows, M, N, N, BLOCK_N, VEC)
-        offs_dy, _, _, _, _ = row_window(rows, M, N, stride_dy, BLOCK_N, VEC)
-        y = window_load(y_ptr, offs, mask, lmask, 0.0, last, VEC).to(tl.float32)
-        dy = window_load(dy_ptr, offs_dy, mask, lmask, 0.0, last, VEC).to(tl.float32)
+        rows, head = tile_rows(tile, N, ROWS, VEC)
+        offs, mask = row_body(rows, head, M, N, N, BLOCK_N, VEC)
+        offs_dy, _ = row_body(rows, head, M, N, stride_dy, BLOCK_N, VEC)
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
+        if VEC > 0:  # issued before any reduction, so all loads are in flight together
+            e_offs, e_mask, _ = row_edges(rows, head, M, N, N, VEC)
+            ye = tl.load(y_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
         dot = tl.sum(y * dy, axis=1)
+        if VEC > 0:
+            dot += tl.sum(ye * dye, axis=1)
         dx = y * (dy - dot[:, None])
-        window_store(dx_ptr, offs, dx.to(dx_ptr.dtype.element_ty), mask, smask, VEC)
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if VEC > 0:
+            dxe = ye * (dye - dot[:, None])
+            tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
 
 
 @triton.jit
@@ -225,10 +244,10 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     M, N, stride, y = rows_and_output(x, out_dtype)
     if M == 0 or N == 0:
         return y
-    vec = window_vec(N, (stride, N), x.element_size())
-    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_fwd", x.element_size())
+    vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
+    single, block, rows, warps, vec = unaligned_config(N, "softmax_fwd", x.element_size(), vec)
     if single:
-        tiles = cdiv(M, rows)
+        tiles = num_row_tiles(M, rows, vec)
         progs = grid_size(tiles, warps, "softmax_fwd", x.device)
         _launch_fwd_single(
             (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
@@ -253,10 +272,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     dx = torch.empty((M, N), dtype=out_dtype, device=y.device)
     if M == 0 or N == 0:
         return dx
-    vec = window_vec(N, (N, dy.stride(0)), y.element_size())
-    single, block, rows, warps = row_config(N + max(vec - 1, 0), "softmax_bwd", y.element_size())
+    vec = unaligned_vec(N, (N, dy.stride(0)), y.element_size(), (y, dy, dx))
+    single, block, rows, warps, vec = unaligned_config(N, "softmax_bwd", y.element_size(), vec)
     if single:
-        tiles = cdiv(M, rows)
+        tiles = num_row_tiles(M, rows, vec)
         progs = grid_size(tiles, warps, "softmax_bwd", y.device)
         _launch_bwd_single(
             (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
