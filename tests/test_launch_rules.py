@@ -152,3 +152,23 @@ def test_unaligned_config_rules():
     assert uc(1025, "softmax_bwd", 4, 4) == (*_common.row_config(1025, "softmax_bwd", 4), 0)
     assert uc(1025, "ln_bwd", 2, 8)[-1] == 0
     assert uc(4097, "ln_bwd", 2, 8)[1:] == (4096, _common.row_config(4096, "ln_bwd", 2)[2], 4, 8)
+
+
+@pytest.mark.skipif(not _common._interpreting() and not torch.cuda.is_available(),
+                    reason="needs the Triton interpreter or a GPU")
+def test_looped_16bit_layernorm_forward_rule(monkeypatch):
+    # Round 10: 16-bit rows of 16K (and 64K) run the two-pass looped kernel (2048 x 16 warps).
+    assert tln.LOOPED_16BIT_FWD == {16384: (2048, 16), 65536: (2048, 16)}
+    calls = []
+    real = tln._launch_fwd_looped
+    monkeypatch.setattr(tln, "_launch_fwd_looped",
+                        lambda grid, args, warps: calls.append((args[10], warps)) or real(
+                            grid, args, warps))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(2, 16384, device=device) * 3 + 100).to(torch.bfloat16)
+    w = torch.randn(16384, device=device)
+    y, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, torch.bfloat16)
+    assert calls == [(2048, 16)]
+    ref = torch.nn.functional.layer_norm(x.double(), (16384,), w.double())
+    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), atol=1e-3, rtol=1e-5)

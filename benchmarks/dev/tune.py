@@ -273,8 +273,10 @@ if "sm_bwd_mid" in which:  # Inductor: 16 warps at 4K (looped 2048), 32 warps at
                 + [(f"t{t}w16", lambda t=t: override("softmax_bwd", tile=t, warps=16))
                    for t in (8192, 16384) if t >= N])
 if "ln_fwd_loop" in which:  # Inductor: looped 2048 x 16 warps at 16K, 32 warps whole row at 32K
+    # (round 10: the looped kernel with per-lane shifted sums instead of Welford updates)
     for dt, N in ((torch.bfloat16, 16384), (fp16, 16384), (torch.float32, 16384),
-                  (torch.float32, 32768), (torch.bfloat16, 32768)):
+                  (torch.float32, 32768), (torch.bfloat16, 32768), (fp16, 32768),
+                  (torch.bfloat16, 8192), (torch.bfloat16, 65536), (torch.float32, 65536)):
         point("ln_fwd", dt, N, [
             (f"loop{c}w{w}", lambda c=c, w=w: looped("ln_fwd", c, w))
             for c, w in ((2048, 16), (4096, 16), (2048, 8), (1024, 8))]

@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from fusedops.triton._common import (
+    DEFAULT_SINGLE_BLOCK_LIMIT,
+    OVERRIDES,
     Launcher,
     SplitLauncher,
     cdiv,
@@ -39,6 +41,7 @@ from fusedops.triton._common import (
     row_config,
     row_edges,
     rows_and_output,
+    single_block_limit,
     split_rows_enabled,
     tile_rows,
     unaligned_config,
@@ -130,25 +133,29 @@ def _ln_fwd_looped(
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
     lanes = tl.arange(0, CHUNK)
-    # Per-lane Welford statistics (count, mean, M2), merged across lanes below (Chan et al.).
-    cnt = tl.zeros([CHUNK], tl.float32)
-    avg = tl.zeros([CHUNK], tl.float32)
-    m2 = tl.zeros([CHUNK], tl.float32)
+    # Per-lane sums of x - k and (x - k)^2 about a per-lane shift k (the lane's first element:
+    # no cancellation for rows far from zero), merged across lanes with Chan's formula. Two
+    # multiply-adds per element: a Welford update (one division per element) left this kernel
+    # compute-bound (82% SM throughput at bf16 16K in Nsight Compute).
+    k = tl.load(x_row + lanes, mask=lanes < N, other=0.0).to(tl.float32)
+    s1 = tl.zeros([CHUNK], tl.float32)
+    s2 = tl.zeros([CHUNK], tl.float32)
     for start in range(0, N, CHUNK):
         cols = start + lanes
         valid = cols < N
         # evict_last keeps the row in L2 for the second pass; evict_first lets it go after it.
         x = tl.load(x_row + cols, mask=valid, other=0.0,
                     eviction_policy="evict_last").to(tl.float32)
-        cnt_new = cnt + valid.to(tl.float32)
-        delta = tl.where(valid, x - avg, 0.0)
-        avg += delta / tl.maximum(cnt_new, 1.0)
-        m2 += tl.where(valid, delta * (x - avg), 0.0)
-        cnt = cnt_new
+        d = tl.where(valid, x - k, 0.0)
+        s1 += d
+        s2 += d * d
+    cnt = ((N - lanes + CHUNK - 1) // CHUNK).to(tl.float32)  # elements per lane (0 past N)
+    avg = k + s1 / tl.maximum(cnt, 1.0)
+    m2 = tl.maximum(s2 - s1 * s1 / tl.maximum(cnt, 1.0), 0.0)
     # Combined about the row's first element: exact for constant rows (see _ln_fwd_single).
     x0 = tl.load(x_row).to(tl.float32)
     mean = x0 + tl.sum(cnt * (avg - x0), axis=0) / N
-    dev = avg - mean
+    dev = tl.where(cnt > 0, avg - mean, 0.0)
     var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0)) / N
     rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
     tl.store(mean_ptr + row, mean)
@@ -641,6 +648,13 @@ def layernorm_forward_y(
     return _forward(x, weight, bias, eps, out_dtype, False)[0]
 
 
+# 16-bit rows that run faster on the looped kernel (two passes, the second from L2) than in
+# registers or split over programs: padded row length -> (chunk, warps). H200, tune round 10
+# (per-lane shifted sums in the looped kernel): bf16 16K 3.10 vs 2.77 TB/s single-block, fp16
+# 3.32 vs 2.79; bf16 64K 2.54 vs 2.17 split-row. 32K stays single-block (3.19 vs 3.01).
+LOOPED_16BIT_FWD = {16384: (2048, 16), 65536: (2048, 16)}
+
+
 def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     M, N, stride, y = rows_and_output(x, out_dtype)
     has_w, has_b = weight is not None, bias is not None
@@ -648,6 +662,11 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
+    looped = LOOPED_16BIT_FWD.get(next_pow2(N)) if x.element_size() == 2 and not vec else None
+    if looped and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT and not OVERRIDES:
+        single, (block, warps) = False, looped
+    else:
+        looped = None
     if (not with_stats and x.element_size() == 2 and block >= 8192
             and M * N > STATS_FREE_16BIT_MAX):
         # The variant without statistics compiles slower for large 16-bit inputs with rows of
@@ -669,7 +688,7 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats,
         ), warps)
     else:
-        cfg = _split_config("fwd", N, x.element_size(), stride % 8 == 0)
+        cfg = None if looped else _split_config("fwd", N, x.element_size(), stride % 8 == 0)
         chunk, split_warps = cfg or (0, 0)
         if cfg and split_rows_enabled(x.device, N, chunk, even=True):
             C, L = _even_chunks(N, chunk)
