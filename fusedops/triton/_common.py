@@ -533,8 +533,13 @@ def unaligned_vec(n: int, strides: tuple[int, ...], elt_size: int,
     ``torch.use_deterministic_algorithms(True)`` unaligned rows take the scalar path instead,
     whose results depend on the row's values only (batch-split invariant)."""
     vec = 16 // elt_size
-    if (not _BODY["enabled"] or n < 2 * vec or all(s % vec == 0 for s in strides)
-            or len(set(strides)) != 1 or any(t.data_ptr() % 16 for t in tensors)
+    for s in strides:  # on every call: the aligned case returns here, in a few bytecodes
+        if s % vec:
+            break
+    else:
+        return 0
+    if (not _BODY["enabled"] or n < 2 * vec or len(set(strides)) != 1
+            or any(t.data_ptr() % 16 for t in tensors)
             or torch.are_deterministic_algorithms_enabled()):
         return 0
     return vec
@@ -551,14 +556,15 @@ def body_len(n: int, vec: int) -> int:
     return (n // vec) * vec if vec else n
 
 
+@config_cache
 def unaligned_config(n: int, kind: str, elt_size: int, vec: int) -> tuple[int, int, int, int, int]:
     """(single_block, BLOCK, ROWS, num_warps, VEC) for rows of ``n`` with VEC from
     :func:`unaligned_vec`: :func:`row_config` for the aligned body, with the warps measured for
     the body/edge kernels on H200 (tune round 9, bf16/fp16/fp32 at N = 1025-8193). VEC comes
     back 0 where scalar access measured faster (short float32 rows in the backward kernels)."""
-    if not vec:
-        return (*row_config(n, kind, elt_size), 0)
     single, block, rows, warps = row_config(body_len(n, vec), kind, elt_size)
+    if not vec:
+        return single, block, rows, warps, 0
     if not single or OVERRIDES.get(kind, {}).get("warps"):
         return single, block, rows, warps, vec
     if kind in ("softmax_bwd", "ln_bwd") and block <= 1024 and (elt_size == 4 or kind == "ln_bwd"):
