@@ -662,7 +662,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
-    looped = LOOPED_16BIT_FWD.get(next_pow2(N)) if x.element_size() == 2 and not vec else None
+    looped = (LOOPED_16BIT_FWD.get(next_pow2(N))
+              if N > 8192 and not vec and x.element_size() == 2 else None)
     if looped and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT and not OVERRIDES:
         single, (block, warps) = False, looped
     else:
