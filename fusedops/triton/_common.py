@@ -338,6 +338,11 @@ def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
 
 SPLIT_CHUNK = 16384
 SPLIT_WARPS = 16
+# "prefetch": where a split-row program issues the loads of its next row (it keeps the same
+# chunk of rows num_progs / C apart): 0 = not ahead (load, reduce, publish, wait, write: the
+# memory system idles while a program waits for its row's other chunks), 1 = before publishing
+# and waiting, 2 = right after the wait, overlapping the combine and the write.
+SPLIT_OPTIONS = {"prefetch": 1}
 # FUSEDOPS_SPLIT_ROWS=0 turns them off (the looped kernels then handle long rows).
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 

@@ -30,6 +30,7 @@ import triton.language as tl
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     OVERRIDES,
+    SPLIT_OPTIONS,
     Launcher,
     SplitLauncher,
     cdiv,
@@ -180,31 +181,44 @@ def _ln_fwd_split(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x,
     stride_y, eps, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    HAS_B: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows". Each
     # chunk publishes its (mean, M2) about its own mean; the row's statistics are merged with
     # Chan's formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation.
-    # Chunk c covers columns [c·L, min((c+1)·L, N)) in BLOCK >= L lanes.
+    # Chunk c covers columns [c·L, min((c+1)·L, N)) in BLOCK >= L lanes. The grid is a multiple
+    # of C: a program always has the same chunk, of rows num_progs // C apart; PREFETCH: see
+    # SPLIT_OPTIONS in _common.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
+    chunk = pid % C
+    cols = chunk * L + lanes
+    mask = (lanes < L) & (cols < N)
+    step = num_progs // C
+    n_c = tl.minimum(N - chunk * L, L).to(tl.float32)
+    if PREFETCH > 0:
+        x_next = tl.load(x_ptr + (pid // C).to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     for item in range(pid, num_items, num_progs):
         row = item // C
-        chunk = item % C
-        cols = chunk * L + lanes
-        mask = (lanes < L) & (cols < N)
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
-                    other=0.0).to(tl.float32)
-        n_c = tl.minimum(N - chunk * L, L).to(tl.float32)
+        row64 = row.to(tl.int64)
+        if PREFETCH > 0:
+            x = x_next.to(tl.float32)
+            more = mask & (item + num_progs < num_items)
+            if PREFETCH == 1:
+                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+        else:
+            x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         # About the chunk's first element, and merged about chunk 0's mean: exact for constant
         # rows (see _ln_fwd_single).
-        x0 = tl.load(x_ptr + row.to(tl.int64) * stride_x + chunk * L).to(tl.float32)
+        x0 = tl.sum(tl.where(lanes == 0, x, 0.0), axis=0)
         mean_c = x0 + tl.sum(tl.where(mask, x - x0, 0.0), axis=0) / n_c
         xc = tl.where(mask, x - mean_c, 0.0)
         tl.store(stats_ptr + item * 2, mean_c)
         tl.store(stats_ptr + item * 2 + 1, tl.sum(xc * xc, axis=0))
         wait_for_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
         base = (row * C + peers) * 2
         ok = peers < C
         means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
@@ -220,8 +234,7 @@ def _ln_fwd_split(
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(y_ptr + row64 * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if chunk == 0:
             tl.store(mean_ptr + row, mean)
             tl.store(rstd_ptr + row, rstd)
@@ -322,26 +335,43 @@ def _ln_bwd_split(
     N, L, stride_dy, stride_x, stride_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
     # partials in registers across rows. Each chunk publishes its two partial row sums, waits for
     # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
+    # PREFETCH: see SPLIT_OPTIONS in _common.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     cols = (pid % C) * L + lanes
     cmask = (lanes < L) & (cols < N)
+    step = num_progs // C
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK], tl.float32)
     db_acc = tl.zeros([BLOCK], tl.float32)
+    if PREFETCH > 0:
+        r0 = (pid // C).to(tl.int64)
+        x_next = tl.load(x_ptr + r0 * stride_x + cols, mask=cmask, other=0.0)
+        dy_next = tl.load(dy_ptr + r0 * stride_dy + cols, mask=cmask, other=0.0)
     for item in range(pid, num_items, num_progs):
         row = item // C
         row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+        if PREFETCH > 0:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            more = cmask & (item + num_progs < num_items)
+            if PREFETCH == 1:
+                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
+                                  other=0.0)
+        else:
+            x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask,
+                         other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
@@ -358,6 +388,10 @@ def _ln_bwd_split(
             tl.store(stats_ptr + item * 2, tl.sum(xhat * wdy, axis=0))
             tl.store(stats_ptr + item * 2 + 1, tl.sum(wdy, axis=0))
             wait_for_row(count_ptr, row, C)
+            if PREFETCH == 2:
+                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
+                                  other=0.0)
             base = (row * C + peers) * 2
             ok = peers < C
             c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
@@ -367,6 +401,9 @@ def _ln_bwd_split(
             dx = (wdy - (xhat * c1 + c2)) * rstd
             tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
                      mask=cmask)
+        elif PREFETCH == 2:
+            x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+            dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
     out = part_ptr + (pid // C).to(tl.int64) * N + cols
     if NEED_DW:
         tl.store(out, dw_acc, mask=cmask)
@@ -699,7 +736,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
                 M * C, C,
                 (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps,
                  M * C),
-                (next_pow2(L), C, next_pow2(C), has_w, has_b), split_warps, x.device,
+                (next_pow2(L), C, next_pow2(C), has_w, has_b, SPLIT_OPTIONS["prefetch"]),
+                split_warps, x.device,
             ):
                 return y, mean, rstd
         _launch_fwd_looped((M,), (
@@ -757,7 +795,8 @@ def layernorm_backward(
         C, L = _even_chunks(N, chunk)
         stats = torch.empty((M * C * 2,), dtype=torch.float32, device=dev)
         count = torch.zeros((M,), dtype=torch.int32, device=dev)
-        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db)
+        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db,
+                  SPLIT_OPTIONS["prefetch"])
         # ``mean`` stands in for the partials (same dtype/alignment) until they are sized.
         args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, stats, count, N, L,
                 dy.stride(0), x.stride(0), N, M * C]

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from fusedops.triton._common import (
     SPLIT_CHUNK,
+    SPLIT_OPTIONS,
     SPLIT_WARPS,
     Launcher,
     SplitLauncher,
@@ -161,18 +162,31 @@ def _softmax_bwd_looped(
 @triton.jit
 def _softmax_fwd_split(
     x_ptr, y_ptr, stats_ptr, count_ptr, N, stride_x, stride_y, num_items, num_progs,
-    CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr,
+    CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows".
+    # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows". The grid
+    # is a multiple of C, so a program always has the same chunk of rows num_progs // C apart.
+    # PREFETCH (see SPLIT_OPTIONS): where the next item's load is issued.
     pid = tl.program_id(0)
     lanes = tl.arange(0, CHUNK)
     peers = tl.arange(0, C_P2)
+    cols = (pid % C) * CHUNK + lanes
+    mask = cols < N
+    step = num_progs // C
+    if PREFETCH > 0:
+        x_next = tl.load(x_ptr + (pid // C).to(tl.int64) * stride_x + cols, mask=mask,
+                         other=-float("inf"))
     for item in range(pid, num_items, num_progs):
         row = item // C
-        cols = (item % C) * CHUNK + lanes
-        mask = cols < N
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
-                    other=-float("inf")).to(tl.float32)
+        if PREFETCH > 0:
+            x = x_next.to(tl.float32)
+            more = mask & (item + num_progs < num_items)
+            if PREFETCH == 1:
+                x_next = tl.load(x_ptr + (row + step).to(tl.int64) * stride_x + cols,
+                                 mask=more, other=-float("inf"))
+        else:
+            x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
+                        other=-float("inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         # tl.max drops NaN: a chunk holding one publishes a NaN max, so the whole row is NaN.
         m = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), m)
@@ -181,6 +195,9 @@ def _softmax_fwd_split(
         tl.store(stats_ptr + item * 2, m)
         tl.store(stats_ptr + item * 2 + 1, s)
         wait_for_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            x_next = tl.load(x_ptr + (row + step).to(tl.int64) * stride_x + cols,
+                             mask=more, other=-float("inf"))
         base = (row * C + peers) * 2
         ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"), cache_modifier=".cg")
         ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
@@ -196,19 +213,37 @@ def _softmax_fwd_split(
 def _softmax_bwd_split(
     y_ptr, dy_ptr, dx_ptr, stats_ptr, count_ptr, N, stride_y, stride_dy, stride_dx, num_items,
     num_progs, CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0)  # see _softmax_fwd_split
     lanes = tl.arange(0, CHUNK)
     peers = tl.arange(0, C_P2)
+    cols = (pid % C) * CHUNK + lanes
+    mask = cols < N
+    step = num_progs // C
+    if PREFETCH > 0:
+        r0 = (pid // C).to(tl.int64)
+        y_next = tl.load(y_ptr + r0 * stride_y + cols, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + r0 * stride_dy + cols, mask=mask, other=0.0)
     for item in range(pid, num_items, num_progs):
         row = item // C
         row64 = row.to(tl.int64)
-        cols = (item % C) * CHUNK + lanes
-        mask = cols < N
-        y = tl.load(y_ptr + row64 * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH > 0:
+            y = y_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            more = mask & (item + num_progs < num_items)
+            if PREFETCH == 1:
+                y_next = tl.load(y_ptr + (row64 + step) * stride_y + cols, mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
+                                  other=0.0)
+        else:
+            y = tl.load(y_ptr + row64 * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(stats_ptr + item, tl.sum(y * dy, axis=0))
         wait_for_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            y_next = tl.load(y_ptr + (row64 + step) * stride_y + cols, mask=more, other=0.0)
+            dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
         dot = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
                              cache_modifier=".cg"), axis=0)
         tl.store(dx_ptr + row64 * stride_dx + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty),
@@ -253,11 +288,11 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
             (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
         )
     else:
-        if split_rows_enabled(x.device, N):
+        if split_rows_enabled(x.device, N, SPLIT_CHUNK):
             C, stats, count = _split_scratch(M, N, 2, x.device)
             if _launch_fwd_split(
                 M * C, C, (x, y, stats, count, N, stride, N, M * C),
-                (SPLIT_CHUNK, C, next_pow2(C)), SPLIT_WARPS, x.device,
+                (SPLIT_CHUNK, C, next_pow2(C), SPLIT_OPTIONS["prefetch"]), SPLIT_WARPS, x.device,
             ):
                 return y
         _launch_fwd_looped((M,), (x, y, N, stride, N, block), warps)
@@ -281,12 +316,12 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
             (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
         )
     else:
-        if split_rows_enabled(y.device, N):
+        if split_rows_enabled(y.device, N, SPLIT_CHUNK):
             C, stats, count = _split_scratch(M, N, 1, y.device)
             if _launch_bwd_split(
                 M * C, C,
                 (y, dy, dx, stats, count, N, y.stride(0), dy.stride(0), dx.stride(0), M * C),
-                (SPLIT_CHUNK, C, next_pow2(C)), SPLIT_WARPS, y.device,
+                (SPLIT_CHUNK, C, next_pow2(C), SPLIT_OPTIONS["prefetch"]), SPLIT_WARPS, y.device,
             ):
                 return dx
         _launch_bwd_looped(
