@@ -14,6 +14,7 @@ import triton
 
 from fusedops.triton import _common
 from fusedops.triton import layernorm as tln
+from fusedops.triton import softmax as tsm
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 9, 1000, 1024, 1025, 65537, 1 << 20])
@@ -68,36 +69,51 @@ def test_grid_size_rules():
 
 @pytest.mark.parametrize("n", [8193, 16385, 65537, 100000, 262144, (1 << 22) + 3])
 @pytest.mark.parametrize("chunk", [2048, 4096, 8192])
-def test_even_chunks_cover_the_row(n, chunk):
-    c, length = tln._even_chunks(n, chunk)
+@pytest.mark.parametrize("vec", [0, 4, 8])
+def test_split_pieces_cover_the_row(n, chunk, vec):
+    c, length = _common.split_pieces(n, chunk, vec)
     assert length <= chunk
-    assert c * length >= n > (c - 1) * length  # every chunk, the last included, is non-empty
+    # the pieces cover the row and the last one starts inside it (with unaligned rows it covers
+    # part of the aligned body, up to 2·(VEC - 1) shorter than the row, and may be empty for
+    # some rows when there are thousands of pieces: the kernels give an empty piece weight 0)
+    assert c * length >= n > (c - 1) * length
+    if c <= 132:  # no empty pieces where split rows run (all pieces resident on an H100/H200)
+        assert (c - 1) * length < n - 2 * vec
     assert c == _common.cdiv(n, chunk)
+    if vec:
+        assert length % 16 == 0  # pieces of the body start 16-byte aligned
 
 
 def test_split_config_rules():
     cfg = tln._split_config
-    # forward: 8192/4 for 16-bit or unaligned rows, 4096/4 for aligned float32
-    assert cfg("fwd", 65537, 2, False) == (8192, 4)
-    assert cfg("fwd", 65536, 4, True) == (4096, 4)
-    assert cfg("fwd", 65537, 4, False) == (8192, 4)
+    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit or unaligned 8192/8
+    assert cfg("fwd", 65537, 2, False) == (8192, 8, 1)
+    assert cfg("fwd", 65536, 4, True) == (8192, 4, 1)
+    assert cfg("fwd", 65537, 4, False) == (8192, 8, 1)
+    assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
     # backward: aligned 16-bit rows up to 16K keep the dx + column kernels
     assert cfg("bwd", 16384, 2, True) is None
-    assert cfg("bwd", 8193, 2, False) == (2048, 4)
-    assert cfg("bwd", 32768, 2, True) == (2048, 4)
-    assert cfg("bwd", 65536, 2, True) == (8192, 16)
-    assert cfg("bwd", 8193, 4, False) == (4096, 4)
-    assert cfg("bwd", 32768, 4, True) == (2048, 4)
-    assert cfg("bwd", 65536, 4, True) == (4096, 4)
-    assert cfg("bwd", 262144, 4, True) == (4096, 8)
+    assert cfg("bwd", 8193, 2, False) == (8192, 8, 2)
+    assert cfg("bwd", 32768, 2, True) == (8192, 8, 2)
+    assert cfg("bwd", 65536, 2, True) == (8192, 16, 1)
+    assert cfg("bwd", 8193, 4, False) == (2048, 4, 2)
+    assert cfg("bwd", 32768, 4, True) == (2048, 4, 0)
+    assert cfg("bwd", 65536, 4, True) == (4096, 4, 2)
+    assert cfg("bwd", 262144, 4, True) == (8192, 8, 2)
+    # softmax: 8192 x 8 prefetching, float32 backward 16384 x 16 without
+    assert tsm._split_config("fwd", 2) == tsm._split_config("fwd", 4) == (8192, 8, 1)
+    assert tsm._split_config("bwd", 2) == (8192, 8, 1)
+    assert tsm._split_config("bwd", 4) == (16384, 16, 0)
 
 
 def test_split_config_overrides(monkeypatch):
-    monkeypatch.setattr(tln, "SPLIT_CONFIG", (1024, 2))
-    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (512, 4))
-    assert tln._split_config("fwd", 1 << 20, 2, True) == (1024, 2)
-    assert tln._split_config("bwd", 16384, 2, True) == (512, 4)
+    monkeypatch.setattr(tln, "SPLIT_CONFIG", (1024, 2, 0))
+    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (512, 4, 2))
+    assert tln._split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
+    assert tln._split_config("bwd", 16384, 2, True) == (512, 4, 2)
+    monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (4096, 4, 2))
+    assert tsm._split_config("bwd", 4) == (4096, 4, 2)
 
 
 def test_fused_backward_config():
@@ -125,17 +141,23 @@ def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
     assert not tln._native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
 
 
-def test_split_programs_are_a_multiple_of_the_chunks():
+def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     launcher = _common.SplitLauncher(tln._ln_fwd_split)
     dev = torch.device("cpu")
     x = torch.empty(2, 8)
     runtime = (x, x, x, x, x, x, x, x, 8, 4, 8, 8, 1e-5, 6)
-    consts = (4, 3, 4, True, True)
+    consts = (4, 3, 4, True, True, 1, 0)
     first = launcher.programs(30, 3, runtime, consts, 4, dev)
     assert first % 3 == 0 and first >= 3
     # the same arguments always give the same grid (deterministic partial sums)
     assert launcher.programs(30, 3, runtime, consts, 4, dev) == first
-    assert launcher.programs(2, 3, runtime, consts, 4, dev) == 3  # at least one row's chunks
+    assert launcher.programs(3, 3, runtime, consts, 4, dev) == 3  # one row: all its pieces
+    # unaligned rows: a multiple of C·VEC (rows of a program share one misalignment), all
+    # items when they fit, 0 when no such grid fits
+    assert launcher.programs(30, 3, runtime, consts, 4, dev, vec=8) in (0, 30)
+    monkeypatch.setattr(_common, "num_sms", lambda device: 100)
+    many = launcher.programs(3000, 3, runtime, consts, 4, dev, vec=2)
+    assert many % 6 == 0 and 0 < many < 3000
 
 
 def test_unaligned_config_rules():

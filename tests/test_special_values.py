@@ -365,14 +365,15 @@ def test_layernorm_large_mean_cancellation(target, offset, spread):
 # --------------------------------------------------------------------------- CUDA: long rows
 
 
-def _long_softmax_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
-    from fusedops.triton._common import SPLIT_CHUNK
+PIECE = 8192  # the split-row kernels' piece length (at most; rows are cut into equal pieces)
 
+
+def _long_softmax_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
     g = _gen(10)
     x = torch.randn(6, n, generator=g) * 3
     x[0] = -INF
     x[1, : n - 7] = -INF  # every chunk but the last fully masked
-    x[2, SPLIT_CHUNK + 3] = INF  # +inf in the second chunk
+    x[2, PIECE + 3] = INF  # +inf in the second piece
     x[3, n - 1] = NAN  # NaN in the last chunk
     x[4, ::2] = -INF
     return x.to(dtype)
@@ -398,8 +399,6 @@ def test_gpu_long_rows_special_values(n, dtype):
 def test_gpu_long_rows_nan_in_masked_chunk(n):
     """NaNs where the running max is -inf, in rows long enough for the split-row (2 x 16384,
     6 x 16384 + 5) and looped (70000) kernels: the rows are NaN, as in torch."""
-    from fusedops.triton._common import SPLIT_CHUNK
-
-    x = _nan_lane_rows(n, SPLIT_CHUNK).cuda()
+    x = _nan_lane_rows(n, PIECE).cuda()
     dy = torch.randn(x.shape, generator=_gen(16)).cuda()
     check_softmax_special(x, dy)

@@ -67,12 +67,10 @@ def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
 
 def test_split_rows_rule():
     cuda = torch.device("cuda")
-    chunk = _common.SPLIT_CHUNK
     enabled = _common._split_state["enabled"] and not _common._interpreting()
-    assert _common.split_rows_enabled(cuda, 4 * chunk) == enabled
-    assert _common.split_rows_enabled(cuda, 4 * chunk + 1) is False
-    assert _common.split_rows_enabled(cuda, 6 * chunk + 1) == enabled
-    assert _common.split_rows_enabled(torch.device("cpu"), 8 * chunk) is False
+    # equal pieces of at most `chunk`; all pieces of a row must be resident at once
+    assert _common.split_rows_enabled(cuda, 4 * 8192 + 1, 8192) == enabled
+    assert _common.split_rows_enabled(torch.device("cpu"), 8 * 8192, 8192) is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -162,7 +162,7 @@ def softmax_cases(dtype: torch.dtype) -> None:
                      randn(3, 1000, dtype=dtype, seed=6))
     finally:
         _common.set_single_block_limit(None)
-    for n in (2 * _common.SPLIT_CHUNK, 6 * _common.SPLIT_CHUNK + 5):
+    for n in (2 * 16384, 6 * 16384 + 5):
         softmax_case(f"softmax split N={n} {t}", randn(3, n, dtype=dtype, seed=7),
                      randn(3, n, dtype=dtype, seed=8))
 
@@ -207,7 +207,7 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         if affine != "none":  # the fused backward with partials only
             layernorm_case(f"layernorm params-only {tag}", randn(40, 300, dtype=dtype, seed=14),
                            *params(300), randn(40, 300, dtype=dtype, seed=15), need_x=False)
-        for n in (2 * _common.SPLIT_CHUNK, 6 * _common.SPLIT_CHUNK + 5):
+        for n in (2 * 16384, 6 * 16384 + 5):
             layernorm_case(f"layernorm split N={n} {tag}", randn(3, n, dtype=dtype, seed=20),
                            *params(n), randn(3, n, dtype=dtype, seed=21))
     if dtype != torch.float32:  # half activations, float32 parameters

@@ -307,9 +307,39 @@ def pf(p, *more):
     return lambda: stack(split_opts(prefetch=p), *[m() for m in more])
 
 
+@contextlib.contextmanager
+def sm_cfg(kind, cfg):
+    old = tsm.SPLIT_CONFIG[kind]
+    tsm.SPLIT_CONFIG[kind] = cfg
+    try:
+        yield
+    finally:
+        tsm.SPLIT_CONFIG[kind] = old
+
+
+if "unaligned_split" in which:  # round 12: split rows cut into aligned-body pieces + edges
+    for dt in (bf, torch.float16, f32):
+        for N in (65537, 98309):
+            v = [("looped", nosplit)]
+            for cfg in ((8192, 8, 1), (8192, 8, 0), (8192, 8, 2), (4096, 4, 1), (16384, 16, 0)):
+                v.append((f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}",
+                          lambda cfg=cfg: sm_cfg("fwd", cfg)))
+            point("sm_fwd", dt, N, v)
+            v = [("looped", nosplit)]
+            for cfg in ((8192, 8, 1), (8192, 8, 0), (8192, 8, 2), (16384, 16, 0)):
+                v.append((f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}",
+                          lambda cfg=cfg: sm_cfg("bwd", cfg)))
+            point("sm_bwd", dt, N, v)
+            v = [("looped", nosplit), ("scalar", scalar_unaligned)]
+            for cfg in ((8192, 8, 1), (8192, 8, 0), (8192, 8, 2), (4096, 4, 1), (4096, 8, 1),
+                        (16384, 16, 1)):
+                v.append((f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}",
+                          lambda cfg=cfg: knobs(tln, SPLIT_CONFIG=cfg)))
+            point("ln_fwd", dt, N, v)
 if "prefetch" in which:  # round 11: split-row kernels load their next row ahead of the wait
-    def sm_split(kind, cap, chunk=16384, warps=16):
-        return lambda: stack(caps(**{kind: cap}), knobs(tsm, SPLIT_CHUNK=chunk, SPLIT_WARPS=warps))
+    def sm_split(kind, cap, chunk=16384, warps=16):  # (as of round 11: fixed-size chunks)
+        d = "fwd" if kind == "softmax_fwd" else "bwd"
+        return lambda: stack(caps(**{kind: cap}), sm_cfg(d, (chunk, warps, 1)))
     for dt in (bf, f32):
         for N in (32768, 65536, 131072, 262144):
             v = [("pf0", pf(0)), ("pf2", pf(2))]

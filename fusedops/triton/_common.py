@@ -275,6 +275,9 @@ def _cap(kind: str, elt_size: int) -> int:
     # thread); the split-row kernel measured 3.68 vs 3.32 TB/s there.
     if kind == "softmax_bwd" and elt_size == 4:
         return 16384
+    # float32 softmax forward rows of 64K: split rows 3.29 vs 2.89 TB/s in one program (round 11)
+    if kind == "softmax_fwd" and elt_size == 4:
+        return min(32768, KIND_CAPS[kind])
     return KIND_CAPS[kind]
 
 
@@ -336,33 +339,24 @@ def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
 # chunks of a row run in the same round. The interpreter runs programs one after another, so it
 # (and any launch failure) uses the looped kernels instead.
 
-SPLIT_CHUNK = 16384
-SPLIT_WARPS = 16
 # "prefetch": where a split-row program issues the loads of its next row (it keeps the same
-# chunk of rows num_progs / C apart): 0 = not ahead (load, reduce, publish, wait, write: the
-# memory system idles while a program waits for its row's other chunks), 1 = before publishing
-# and waiting, 2 = right after the wait, overlapping the combine and the write.
+# piece of rows num_progs / C apart): 0 = not ahead (load, reduce, publish, wait, write: the
+# memory system idles while a program waits for its row's other pieces), 1 = before publishing
+# and waiting, 2 = right after the wait, overlapping the combine and the write. Each kernel
+# kind's measured choice is in its split config (softmax.py, layernorm.py); this is the default
+# they name.
 SPLIT_OPTIONS = {"prefetch": 1}
 # FUSEDOPS_SPLIT_ROWS=0 turns them off (the looped kernels then handle long rows).
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 
 
-def split_rows_enabled(device: torch.device, n: int, chunk: int = SPLIT_CHUNK,
-                       even: bool = False) -> bool:
-    """Whether the split-row (cooperative) kernels should run rows of ``n`` on ``device`` in
-    pieces of at most ``chunk`` elements.
-
-    Fixed-size chunks (softmax) measured on H200: they beat the looped kernels when the row
-    fills its chunks (N a multiple of the chunk) or spans at least six of them; N = 65537 (a
-    fifth, nearly empty chunk) is faster looped. Kernels that cut the row into equal pieces
-    (``even``, LayerNorm) have no nearly empty chunk and only need all pieces resident.
-    """
+def split_rows_enabled(device: torch.device, n: int, chunk: int) -> bool:
+    """Whether the split-row (cooperative) kernels can run rows of ``n`` on ``device`` in equal
+    pieces of at most ``chunk`` elements (see :func:`split_pieces`): CUDA, not disabled, and
+    all pieces of a row resident at once."""
     if not (_split_state["enabled"] and device.type == "cuda" and not _interpreting()):
         return False
-    chunks = cdiv(n, chunk)
-    if chunks > num_sms(device):  # all chunks of a row must be resident at once
-        return False
-    return even or n % chunk == 0 or n >= 6 * chunk
+    return cdiv(n, chunk) <= num_sms(device)
 
 
 def disable_split_rows(reason: str) -> None:
@@ -385,6 +379,55 @@ def wait_for_row(count_ptr, row, C: tl.constexpr):
         seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
 
 
+@triton.jit
+def split_piece(row, chunk, L, N, stride, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """``(offs, mask, pos)`` of piece ``chunk`` of row ``row`` in a split-row kernel: lanes
+    ``[0, L)`` of BLOCK are positions ``chunk·L + lane`` of the row (VEC == 0) or of its
+    aligned body (VEC > 0, row start unaligned: the body starts at the row's first 16-byte
+    boundary, column ``head``, and has a multiple of VEC elements; :func:`split_edges` covers
+    the rest). ``pos`` is the lane's position; its column is ``head + pos``. L is a multiple of
+    16 with VEC > 0, so every access is a 16-byte vector."""
+    lanes = tl.arange(0, BLOCK)
+    start = row.to(tl.int64) * stride
+    pos = chunk * L + lanes
+    if VEC > 0:
+        first = ((start + (VEC - 1)) // VEC) * VEC
+        head = (first - start).to(tl.int32)
+        return first + pos, (lanes < L) & (pos < ((N - head) // VEC) * VEC), pos
+    return start + pos, (lanes < L) & (pos < N), pos
+
+
+@triton.jit
+def split_head(row, N, stride, VEC: tl.constexpr):
+    """``(head, body)`` of an unaligned row: its first aligned column and its body length."""
+    start = row.to(tl.int64) * stride
+    head = ((((start + (VEC - 1)) // VEC) * VEC) - start).to(tl.int32)
+    return head, ((N - head) // VEC) * VEC
+
+
+@triton.jit
+def split_edges(row, chunk, N, stride, VEC: tl.constexpr):
+    """``(offs, mask, col)`` of the columns of row ``row`` outside its aligned body (a
+    ``2·VEC`` tile: lanes < VEC the head, the rest the tail); only piece 0 has them."""
+    head, body = split_head(row, N, stride, VEC)
+    j = tl.arange(0, 2 * VEC)
+    col = tl.where(j < VEC, j, head + body + (j - VEC))
+    mask = (chunk == 0) & tl.where(j < VEC, j < head, col < N)
+    return row.to(tl.int64) * stride + col, mask, col
+
+
+def split_pieces(n: int, chunk: int, vec: int) -> tuple[int, int]:
+    """(C, L) for a split-row launch: C pieces of L elements covering rows of ``n`` (L a
+    multiple of 16 with unaligned rows, ``vec`` > 0, so pieces of the body stay aligned; the
+    last piece of a row whose body is shorter may then be empty, which the kernels allow)."""
+    c = cdiv(n, chunk)
+    length = cdiv(n, c)
+    if vec:
+        length = cdiv(length, 16) * 16
+        c = cdiv(n, length)
+    return c, length
+
+
 class SplitLauncher:
     """Launches a split-row kernel on a cooperative persistent grid sized from its occupancy.
 
@@ -399,13 +442,22 @@ class SplitLauncher:
         self.blocks_per_sm: dict = {}
 
     def programs(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
-                 device: torch.device) -> int:
+                 device: torch.device, vec: int = 0) -> int:
         """The grid size a launch with these arguments uses: a multiple of the chunk count (so
         all chunks of a row run in the same round, and a program keeps one chunk). It depends
         only on the arguments' specialisation, never on earlier calls, so the same shapes always
-        get the same grid (and kernels with per-program partials the same summation order)."""
+        get the same grid (and kernels with per-program partials the same summation order).
+
+        With unaligned rows (``vec`` > 0, see :func:`split_piece`) a grid smaller than
+        ``items`` is a multiple of ``chunks * vec``: a program's rows are then a multiple of
+        ``vec`` apart and share one misalignment (its weight columns stay fixed). Returns 0 if
+        no such grid fits on the device at once."""
         per_sm = self._per_sm(chunks, runtime, consts, num_warps)
-        return max(chunks, min(items, (num_sms(device) * per_sm // chunks) * chunks))
+        unit = chunks * max(vec, 1)
+        fit = num_sms(device) * per_sm // unit * unit
+        if items <= fit or (not vec and items <= chunks):
+            return items
+        return fit if fit else (0 if vec else chunks)
 
     @staticmethod
     def _key(chunks: int, runtime: tuple, consts: tuple, num_warps: int) -> tuple:
@@ -436,11 +488,13 @@ class SplitLauncher:
         return per_sm
 
     def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
-                 device: torch.device, progs: int | None = None) -> int:
+                 device: torch.device, progs: int | None = None, vec: int = 0) -> int:
         """Launch on ``progs`` programs (default :meth:`programs`); returns the grid size, or 0
-        if the launch was refused (the caller then uses another kernel for this call)."""
+        if the launch was refused or no grid fits (the caller then uses another kernel)."""
         if progs is None:
-            progs = self.programs(items, chunks, runtime, consts, num_warps, device)
+            progs = self.programs(items, chunks, runtime, consts, num_warps, device, vec)
+        if not progs:
+            return 0
         try:
             self.launcher((progs,), (*runtime, progs, *consts), num_warps)
         except Exception as exc:  # cooperative launch refused, option unknown to this Triton...

@@ -30,7 +30,6 @@ import triton.language as tl
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     OVERRIDES,
-    SPLIT_OPTIONS,
     Launcher,
     SplitLauncher,
     cdiv,
@@ -43,6 +42,10 @@ from fusedops.triton._common import (
     row_edges,
     rows_and_output,
     single_block_limit,
+    split_edges,
+    split_head,
+    split_piece,
+    split_pieces,
     split_rows_enabled,
     tile_rows,
     unaligned_config,
@@ -181,60 +184,99 @@ def _ln_fwd_split(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x,
     stride_y, eps, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
 ):
-    # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows". Each
-    # chunk publishes its (mean, M2) about its own mean; the row's statistics are merged with
+    # Work item = (row, piece), row-major; see fusedops/triton/_common.py "split rows". Each
+    # piece publishes its (mean, M2) about its own mean; the row's statistics are merged with
     # Chan's formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation.
-    # Chunk c covers columns [c·L, min((c+1)·L, N)) in BLOCK >= L lanes. The grid is a multiple
-    # of C: a program always has the same chunk, of rows num_progs // C apart; PREFETCH: see
-    # SPLIT_OPTIONS in _common.py.
+    # Pieces: split_piece in _common.py (VEC > 0: pieces of the aligned body, piece 0 also has
+    # the edges, x and y share the row stride). The grid is a multiple of C: a program always
+    # has the same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC
+    # (or one item per program), so its rows share one misalignment and its weight columns are
+    # fixed: weight and bias are loaded once. PREFETCH: see SPLIT_OPTIONS in _common.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
-    cols = chunk * L + lanes
-    mask = (lanes < L) & (cols < N)
     step = num_progs // C
-    n_c = tl.minimum(N - chunk * L, L).to(tl.float32)
+    if VEC > 0:
+        head, body = split_head(pid // C, N, stride_x, VEC)
+        wcol = head + chunk * L + lanes
+        wmask = (lanes < L) & (chunk * L + lanes < body)
+        if HAS_W:
+            w = tl.load(w_ptr + wcol, mask=wmask, other=0.0)
+        if HAS_B:
+            b = tl.load(b_ptr + wcol, mask=wmask, other=0.0)
+        n_c = (tl.minimum(tl.maximum(body - chunk * L, 0), L)
+               + tl.where(chunk == 0, N - body, 0)).to(tl.float32)
+        counts = (tl.minimum(tl.maximum(body - peers * L, 0), L)
+                  + tl.where(peers == 0, N - body, 0)).to(tl.float32)
+    else:
+        n_c = tl.minimum(N - chunk * L, L).to(tl.float32)
+        counts = tl.minimum(tl.maximum(N - peers * L, 0), L).to(tl.float32)
+    counts = tl.where(peers < C, counts, 0.0)
     if PREFETCH > 0:
-        x_next = tl.load(x_ptr + (pid // C).to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        offs, mask, pos = split_piece(pid // C, chunk, L, N, stride_x, BLOCK, VEC)
+        x_next = tl.load(x_ptr + offs, mask=mask, other=0.0)
     for item in range(pid, num_items, num_progs):
         row = item // C
-        row64 = row.to(tl.int64)
+        offs, mask, pos = split_piece(row, chunk, L, N, stride_x, BLOCK, VEC)
         if PREFETCH > 0:
             x = x_next.to(tl.float32)
-            more = mask & (item + num_progs < num_items)
+            n_offs, n_mask, n_pos = split_piece(row + step, chunk, L, N, stride_x, BLOCK, VEC)
+            n_mask = n_mask & (item + num_progs < num_items)
             if PREFETCH == 1:
-                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
         else:
-            x = tl.load(x_ptr + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        # About the chunk's first element, and merged about chunk 0's mean: exact for constant
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # About the piece's first element, and merged about piece 0's mean: exact for constant
         # rows (see _ln_fwd_single).
         x0 = tl.sum(tl.where(lanes == 0, x, 0.0), axis=0)
-        mean_c = x0 + tl.sum(tl.where(mask, x - x0, 0.0), axis=0) / n_c
+        total = tl.sum(tl.where(mask, x - x0, 0.0), axis=0)
+        if VEC > 0:
+            e_offs, e_mask, e_col = split_edges(row, chunk, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            total += tl.sum(tl.where(e_mask, xe - x0, 0.0), axis=0)
+        mean_c = x0 + total / tl.maximum(n_c, 1.0)  # an empty piece (count 0) adds nothing
         xc = tl.where(mask, x - mean_c, 0.0)
+        m2 = tl.sum(xc * xc, axis=0)
+        if VEC > 0:
+            xce = tl.where(e_mask, xe - mean_c, 0.0)
+            m2 += tl.sum(xce * xce, axis=0)
         tl.store(stats_ptr + item * 2, mean_c)
-        tl.store(stats_ptr + item * 2 + 1, tl.sum(xc * xc, axis=0))
+        tl.store(stats_ptr + item * 2 + 1, m2)
         wait_for_row(count_ptr, row, C)
         if PREFETCH == 2:
-            x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
         base = (row * C + peers) * 2
         ok = peers < C
         means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
         m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        counts = tl.where(ok, tl.minimum(N - peers * L, L), 0).to(tl.float32)
         ref = tl.sum(tl.where(peers == 0, means, 0.0), axis=0)
         mean = ref + tl.sum(counts * (means - ref), axis=0) / N
         dev = means - mean
         var = (tl.sum(m2s, axis=0) + tl.sum(counts * dev * dev, axis=0)) / N
         rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
         y = (x - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row64 * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if VEC > 0:
+            if HAS_W:
+                y = y * w.to(tl.float32)
+            if HAS_B:
+                y = y + b.to(tl.float32)
+        else:
+            if HAS_W:
+                y = y * tl.load(w_ptr + pos, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                y = y + tl.load(b_ptr + pos, mask=mask, other=0.0).to(tl.float32)
+        offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if VEC > 0:
+            ye = (xe - mean) * rstd
+            if HAS_W:
+                ye = ye * tl.load(w_ptr + e_col, mask=e_mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                ye = ye + tl.load(b_ptr + e_col, mask=e_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         if chunk == 0:
             tl.store(mean_ptr + row, mean)
             tl.store(rstd_ptr + row, rstd)
@@ -522,45 +564,41 @@ def _hold_w(block: int, warps: int) -> bool:
     return warps <= 16 and block // (32 * warps) <= FWD_HOLD_W_MAX_PER_THREAD
 
 
-# Split-row kernels: (largest chunk in elements, warps) per program. A row of N is cut into
-# C = ceil(N / chunk) equal pieces (no nearly empty last chunk at N = 2^k + 1).
-# None = the measured defaults below; a (chunk, warps) tuple overrides them (experiments).
-SPLIT_CONFIG: tuple[int, int] | None = None
-SPLIT_BWD_CONFIG: tuple[int, int] | None = None
+# Split-row kernels: (largest piece in elements, warps, PREFETCH) per program. A row of N is cut
+# into C = ceil(N / piece) equal pieces (no nearly empty last piece at N = 2^k + 1).
+# None = the measured defaults below; a tuple overrides them (experiments).
+SPLIT_CONFIG: tuple[int, int, int] | None = None
+SPLIT_BWD_CONFIG: tuple[int, int, int] | None = None
 
 
-def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int, int] | None:
-    """(chunk, warps) of the split-row LayerNorm kernel for rows of ``n``, or None where the
-    other kernels measured faster (H200, benchmarks/dev/tune.py, 2026-11-21).
+def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int, int, int] | None:
+    """(piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
+    where the other kernels measured faster (H200, benchmarks/dev/tune.py rounds 4 and 11;
+    PREFETCH: see SPLIT_OPTIONS in _common.py).
 
-    Forward: 8192-element chunks on 4 warps for 16-bit or unaligned rows (bf16 N = 65537: 0.79
-    TB/s at 8 warps, 1.16 at 4), 4096 on 4 warps for aligned float32 (2.48-2.87 vs 1.94-1.98
-    looped); aligned 16-bit rows of 256K+ stream faster looped (2.21 vs 2.08). Backward: small
-    chunks while the row has few of them, 8192 on 16 warps for long 16-bit rows (bf16 256K: 1.54
-    vs 1.30 at 2048/4); aligned 16-bit rows up to 16K keep the dx + column kernels (2.12 vs
-    2.03)."""
+    Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
+    256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
+    128K: 2.23 vs 2.08 on 4); aligned 16-bit rows of 256K+ stream faster looped (2.37 vs 2.00).
+    Backward: 16-bit rows up to 16K keep the dx + column kernels (2.12 vs 2.09), 32K 8192 x 8
+    prefetching after the wait (2.06 vs 1.89), longer 8192 x 16 prefetching before it (bf16
+    64K: 2.18); float32 from 2048 x 4 to 8192 x 8 as rows grow (8193: 1.86 vs 1.51 at 4096 x
+    4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47)."""
     override = SPLIT_CONFIG if kind == "fwd" else SPLIT_BWD_CONFIG
     if override is not None:
         return override
     if kind == "fwd":
         if elt_size == 2 and aligned and n >= 262144:
             return None
-        return (4096, 4) if (elt_size == 4 and aligned) else (8192, 4)
+        return (8192, 4, 1) if (elt_size == 4 and aligned) else (8192, 8, 1)
     if elt_size == 2:
         if aligned and n <= 16384:
             return None
-        return (2048, 4) if n <= 32768 else (8192, 16)
+        return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
     if n < 16384:
-        return (4096, 4)
+        return (2048, 4, 2)
     if n <= 32768:
-        return (2048, 4)
-    return (4096, 4) if n <= 65536 else (4096, 8)
-
-
-def _even_chunks(n: int, chunk: int) -> tuple[int, int]:
-    """(C, L): C pieces of L elements (the last one possibly shorter) covering a row of n."""
-    c = cdiv(n, chunk)
-    return c, cdiv(n, c)
+        return (2048, 4, 0)
+    return (4096, 4, 2) if n <= 65536 else (8192, 8, 2)
 
 
 # 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
@@ -726,18 +764,18 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats,
         ), warps)
     else:
-        cfg = None if looped else _split_config("fwd", N, x.element_size(), stride % 8 == 0)
-        chunk, split_warps = cfg or (0, 0)
-        if cfg and split_rows_enabled(x.device, N, chunk, even=True):
-            C, L = _even_chunks(N, chunk)
+        cfg = None if looped else _split_config("fwd", N, x.element_size(),
+                                                 stride % 8 == 0 and N % 8 == 0)
+        chunk, split_warps, prefetch = cfg or (0, 0, 0)
+        if cfg and split_rows_enabled(x.device, N, chunk):
+            C, L = split_pieces(N, chunk, vec)
             stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
             count = torch.zeros((M,), dtype=torch.int32, device=x.device)
             if _launch_fwd_split(
                 M * C, C,
-                (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps,
-                 M * C),
-                (next_pow2(L), C, next_pow2(C), has_w, has_b, SPLIT_OPTIONS["prefetch"]),
-                split_warps, x.device,
+                (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
+                (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec), split_warps,
+                x.device, vec=vec,
             ):
                 return y, mean, rstd
         _launch_fwd_looped((M,), (
@@ -789,14 +827,13 @@ def layernorm_backward(
         return dx, dw, db
     aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
     cfg = _split_config("bwd", N, x.element_size(), aligned)
-    chunk, split_warps = cfg or (0, 0)
-    if cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(
-            dev, N, chunk, even=True) and (need_dx or need_part):
-        C, L = _even_chunks(N, chunk)
+    chunk, split_warps, prefetch = cfg or (0, 0, 0)
+    if (cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, chunk)
+            and (need_dx or need_part)):
+        C, L = split_pieces(N, chunk, 0)
         stats = torch.empty((M * C * 2,), dtype=torch.float32, device=dev)
         count = torch.zeros((M,), dtype=torch.int32, device=dev)
-        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db,
-                  SPLIT_OPTIONS["prefetch"])
+        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch)
         # ``mean`` stands in for the partials (same dtype/alignment) until they are sized.
         args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, stats, count, N, L,
                 dy.stride(0), x.stride(0), N, M * C]

@@ -20,18 +20,18 @@ import triton
 import triton.language as tl
 
 from fusedops.triton._common import (
-    SPLIT_CHUNK,
     SPLIT_OPTIONS,
-    SPLIT_WARPS,
     Launcher,
     SplitLauncher,
-    cdiv,
     grid_size,
     next_pow2,
     num_row_tiles,
     row_body,
     row_edges,
     rows_and_output,
+    split_edges,
+    split_piece,
+    split_pieces,
     split_rows_enabled,
     tile_rows,
     unaligned_config,
@@ -161,93 +161,116 @@ def _softmax_bwd_looped(
 
 @triton.jit
 def _softmax_fwd_split(
-    x_ptr, y_ptr, stats_ptr, count_ptr, N, stride_x, stride_y, num_items, num_progs,
-    CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
+    x_ptr, y_ptr, stats_ptr, count_ptr, N, L, stride, stride_y, num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    # Work item = (row, chunk), row-major; see fusedops/triton/_common.py "split rows". The grid
-    # is a multiple of C, so a program always has the same chunk of rows num_progs // C apart.
-    # PREFETCH (see SPLIT_OPTIONS): where the next item's load is issued.
+    # Work item = (row, piece), row-major; see fusedops/triton/_common.py "split rows". The grid
+    # is a multiple of C, so a program always has the same piece of rows num_progs // C apart.
+    # Pieces: split_piece (L elements of the row, or of its aligned body when VEC > 0; piece 0
+    # then also has the edges; x and y then share the row stride). PREFETCH: see SPLIT_OPTIONS
+    # in _common.py.
     pid = tl.program_id(0)
-    lanes = tl.arange(0, CHUNK)
     peers = tl.arange(0, C_P2)
-    cols = (pid % C) * CHUNK + lanes
-    mask = cols < N
+    chunk = pid % C
     step = num_progs // C
     if PREFETCH > 0:
-        x_next = tl.load(x_ptr + (pid // C).to(tl.int64) * stride_x + cols, mask=mask,
-                         other=-float("inf"))
+        offs, mask, pos = split_piece(pid // C, chunk, L, N, stride, BLOCK, VEC)
+        x_next = tl.load(x_ptr + offs, mask=mask, other=-float("inf"))
     for item in range(pid, num_items, num_progs):
         row = item // C
+        offs, mask, pos = split_piece(row, chunk, L, N, stride, BLOCK, VEC)
         if PREFETCH > 0:
             x = x_next.to(tl.float32)
-            more = mask & (item + num_progs < num_items)
+            n_offs, n_mask, n_pos = split_piece(row + step, chunk, L, N, stride, BLOCK, VEC)
+            n_mask = n_mask & (item + num_progs < num_items)
             if PREFETCH == 1:
-                x_next = tl.load(x_ptr + (row + step).to(tl.int64) * stride_x + cols,
-                                 mask=more, other=-float("inf"))
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
         else:
-            x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask,
-                        other=-float("inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        # tl.max drops NaN: a chunk holding one publishes a NaN max, so the whole row is NaN.
-        m = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), m)
+            x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        if VEC > 0:
+            e_offs, e_mask, e_col = split_edges(row, chunk, N, stride, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=-float("inf")).to(tl.float32)
+            m = tl.maximum(tl.max(x, axis=0), tl.max(xe, axis=0))
+            nan = tl.sum((x != x).to(tl.int32), axis=0) + tl.sum((xe != xe).to(tl.int32), axis=0)
+        else:
+            m = tl.max(x, axis=0)
+            nan = tl.sum((x != x).to(tl.int32), axis=0)
+        # tl.max drops NaN: a piece holding one publishes a NaN max, so the whole row is NaN.
+        m = tl.where(nan > 0, float("nan"), m)
         s = tl.sum(tl.exp2((x - m) * LOG2E), axis=0)
-        s = tl.where(m == -float("inf"), 0.0, s)  # an all -inf chunk contributes nothing
+        if VEC > 0:
+            s += tl.sum(tl.exp2((xe - m) * LOG2E), axis=0)
+        s = tl.where(m == -float("inf"), 0.0, s)  # an all -inf piece contributes nothing
         tl.store(stats_ptr + item * 2, m)
         tl.store(stats_ptr + item * 2 + 1, s)
         wait_for_row(count_ptr, row, C)
         if PREFETCH == 2:
-            x_next = tl.load(x_ptr + (row + step).to(tl.int64) * stride_x + cols,
-                             mask=more, other=-float("inf"))
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
         base = (row * C + peers) * 2
         ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"), cache_modifier=".cg")
         ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
         row_max = tl.max(ms, axis=0)
         denom = tl.sum(tl.where(ms == -float("inf"), 0.0, ss * tl.exp2((ms - row_max) * LOG2E)),
                        axis=0)
-        y = tl.exp2((x - row_max) * LOG2E) * (1.0 / denom)
-        tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, y.to(y_ptr.dtype.element_ty),
-                 mask=mask)
+        inv = 1.0 / denom
+        y = tl.exp2((x - row_max) * LOG2E) * inv
+        offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if VEC > 0:
+            ye = tl.exp2((xe - row_max) * LOG2E) * inv
+            tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
 
 
 @triton.jit
 def _softmax_bwd_split(
-    y_ptr, dy_ptr, dx_ptr, stats_ptr, count_ptr, N, stride_y, stride_dy, stride_dx, num_items,
-    num_progs, CHUNK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    y_ptr, dy_ptr, dx_ptr, stats_ptr, count_ptr, N, L, stride, stride_dy, num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # see _softmax_fwd_split
-    lanes = tl.arange(0, CHUNK)
+    # See _softmax_fwd_split. y and dx have row stride ``stride``; with VEC > 0 dy has too.
+    pid = tl.program_id(0)
     peers = tl.arange(0, C_P2)
-    cols = (pid % C) * CHUNK + lanes
-    mask = cols < N
+    chunk = pid % C
     step = num_progs // C
     if PREFETCH > 0:
-        r0 = (pid // C).to(tl.int64)
-        y_next = tl.load(y_ptr + r0 * stride_y + cols, mask=mask, other=0.0)
-        dy_next = tl.load(dy_ptr + r0 * stride_dy + cols, mask=mask, other=0.0)
+        offs, mask, pos = split_piece(pid // C, chunk, L, N, stride, BLOCK, VEC)
+        offs_dy, mask_dy, pos_dy = split_piece(pid // C, chunk, L, N, stride_dy, BLOCK, VEC)
+        y_next = tl.load(y_ptr + offs, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0)
     for item in range(pid, num_items, num_progs):
         row = item // C
-        row64 = row.to(tl.int64)
+        offs, mask, pos = split_piece(row, chunk, L, N, stride, BLOCK, VEC)
         if PREFETCH > 0:
             y = y_next.to(tl.float32)
             dy = dy_next.to(tl.float32)
-            more = mask & (item + num_progs < num_items)
+            n_offs, n_mask, n_pos = split_piece(row + step, chunk, L, N, stride, BLOCK, VEC)
+            n_offs_dy, mask_dy, pos_dy = split_piece(row + step, chunk, L, N, stride_dy, BLOCK, VEC)
+            n_mask = n_mask & (item + num_progs < num_items)
             if PREFETCH == 1:
-                y_next = tl.load(y_ptr + (row64 + step) * stride_y + cols, mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
-                                  other=0.0)
+                y_next = tl.load(y_ptr + n_offs, mask=n_mask, other=0.0)
+                dy_next = tl.load(dy_ptr + n_offs_dy, mask=n_mask, other=0.0)
         else:
-            y = tl.load(y_ptr + row64 * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(stats_ptr + item, tl.sum(y * dy, axis=0))
+            offs_dy, mask_dy, pos_dy = split_piece(row, chunk, L, N, stride_dy, BLOCK, VEC)
+            y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
+        part = tl.sum(y * dy, axis=0)
+        if VEC > 0:
+            e_offs, e_mask, e_col = split_edges(row, chunk, N, stride, VEC)
+            ye = tl.load(y_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            part += tl.sum(ye * dye, axis=0)
+        tl.store(stats_ptr + item, part)
         wait_for_row(count_ptr, row, C)
         if PREFETCH == 2:
-            y_next = tl.load(y_ptr + (row64 + step) * stride_y + cols, mask=more, other=0.0)
-            dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
+            y_next = tl.load(y_ptr + n_offs, mask=n_mask, other=0.0)
+            dy_next = tl.load(dy_ptr + n_offs_dy, mask=n_mask, other=0.0)
         dot = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
                              cache_modifier=".cg"), axis=0)
-        tl.store(dx_ptr + row64 * stride_dx + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(dx_ptr + offs, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+        if VEC > 0:
+            tl.store(dx_ptr + e_offs, (ye * (dye - dot)).to(dx_ptr.dtype.element_ty),
+                     mask=e_mask)
 
 
 _launch_fwd_single = Launcher(_softmax_fwd_single)
@@ -258,16 +281,39 @@ _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
 _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 
 
-def _split_scratch(M: int, N: int, per_chunk: int, device: torch.device):
-    """(chunks, stats, counters) for a split-row launch over (M, N)."""
-    chunks = cdiv(N, SPLIT_CHUNK)
-    stats = torch.empty((M * chunks * per_chunk,), dtype=torch.float32, device=device)
-    return chunks, stats, torch.zeros((M,), dtype=torch.int32, device=device)
+# Split-row kernels: (piece elements, warps, PREFETCH) by direction and element size; a row of
+# N is cut into equal pieces of at most that many elements (_common.split_pieces). H200, tune
+# round 11 (TB/s at N = 64K / 128K / 256K): forward 8192 x 8 with the next row prefetched
+# (float32 3.29 / 3.25 / 3.04 vs 16384 x 16 without, 2.89 (single-block) / 3.00 / 2.93; bf16
+# 2.41 / 2.23 / 2.15 vs 2.98 (single-block) / 2.15 / 2.10); backward 16-bit the same (bf16
+# 3.52 / 3.43 / 3.30 vs 2.97 / 2.88 / 2.77), float32 16384 x 16 without prefetch (3.65 / 3.62
+# / 3.40; prefetching spills there: 2.83 / 2.67 / 2.57). None = these rules; a tuple
+# overrides them (experiments).
+SPLIT_CONFIG: dict[str, tuple[int, int, int] | None] = {"fwd": None, "bwd": None}
 
 
+def _split_config(kind: str, elt_size: int) -> tuple[int, int, int]:
+    forced = SPLIT_CONFIG[kind]
+    if forced is not None:
+        return forced
+    if kind == "bwd" and elt_size == 4:
+        return 16384, 16, 0
+    return 8192, 8, SPLIT_OPTIONS["prefetch"]
 
 
-
+def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_piece: int,
+                  elt_size: int, kind: str, vec: int, device: torch.device) -> bool:
+    """Run the split-row kernel ``launcher`` over (M, N) rows if it applies; False otherwise
+    (the caller then runs the looped kernel)."""
+    chunk, warps, prefetch = _split_config(kind, elt_size)
+    if not split_rows_enabled(device, N, chunk):
+        return False
+    C, L = split_pieces(N, chunk, vec)
+    stats = torch.empty((M * C * per_piece,), dtype=torch.float32, device=device)
+    count = torch.zeros((M,), dtype=torch.int32, device=device)
+    return bool(launcher(
+        M * C, C, (*tensors, stats, count, N, L, *strides, M * C),
+        (next_pow2(L), C, next_pow2(C), prefetch, vec), warps, device, vec=vec))
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -288,13 +334,9 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
             (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
         )
     else:
-        if split_rows_enabled(x.device, N, SPLIT_CHUNK):
-            C, stats, count = _split_scratch(M, N, 2, x.device)
-            if _launch_fwd_split(
-                M * C, C, (x, y, stats, count, N, stride, N, M * C),
-                (SPLIT_CHUNK, C, next_pow2(C), SPLIT_OPTIONS["prefetch"]), SPLIT_WARPS, x.device,
-            ):
-                return y
+        if _launch_split(_launch_fwd_split, M, N, (x, y), (stride, N), 2, x.element_size(),
+                         "fwd", vec, x.device):
+            return y
         _launch_fwd_looped((M,), (x, y, N, stride, N, block), warps)
     return y
 
@@ -316,14 +358,9 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
             (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
         )
     else:
-        if split_rows_enabled(y.device, N, SPLIT_CHUNK):
-            C, stats, count = _split_scratch(M, N, 1, y.device)
-            if _launch_bwd_split(
-                M * C, C,
-                (y, dy, dx, stats, count, N, y.stride(0), dy.stride(0), dx.stride(0), M * C),
-                (SPLIT_CHUNK, C, next_pow2(C), SPLIT_OPTIONS["prefetch"]), SPLIT_WARPS, y.device,
-            ):
-                return dx
+        if _launch_split(_launch_bwd_split, M, N, (y, dy, dx), (N, dy.stride(0)), 1,
+                         y.element_size(), "bwd", vec, y.device):
+            return dx
         _launch_bwd_looped(
             (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block), warps
         )

@@ -1,0 +1,114 @@
+"""Split-row kernels (CUDA only: they need a cooperative grid): every variant against the
+float64 reference.
+
+Variants: where a program loads its next row (PREFETCH 0, 1, 2), aligned rows and unaligned
+rows (N = 2^k + 1 and other odd lengths: an aligned body cut into pieces plus the row's edges,
+VEC > 0), a grid smaller than the work (programs loop over rows, so they prefetch and, with
+unaligned rows, must keep one misalignment), non-contiguous input rows and an expanded
+gradient (different row strides: the aligned-body split is off there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _reliability import gpu
+from conftest import assert_close_to_ref
+
+from fusedops import fused_layernorm, fused_softmax
+from fusedops.triton import _common
+from fusedops.triton import layernorm as tln
+from fusedops.triton import softmax as tsm
+
+pytestmark = gpu
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (rows, N): one round of programs, and more rows than programs (the grid loops over rows).
+SHAPES = [(3, 65537), (2, 40000 + 3), (300, 65537), (64, 131072)]
+
+
+def _softmax_case(m, n, dtype, x=None, dy=None):
+    g = torch.Generator().manual_seed(n + m)
+    if x is None:
+        x = (torch.randn(m, n, generator=g) * 3).to(dtype).cuda()
+    if dy is None:
+        dy = torch.randn(m, n, generator=g).to(dtype).cuda()
+    leaf = x.detach().clone().requires_grad_(True)
+    y = fused_softmax(leaf, -1)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_(True)
+    y64 = torch.softmax(x64, -1)
+    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+    assert_close_to_ref(y, y64, dtype)
+    assert_close_to_ref(leaf.grad, dx64, dtype, scale=4)
+
+
+def _layernorm_case(m, n, dtype):
+    g = torch.Generator().manual_seed(n + m + 1)
+    x = (torch.randn(m, n, generator=g) * 2 + 5).to(dtype).cuda()  # offset: no cancellation
+    w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype).cuda()
+    b = (0.5 * torch.randn(n, generator=g)).to(dtype).cuda()
+    dy = torch.randn(m, n, generator=g).to(dtype).cuda()
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+    y = fused_layernorm(leaves[0], n, leaves[1], leaves[2])
+    y.backward(dy)
+    r = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    y64 = torch.nn.functional.layer_norm(r[0], (n,), r[1], r[2])
+    grads = torch.autograd.grad(y64, r, dy.double())
+    assert_close_to_ref(y, y64, dtype)
+    assert_close_to_ref(leaves[0].grad, grads[0], dtype, scale=4)
+    # dweight/dbias sum m rows: compare with a tolerance that grows with the row count
+    for got, want in zip((leaves[1].grad, leaves[2].grad), grads[1:], strict=True):
+        torch.testing.assert_close(got.double(), want, atol=2e-2 * m ** 0.5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_softmax_split(monkeypatch, shape, dtype, prefetch):
+    monkeypatch.setitem(tsm.SPLIT_CONFIG, "fwd", (8192, 8, prefetch))
+    monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (8192, 8, prefetch))
+    _softmax_case(*shape, dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_layernorm_split(monkeypatch, shape, dtype, prefetch):
+    monkeypatch.setattr(tln, "SPLIT_CONFIG", (8192, 8, prefetch))
+    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (8192, 8, prefetch))
+    monkeypatch.setattr(tln, "LOOPED_16BIT_FWD", {})
+    monkeypatch.setattr(tln, "NATIVE_UNALIGNED_16BIT_BWD", False)
+    _layernorm_case(*shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_defaults(dtype):
+    """The measured configs as shipped (also the native LayerNorm backward where it applies)."""
+    for m, n in [(300, 65537), (64, 131072), (40, 65536)]:
+        _softmax_case(m, n, dtype)
+        _layernorm_case(m, n, dtype)
+
+
+def test_softmax_split_strided_rows():
+    x = torch.randn(5, 70001, device="cuda")[:, 3:65540]  # row stride 70001, not 16-byte
+    assert x.stride(0) != x.shape[1]
+    _softmax_case(5, 65537, torch.float32, x=x)
+    dy = torch.randn(1, 65537, device="cuda").expand(5, 65537)  # row stride 0
+    _softmax_case(5, 65537, torch.float32, dy=dy)
+
+
+def test_unaligned_grid_is_a_multiple_of_pieces_times_vec():
+    """More rows than fit at once: the grid is a multiple of C·VEC, so a program's rows share
+    one misalignment (the LayerNorm forward holds its weight columns)."""
+    m, n = 400, 65537
+    x = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    stats = torch.empty(4, device="cuda")
+    count = torch.zeros(4, dtype=torch.int32, device="cuda")
+    C, L = _common.split_pieces(n, 8192, 8)
+    assert L % 16 == 0 and (C - 1) * L < n - 16  # every piece has part of every row's body
+    runtime = (x, x, x, x, stats, stats, stats, count, n, L, n, n, 1e-5, m * C)
+    consts = (8192, C, 16, True, True, 1, 8)
+    progs = tln._launch_fwd_split.programs(m * C, C, runtime, consts, 8, x.device, vec=8)
+    assert 0 < progs < m * C and progs % (C * 8) == 0
+    _layernorm_case(m, n, torch.bfloat16)
