@@ -86,10 +86,10 @@ def test_split_pieces_cover_the_row(n, chunk, vec):
 
 def test_split_config_rules():
     cfg = tln._split_config
-    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit or unaligned 8192/8
-    assert cfg("fwd", 65537, 2, False) == (8192, 8, 1)
+    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit 8192/8
+    assert cfg("fwd", 65537, 2, False) == (16384, 16, 1)  # unaligned rows
     assert cfg("fwd", 65536, 4, True) == (8192, 4, 1)
-    assert cfg("fwd", 65537, 4, False) == (8192, 8, 1)
+    assert cfg("fwd", 65537, 4, False) == (16384, 16, 1)
     assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
     # backward: aligned 16-bit rows up to 16K keep the dx + column kernels
@@ -105,6 +105,8 @@ def test_split_config_rules():
     assert tsm._split_config("fwd", 2) == tsm._split_config("fwd", 4) == (8192, 8, 1)
     assert tsm._split_config("bwd", 2) == (8192, 8, 1)
     assert tsm._split_config("bwd", 4) == (16384, 16, 0)
+    assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows
+    assert tsm._split_config("bwd", 4, 4) == (8192, 8, 0)
 
 
 def test_split_config_overrides(monkeypatch):

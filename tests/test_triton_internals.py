@@ -92,3 +92,38 @@ def test_unaligned_rows_on_a_persistent_grid(monkeypatch, triton_backend, device
     (dx,) = torch.autograd.grad(y, x, g)
     (dr,) = torch.autograd.grad(r, x64, g.double())
     assert_close_to_ref(dx, dr, dtype, scale=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n,sms,split", [(4000, 33, 4, True), (600, 1025, 8, True),
+                                           (3, 33, 8, False)])
+def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, dtype, m, n, sms,
+                                           split):
+    """dweight/dbias of unaligned rows from the fused backward: each program accumulates its
+    columns shifted by its rows' misalignment plus (2·VEC,) edge columns, and writes a complete
+    partial row. Programs loop over row tiles that must share one misalignment (a grid of a
+    multiple of VEC programs); a batch too small for VEC partial rows (3 x 33: scratch is capped
+    at an eighth of x) is read with scalar accesses instead."""
+    from fusedops.triton import layernorm as tln
+
+    monkeypatch.setattr(_common, "num_sms", lambda dev: sms)
+    monkeypatch.setattr(tln, "num_sms", lambda dev: sms)
+    torch.manual_seed(m + n)
+    x = (torch.randn(m, n, device=device) * 2 + 3).to(dtype)
+    dy = torch.randn(m, n, device=device).to(dtype)
+    plan = tln._fused_plan(m, n, x, dy)
+    vec = 16 // x.element_size()
+    assert plan is not None and plan[0] == (vec if split else 0)
+    tiles, progs = plan[5], plan[6]
+    if split:
+        assert progs < tiles and progs % vec == 0
+    w = torch.randn(n, device=device, requires_grad=True)
+    b = torch.randn(n, device=device, requires_grad=True)
+    xl = x.clone().requires_grad_(True)
+    y = fusedops.fused_layernorm(xl, n, w, b)
+    got = torch.autograd.grad(y, (xl, w, b), dy)
+    r = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1], r[2]), r, dy.double())
+    assert_close_to_ref(got[0], want[0], dtype, scale=4)
+    for a, e in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a.double(), e, atol=2e-2 * m ** 0.5, rtol=2e-2)

@@ -317,6 +317,18 @@ def sm_cfg(kind, cfg):
         tsm.SPLIT_CONFIG[kind] = old
 
 
+if "unaligned_fused" in which:  # round 13: LayerNorm backward fused with unaligned rows (VEC)
+    # and LayerNorm forward 2^k + 1 rows on a persistent grid holding the weight
+    def fwd_var(warps, persistent_above):
+        return lambda: stack(override("ln_fwd", warps=warps),
+                             knobs(_common, PERSISTENT_ABOVE={"ln_fwd": persistent_above}))
+    for dt in (bf, torch.float16, f32):
+        for N in (4097, 8193):
+            point("ln_fwd", dt, N, [("w8p", fwd_var(8, 1024)), ("w16p", fwd_var(16, 1024)),
+                                    ("w8", fwd_var(8, 1 << 20)), ("w4p", fwd_var(4, 1024))])
+    for dt in (bf, f32):
+        for N in (1025, 2049, 4097, 8193):
+            point("ln_bwd", dt, N, [("scalar", scalar_unaligned)])
 if "unaligned_split" in which:  # round 12: split rows cut into aligned-body pieces + edges
     for dt in (bf, torch.float16, f32):
         for N in (65537, 98309):

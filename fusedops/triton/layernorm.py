@@ -32,6 +32,7 @@ from fusedops.triton._common import (
     OVERRIDES,
     Launcher,
     SplitLauncher,
+    body_len,
     cdiv,
     grid_size,
     next_pow2,
@@ -290,22 +291,36 @@ def _ln_bwd_single(
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr,
 ):
-    # NEED_DW/NEED_DB (per-program partials, part_ptr is (2, num_progs, N) float32) are only
-    # used with aligned rows (VEC == 0). ACC_1D: fold each tile's rows into (BLOCK_N,)
-    # accumulators at once (fewer registers); otherwise keep (ROWS, BLOCK_N) accumulators and
-    # reduce over rows once at the end (no cross-warp reduction per tile).
+    # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
+    # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
+    # (ROWS, BLOCK_N) accumulators and reduce over rows once at the end (no cross-warp reduction
+    # per tile). VEC > 0 (unaligned rows, see row_body in _common.py): all tiles of a program
+    # share one misalignment (the launcher makes num_progs a multiple of VEC, or gives each
+    # program one tile), so accumulator lane j is column pid_head + j throughout, and the
+    # columns outside the aligned body accumulate in (2·VEC,) edge accumulators.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    if HAS_W and HOLD_W:  # see _ln_fwd_single
+    if VEC > 0:
         first_rows, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
-        hold_mask = cols < ((N - pid_head) // VEC) * VEC if VEC > 0 else cols < N
-        w = tl.load(w_ptr + pid_head + cols, mask=hold_mask, other=0.0).to(tl.float32)[None, :]
+        pid_body = ((N - pid_head) // VEC) * VEC
+    if HAS_W and HOLD_W:  # see _ln_fwd_single
+        if VEC > 0:
+            w = tl.load(w_ptr + pid_head + cols, mask=cols < pid_body,
+                        other=0.0).to(tl.float32)[None, :]
+        else:
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if ACC_1D:
         dw_acc = tl.zeros([BLOCK_N], tl.float32)
         db_acc = tl.zeros([BLOCK_N], tl.float32)
+        if VEC > 0:
+            dwe_acc = tl.zeros([2 * VEC], tl.float32)
+            dbe_acc = tl.zeros([2 * VEC], tl.float32)
     else:
         dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        if VEC > 0:
+            dwe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
+            dbe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
     for tile in range(pid, num_tiles, num_progs):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
@@ -315,10 +330,11 @@ def _ln_bwd_single(
         dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        if VEC > 0:  # unaligned rows (dx only): edges loaded with the body
+        if VEC > 0:  # unaligned rows: edges loaded with the body
             e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DX:
             if HAS_W:
@@ -332,7 +348,6 @@ def _ln_bwd_single(
             c1 = tl.sum(xhat * wdy, axis=1)
             c2 = tl.sum(wdy, axis=1)
             if VEC > 0:
-                xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
                 if HAS_W:
                     wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
                 else:
@@ -350,25 +365,54 @@ def _ln_bwd_single(
         if ACC_1D:
             if NEED_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
+                if VEC > 0:
+                    dwe_acc += tl.sum(dye * xhe, axis=0)
             if NEED_DB:
                 db_acc += tl.sum(dy, axis=0)
+                if VEC > 0:
+                    dbe_acc += tl.sum(dye, axis=0)
         else:
             if NEED_DW:
                 dw_acc += dy * xhat
+                if VEC > 0:
+                    dwe_acc += dye * xhe
             if NEED_DB:
                 db_acc += dy
-    out = part_ptr + pid.to(tl.int64) * N + cols
+                if VEC > 0:
+                    dbe_acc += dye
+    out = part_ptr + pid.to(tl.int64) * N
     if ACC_1D:
         dw_row = dw_acc
         db_row = db_acc
     else:
         dw_row = tl.sum(dw_acc, axis=0)
         db_row = tl.sum(db_acc, axis=0)
+    if VEC > 0:
+        if ACC_1D:
+            dwe_row = dwe_acc
+            dbe_row = dbe_acc
+        else:
+            dwe_row = tl.sum(dwe_acc, axis=0)
+            dbe_row = tl.sum(dbe_acc, axis=0)
+        # Every column of the partial row is written once: the body from the lanes, the rest
+        # (columns [0, head) and [head + body, N)) from the edge accumulators.
+        body_cols = pid_head + cols
+        body_ok = cols < pid_body
+        j = tl.arange(0, 2 * VEC)
+        e_cols = tl.where(j < VEC, j, pid_head + pid_body + (j - VEC))
+        e_ok = tl.where(j < VEC, j < pid_head, e_cols < N)
+    else:
+        body_cols = cols
+        body_ok = cols < N
     if NEED_DW:
-        tl.store(out, dw_row, mask=cols < N)
+        tl.store(out + body_cols, dw_row, mask=body_ok)
+        if VEC > 0:
+            tl.store(out + e_cols, dwe_row, mask=e_ok)
     if NEED_DB:
         # num_progs may arrive as the constant 1; (programs x N) fits int32 for these rows.
-        tl.store(out + num_progs * N, db_row, mask=cols < N)
+        tl.store(out + num_progs * N + body_cols, db_row, mask=body_ok)
+        if VEC > 0:
+            tl.store(out + num_progs * N + e_cols, dbe_row, mask=e_ok)
 
 
 @triton.jit
@@ -578,7 +622,9 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int,
 
     Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
     256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
-    128K: 2.23 vs 2.08 on 4); aligned 16-bit rows of 256K+ stream faster looped (2.37 vs 2.00).
+    128K: 2.23 vs 2.08 on 4); aligned 16-bit rows of 256K+ stream faster looped (2.37 vs 2.00);
+    unaligned rows (aligned-body pieces, round 12) 16384 on 16 warps (N = 65537: bf16 1.44 vs
+    0.98 at 8192 x 8 and 1.08 before, float32 2.03 vs 1.68).
     Backward: 16-bit rows up to 16K keep the dx + column kernels (2.12 vs 2.09), 32K 8192 x 8
     prefetching after the wait (2.06 vs 1.89), longer 8192 x 16 prefetching before it (bf16
     64K: 2.18); float32 from 2048 x 4 to 8192 x 8 as rows grow (8193: 1.86 vs 1.51 at 4096 x
@@ -587,9 +633,11 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int,
     if override is not None:
         return override
     if kind == "fwd":
-        if elt_size == 2 and aligned and n >= 262144:
+        if not aligned:
+            return 16384, 16, 1
+        if elt_size == 2 and n >= 262144:
             return None
-        return (8192, 4, 1) if (elt_size == 4 and aligned) else (8192, 8, 1)
+        return (8192, 4, 1) if elt_size == 4 else (8192, 8, 1)
     if elt_size == 2:
         if aligned and n <= 16384:
             return None
@@ -661,6 +709,30 @@ def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
         tile, per_sm, acc_1d = 16384, 1, True
     tile = max(tile, block)
     return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
+
+
+def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
+    """(VEC, BLOCK, ROWS, warps, ACC_1D, tiles, programs) of the fused backward for (M, N) rows,
+    or None where rows are too long for it. Unaligned rows (VEC > 0, see ``unaligned_vec``) are
+    configured for their aligned body (N = 8193: 8192, not 16384) on a grid that is a multiple
+    of VEC or has one tile per program (a program's accumulators then stay on fixed columns);
+    where the partial-row budget allows no such grid they are read with scalar accesses."""
+    vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
+    for v in (vec, 0) if vec else (0,):
+        block = next_pow2(body_len(N, v))
+        if block > min(FUSED_BWD_MAX_BLOCK, single_block_limit()):
+            continue
+        rows, warps, per_sm, acc_1d = _fused_bwd_config(block)
+        tiles = num_row_tiles(M, rows, v)
+        progs = max(1, min(tiles, num_sms(x.device) * per_sm, _max_partial_rows(x)))
+        if v and progs < tiles:
+            progs = progs // v * v
+            if not progs:
+                continue
+        return v, block, rows, warps, acc_1d, tiles, progs
+    return None
+
+
 COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias kernel
 COLUMN_WARPS = 8
 
@@ -805,26 +877,25 @@ def layernorm_backward(
     dev = x.device
     has_w = weight is not None
     w = weight if has_w else x
-    if M > 0 and N > 0 and _native_unaligned(x, dy, weight):
+    need_part = need_dw or need_db
+    fused = _fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
+    if fused is None and M > 0 and N > 0 and _native_unaligned(x, dy, weight):
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
     if M == 0 or N == 0:
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
-    single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
-    need_part = need_dw or need_db
-    if single and need_part and block <= FUSED_BWD_MAX_BLOCK:
-        rows, warps, per_sm, acc_1d = _fused_bwd_config(block)
-        tiles = cdiv(M, rows)
-        progs = max(1, min(tiles, num_sms(dev) * per_sm, _max_partial_rows(x)))
+    if fused is not None:
+        vec, block, rows, warps, acc_1d, tiles, progs = fused
         part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx if need_dx else x, part,
             M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            block, rows, has_w, need_dx, need_dw, need_db, 0, True, acc_1d,
+            block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d,
         ), warps)
         dw, db = _reduce_partials(part, need_dw, need_db)
         return dx, dw, db
+    single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
     aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
     cfg = _split_config("bwd", N, x.element_size(), aligned)
     chunk, split_warps, prefetch = cfg or (0, 0, 0)

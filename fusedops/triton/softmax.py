@@ -281,23 +281,30 @@ _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
 _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 
 
-# Split-row kernels: (piece elements, warps, PREFETCH) by direction and element size; a row of
-# N is cut into equal pieces of at most that many elements (_common.split_pieces). H200, tune
-# round 11 (TB/s at N = 64K / 128K / 256K): forward 8192 x 8 with the next row prefetched
-# (float32 3.29 / 3.25 / 3.04 vs 16384 x 16 without, 2.89 (single-block) / 3.00 / 2.93; bf16
-# 2.41 / 2.23 / 2.15 vs 2.98 (single-block) / 2.15 / 2.10); backward 16-bit the same (bf16
-# 3.52 / 3.43 / 3.30 vs 2.97 / 2.88 / 2.77), float32 16384 x 16 without prefetch (3.65 / 3.62
-# / 3.40; prefetching spills there: 2.83 / 2.67 / 2.57). None = these rules; a tuple
-# overrides them (experiments).
+# Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
+# rows are unaligned (VEC > 0: aligned-body pieces plus edges); a row of N is cut into equal
+# pieces of at most that many elements (_common.split_pieces). H200, tune rounds 11 (aligned)
+# and 12 (N = 65537 and 98309), TB/s:
+# * forward 8192 x 8 with the next row prefetched: float32 3.29 / 3.25 / 3.04 at 64K / 128K /
+#   256K vs 2.89 (one program per row) / 3.00 / 2.93 before; 65537: 3.02 vs 2.23 looped;
+#   bf16 2.23 / 2.15 at 128K / 256K, 65537: 2.22 (looped 2.24);
+# * backward, aligned 16-bit the same (bf16 3.52 / 3.43 / 3.30 at 64K-256K vs 2.97 / 2.88 /
+#   2.77), aligned float32 16384 x 16 without prefetch (3.65 / 3.62 / 3.40; prefetching
+#   spills there); unaligned rows 8192 x 8 prefetching after the wait (16-bit: 2.48 vs 1.80
+#   before it, 2.28 looped) or, float32, not at all (3.55 vs 3.26 at 16384 x 16).
+# None = these rules; a tuple overrides them (experiments).
 SPLIT_CONFIG: dict[str, tuple[int, int, int] | None] = {"fwd": None, "bwd": None}
 
 
-def _split_config(kind: str, elt_size: int) -> tuple[int, int, int]:
+def _split_config(kind: str, elt_size: int, vec: int = 0) -> tuple[int, int, int]:
     forced = SPLIT_CONFIG[kind]
     if forced is not None:
         return forced
-    if kind == "bwd" and elt_size == 4:
-        return 16384, 16, 0
+    if kind == "bwd":
+        if vec:
+            return (8192, 8, 2) if elt_size == 2 else (8192, 8, 0)
+        if elt_size == 4:
+            return 16384, 16, 0
     return 8192, 8, SPLIT_OPTIONS["prefetch"]
 
 
@@ -305,7 +312,7 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
                   elt_size: int, kind: str, vec: int, device: torch.device) -> bool:
     """Run the split-row kernel ``launcher`` over (M, N) rows if it applies; False otherwise
     (the caller then runs the looped kernel)."""
-    chunk, warps, prefetch = _split_config(kind, elt_size)
+    chunk, warps, prefetch = _split_config(kind, elt_size, vec)
     if not split_rows_enabled(device, N, chunk):
         return False
     C, L = split_pieces(N, chunk, vec)
