@@ -29,6 +29,17 @@ def test_unaligned_vec_rule():
     assert _common.body_len(8192, 0) == 8192
 
 
+def test_unaligned_fused_backward_rule(monkeypatch):
+    from fusedops.triton import layernorm as tln
+
+    monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
+
+    # the aligned-body fused backward from 8K bodies (8193); 4097 stays scalar (padded to 8192)
+    for n, vec in [(8193, 8), (4097, 0), (1025, 0)]:
+        x = torch.empty(4096, n, dtype=torch.bfloat16)
+        assert tln._fused_plan(4096, n, x, x)[:2] == (vec, 8192 if n > 1025 else 2048)
+
+
 def test_unaligned_split_can_be_turned_off(monkeypatch):
     monkeypatch.setitem(_common._BODY, "enabled", False)
     a = _t(64)
@@ -108,6 +119,8 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
 
     monkeypatch.setattr(_common, "num_sms", lambda dev: sms)
     monkeypatch.setattr(tln, "num_sms", lambda dev: sms)
+    # short bodies take the scalar variant by default (measured faster); force the body one
+    monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", 16)
     torch.manual_seed(m + n)
     x = (torch.randn(m, n, device=device) * 2 + 3).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)

@@ -312,12 +312,14 @@ PERSISTENT_ABOVE = {"ln_fwd": 8192}
 
 
 def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
-              block: int = 0, vec: int = 0) -> int:
+              block: int = 0, vec: int = 0, persistent: bool = False) -> int:
     """Programs for a single-block launch of ``kind`` over ``num_tiles`` row tiles of padded
-    rows of ``block`` elements. With unaligned rows (``vec`` > 0, see :func:`tile_rows`) a
-    persistent grid is a multiple of ``vec``, so all tiles of a program share one misalignment
-    (weights held in registers stay valid)."""
-    if not PERSISTENT[kind] and block <= PERSISTENT_ABOVE.get(kind, 1 << 62):
+    rows of ``block`` elements (``persistent``: a persistent grid whatever the kind's rule).
+    With unaligned rows (``vec`` > 0, see :func:`tile_rows`) a persistent grid is a multiple of
+    ``vec``, so all tiles of a program share one misalignment (weights held in registers stay
+    valid)."""
+    if (not persistent and not PERSISTENT[kind]
+            and block <= PERSISTENT_ABOVE.get(kind, 1 << 62)):
         return max(1, num_tiles)
     # One resident wave: 2048 threads per SM on Hopper/Ampere; the persistent loop does the rest.
     per_sm = max(1, 2048 // (32 * num_warps))

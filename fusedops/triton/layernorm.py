@@ -711,13 +711,24 @@ def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
     return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
 
 
+# Unaligned rows take the fused kernel's aligned-body variant only from bodies of this many
+# elements (the padded scalar variant no longer fits it there). H200, tune round 13, TB/s, body
+# variant vs scalar: 8193 bf16 1.33 vs 1.25 (PyTorch's native kernel), float32 2.42 vs 1.86
+# (split rows); shorter rows measured slower with it (4097: bf16 0.56 vs 1.49, float32 1.94 vs
+# 2.79; 1025: 0.92 vs 1.63).
+FUSED_BWD_UNALIGNED_MIN_BLOCK = 8192
+
+
 def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
     """(VEC, BLOCK, ROWS, warps, ACC_1D, tiles, programs) of the fused backward for (M, N) rows,
     or None where rows are too long for it. Unaligned rows (VEC > 0, see ``unaligned_vec``) are
     configured for their aligned body (N = 8193: 8192, not 16384) on a grid that is a multiple
     of VEC or has one tile per program (a program's accumulators then stay on fixed columns);
-    where the partial-row budget allows no such grid they are read with scalar accesses."""
+    where the partial-row budget allows no such grid, or the body is shorter than
+    FUSED_BWD_UNALIGNED_MIN_BLOCK, they are read with scalar accesses."""
     vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
+    if vec and next_pow2(body_len(N, vec)) < FUSED_BWD_UNALIGNED_MIN_BLOCK:
+        vec = 0
     for v in (vec, 0) if vec else (0,):
         block = next_pow2(body_len(N, v))
         if block > min(FUSED_BWD_MAX_BLOCK, single_block_limit()):
@@ -829,7 +840,10 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         return y, mean, rstd
     if single:
         tiles = num_row_tiles(M, rows, vec)
-        progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec)
+        # Unaligned 16-bit rows of 4K+: a persistent grid (tune round 13, TB/s: bf16 4097 2.51
+        # vs 2.29 one program per row, 8193 1.93 vs 1.77; float32 within 2%).
+        persist = vec and x.element_size() == 2 and block >= 4096
+        progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec, persist)
         _launch_fwd_single((progs,), (
             x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
             stride, N, eps, tiles, progs,
