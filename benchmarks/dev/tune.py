@@ -317,6 +317,13 @@ def sm_cfg(kind, cfg):
         tsm.SPLIT_CONFIG[kind] = old
 
 
+if "sm_fwd_long" in which:  # round 14: softmax forward long rows, piece/warps/prefetch again
+    for dt in (bf, f32):
+        for N in (131072, 262144):
+            point("sm_fwd", dt, N, [
+                (f"s{c[0] // 1024}w{c[1]}p{c[2]}", lambda c=c: sm_cfg("fwd", c))
+                for c in ((16384, 16, 0), (16384, 16, 1), (8192, 8, 0), (8192, 16, 1),
+                          (8192, 16, 0), (16384, 8, 0), (8192, 8, 1))] + [("cur2", nullctx)])
 if "unaligned_fused" in which:  # round 13: LayerNorm backward fused with unaligned rows (VEC)
     # and LayerNorm forward 2^k + 1 rows on a persistent grid holding the weight
     def fwd_var(warps, persistent_above):
