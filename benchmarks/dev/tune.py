@@ -324,6 +324,18 @@ if "sm_fwd_long" in which:  # round 14: softmax forward long rows, piece/warps/p
                 (f"s{c[0] // 1024}w{c[1]}p{c[2]}", lambda c=c: sm_cfg("fwd", c))
                 for c in ((16384, 16, 0), (16384, 16, 1), (8192, 8, 0), (8192, 16, 1),
                           (8192, 16, 0), (16384, 8, 0), (8192, 8, 1))] + [("cur2", nullctx)])
+if "full" in which:  # round 15: split softmax with FULL pieces (fewer registers)
+    for dt in (bf, f32):
+        for N in (131072, 262144):
+            point("sm_fwd", dt, N, [
+                (f"s{c[0] // 1024}w{c[1]}p{c[2]}", lambda c=c: sm_cfg("fwd", c))
+                for c in ((16384, 16, 0), (16384, 16, 1), (8192, 16, 0), (8192, 16, 1),
+                          (8192, 8, 0))])
+        for N in (65536, 131072):
+            point("sm_bwd", dt, N, [
+                (f"s{c[0] // 1024}w{c[1]}p{c[2]}", lambda c=c: sm_cfg("bwd", c))
+                for c in ((16384, 16, 0), (8192, 16, 0), (8192, 16, 1), (8192, 8, 0),
+                          (8192, 8, 1))])
 if "unaligned_fused" in which:  # round 13: LayerNorm backward fused with unaligned rows (VEC)
     # and LayerNorm forward 2^k + 1 rows on a persistent grid holding the weight
     def fwd_var(warps, persistent_above):

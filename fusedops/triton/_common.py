@@ -382,7 +382,8 @@ def wait_for_row(count_ptr, row, C: tl.constexpr):
 
 
 @triton.jit
-def split_piece(row, chunk, L, N, stride, BLOCK: tl.constexpr, VEC: tl.constexpr):
+def split_piece(row, chunk, L, N, stride, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                FULL: tl.constexpr = False):
     """``(offs, mask, pos)`` of piece ``chunk`` of row ``row`` in a split-row kernel: lanes
     ``[0, L)`` of BLOCK are positions ``chunk·L + lane`` of the row (VEC == 0) or of its
     aligned body (VEC > 0, row start unaligned: the body starts at the row's first 16-byte
@@ -392,10 +393,14 @@ def split_piece(row, chunk, L, N, stride, BLOCK: tl.constexpr, VEC: tl.constexpr
     lanes = tl.arange(0, BLOCK)
     start = row.to(tl.int64) * stride
     pos = chunk * L + lanes
+    if FULL:  # L == BLOCK: a piece fills its lanes (fewer mask registers)
+        pos = chunk * BLOCK + lanes
     if VEC > 0:
         first = ((start + (VEC - 1)) // VEC) * VEC
         head = (first - start).to(tl.int32)
         return first + pos, (lanes < L) & (pos < ((N - head) // VEC) * VEC), pos
+    if FULL:
+        return start + pos, pos < N, pos
     return start + pos, (lanes < L) & (pos < N), pos
 
 
