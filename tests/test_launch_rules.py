@@ -101,12 +101,12 @@ def test_split_config_rules():
     assert cfg("bwd", 32768, 4, True) == (2048, 4, 0)
     assert cfg("bwd", 65536, 4, True) == (4096, 4, 2)
     assert cfg("bwd", 262144, 4, True) == (8192, 8, 2)
-    # softmax: 8192 x 8 prefetching, float32 backward 16384 x 16 without
-    assert tsm._split_config("fwd", 2) == tsm._split_config("fwd", 4) == (8192, 8, 1)
+    # softmax: 8192 x 8; prefetch by direction, dtype and alignment
+    assert tsm._split_config("fwd", 2) == (8192, 8, 0)
+    assert tsm._split_config("fwd", 4) == tsm._split_config("fwd", 2, 8) == (8192, 8, 1)
     assert tsm._split_config("bwd", 2) == (8192, 8, 1)
-    assert tsm._split_config("bwd", 4) == (16384, 16, 0)
+    assert tsm._split_config("bwd", 4) == tsm._split_config("bwd", 4, 4) == (8192, 8, 0)
     assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows
-    assert tsm._split_config("bwd", 4, 4) == (8192, 8, 0)
 
 
 def test_split_config_overrides(monkeypatch):

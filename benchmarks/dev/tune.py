@@ -287,12 +287,9 @@ bf, f32 = torch.bfloat16, torch.float32
 
 @contextlib.contextmanager
 def split_opts(**values):
-    old = dict(_common.SPLIT_OPTIONS)
-    _common.SPLIT_OPTIONS.update(values)
-    try:
-        yield
-    finally:
-        _common.SPLIT_OPTIONS.update(old)
+    """(round 11: a global PREFETCH switch, since replaced by per-kind split configs)"""
+    raise NotImplementedError("set the kernel kind's split config instead")
+    yield
 
 
 @contextlib.contextmanager

@@ -341,13 +341,11 @@ def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
 # chunks of a row run in the same round. The interpreter runs programs one after another, so it
 # (and any launch failure) uses the looped kernels instead.
 
-# "prefetch": where a split-row program issues the loads of its next row (it keeps the same
-# piece of rows num_progs / C apart): 0 = not ahead (load, reduce, publish, wait, write: the
-# memory system idles while a program waits for its row's other pieces), 1 = before publishing
-# and waiting, 2 = right after the wait, overlapping the combine and the write. Each kernel
-# kind's measured choice is in its split config (softmax.py, layernorm.py); this is the default
-# they name.
-SPLIT_OPTIONS = {"prefetch": 1}
+# PREFETCH (a constexpr of every split-row kernel): where a program issues the loads of its
+# next row (it keeps the same piece of rows num_progs / C apart): 0 = not ahead (load, reduce,
+# publish, wait, write: its loads idle while it waits for its row's other pieces), 1 = before
+# publishing and waiting, 2 = right after the wait, overlapping the combine and the write. Each
+# kernel kind's measured choice is in its split config (softmax.py, layernorm.py).
 # FUSEDOPS_SPLIT_ROWS=0 turns them off (the looped kernels then handle long rows).
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 

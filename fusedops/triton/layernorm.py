@@ -194,7 +194,7 @@ def _ln_fwd_split(
     # the edges, x and y share the row stride). The grid is a multiple of C: a program always
     # has the same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC
     # (or one item per program), so its rows share one misalignment and its weight columns are
-    # fixed: weight and bias are loaded once. PREFETCH: see SPLIT_OPTIONS in _common.py.
+    # fixed: weight and bias are loaded once. PREFETCH: see _common.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -428,7 +428,7 @@ def _ln_bwd_split(
     # partials in registers across rows. Each chunk publishes its two partial row sums, waits for
     # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
-    # PREFETCH: see SPLIT_OPTIONS in _common.py.
+    # PREFETCH: see _common.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -618,7 +618,7 @@ SPLIT_BWD_CONFIG: tuple[int, int, int] | None = None
 def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int, int, int] | None:
     """(piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
     where the other kernels measured faster (H200, benchmarks/dev/tune.py rounds 4 and 11;
-    PREFETCH: see SPLIT_OPTIONS in _common.py).
+    PREFETCH: see _common.py).
 
     Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
     256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16

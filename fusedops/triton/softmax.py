@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from fusedops.triton._common import (
-    SPLIT_OPTIONS,
     Launcher,
     SplitLauncher,
     grid_size,
@@ -168,9 +167,9 @@ def _softmax_fwd_split(
     # Work item = (row, piece), row-major; see fusedops/triton/_common.py "split rows". The grid
     # is a multiple of C, so a program always has the same piece of rows num_progs // C apart.
     # Pieces: split_piece (L elements of the row, or of its aligned body when VEC > 0; piece 0
-    # then also has the edges; x and y then share the row stride). PREFETCH: see SPLIT_OPTIONS
-    # in _common.py. FULL: pieces fill their BLOCK lanes (L == BLOCK), which saves the per-lane
-    # piece mask: 64 instead of 75 registers at 16384 x 16 (bf16), two programs per SM, not one.
+    # then also has the edges; x and y then share the row stride). PREFETCH: see _common.py.
+    # FULL: pieces fill their BLOCK lanes (L == BLOCK), which saves the per-lane piece mask
+    # (bf16 at 8192 x 8: 64 registers instead of 79).
     pid = tl.program_id(0)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
@@ -287,15 +286,16 @@ _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
 # rows are unaligned (VEC > 0: aligned-body pieces plus edges); a row of N is cut into equal
-# pieces of at most that many elements (_common.split_pieces). H200, tune rounds 11 (aligned)
-# and 12 (N = 65537 and 98309), TB/s:
-# * forward 8192 x 8 with the next row prefetched: float32 3.29 / 3.25 / 3.04 at 64K / 128K /
-#   256K vs 2.89 (one program per row) / 3.00 / 2.93 before; 65537: 3.02 vs 2.23 looped;
-#   bf16 2.23 / 2.15 at 128K / 256K, 65537: 2.22 (looped 2.24);
-# * backward, aligned 16-bit the same (bf16 3.52 / 3.43 / 3.30 at 64K-256K vs 2.97 / 2.88 /
-#   2.77), aligned float32 16384 x 16 without prefetch (3.65 / 3.62 / 3.40; prefetching
-#   spills there); unaligned rows 8192 x 8 prefetching after the wait (16-bit: 2.48 vs 1.80
-#   before it, 2.28 looped) or, float32, not at all (3.55 vs 3.26 at 16384 x 16).
+# pieces of at most that many elements (_common.split_pieces). H200, tune rounds 11, 12 and 15,
+# TB/s (the old kernel: 16384-element pieces on 16 warps, no prefetch):
+# * forward, 8192 x 8: 16-bit aligned without prefetch (bf16 128K / 256K: 2.57 / 2.39 vs 2.42
+#   / 2.28 old), float32 and unaligned rows with the next row prefetched (float32 64K / 128K /
+#   256K: 3.29 / 3.27 / 3.03 vs 2.91 (one program per row) / 3.31 / 3.25; 65537: 3.02 vs 2.48
+#   looped; bf16 65537: 2.22, looped 2.24);
+# * backward, 8192 x 8: 16-bit aligned prefetching (bf16 64K / 128K / 256K: 3.52 / 3.43 / 3.30
+#   vs 2.96 / 2.86 / 2.78 old), unaligned 16-bit prefetching after the wait (65537: 2.48 vs
+#   1.80 before it, 2.28 looped), float32 without prefetch (64K / 128K: 3.83 / 3.76 vs 3.67 /
+#   3.65 old; 65537: 3.55 vs 2.39).
 # None = these rules; a tuple overrides them (experiments).
 SPLIT_CONFIG: dict[str, tuple[int, int, int] | None] = {"fwd": None, "bwd": None}
 
@@ -304,12 +304,11 @@ def _split_config(kind: str, elt_size: int, vec: int = 0) -> tuple[int, int, int
     forced = SPLIT_CONFIG[kind]
     if forced is not None:
         return forced
-    if kind == "bwd":
-        if vec:
-            return (8192, 8, 2) if elt_size == 2 else (8192, 8, 0)
-        if elt_size == 4:
-            return 16384, 16, 0
-    return 8192, 8, SPLIT_OPTIONS["prefetch"]
+    if kind == "fwd":
+        return (8192, 8, 0) if (elt_size == 2 and not vec) else (8192, 8, 1)
+    if elt_size == 4:
+        return 8192, 8, 0
+    return (8192, 8, 2) if vec else (8192, 8, 1)
 
 
 def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_piece: int,
