@@ -210,6 +210,10 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         for n in (2 * 16384, 6 * 16384 + 5):
             layernorm_case(f"layernorm split N={n} {tag}", randn(3, n, dtype=dtype, seed=20),
                            *params(n), randn(3, n, dtype=dtype, seed=21))
+        if affine != "none":  # unaligned 8K bodies: the fused backward's body + edge variant
+            layernorm_case(f"layernorm unaligned fused N=8193 {tag}",
+                           randn(256, 8193, dtype=dtype, seed=22), *params(8193),
+                           randn(256, 8193, dtype=dtype, seed=23))
     if dtype != torch.float32:  # half activations, float32 parameters
         w, b = randn(1000, seed=16), randn(1000, seed=17)
         layernorm_case(f"layernorm mixed-params {t}", randn(5, 1000, dtype=dtype, seed=18), w, b,

@@ -286,22 +286,11 @@ bf, f32 = torch.bfloat16, torch.float32
 
 
 @contextlib.contextmanager
-def split_opts(**values):
-    """(round 11: a global PREFETCH switch, since replaced by per-kind split configs)"""
-    raise NotImplementedError("set the kernel kind's split config instead")
-    yield
-
-
-@contextlib.contextmanager
 def stack(*ctxs):
     with contextlib.ExitStack() as es:
         for c in ctxs:
             es.enter_context(c)
         yield
-
-
-def pf(p, *more):
-    return lambda: stack(split_opts(prefetch=p), *[m() for m in more])
 
 
 @contextlib.contextmanager
@@ -364,46 +353,8 @@ if "unaligned_split" in which:  # round 12: split rows cut into aligned-body pie
                 v.append((f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}",
                           lambda cfg=cfg: knobs(tln, SPLIT_CONFIG=cfg)))
             point("ln_fwd", dt, N, v)
-if "prefetch" in which:  # round 11: split-row kernels load their next row ahead of the wait
-    def sm_split(kind, cap, chunk=16384, warps=16):  # (as of round 11: fixed-size chunks)
-        d = "fwd" if kind == "softmax_fwd" else "bwd"
-        return lambda: stack(caps(**{kind: cap}), sm_cfg(d, (chunk, warps, 1)))
-    for dt in (bf, f32):
-        for N in (32768, 65536, 131072, 262144):
-            v = [("pf0", pf(0)), ("pf2", pf(2))]
-            if N <= 65536:
-                v += [("sp16", sm_split("softmax_fwd", 16384)),
-                      ("sp16pf2", pf(2, sm_split("softmax_fwd", 16384)))]
-            v += [("sp8w8", sm_split("softmax_fwd", 8192, 8192, 8)),
-                  ("sp8w16", sm_split("softmax_fwd", 8192, 8192, 16))]
-            point("sm_fwd", dt, N, v)
-    for dt in (bf, f32):
-        for N in (32768, 65536, 131072, 262144):
-            v = [("pf0", pf(0)), ("pf2", pf(2))]
-            if N <= 32768 and dt == bf:
-                v += [("sp16", sm_split("softmax_bwd", 16384)),
-                      ("sp16pf2", pf(2, sm_split("softmax_bwd", 16384)))]
-            v += [("sp8w8", sm_split("softmax_bwd", 8192, 8192, 8)),
-                  ("sp8w8pf2", pf(2, sm_split("softmax_bwd", 8192, 8192, 8)))]
-            point("sm_bwd", dt, N, v)
-    def lnf(cfg):
-        return lambda: knobs(tln, SPLIT_CONFIG=cfg, LOOPED_16BIT_FWD={})
-    for dt in (bf, f32):
-        for N in (65536, 65537, 131072, 262144):
-            v = [("pf0", pf(0)), ("pf2", pf(2))]
-            for cfg in ((8192, 4), (4096, 4), (8192, 8)):
-                v += [(f"s{cfg[0] // 1024}w{cfg[1]}", lnf(cfg)),
-                      (f"s{cfg[0] // 1024}w{cfg[1]}pf2", pf(2, lnf(cfg)))]
-            point("ln_fwd", dt, N, v)
-    def lnb(cfg):
-        return lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg)
-    for dt, N in ((bf, 16384), (bf, 32768), (bf, 65536), (bf, 262144), (f32, 8193),
-                  (f32, 16384), (f32, 65536), (f32, 262144)):
-        v = [("pf0", pf(0)), ("pf2", pf(2))]
-        for cfg in ((2048, 4), (4096, 8), (8192, 8)):
-            v += [(f"s{cfg[0] // 1024}w{cfg[1]}", lnb(cfg)),
-                  (f"s{cfg[0] // 1024}w{cfg[1]}pf2", pf(2, lnb(cfg)))]
-        point("ln_bwd", dt, N, v)
+# Round 11 (next-row prefetch in the split-row kernels, a global switch then) ran the section
+# `prefetch` of commit f8e65dc; its variants are now per-kind split configs (rounds 12 and 15).
 if "ln_fwd_mid" in which:
     for dt in (bf, f32):
         for N in (16384, 32768):
