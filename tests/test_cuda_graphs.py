@@ -38,7 +38,11 @@ def _warm_up(fn, iters: int = 3) -> None:
 
 @pytest.mark.parametrize("n", [1000, 2 * 16384, 70000], ids=["single", "split", "looped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_graph_forward_backward_variants(n, dtype):
+def test_gpu_graph_forward_backward_variants(monkeypatch, n, dtype):
+    if n == 70000:  # split rows take any long row on CUDA: turn them off for the looped kernels
+        from fusedops.triton import _common
+
+        monkeypatch.setitem(_common._split_state, "enabled", False)
     m = 8
     g = torch.Generator().manual_seed(n)
     static_x = torch.randn(m, n, generator=g).to(dtype).cuda().requires_grad_(True)
