@@ -91,6 +91,7 @@ summary = []
 def run_point(op, dt, N, variants, eager, nbytes, check):
     res = {}
     for name, ctx, fn in variants:
+        split_before = _common._split_state["enabled"]
         try:
             with ctx():
                 err = check(fn())
@@ -98,6 +99,11 @@ def run_point(op, dt, N, variants, eager, nbytes, check):
             res[name] = (nbytes / ms / 1e9, err)
         except Exception as exc:  # noqa: BLE001
             res[name] = (0.0, f"fail {type(exc).__name__}: {str(exc)[:120]}")
+        if split_before and not _common._split_state["enabled"]:
+            # A refused cooperative launch turns split rows off for the process: flag this
+            # variant and turn them back on, so later variants are not silently measured looped.
+            res[name] = (res[name][0], "split rows were disabled during this variant")
+            _common._split_state["enabled"] = True
     e = nbytes / bench(eager) / 1e9
     for name, (tb, err) in res.items():
         records.append(dict(op=op, dtype=str(dt).split(".")[-1], N=N, variant=name, tbps=tb,

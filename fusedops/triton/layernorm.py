@@ -6,19 +6,19 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
 
 * Forward, single-block: ``ROWS`` whole rows per program in registers; mean about the row's
   first element, variance from registers.
-* Forward, split-row (long rows, CUDA): equal chunks in cooperating programs publish (mean, M2),
+* Forward, split-row (long rows, CUDA): equal pieces in cooperating programs publish (mean, M2),
   merged with Chan's formula; one read, one write.
-* Forward, looped: pass 1 streams the row with a per-lane Welford update merged across lanes
+* Forward, looped: pass 1 streams the row keeping per-lane shifted sums, merged across lanes
   with Chan's formula; pass 2 normalises and writes.
-* Backward, fused (rows up to 8K): persistent programs write dx and accumulate dweight/dbias
-  for their rows in float32 registers, one partial row pair each; ``_sum_partials`` adds them
-  in a fixed order (deterministic: no atomics).
+* Backward, fused (rows up to 8K, and unaligned rows with an 8K body): persistent programs write
+  dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
+  each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics).
 * Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its
   chunk's dweight/dbias partials in registers across rows.
 * Backward, dx row kernel (single-block or looped) + column-blocked dweight/dbias kernel: where
   those measured faster, on the interpreter, and after a refused split launch.
-* Backward, 16-bit rows not a multiple of 8 and longer than 8K: PyTorch's native kernel (see
-  ``NATIVE_UNALIGNED_16BIT_BWD``).
+* Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: PyTorch's native
+  kernel (see ``NATIVE_UNALIGNED_16BIT_BWD``).
 """
 
 from __future__ import annotations

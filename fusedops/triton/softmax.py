@@ -1,14 +1,16 @@
 """Triton softmax kernels (forward and backward) and their launch wrappers.
 
 Bytes moved (the floor): forward reads x once and writes y once (2·M·N·elt); backward reads y
-and dy once and writes dx once (3·M·N·elt). Two kernel variants per direction:
+and dy once and writes dx once (3·M·N·elt). Three kernel variants per direction:
 
 * single-block: a program owns ``ROWS`` whole rows padded to ``BLOCK_N`` (a power of two up to
-  ``single_block_limit()``), keeps them in registers, reduces once, writes once; the grid is
-  persistent (about one wave of programs looping over row tiles).
-* looped: rows longer than the limit are streamed in ``CHUNK``-sized pieces; forward keeps a
-  per-lane online (max, sum) so it reads x twice (stats pass + write pass), backward reads
-  y and dy twice (dot pass + write pass).
+  the kind's cap), keeps them in registers, reduces once, writes once; one program per row tile.
+  Rows that do not start 16-byte aligned are read as an aligned body plus edges (_common.py).
+* split-row (longer rows, CUDA): equal pieces of a row in cooperating programs that publish
+  partial statistics, wait for their row's other pieces and write: one read, one write.
+* looped (longer rows elsewhere: the interpreter, a refused cooperative launch): one program
+  per row streams it in ``CHUNK``-sized pieces; forward keeps a per-lane online (max, sum) so
+  it reads x twice (stats pass + write pass), backward reads y and dy twice.
 
 All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
 """
