@@ -175,13 +175,18 @@ def point(op, dt, N, variants, parts=(True, True, True)):
 
 
 @contextlib.contextmanager
-def persistent(kind, value):
-    old = _common.PERSISTENT[kind]
-    _common.PERSISTENT[kind] = value
+def item(mapping, key, value):
+    """mapping[key] = value for the duration of the block."""
+    old = mapping[key]
+    mapping[key] = value
     try:
         yield
     finally:
-        _common.PERSISTENT[kind] = old
+        mapping[key] = old
+
+
+def persistent(kind, value):
+    return item(_common.PERSISTENT, kind, value)
 
 
 @contextlib.contextmanager
@@ -299,14 +304,8 @@ def stack(*ctxs):
         yield
 
 
-@contextlib.contextmanager
 def sm_cfg(kind, cfg):
-    old = tsm.SPLIT_CONFIG[kind]
-    tsm.SPLIT_CONFIG[kind] = cfg
-    try:
-        yield
-    finally:
-        tsm.SPLIT_CONFIG[kind] = old
+    return item(tsm.SPLIT_CONFIG, kind, cfg)
 
 
 if "sm_fwd_long" in which:  # round 14: softmax forward long rows, piece/warps/prefetch again

@@ -284,6 +284,16 @@ def _ln_fwd_split(
 
 
 @triton.jit
+def _over_rows(acc, ACC_1D: tl.constexpr):
+    """A program's partial row from its accumulator: (ROWS, BLOCK) ones summed over rows."""
+    if ACC_1D:
+        row = acc
+    else:
+        row = tl.sum(acc, axis=0)
+    return row
+
+
+@triton.jit
 def _ln_bwd_single(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs,
@@ -381,19 +391,11 @@ def _ln_bwd_single(
                 if VEC > 0:
                     dbe_acc += dye
     out = part_ptr + pid.to(tl.int64) * N
-    if ACC_1D:
-        dw_row = dw_acc
-        db_row = db_acc
-    else:
-        dw_row = tl.sum(dw_acc, axis=0)
-        db_row = tl.sum(db_acc, axis=0)
+    dw_row = _over_rows(dw_acc, ACC_1D)
+    db_row = _over_rows(db_acc, ACC_1D)
     if VEC > 0:
-        if ACC_1D:
-            dwe_row = dwe_acc
-            dbe_row = dbe_acc
-        else:
-            dwe_row = tl.sum(dwe_acc, axis=0)
-            dbe_row = tl.sum(dbe_acc, axis=0)
+        dwe_row = _over_rows(dwe_acc, ACC_1D)
+        dbe_row = _over_rows(dbe_acc, ACC_1D)
         # Every column of the partial row is written once: the body from the lanes, the rest
         # (columns [0, head) and [head + body, N)) from the edge accumulators.
         body_cols = pid_head + cols
