@@ -308,6 +308,20 @@ def sm_cfg(kind, cfg):
     return item(tsm.SPLIT_CONFIG, kind, cfg)
 
 
+if "fused_vec" in which:  # next: the fused backward's body variant without spills. Offline
+    # (ptxas sm_90, Triton 3.9) the shipped tiles spill there (8K body, 2 rows x 16 warps: 208
+    # bytes; 4K body, 4 rows x 16 warps: 656); one row per tile does not (8K on 16 warps: 122
+    # registers, 4K on 8 warps: 141). (tile, programs per SM, ACC_1D) overrides, body variant on
+    # for all lengths, against the shipped rules ("cur").
+    def fused(tile, per_sm, body_from):
+        return lambda: stack(knobs(tln, FUSED_BWD_OVERRIDE=(tile, per_sm, True),
+                                   FUSED_BWD_UNALIGNED_MIN_BLOCK=body_from))
+    for dt in (bf, torch.float16, f32):
+        for N in (2049, 4097, 8193):
+            body = 1 << (N - 1).bit_length() - 1
+            point("ln_bwd", dt, N, [
+                (f"t{t // 1024}Kp{p}", fused(t, p, 16)) for t, p in
+                ((body, 1), (body, 2), (2 * body, 1), (min(16384, 4 * body), 1))])
 if "sm_fwd_long" in which:  # round 14: softmax forward long rows, piece/warps/prefetch again
     for dt in (bf, f32):
         for N in (131072, 262144):
