@@ -125,6 +125,13 @@ def test_fused_backward_config():
     assert tln._fused_bwd_config(2048) == (2, 8, 2, True)
     assert tln._fused_bwd_config(4096) == (4, 16, 1, True)  # 16K-element tiles from 4K
     assert tln._fused_bwd_config(8192) == (2, 16, 1, True)
+    # the body variant of unaligned rows: one row per tile (multi-row tiles spill), two programs
+    # per SM; float32 bodies of 4K+ on 8K-element tiles, one program per SM
+    assert tln._fused_bwd_config(8192, True, 2) == (1, 16, 2, True)
+    assert tln._fused_bwd_config(4096, True, 2) == (1, 8, 2, True)
+    assert tln._fused_bwd_config(2048, True, 4) == (1, 4, 2, True)
+    assert tln._fused_bwd_config(4096, True, 4) == (2, 16, 1, True)
+    assert tln._fused_bwd_config(8192, True, 4) == (1, 16, 1, True)
 
 
 def test_partial_rows_bounded_by_an_eighth_of_x():
@@ -178,21 +185,59 @@ def test_unaligned_config_rules():
     assert uc(4097, "ln_bwd", 2, 8)[1:] == (4096, _common.row_config(4096, "ln_bwd", 2)[2], 4, 8)
 
 
-@pytest.mark.skipif(not _common._interpreting() and not torch.cuda.is_available(),
-                    reason="needs the Triton interpreter or a GPU")
+NEEDS_KERNELS = pytest.mark.skipif(not _common._interpreting() and not torch.cuda.is_available(),
+                                   reason="needs the Triton interpreter or a GPU")
+
+
+def _recording(monkeypatch, mod, name, calls, pick):
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda grid, args, warps: calls.append(pick(grid, args, warps))
+                        or real(grid, args, warps))
+
+
+@NEEDS_KERNELS
 def test_looped_16bit_layernorm_forward_rule(monkeypatch):
-    # Round 10: 16-bit rows of 16K (and 64K) run the two-pass looped kernel (2048 x 16 warps).
-    assert tln.LOOPED_16BIT_FWD == {16384: (2048, 16), 65536: (2048, 16)}
+    # Round 10: 16-bit rows of 64K run the two-pass looped kernel (2048 x 16 warps); 16K moved to
+    # the reload kernel in round 16.
+    assert tln.LOOPED_16BIT_FWD == {65536: (2048, 16)}
     calls = []
-    real = tln._launch_fwd_looped
-    monkeypatch.setattr(tln, "_launch_fwd_looped",
-                        lambda grid, args, warps: calls.append((args[10], warps)) or real(
-                            grid, args, warps))
+    _recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
+    monkeypatch.setattr(_common, "_split_state", {"enabled": False})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = (torch.randn(2, 16384, device=device) * 3 + 100).to(torch.bfloat16)
-    w = torch.randn(16384, device=device)
+    x = (torch.randn(2, 65536, device=device) * 3 + 100).to(torch.bfloat16)
+    w = torch.randn(65536, device=device)
     y, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, torch.bfloat16)
     assert calls == [(2048, 16)]
-    ref = torch.nn.functional.layer_norm(x.double(), (16384,), w.double())
+    ref = torch.nn.functional.layer_norm(x.double(), (65536,), w.double())
     torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
     torch.testing.assert_close(mean.double(), x.double().mean(-1), atol=1e-3, rtol=1e-5)
+
+
+def test_reload_rules():
+    # Round 16 (H200): rows read whole, then again from L2: (element size, padded row) ->
+    # (second-pass chunk, warps).
+    assert tln.RELOAD_FWD == {(2, 4096): (1024, 4), (2, 8192): (1024, 8),
+                              (2, 16384): (4096, 16), (4, 16384): (2048, 16),
+                              (4, 32768): (8192, 32)}
+    assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
+                              (2, 16384): (4096, 32), (2, 32768): (8192, 32)}
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("n", [16384, 12000])
+def test_reload_kernels_take_their_rows(monkeypatch, n):
+    """Aligned rows whose padded length has a reload rule run the reload kernels (forward
+    LayerNorm, backward softmax) with the rule's chunk and warps; unaligned rows do not."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fwd, bwd = [], []
+    _recording(monkeypatch, tln, "_launch_fwd_reload", fwd, lambda g, a, w: (g, a[10], a[11], w))
+    _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
+    x = torch.randn(3, n, device=device).to(torch.bfloat16)
+    tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
+    tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
+    assert fwd == [((3,), 16384, 4096, 16)]
+    assert bwd == [((3,), 4096, 16384, 32)]
+    odd = torch.randn(3, n + 1, device=device).to(torch.bfloat16)
+    tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
+    tsm.softmax_backward(torch.softmax(odd, -1), odd, torch.bfloat16)
+    assert len(fwd) == 1 and len(bwd) == 1

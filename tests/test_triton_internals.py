@@ -34,10 +34,15 @@ def test_unaligned_fused_backward_rule(monkeypatch):
 
     monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
 
-    # the aligned-body fused backward from 8K bodies (8193); 4097 stays scalar (padded to 8192)
-    for n, vec in [(8193, 8), (4097, 0), (1025, 0)]:
+    # the aligned-body fused backward from 2K bodies (2049), one row per tile; 1025 stays
+    # scalar (padded to 2048)
+    for n, vec, block in [(8193, 8, 8192), (4097, 8, 4096), (2049, 8, 2048), (1025, 0, 2048)]:
         x = torch.empty(4096, n, dtype=torch.bfloat16)
-        assert tln._fused_plan(4096, n, x, x)[:2] == (vec, 8192 if n > 1025 else 2048)
+        plan = tln._fused_plan(4096, n, x, x)
+        assert plan[:3] == (vec, block, 1 if vec else 2)
+    # float32 bodies of 4K+: two rows of 4K or one of 8K per 16-warp program, one per SM
+    x = torch.empty(4096, 4097, dtype=torch.float32)
+    assert tln._fused_plan(4096, 4097, x, x)[:4] == (4, 4096, 2, 16)
 
 
 def test_unaligned_split_can_be_turned_off(monkeypatch):
@@ -140,3 +145,50 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
     assert_close_to_ref(got[0], want[0], dtype, scale=4)
     for a, e in zip(got[1:], want[1:], strict=True):
         torch.testing.assert_close(a.double(), e, atol=2e-2 * m ** 0.5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [64, 50, 40])
+@pytest.mark.parametrize("affine", [True, False])
+def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype, n, affine):
+    """The reload kernels (row read whole, then again in chunks from L2) on short rows: the
+    rules shrunk to 64-element rows in 16-element second-pass chunks, so rows shorter than the
+    padded block and chunks past the row's end are exercised; rows far from zero (mean 1e4,
+    small spread) check the statistics' shift, strided x the row stride."""
+    from fusedops.triton import layernorm as tln
+    from fusedops.triton import softmax as tsm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tln, "RELOAD_FWD", {(elt, 64): (16, 4)})
+    monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): (16, 4)})
+    calls = []
+    real = tln._launch_fwd_reload
+    monkeypatch.setattr(tln, "_launch_fwd_reload",
+                        lambda g, a, w: calls.append(a[10]) or real(g, a, w))
+    torch.manual_seed(n)
+    base = torch.randn(6, 72, device=device, dtype=torch.float64)
+    base[:3] = 1e4 + base[:3] * 1e-2
+    x = base.to(dtype)[:, :n]  # row stride 72: not contiguous
+    w = torch.randn(n, device=device) if affine else None
+    b = torch.randn(n, device=device) if affine else None
+    x64 = x.double()
+    w64, b64 = (t.double() if t is not None else None for t in (w, b))
+    want = F.layer_norm(x64, (n,), w64, b64)
+    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
+    assert_close_to_ref(y[3:], want[3:], dtype, scale=4)
+    # rows at 1e4: the float32 rounding of the mean itself bounds any kernel; no worse than torch
+    ours = (y[:3].double() - want[:3]).abs().max()
+    theirs = (F.layer_norm(x[:3], (n,), w, b).double() - want[:3]).abs().max()
+    assert ours <= theirs
+    torch.testing.assert_close(mean.double(), x64.mean(-1), atol=1e-6, rtol=1e-6)
+    var = x64.var(-1, unbiased=False)
+    torch.testing.assert_close(rstd[3:].double(), (var[3:] + 1e-5).rsqrt(), atol=0, rtol=1e-4)
+    y_only = tln.layernorm_forward_y(x, w, b, 1e-5, dtype)
+    assert torch.equal(y_only, y)
+    assert calls == [64, 64]
+
+    s = torch.softmax(torch.randn(6, n, device=device, dtype=torch.float64), -1)
+    g = torch.randn(6, 2 * n, device=device, dtype=torch.float64)[:, :n]  # strided dy
+    dx = tsm.softmax_backward(s.to(dtype), g.to(dtype), dtype)
+    s_, g_ = s.to(dtype).double(), g.to(dtype).double()
+    assert_close_to_ref(dx, s_ * (g_ - (s_ * g_).sum(-1, keepdim=True)), dtype, scale=4)

@@ -12,8 +12,9 @@ attributes named ``_launch_*``) is wrapped to count its launches; the run fails 
 never launched, so a new kernel variant without a case here is noticed.
 
 Variants: softmax forward/backward single-block (aligned rows and, as an aligned body
-plus element-wise edges, unaligned ones), looped (single-block limit shrunk to 256), split-row (N = 2 x 16384
-and 6 x 16384 + 5, M = 3); LayerNorm forward single/looped/split-row, the fused backward with
+plus element-wise edges, unaligned ones), looped (single-block limit shrunk to 256), the
+backward's reload variant (16-bit N = 4000), split-row (N = 2 x 16384 and 6 x 16384 + 5, M = 3);
+LayerNorm forward single/looped/reload (N = 12000)/split-row, the fused backward with
 per-program dweight/dbias partials, the dx row kernel (single/looped) with the column
 dweight/dbias kernel (FUSED_BWD_MAX_BLOCK = 0 forces it at short rows), the partial-sum kernel,
 each with no affine, weight only, bias only and both, with and without dx; float32 and
@@ -167,6 +168,9 @@ def softmax_cases(dtype: torch.dtype) -> None:
     finally:
         _common.set_single_block_limit(None)
         _common._split_state["enabled"] = split
+    # 16-bit rows of 4K: the backward's reload variant (row read whole, then again in chunks)
+    softmax_case(f"softmax reload N=4000 {t}", randn(3, 4000, dtype=dtype, seed=9),
+                 randn(3, 4000, dtype=dtype, seed=10))
     for n in (2 * 16384, 6 * 16384 + 5):
         softmax_case(f"softmax split N={n} {t}", randn(3, n, dtype=dtype, seed=7),
                      randn(3, n, dtype=dtype, seed=8))
@@ -212,6 +216,9 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         if affine != "none":  # the fused backward with partials only
             layernorm_case(f"layernorm params-only {tag}", randn(40, 300, dtype=dtype, seed=14),
                            *params(300), randn(40, 300, dtype=dtype, seed=15), need_x=False)
+        # rows padded to 16K: the forward's reload kernel (row read whole, then in chunks)
+        layernorm_case(f"layernorm reload N=12000 {tag}", randn(3, 12000, dtype=dtype, seed=24),
+                       *params(12000), randn(3, 12000, dtype=dtype, seed=25))
         for n in (2 * 16384, 6 * 16384 + 5):
             layernorm_case(f"layernorm split N={n} {tag}", randn(3, n, dtype=dtype, seed=20),
                            *params(n), randn(3, n, dtype=dtype, seed=21))

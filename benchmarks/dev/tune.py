@@ -308,6 +308,61 @@ def sm_cfg(kind, cfg):
     return item(tsm.SPLIT_CONFIG, kind, cfg)
 
 
+@contextlib.contextmanager
+def entry(mapping, key, value):
+    """mapping[key] = value for the duration of the block (key absent before)."""
+    mapping[key] = value
+    try:
+        yield
+    finally:
+        mapping.pop(key, None)
+
+
+if "reload" in which:  # round 16: rows read whole (all bytes in flight), then again from L2
+    # (Inductor's unrolled two-loop reductions; ours kept the row in registers or looped).
+    # Offline ptxas sm_90: LN fwd bf16 16K 62 regs at 16 warps, 32 at 32; softmax bwd bf16 16K
+    # 28 at 32 warps, 32 at 16.
+    def rl(mod_dict, elt, block, chunk, warps):
+        return (f"rl{chunk // 1024}Kw{warps}",
+                lambda: entry(mod_dict, (elt, block), (chunk, warps)))
+    for dt, N, cfgs in ((bf, 16384, ((2048, 16), (4096, 16), (2048, 32))),
+                        (fp16, 16384, ((2048, 16), (4096, 16), (2048, 32))),
+                        (bf, 8192, ((2048, 16), (1024, 8), (2048, 8))),
+                        (fp16, 8192, ((2048, 16), (1024, 8))),
+                        (bf, 32768, ((4096, 32), (2048, 32))),
+                        (f32, 16384, ((2048, 16), (2048, 32))),
+                        (f32, 32768, ((4096, 32), (2048, 32)))):
+        elt = torch.empty((), dtype=dt).element_size()
+        point("ln_fwd", dt, N, [rl(tln.RELOAD_FWD, elt, N, c, w) for c, w in cfgs])
+    for dt, N, cfgs in ((bf, 16384, ((2048, 32), (4096, 32), (2048, 16))),
+                        (fp16, 16384, ((2048, 32), (4096, 32), (2048, 16))),
+                        (bf, 32768, ((4096, 32), (2048, 32))),
+                        (fp16, 32768, ((4096, 32), (2048, 32))),
+                        (f32, 16384, ((4096, 32), (2048, 16))),
+                        (f32, 32768, ((4096, 32),)),
+                        (bf, 4096, ((2048, 16), (1024, 8), (4096, 16))),
+                        (fp16, 2048, ((2048, 8), (1024, 4), (2048, 16))),
+                        (bf, 8192, ((2048, 16), (4096, 32)))):
+        elt = torch.empty((), dtype=dt).element_size()
+        point("sm_bwd", dt, N, [rl(tsm.RELOAD_BWD, elt, N, c, w) for c, w in cfgs])
+if "reload2" in which:  # round 16b: more reload shapes, with the round-16 rules as "cur"
+    def rl2(mod_dict, elt, block, chunk, warps):
+        return (f"rl{chunk // 1024}Kw{warps}",
+                lambda: item(mod_dict, (elt, block), (chunk, warps)) if (elt, block) in mod_dict
+                else entry(mod_dict, (elt, block), (chunk, warps)))
+    for dt, N, cfgs in ((bf, 16384, ((4096, 32), (8192, 32), (8192, 16))),
+                        (fp16, 16384, ((4096, 32), (8192, 16))),
+                        (f32, 32768, ((8192, 32), (2048, 16))),
+                        (bf, 4096, ((1024, 4), (2048, 8), (1024, 8))),
+                        (f32, 4096, ((1024, 4), (2048, 8), (1024, 8))),
+                        (bf, 32768, ((8192, 32), (4096, 16)))):
+        elt = torch.empty((), dtype=dt).element_size()
+        point("ln_fwd", dt, N, [rl2(tln.RELOAD_FWD, elt, N, c, w) for c, w in cfgs])
+    for dt, N, cfgs in ((bf, 32768, ((8192, 32), (4096, 16), (2048, 16))),
+                        (fp16, 32768, ((8192, 32), (4096, 16))),
+                        (bf, 16384, ((8192, 32), (4096, 16)))):
+        elt = torch.empty((), dtype=dt).element_size()
+        point("sm_bwd", dt, N, [rl2(tsm.RELOAD_BWD, elt, N, c, w) for c, w in cfgs])
 if "fused_vec" in which:  # next: the fused backward's body variant without spills. Offline
     # (ptxas sm_90, Triton 3.9) the shipped tiles spill there (8K body, 2 rows x 16 warps: 208
     # bytes; 4K body, 4 rows x 16 warps: 656); one row per tile does not (8K on 16 warps: 122

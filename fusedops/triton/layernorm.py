@@ -181,6 +181,48 @@ def _ln_fwd_looped(
 
 
 @triton.jit
+def _ln_fwd_reload(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_x, stride_y, eps,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    STATS: tl.constexpr,
+):
+    # One row per program, read twice: first whole, in one load (every byte of the row in flight
+    # at once), for exact two-pass statistics in registers; then again in CHUNK-sized pieces,
+    # from L2, to write y. Nothing stays in registers across the two passes, so a program needs
+    # far fewer registers than the single-block kernel (which holds the row and the weights until
+    # it writes): more programs per SM, more bytes in flight. Inductor's reduction kernels do the
+    # same at these lengths (its first loop fully unrolled).
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    y_row = y_ptr + row.to(tl.int64) * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+    x0 = tl.load(x_row).to(tl.float32)  # the shift, as in _ln_fwd_single
+    mean = x0 + tl.sum(tl.where(mask, x.to(tl.float32) - x0, 0.0), axis=0) / N
+    xc = tl.where(mask, x.to(tl.float32) - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / N
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    if STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+    lanes = tl.arange(0, CHUNK)
+    for start in tl.static_range(0, BLOCK_N, CHUNK):
+        c = start + lanes
+        valid = c < N
+        xr = tl.load(x_row + c, mask=valid, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        y = (xr - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + c, mask=valid, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + c, mask=valid, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
 def _ln_fwd_split(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x,
     stride_y, eps, num_items, num_progs,
@@ -696,15 +738,26 @@ def _max_partial_rows(x: torch.Tensor) -> int:
     return max(1, x.numel() * x.element_size() // 8 // (8 * x.shape[1]))
 
 
-def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
+def _fused_bwd_config(block: int, body: bool = False,
+                      elt_size: int = 2) -> tuple[int, int, int, bool]:
     """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
-    ``block``. Measured on H200 (benchmarks/dev/tune.py, 2026-11-21): 4096-element tiles at two
+    ``block`` (``body``: the aligned body of unaligned rows, on ``elt_size``-byte elements).
+    Measured on H200 (benchmarks/dev/tune.py, 2026-11-21): 4096-element tiles at two
     programs per SM up to 2K columns, with (ROWS, BLOCK) accumulators while a tile holds 4+ rows
     (folding rows every tile costs a cross-warp reduction); above, one 16-warp program per SM
     on 16K-element tiles (4 rows of 4K, 2 of 8K). More programs per SM write more partial rows
-    (2·programs·N·4 bytes)."""
+    (2·programs·N·4 bytes).
+
+    The body variant keeps edge accumulators and addresses besides the body's, and spills on
+    multi-row tiles (ptxas sm_90: 208 bytes at an 8K body on 2 rows, 656 at 4K on 4 rows): one
+    row per tile, two programs per SM, except float32 bodies of 4K+ on 8K-element tiles (tune
+    round 16 on H100, TB/s vs the shipped multi-row tiles: 8193 bf16 1.75 vs 1.08, float32 2.81
+    vs 1.86; 4097 float32 2.81 vs 2.51, 16-bit 1.42 vs 0.83-1.44; 2049 within 3%)."""
     if FUSED_BWD_OVERRIDE is not None:
         tile, per_sm, acc_1d = FUSED_BWD_OVERRIDE
+    elif body:
+        tile, per_sm, acc_1d = ((8192, 1, True) if elt_size == 4 and block >= 4096
+                                else (block, 2, True))
     elif block <= 2048:
         tile, per_sm, acc_1d = 4096, 2, block > 1024
     else:  # 16K-element 16-warp tiles: bf16 8K 3.55 vs 2.27 TB/s, bf16 4K 3.52 vs 2.69
@@ -714,11 +767,10 @@ def _fused_bwd_config(block: int) -> tuple[int, int, int, bool]:
 
 
 # Unaligned rows take the fused kernel's aligned-body variant only from bodies of this many
-# elements (the padded scalar variant no longer fits it there). H200, tune round 13, TB/s, body
-# variant vs scalar: 8193 bf16 1.33 vs 1.25 (PyTorch's native kernel), float32 2.42 vs 1.86
-# (split rows); shorter rows measured slower with it (4097: bf16 0.56 vs 1.49, float32 1.94 vs
-# 2.79; 1025: 0.92 vs 1.63).
-FUSED_BWD_UNALIGNED_MIN_BLOCK = 8192
+# elements. With multi-row tiles it measured slower than the padded scalar variant below 8K
+# (H200, round 13: 4097 bf16 0.56 vs 1.49); on one-row tiles (round 16, H100) it is level at
+# 2049 and ahead from 4097.
+FUSED_BWD_UNALIGNED_MIN_BLOCK = 2048
 
 
 def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
@@ -735,7 +787,7 @@ def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
         block = next_pow2(body_len(N, v))
         if block > min(FUSED_BWD_MAX_BLOCK, single_block_limit()):
             continue
-        rows, warps, per_sm, acc_1d = _fused_bwd_config(block)
+        rows, warps, per_sm, acc_1d = _fused_bwd_config(block, v > 0, x.element_size())
         tiles = num_row_tiles(M, rows, v)
         progs = max(1, min(tiles, num_sms(x.device) * per_sm, _max_partial_rows(x)))
         if v and progs < tiles:
@@ -751,6 +803,7 @@ COLUMN_WARPS = 8
 
 _launch_fwd_single = Launcher(_ln_fwd_single)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)
+_launch_fwd_reload = Launcher(_ln_fwd_reload)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
@@ -810,9 +863,29 @@ def layernorm_forward_y(
 
 # 16-bit rows that run faster on the looped kernel (two passes, the second from L2) than in
 # registers or split over programs: padded row length -> (chunk, warps). H200, tune round 10
-# (per-lane shifted sums in the looped kernel): bf16 16K 3.10 vs 2.77 TB/s single-block, fp16
-# 3.32 vs 2.79; bf16 64K 2.54 vs 2.17 split-row. 32K stays single-block (3.19 vs 3.01).
-LOOPED_16BIT_FWD = {16384: (2048, 16), 65536: (2048, 16)}
+# (per-lane shifted sums in the looped kernel): bf16 64K 2.54 vs 2.17 split-row (16K, 3.10 vs
+# 2.77 single-block then, moved to RELOAD_FWD in round 16).
+LOOPED_16BIT_FWD = {65536: (2048, 16)}
+# Aligned rows read whole, then again from L2 (_ln_fwd_reload): (element size, padded row) ->
+# (second-pass chunk, warps). Checked before LOOPED_16BIT_FWD. H200, tune rounds 16/16b, TB/s vs
+# the kernels before it: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96 vs 3.62; 16K
+# 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51, 32K 3.73 vs
+# 3.24 (single-block). 16-bit 32K (3.20 vs 2.96-3.07) and float32 4K (4.12 vs 3.86-4.10) stay.
+RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16),
+    (4, 16384): (2048, 16), (4, 32768): (8192, 32),
+}
+
+
+def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps):
+    mean = rstd = y  # placeholders, never written without STATS
+    if with_stats:
+        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M > 0:
+        _launch_fwd_reload((M,), (x, w, b, y, mean, rstd, N, stride, N, eps,
+                                  next_pow2(N), chunk, has_w, has_b, with_stats), warps)
+    return (y, mean, rstd) if with_stats else (y, None, None)
 
 
 def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
@@ -822,6 +895,12 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
+    reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
+              if not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if reload:
+        # Measured with the statistics written (see STATS_FREE_16BIT_MAX below).
+        stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
+        return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload)
     looped = (LOOPED_16BIT_FWD.get(next_pow2(N))
               if N > 8192 and not vec and x.element_size() == 2 else None)
     if looped and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT and not OVERRIDES:
