@@ -221,6 +221,8 @@ def test_reload_rules():
                               (4, 32768): (8192, 32)}
     assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
                               (2, 16384): (4096, 32), (2, 32768): (8192, 32)}
+    # the host paths skip the lookup for rows shorter than every key
+    assert min(k[1] for k in tln.RELOAD_FWD) > 2048 and min(k[1] for k in tsm.RELOAD_BWD) > 1024
 
 
 @NEEDS_KERNELS

@@ -895,8 +895,9 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
-    reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
-              if not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))  # rows of 4K+ (the host
+              if N > 2048 and not vec  # path of short rows stays as it was)
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
         # Measured with the statistics written (see STATS_FREE_16BIT_MAX below).
         stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)

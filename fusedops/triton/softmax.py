@@ -387,8 +387,9 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     if M == 0 or N == 0:
         return dx
     vec = unaligned_vec(N, (N, dy.stride(0)), y.element_size(), (y, dy, dx))
-    reload = (RELOAD_BWD.get((y.element_size(), next_pow2(N)))
-              if not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    reload = (RELOAD_BWD.get((y.element_size(), next_pow2(N)))  # rows of 2K+ only
+              if N > 1024 and not vec
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
         chunk, warps = reload
         _launch_bwd_looped(
