@@ -10,7 +10,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   merged with Chan's formula; one read, one write.
 * Forward, looped: pass 1 streams the row keeping per-lane shifted sums, merged across lanes
   with Chan's formula; pass 2 normalises and writes.
-* Backward, fused (rows up to 8K, and unaligned rows with an 8K body): persistent programs write
+* Forward, reload (chosen row lengths, ``RELOAD_FWD``): the row read whole in one load for the
+  statistics, then again from L2 in chunks to write y; nothing held across the two.
+* Backward, fused (rows up to 8K, and unaligned rows with a 2K-8K body): persistent programs write
   dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
   each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics).
 * Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its

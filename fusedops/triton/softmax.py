@@ -10,7 +10,9 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   partial statistics, wait for their row's other pieces and write: one read, one write.
 * looped (longer rows elsewhere: the interpreter, a refused cooperative launch): one program
   per row streams it in ``CHUNK``-sized pieces; forward keeps a per-lane online (max, sum) so
-  it reads x twice (stats pass + write pass), backward reads y and dy twice.
+  it reads x twice (stats pass + write pass), backward reads y and dy twice. The backward's
+  reload variant (``WHOLE``, chosen 16-bit row lengths in ``RELOAD_BWD``) reads the row whole
+  for the dot product and again from L2 for dx.
 
 All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
 """
