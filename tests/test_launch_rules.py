@@ -222,7 +222,8 @@ def test_reload_rules():
     assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
                               (2, 16384): (4096, 32), (2, 32768): (8192, 32)}
     # the host paths skip the lookup for rows shorter than every key
-    assert min(k[1] for k in tln.RELOAD_FWD) > 2048 and min(k[1] for k in tsm.RELOAD_BWD) > 1024
+    assert min(k[1] for k in tln.RELOAD_FWD) > tln.RELOAD_FWD_ABOVE
+    assert min(k[1] for k in tsm.RELOAD_BWD) > tsm.RELOAD_BWD_ABOVE
 
 
 @NEEDS_KERNELS

@@ -161,6 +161,8 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "RELOAD_FWD", {(elt, 64): (16, 4)})
     monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): (16, 4)})
+    monkeypatch.setattr(tln, "RELOAD_FWD_ABOVE", 0)
+    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
     calls = []
     real = tln._launch_fwd_reload
     monkeypatch.setattr(tln, "_launch_fwd_reload",

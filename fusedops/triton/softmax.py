@@ -353,6 +353,7 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
 RELOAD_BWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 2048): (2048, 8), (2, 4096): (4096, 16), (2, 16384): (4096, 32), (2, 32768): (8192, 32),
 }
+RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -389,8 +390,8 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     if M == 0 or N == 0:
         return dx
     vec = unaligned_vec(N, (N, dy.stride(0)), y.element_size(), (y, dy, dx))
-    reload = (RELOAD_BWD.get((y.element_size(), next_pow2(N)))  # rows of 2K+ only
-              if N > 1024 and not vec
+    reload = (RELOAD_BWD.get((y.element_size(), next_pow2(N)))
+              if N > RELOAD_BWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
         chunk, warps = reload
