@@ -150,16 +150,19 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [64, 50, 40])
 @pytest.mark.parametrize("affine", [True, False])
-def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype, n, affine):
+@pytest.mark.parametrize("third", [False, True], ids=["keep", "third-read"])
+def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype, n, affine,
+                                      third):
     """The reload kernels (row read whole, then again in chunks from L2) on short rows: the
     rules shrunk to 64-element rows in 16-element second-pass chunks, so rows shorter than the
     padded block and chunks past the row's end are exercised; rows far from zero (mean 1e4,
-    small spread) check the statistics' shift, strided x the row stride."""
+    small spread) check the statistics' shift, strided x the row stride. ``third``: the
+    forward's THIRD_READ variant (x read again for the variance; tune round 17)."""
     from fusedops.triton import layernorm as tln
     from fusedops.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "RELOAD_FWD", {(elt, 64): (16, 4)})
+    monkeypatch.setattr(tln, "RELOAD_FWD", {(elt, 64): (16, 4, third)})
     monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): (16, 4)})
     monkeypatch.setattr(tln, "RELOAD_FWD_ABOVE", 0)
     monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)

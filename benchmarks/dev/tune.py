@@ -363,6 +363,23 @@ if "reload2" in which:  # round 16b: more reload shapes, with the round-16 rules
                         (bf, 16384, ((8192, 32), (4096, 16)))):
         elt = torch.empty((), dtype=dt).element_size()
         point("sm_bwd", dt, N, [rl2(tsm.RELOAD_BWD, elt, N, c, w) for c, w in cfgs])
+if "third" in which:  # round 17: the reload forward reading x a third time (from L2) for the
+    # variance instead of keeping it: ptxas sm_90 32 registers at bf16 16K on 16 warps (2048
+    # chunks) instead of 63, i.e. four programs per SM instead of two (Inductor's 31)
+    def tr(elt, block, chunk, warps, third=True):
+        return (f"rl{chunk // 1024}Kw{warps}{'t' if third else ''}",
+                lambda: item(tln.RELOAD_FWD, (elt, block), (chunk, warps, third))
+                if (elt, block) in tln.RELOAD_FWD
+                else entry(tln.RELOAD_FWD, (elt, block), (chunk, warps, third)))
+    for dt, N, cfgs in ((bf, 16384, ((2048, 16), (4096, 16), (1024, 16))),
+                        (fp16, 16384, ((2048, 16), (4096, 16))),
+                        (bf, 8192, ((1024, 8), (2048, 16))),
+                        (bf, 4096, ((1024, 4), (1024, 8))),
+                        (f32, 16384, ((2048, 16), (4096, 16))),
+                        (f32, 32768, ((8192, 32), (4096, 32))),
+                        (bf, 32768, ((8192, 32), (4096, 32), (4096, 16)))):
+        elt = torch.empty((), dtype=dt).element_size()
+        point("ln_fwd", dt, N, [tr(elt, N, c, w) for c, w in cfgs])
 if "fused_vec" in which:  # next: the fused backward's body variant without spills. Offline
     # (ptxas sm_90, Triton 3.9) the shipped tiles spill there (8K body, 2 rows x 16 warps: 208
     # bytes; 4K body, 4 rows x 16 warps: 656); one row per tile does not (8K on 16 warps: 122

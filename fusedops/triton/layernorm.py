@@ -186,7 +186,7 @@ def _ln_fwd_looped(
 def _ln_fwd_reload(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_x, stride_y, eps,
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    STATS: tl.constexpr,
+    STATS: tl.constexpr, THIRD_READ: tl.constexpr = False,
 ):
     # One row per program, read twice: first whole, in one load (every byte of the row in flight
     # at once), for exact two-pass statistics in registers; then again in CHUNK-sized pieces,
@@ -202,6 +202,11 @@ def _ln_fwd_reload(
     x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
     x0 = tl.load(x_row).to(tl.float32)  # the shift, as in _ln_fwd_single
     mean = x0 + tl.sum(tl.where(mask, x.to(tl.float32) - x0, 0.0), axis=0) / N
+    if THIRD_READ:  # read x again (L2) for the variance instead of keeping it: half the
+        # registers at 16-bit 16K (ptxas: 32 vs 63 on 16 warps), a third read from L2. Measured
+        # slower at 4K-16K (bf16 16K 3.36-3.63 vs 3.75 TB/s) but faster at bf16 32K on 32 warps
+        # (3.54 vs 3.19 single-block; tune round 17); no rule uses it yet (no sweep ran on it).
+        x = tl.load(x_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xc = tl.where(mask, x.to(tl.float32) - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
     rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
@@ -869,10 +874,11 @@ def layernorm_forward_y(
 # 2.77 single-block then, moved to RELOAD_FWD in round 16).
 LOOPED_16BIT_FWD = {65536: (2048, 16)}
 # Aligned rows read whole, then again from L2 (_ln_fwd_reload): (element size, padded row) ->
-# (second-pass chunk, warps). Checked before LOOPED_16BIT_FWD. H200, tune rounds 16/16b, TB/s vs
-# the kernels before it: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96 vs 3.62; 16K
-# 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51, 32K 3.73 vs
-# 3.24 (single-block). 16-bit 32K (3.20 vs 2.96-3.07) and float32 4K (4.12 vs 3.86-4.10) stay.
+# (second-pass chunk, warps[, THIRD_READ]). Checked before LOOPED_16BIT_FWD. H200, tune rounds
+# 16/16b, TB/s vs the kernels before it: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96
+# vs 3.62; 16K 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51,
+# 32K 3.73 vs 3.24 (single-block). 16-bit 32K (3.20 vs 2.96-3.07) and float32 4K (4.12 vs
+# 3.86-4.10) stay.
 RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16),
     (4, 16384): (2048, 16), (4, 32768): (8192, 32),
@@ -880,14 +886,16 @@ RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
 
 
-def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps):
+def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
+                    third_read=False):
     mean = rstd = y  # placeholders, never written without STATS
     if with_stats:
         mean = torch.empty((M,), dtype=torch.float32, device=x.device)
         rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M > 0:
         _launch_fwd_reload((M,), (x, w, b, y, mean, rstd, N, stride, N, eps,
-                                  next_pow2(N), chunk, has_w, has_b, with_stats), warps)
+                                  next_pow2(N), chunk, has_w, has_b, with_stats, third_read),
+                           warps)
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
