@@ -4,6 +4,11 @@ Public API only; see docs/api.md.
 """
 
 from fusedops._dispatch import count_fused_calls, get_backend, set_backend, use_backend
+from fusedops._settings import (
+    get_layernorm_backward,
+    layernorm_backward_mode,
+    set_layernorm_backward,
+)
 from fusedops.modules import FusedLayerNorm, FusedSoftmax
 from fusedops.ops import LayerNormFunction, SoftmaxFunction, fused_layernorm, fused_softmax
 from fusedops.patching import PatchReport, patch_model, patched, unpatch_model
@@ -20,9 +25,12 @@ __all__ = [
     "fused_layernorm",
     "fused_softmax",
     "get_backend",
+    "get_layernorm_backward",
+    "layernorm_backward_mode",
     "patch_model",
     "patched",
     "set_backend",
+    "set_layernorm_backward",
     "unpatch_model",
     "use_backend",
 ]

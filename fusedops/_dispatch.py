@@ -7,10 +7,12 @@ the same *2-D row contract* (see ``docs/design.md``):
 * ``softmax_backward(y, dy, out_dtype) -> dx``
 * ``layernorm_forward(x, weight, bias, eps, out_dtype) -> (y, mean, rstd)``
 * ``layernorm_forward_y(x, weight, bias, eps, out_dtype) -> y`` (no backward will follow)
-* ``layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db) -> (dx, dw, db)``
+* ``layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes=None)
+  -> (dx, dw, db)``
 
 where ``x``/``dy`` are ``(M, N)`` with unit column stride and any row stride, ``y`` is ``(M, N)``
-contiguous, ``mean``/``rstd`` are ``(M,)`` float32 and ``dw``/``db`` come back as float32 ``(N,)``.
+contiguous, ``mean``/``rstd`` are ``(M,)`` float32 and ``dw``/``db`` come back as float32 ``(N,)``
+(or already in ``grad_dtypes``, the parameters' dtypes, where a backend chose to cast them).
 The autograd Functions in ``fusedops.ops`` reduce every user call to this contract.
 
 The choice is cached per (device type, dtype) so the hot path is one dict lookup.

@@ -418,7 +418,8 @@ def layernorm_forward_y(x, weight, bias, eps, out_dtype):
     return layernorm_forward(x, weight, bias, eps, out_dtype)[0]
 
 
-def layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
+def layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes=None):
+    # grad_dtypes: a hint for backends that cast dweight/dbias themselves; the caller casts here.
     impl = _get_impl()
     if isinstance(impl, _Extension):
         if (x.dtype, dy.dtype) in impl.layernorm_bwd:

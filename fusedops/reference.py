@@ -77,9 +77,11 @@ def layernorm_backward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    grad_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of row LayerNorm. dx has x's dtype; dw and db come back in the accumulation
-    dtype (float32, float64 for float64 input), shape (N,)."""
+    dtype (float32, float64 for float64 input), shape (N,). ``grad_dtypes`` (the parameters'
+    dtypes, a hint some backends use to cast in place) is not needed here: the caller casts."""
     acc = _acc_dtype(x.dtype)
     dyf = dy.to(acc)
     xhat = (x.to(acc) - mean[:, None].to(acc)) * rstd[:, None].to(acc)

@@ -17,6 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+import fusedops
 from fusedops import fused_layernorm, fused_softmax
 from fusedops.tools.memory import peak_bytes, saved_bytes
 
@@ -54,7 +55,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--layernorm-backward", choices=["fast", "low_memory"], default="fast",
+                   help="fusedops.set_layernorm_backward mode for the fused runs")
     args = p.parse_args()
+    fusedops.set_layernorm_backward(args.layernorm_backward)
+    print(f"LayerNorm backward mode: {args.layernorm_backward}")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     header = ["op", "shape", "dtype", "saved fused MiB", "saved torch MiB", "saved ratio",

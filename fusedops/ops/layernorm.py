@@ -21,7 +21,7 @@ def _forward_rows(x2, w, b, eps, out_dtype):
     return backend.layernorm_forward(x2, w, b, eps, out_dtype)
 
 
-def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db):
+def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db, grad_dtypes):
     if torch.compiler.is_compiling():
         dx, dw, db = _library.layernorm_backward(
             dy2, x2, w, mean, rstd, need_dx, need_dw, need_db
@@ -29,7 +29,8 @@ def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db):
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
     backend = _dispatch.backend_for(x2)
     _dispatch.record("layernorm_backward", backend)
-    return backend.layernorm_backward(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db)
+    return backend.layernorm_backward(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db,
+                                      grad_dtypes=grad_dtypes)
 
 
 def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -85,7 +86,8 @@ class LayerNormFunction(torch.autograd.Function):
                 dy2, x2, w, mean, rstd, need_dx, need_dw, need_db
             )
         else:
-            dx2, dw, db = _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db)
+            dx2, dw, db = _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db,
+                                         ctx.param_dtypes)
         dx = dx2.view(dy.shape) if dx2 is not None else None
         w_dtype, b_dtype = ctx.param_dtypes
         w_shape, b_shape = ctx.param_shapes

@@ -33,12 +33,12 @@ if AVAILABLE:
         get_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 
         @functools.wraps(fn)
-        def run(first, *args):
+        def run(first, *args, **kwargs):
             index = first.get_device()  # -1 for CPU tensors (the interpreter)
             if index >= 0 and first.is_cuda and index != get_device():
                 with torch.cuda.device(index):
-                    return fn(first, *args)
-            return fn(first, *args)
+                    return fn(first, *args, **kwargs)
+            return fn(first, *args, **kwargs)
 
         return run
 

@@ -21,6 +21,8 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   those measured faster, on the interpreter, and after a refused split launch.
 * Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: PyTorch's native
   kernel (see ``NATIVE_UNALIGNED_16BIT_BWD``).
+* Backward, ``low_memory`` mode (``fusedops.set_layernorm_backward``): the column kernel with its
+  partials parked in dx's storage, then the dx row kernel: no scratch, 5 passes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedops._settings import get_layernorm_backward
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     OVERRIDES,
@@ -819,12 +822,17 @@ _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
 
 
-def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool):
+def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool, out=None):
     """Sum (2, P, N) float32 partials over P in a fixed order: (dweight, dbias), each a separate
-    (N,) float32 tensor (outputs of a custom op must not alias each other) or None."""
+    (N,) float32 tensor (outputs of a custom op must not alias each other) or None; ``out``:
+    two (N,) float32 tensors to write instead of allocating."""
     _, P, N = part.shape
-    dw = torch.empty((N,), dtype=torch.float32, device=part.device) if need_dw else None
-    db = torch.empty((N,), dtype=torch.float32, device=part.device) if need_db else None
+    if out is not None:
+        dw = out[0] if need_dw else None
+        db = out[1] if need_db else None
+    else:
+        dw = torch.empty((N,), dtype=torch.float32, device=part.device) if need_dw else None
+        db = torch.empty((N,), dtype=torch.float32, device=part.device) if need_db else None
     block_p, block_c = 32, 64
     _launch_sum((cdiv(N, block_c), int(need_dw) + int(need_db)), (
         part, dw if need_dw else db, db if need_db else dw, P, N, 0 if need_dw else 1,
@@ -972,6 +980,7 @@ def layernorm_backward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    grad_dtypes: tuple[torch.dtype | None, torch.dtype | None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of row LayerNorm.
 
@@ -979,19 +988,26 @@ def layernorm_backward(
     float32 from the forward. Returns dx (M, N) contiguous in x's dtype (or None), and (N,)
     dweight / dbias (or None): float32, reduced deterministically from per-program partials, or
     in the weight's dtype where PyTorch's native kernel runs (see NATIVE_UNALIGNED_16BIT_BWD).
+    ``grad_dtypes``: (weight, bias) dtypes; the ``low_memory`` mode returns dweight/dbias in
+    them (cast before dx overwrites the float32 sums kept in its storage).
     """
     M, N = x.shape
     dev = x.device
     has_w = weight is not None
     w = weight if has_w else x
     need_part = need_dw or need_db
-    fused = _fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
+    low_memory = need_part and get_layernorm_backward() == "low_memory"
+    fused = (_fused_plan(M, N, x, dy) if need_part and not low_memory and M > 0 and N > 0
+             else None)
     if fused is None and M > 0 and N > 0 and _native_unaligned(x, dy, weight):
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
     if M == 0 or N == 0:
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
+    if low_memory:
+        return _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
+                                    grad_dtypes)
     if fused is not None:
         vec, block, rows, warps, acc_1d, tiles, progs = fused
         part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
@@ -1002,7 +1018,6 @@ def layernorm_backward(
         ), warps)
         dw, db = _reduce_partials(part, need_dw, need_db)
         return dx, dw, db
-    single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
     aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
     cfg = _split_config("bwd", N, x.element_size(), aligned)
     chunk, split_warps, prefetch = cfg or (0, 0, 0)
@@ -1027,35 +1042,102 @@ def layernorm_backward(
             return dx, dw, db
     # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
     # dweight/dbias from a column-blocked pass that reads x and dy once more.
-    if need_dx and single:
+    if need_dx:
+        _dx_rows(dy, x, w, has_w, mean, rstd, dx)
+    dw = db = None
+    if need_part:
+        col_blocks, splits, rows_per_split = _column_splits(M, N, dev)
+        part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
+        _launch_dwdb_columns((col_blocks, splits), (
+            dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
+            rows_per_split, *COLUMN_TILE, need_dw, need_db,
+        ), COLUMN_WARPS)
+        dw, db = _reduce_partials(part, need_dw, need_db)
+    return dx, dw, db
+
+
+def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
+    """dx of (M, N) rows from the dx-only row kernel (single-block, or looped for long rows)."""
+    M, N = x.shape
+    single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
+    vec = 0
+    if single:
         vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x, dx))
         if vec:
             single, block, rows, warps, vec = unaligned_config(N, "ln_bwd", x.element_size(),
                                                                vec)
-    if need_dx and single:
+    if single:
         tiles = num_row_tiles(M, rows, vec)
-        progs = grid_size(tiles, warps, "ln_bwd", dev, vec=vec)
+        progs = grid_size(tiles, warps, "ln_bwd", x.device, vec=vec)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
             block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True,
         ), warps)
-    elif need_dx:
+    else:
         _launch_dx_looped((M,), (
             dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
             block, has_w,
         ), warps)
-    dw = db = None
-    if need_part:
-        block_c, block_r = COLUMN_TILE
-        col_blocks = cdiv(N, block_c)
-        # About eight programs per SM in total, each owning a (row-split, column-block) tile.
-        splits = max(1, min(cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
-        rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
-        splits = cdiv(M, rows_per_split)
-        part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
-        _launch_dwdb_columns((col_blocks, splits), (
-            dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
-            rows_per_split, block_c, block_r, need_dw, need_db,
-        ), COLUMN_WARPS)
-        dw, db = _reduce_partials(part, need_dw, need_db)
+
+
+def _column_splits(M: int, N: int, dev: torch.device,
+                   max_splits: int | None = None) -> tuple[int, int, int]:
+    """(column blocks, row splits, rows per split) of the dweight/dbias column kernel: about
+    eight programs per SM in total, each owning a (row-split, column-block) tile; at most
+    ``max_splits`` splits."""
+    block_c, block_r = COLUMN_TILE
+    col_blocks = cdiv(N, block_c)
+    splits = max(1, min(cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
+    if max_splits is not None:
+        splits = max(1, min(splits, max_splits))
+    rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
+    return col_blocks, cdiv(M, rows_per_split), rows_per_split
+
+
+def _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
+                         grad_dtypes=None):
+    """dx, dweight, dbias with no scratch beyond the outputs (``set_layernorm_backward(
+    "low_memory")``): the column kernel's float32 partials are parked in dx's storage and
+    summed there; dweight/dbias are cast from those sums to ``grad_dtypes`` (fresh tensors of
+    the size PyTorch returns), and only then is dx written over it all (one stream: in order).
+    5 passes over memory. With no room in dx (x needs no gradient, or 1-3 rows) one row split
+    writes float32 dweight/dbias directly (no scratch; one program per 256 columns)."""
+    M, N = x.shape
+    dev = x.device
+    room = M * N * x.element_size() // (8 * N) if dx is not None else 0  # (2, N) float32 pairs
+    wanted = [dt for dt, need in zip(grad_dtypes or (None, None), (need_dw, need_db),
+                                     strict=True) if need]
+    cast = bool(wanted) and all(dt is not None for dt in wanted) and room >= 1
+    col_blocks, splits, rows_per_split = _column_splits(M, N, dev, max(1, room - int(cast)))
+    in_dx = room >= 1 and (splits > 1 or cast)
+    if in_dx:
+        def parked(offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.empty((0,), dtype=torch.float32, device=dev).set_(
+                dx.untyped_storage(), offset, shape)
+
+        # (2, splits, N) partials first, their (2, N) sums after them (or the partials' only
+        # pair when there is one split)
+        part = parked(0, (2, splits, N))
+        sums = parked(2 * splits * N, (2, N)) if splits > 1 else part[:, 0]
+    else:  # straight into float32 outputs
+        splits, rows_per_split = 1, cdiv(M, COLUMN_TILE[1]) * COLUMN_TILE[1]
+        part = torch.empty((2, 1, N), dtype=torch.float32, device=dev)
+        sums = part[:, 0]
+    _launch_dwdb_columns((col_blocks, splits), (
+        dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
+        rows_per_split, *COLUMN_TILE, need_dw, need_db,
+    ), COLUMN_WARPS)
+    if splits > 1:
+        _reduce_partials(part, need_dw, need_db, out=(sums[0], sums[1]))
+    if cast:  # fresh tensors in the parameters' dtypes, before dx overwrites the sums
+        dw = sums[0].to(grad_dtypes[0], copy=True) if need_dw else None
+        db = sums[1].to(grad_dtypes[1], copy=True) if need_db else None
+    elif in_dx:  # float32 results must not live in dx's storage
+        dw = sums[0].clone() if need_dw else None
+        db = sums[1].clone() if need_db else None
+    else:
+        dw = sums[0] if need_dw else None
+        db = sums[1] if need_db else None
+    if dx is not None:
+        _dx_rows(dy, x, w, has_w, mean, rstd, dx)
     return dx, dw, db
