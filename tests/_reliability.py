@@ -121,3 +121,17 @@ def assert_finite_close(actual: torch.Tensor, expected64: torch.Tensor, where: t
 def coarsest(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype with the widest tolerance (for results that passed through several dtypes)."""
     return max(dtypes, key=lambda d: TOLERANCES[d][1])
+
+
+def forward_backward_peak(forward, sources: list[torch.Tensor], dy: torch.Tensor) -> int:
+    """Peak CUDA bytes of ``forward(*leaves).backward(dy)`` above the starting point, with the
+    leaves fresh clones of ``sources`` that require grad (measured on a second call)."""
+    from fusedops.tools.memory import peak_bytes
+
+    def step():
+        leaves = [t.clone().requires_grad_(True) for t in sources]
+        y = forward(*leaves)
+        y.backward(dy)
+        del y, leaves
+
+    return peak_bytes(step)

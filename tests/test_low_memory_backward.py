@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _reliability import forward_backward_peak
 from conftest import assert_close_to_ref
 
 import fusedops
-from fusedops.tools.memory import peak_bytes
 
 
 def test_mode_api():
@@ -111,17 +111,8 @@ def test_gpu_low_memory_peak_not_above_torch(m, n, dtype):
     w = torch.randn(n, generator=g).cuda().to(dtype)
     b = torch.randn(n, generator=g).cuda().to(dtype)
 
-    def run(fused: bool):
-        def step():
-            leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
-            y = (fusedops.fused_layernorm if fused else F.layer_norm)(leaves[0], (n,),
-                                                                      *leaves[1:])
-            y.backward(dy)
-            del y, leaves
-
-        return peak_bytes(step)
-
     with fusedops.layernorm_backward_mode("low_memory"):
-        fused = run(True)
-    ref = run(False)
+        fused = forward_backward_peak(
+            lambda x, w, b: fusedops.fused_layernorm(x, (n,), w, b), [x, w, b], dy)
+    ref = forward_backward_peak(lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, b], dy)
     assert fused <= ref, (fused, ref)

@@ -22,10 +22,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _reliability import enter_target, target_params
+from _reliability import enter_target, forward_backward_peak, target_params
 
 from fusedops import fused_layernorm, fused_softmax
-from fusedops.tools.memory import peak_bytes, saved_bytes
+from fusedops.tools.memory import saved_bytes
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -137,16 +137,13 @@ def test_gpu_peak_memory_forward_backward(op, m, n, dtype):
     b = torch.randn(n, generator=g).cuda().to(dtype)
 
     def run(fused: bool):
-        def step():
-            leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
-            if op == "softmax":
-                y = (fused_softmax if fused else torch.softmax)(leaves[0], -1)
-            else:
-                y = (fused_layernorm if fused else F.layer_norm)(leaves[0], (n,), *leaves[1:])
-            y.backward(dy)
-            del y, leaves
-
-        return peak_bytes(step)
+        if op == "softmax":
+            def forward(x, w, b):
+                return (fused_softmax if fused else torch.softmax)(x, -1)
+        else:
+            def forward(x, w, b):
+                return (fused_layernorm if fused else F.layer_norm)(x, (n,), w, b)
+        return forward_backward_peak(forward, [x, w, b], dy)
 
     fused, ref = run(True), run(False)
     fraction, fixed = LAYERNORM_SLACK if op == "layernorm" else SOFTMAX_SLACK

@@ -135,6 +135,23 @@ def _ln_fwd_single(
 
 
 @triton.jit
+def _write_normalized(x_row, y_row, w_ptr, b_ptr, cols, N, mean, rstd, HAS_W: tl.constexpr,
+                      HAS_B: tl.constexpr):
+    # The write pass of the two-read kernels: one chunk of a row read again (from L2, then
+    # evicted first), normalised, scaled and shifted, written in y's dtype.
+    valid = cols < N
+    x = tl.load(x_row + cols, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    y = (x - mean) * rstd
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=valid, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=valid, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+    tl.store(y_row + cols, y.to(y_row.dtype.element_ty), mask=valid)
+
+
+@triton.jit
 def _ln_fwd_looped(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_x, stride_y, eps,
     CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -171,18 +188,7 @@ def _ln_fwd_looped(
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     for start in range(0, N, CHUNK):
-        cols = start + lanes
-        valid = cols < N
-        x = tl.load(x_row + cols, mask=valid, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        y = (x - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=valid, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=valid, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
-        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=valid)
+        _write_normalized(x_row, y_row, w_ptr, b_ptr, start + lanes, N, mean, rstd, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -218,18 +224,7 @@ def _ln_fwd_reload(
         tl.store(rstd_ptr + row, rstd)
     lanes = tl.arange(0, CHUNK)
     for start in tl.static_range(0, BLOCK_N, CHUNK):
-        c = start + lanes
-        valid = c < N
-        xr = tl.load(x_row + c, mask=valid, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        y = (xr - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(w_ptr + c, mask=valid, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + c, mask=valid, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
-        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=valid)
+        _write_normalized(x_row, y_row, w_ptr, b_ptr, start + lanes, N, mean, rstd, HAS_W, HAS_B)
 
 
 @triton.jit
