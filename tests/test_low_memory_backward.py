@@ -89,6 +89,9 @@ def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expec
     with fusedops.layernorm_backward_mode("low_memory"):
         dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
     (grid, ptr), = seen
+    # separate outputs (a custom op's outputs must not alias), none of them in dx
+    ptrs = {t.untyped_storage().data_ptr() for t in (dx, dw, db)}
+    assert len(ptrs) == 3
     if expect_in_dx:
         assert grid[1] > 1 and ptr == dx.untyped_storage().data_ptr()
     else:

@@ -908,7 +908,6 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
     reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
               if N > RELOAD_FWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
@@ -916,6 +915,7 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         # Measured with the statistics written (see STATS_FREE_16BIT_MAX below).
         stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
         return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload)
+    single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
     looped = (LOOPED_16BIT_FWD.get(next_pow2(N))
               if N > 8192 and not vec and x.element_size() == 2 else None)
     if looped and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT and not OVERRIDES:
@@ -1114,25 +1114,23 @@ def _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db
         # pair when there is one split)
         part = parked(0, (2, splits, N))
         sums = parked(2 * splits * N, (2, N)) if splits > 1 else part[:, 0]
-    else:  # straight into float32 outputs
-        splits, rows_per_split = 1, cdiv(M, COLUMN_TILE[1]) * COLUMN_TILE[1]
-        part = torch.empty((2, 1, N), dtype=torch.float32, device=dev)
-        sums = part[:, 0]
+        parts = (part[0], part[1])
+    else:  # one split (no room in dx): straight into separate float32 outputs (outputs of a
+        # custom op must not alias each other)
+        dw = torch.empty((N,), dtype=torch.float32, device=dev) if need_dw else None
+        db = torch.empty((N,), dtype=torch.float32, device=dev) if need_db else None
+        parts = (dw if need_dw else db, db if need_db else dw)
     _launch_dwdb_columns((col_blocks, splits), (
-        dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
+        dy, x, mean, rstd, *parts, M, N, dy.stride(0), x.stride(0),
         rows_per_split, *COLUMN_TILE, need_dw, need_db,
     ), COLUMN_WARPS)
-    if splits > 1:
-        _reduce_partials(part, need_dw, need_db, out=(sums[0], sums[1]))
-    if cast:  # fresh tensors in the parameters' dtypes, before dx overwrites the sums
-        dw = sums[0].to(grad_dtypes[0], copy=True) if need_dw else None
-        db = sums[1].to(grad_dtypes[1], copy=True) if need_db else None
-    elif in_dx:  # float32 results must not live in dx's storage
-        dw = sums[0].clone() if need_dw else None
-        db = sums[1].clone() if need_db else None
-    else:
-        dw = sums[0] if need_dw else None
-        db = sums[1] if need_db else None
+    if in_dx:
+        if splits > 1:
+            _reduce_partials(part, need_dw, need_db, out=(sums[0], sums[1]))
+        # fresh tensors (in the parameters' dtypes when known) before dx overwrites the sums
+        dts = grad_dtypes if cast else (torch.float32, torch.float32)
+        dw = sums[0].to(dts[0], copy=True) if need_dw else None
+        db = sums[1].to(dts[1], copy=True) if need_db else None
     if dx is not None:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
     return dx, dw, db
