@@ -121,6 +121,8 @@ def test_split_config_overrides(monkeypatch):
 def test_fused_backward_config():
     # (ROWS, warps, programs per SM, ACC_1D)
     assert tln._fused_bwd_config(256) == (16, 8, 2, False)  # 2-D accumulators for short rows
+    assert tln._fused_bwd_config(512, False, 2) == (4, 4, 4, False)  # 16-bit: 2K tiles, 4/SM
+    assert tln._fused_bwd_config(512, False, 4) == (8, 8, 2, False)
     assert tln._fused_bwd_config(1024) == (4, 8, 2, False)
     assert tln._fused_bwd_config(2048) == (2, 8, 2, True)
     assert tln._fused_bwd_config(4096) == (4, 16, 1, True)  # 16K-element tiles from 4K
@@ -214,13 +216,14 @@ def test_looped_16bit_layernorm_forward_rule(monkeypatch):
 
 
 def test_reload_rules():
-    # Round 16 (H200): rows read whole, then again from L2: (element size, padded row) ->
-    # (second-pass chunk, warps).
+    # Rounds 16 and 18 (H200): rows read whole, then again from L2: (element size, padded row)
+    # -> (second-pass chunk, warps[, THIRD_READ for LayerNorm | first-pass piece for softmax]).
     assert tln.RELOAD_FWD == {(2, 4096): (1024, 4), (2, 8192): (1024, 8),
-                              (2, 16384): (4096, 16), (4, 16384): (2048, 16),
-                              (4, 32768): (8192, 32)}
+                              (2, 16384): (4096, 16), (2, 32768): (8192, 32, True),
+                              (4, 16384): (2048, 16), (4, 32768): (8192, 32)}
     assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
-                              (2, 16384): (4096, 32), (2, 32768): (8192, 32)}
+                              (2, 16384): (4096, 32), (2, 32768): (8192, 32),
+                              (4, 32768): (8192, 32, 16384)}
     # the host paths skip the lookup for rows shorter than every key
     assert min(k[1] for k in tln.RELOAD_FWD) > tln.RELOAD_FWD_ABOVE
     assert min(k[1] for k in tsm.RELOAD_BWD) > tsm.RELOAD_BWD_ABOVE
@@ -244,3 +247,19 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(odd, -1), odd, torch.bfloat16)
     assert len(fwd) == 1 and len(bwd) == 1
+
+
+@NEEDS_KERNELS
+def test_softmax_backward_float32_32k_reads_in_halves(monkeypatch):
+    """Float32 rows padded to 32K: the looped kernel with WHOLE = 0, the first pass in 16K
+    pieces, the second in 8K chunks, 32 warps; results against float64."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bwd = []
+    _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd,
+               lambda g, a, w: (g, a[7], a[8], a[9], w))
+    y = torch.softmax(torch.randn(2, 20000, device=device, dtype=torch.float64), -1)
+    dy = torch.randn(2, 20000, device=device, dtype=torch.float64)
+    dx = tsm.softmax_backward(y.float(), dy.float(), torch.float32)
+    assert bwd == [((2,), 8192, 0, 16384, 32)]
+    ref = y * (dy - (y * dy).sum(-1, keepdim=True))
+    torch.testing.assert_close(dx.double(), ref, atol=1e-6, rtol=1e-4)

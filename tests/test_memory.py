@@ -112,15 +112,18 @@ def test_nothing_saved_without_grad(target):
 MIB = 1 << 20
 
 
-# Slack allowed above torch's peak, and why. LayerNorm: its dweight/dbias are reduced without
-# atomics (deterministic) from float32 partial sums, one (2, N) row pair per program, a few
-# programs per SM: up to 5% of torch's peak plus 1 MiB. Softmax: the split-row kernels' per-chunk
-# statistics and per-row counters (a few bytes per row, two allocator granules): 64 KiB.
-LAYERNORM_SLACK = (0.05, MIB)
+# Slack allowed above torch's peak, and why. LayerNorm: none (its kernels' scratch is parked
+# in dx's storage, see _park in fusedops/triton/layernorm.py). Softmax: the split-row kernels'
+# per-chunk statistics and per-row counters (a few bytes per row, two allocator granules):
+# 64 KiB, though its peak is 0.75 of torch's (no separate gradient buffer kept alive).
+LAYERNORM_SLACK = (0.0, 0)
 SOFTMAX_SLACK = (0.0, 64 * 1024)
 
 
-PEAK_SHAPES = [(4096, 1024), (1024, 4096), (64, 70000), (8, 2 * 16384)]
+# fused kernel (aligned, one row per tile, unaligned body), split-row kernel (64 x 70000,
+# 8 x 32768), many short rows
+PEAK_SHAPES = [(4096, 1024), (1024, 4096), (300, 8193), (64, 70000), (8, 2 * 16384),
+               (16384, 64)]
 
 
 @pytest.mark.gpu

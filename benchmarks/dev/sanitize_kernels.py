@@ -222,6 +222,11 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         for n in (2 * 16384, 6 * 16384 + 5):
             layernorm_case(f"layernorm split N={n} {tag}", randn(3, n, dtype=dtype, seed=20),
                            *params(n), randn(3, n, dtype=dtype, seed=21))
+        # enough rows that the split backward parks its scratch in dx behind rows it writes
+        # (3 rows: all of dx, or no room, goes to _ln_bwd_dx_pieces)
+        layernorm_case(f"layernorm split parked 40 x 32768 {tag}",
+                       randn(40, 32768, dtype=dtype, seed=26), *params(32768),
+                       randn(40, 32768, dtype=dtype, seed=27))
         if affine != "none":  # unaligned 8K bodies: the fused backward's body + edge variant
             layernorm_case(f"layernorm unaligned fused N=8193 {tag}",
                            randn(256, 8193, dtype=dtype, seed=22), *params(8193),

@@ -380,6 +380,35 @@ if "third" in which:  # round 17: the reload forward reading x a third time (fro
                         (bf, 32768, ((8192, 32), (4096, 32), (4096, 16)))):
         elt = torch.empty((), dtype=dt).element_size()
         point("ln_fwd", dt, N, [tr(elt, N, c, w) for c, w in cfgs])
+if "r18" in which:  # round 18 (seventh session)
+    def tr18(elt, block, cfg):
+        return (f"rl{cfg[0] // 1024}Kw{cfg[1]}{'t' if cfg[2:] and cfg[2] else ''}",
+                lambda: item(tln.RELOAD_FWD, (elt, block), cfg) if (elt, block) in tln.RELOAD_FWD
+                else entry(tln.RELOAD_FWD, (elt, block), cfg))
+    # LayerNorm forward 16-bit 32K: the reload kernel reading x a third time (round 17: bf16
+    # 3.54 vs 3.19 at 8K chunks, 32 warps), fp16 not measured yet
+    for dt in (bf, fp16):
+        point("ln_fwd", dt, 32768, [tr18(2, 32768, c) for c in (
+            (8192, 32, True), (4096, 32, True), (2048, 32, True), (4096, 16, True))])
+    # softmax backward float32 32K: the reload kernel's whole-row load spills (64 registers at
+    # 32 warps); first pass in pieces of FIRST, second in CHUNK (rl{chunk}w{warps}f{first})
+    def sb(cfg):
+        return (f"rl{cfg[0] // 1024}Kw{cfg[1]}f{cfg[2] // 1024}K",
+                lambda: entry(tsm.RELOAD_BWD, (4, 32768), cfg))
+    point("sm_bwd", f32, 32768, [sb(c) for c in (
+        (4096, 32, 16384), (8192, 32, 16384), (4096, 16, 16384), (8192, 32, 8192),
+        (4096, 16, 8192), (2048, 16, 8192))])
+    # LayerNorm backward 16-bit 512 (0.92 of compile): fused tiles (tile, programs/SM, ACC_1D)
+    for dt in (bf, fp16):
+        point("ln_bwd", dt, 512, [
+            (f"t{t // 1024}Kp{p}{'a' if a else ''}",
+             lambda t=t, p=p, a=a: knobs(tln, FUSED_BWD_OVERRIDE=(t, p, a)))
+            for t, p, a in ((2048, 2, False), (2048, 4, False), (4096, 1, False),
+                            (4096, 3, False), (8192, 1, False), (4096, 2, True))])
+    # LayerNorm backward scratch parked in dx (this session) against separate scratch
+    for dt in (bf, f32):
+        for N in (1024, 4096, 8192, 8193, 16384, 65536):
+            point("ln_bwd", dt, N, [("sep", lambda: knobs(tln, PARK_SCRATCH=False))])
 if "fused_vec" in which:  # next: the fused backward's body variant without spills. Offline
     # (ptxas sm_90, Triton 3.9) the shipped tiles spill there (8K body, 2 rows x 16 warps: 208
     # bytes; 4K body, 4 rows x 16 warps: 656); one row per tile does not (8K on 16 warps: 122

@@ -149,11 +149,16 @@ class Launcher:
 
     __slots__ = ("kernel", "compiled", "direct", "n_runtime", "options")
 
-    def __init__(self, kernel, cooperative: bool = False) -> None:
+    def __init__(self, kernel, cooperative: bool = False, fp_fusion: bool = True) -> None:
         self.kernel = kernel
         self.compiled: dict = {}
         self.direct = _current_stream is not None and _launch_hooks is not None
         self.options = {"launch_cooperative_grid": True} if cooperative else {}
+        if not fp_fusion:
+            # No multiply-add contraction: every operation rounds on its own, so two kernels
+            # written with the same arithmetic give the same bits however their code is split
+            # into basic blocks (the contraction is decided per block).
+            self.options["enable_fp_fusion"] = False
         params = getattr(kernel, "params", None)
         if params is None:  # the interpreter's wrapper: no compiled kernels to cache
             self.direct, self.n_runtime = False, 0
@@ -442,8 +447,8 @@ class SplitLauncher:
 
     __slots__ = ("launcher", "blocks_per_sm")
 
-    def __init__(self, kernel) -> None:
-        self.launcher = Launcher(kernel, cooperative=True)
+    def __init__(self, kernel, fp_fusion: bool = True) -> None:
+        self.launcher = Launcher(kernel, cooperative=True, fp_fusion=fp_fusion)
         self.blocks_per_sm: dict = {}
 
     def programs(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,

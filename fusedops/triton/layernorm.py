@@ -213,8 +213,8 @@ def _ln_fwd_reload(
     mean = x0 + tl.sum(tl.where(mask, x.to(tl.float32) - x0, 0.0), axis=0) / N
     if THIRD_READ:  # read x again (L2) for the variance instead of keeping it: half the
         # registers at 16-bit 16K (ptxas: 32 vs 63 on 16 warps), a third read from L2. Measured
-        # slower at 4K-16K (bf16 16K 3.36-3.63 vs 3.75 TB/s) but faster at bf16 32K on 32 warps
-        # (3.54 vs 3.19 single-block; tune round 17); no rule uses it yet (no sweep ran on it).
+        # slower at 4K-16K (bf16 16K 3.36-3.63 vs 3.75 TB/s) but faster at 16-bit 32K on 32
+        # warps (rounds 17/18: bf16 3.51-3.54 vs 3.17-3.19 single-block, fp16 3.55 vs 3.20).
         x = tl.load(x_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xc = tl.where(mask, x.to(tl.float32) - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
@@ -343,7 +343,7 @@ def _over_rows(acc, ACC_1D: tl.constexpr):
 @triton.jit
 def _ln_bwd_single(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
-    M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs,
+    M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs, first_tile, M_dx,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr,
@@ -355,10 +355,13 @@ def _ln_bwd_single(
     # share one misalignment (the launcher makes num_progs a multiple of VEC, or gives each
     # program one tile), so accumulator lane j is column pid_head + j throughout, and the
     # columns outside the aligned body accumulate in (2·VEC,) edge accumulators.
+    # Tiles first_tile.. are processed; dx is written for rows below M_dx only (the rows from
+    # M_dx on hold the parked partials until a second launch writes their dx: see
+    # _parked_backward). first_tile is a multiple of VEC, so a program's misalignment holds.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     if VEC > 0:
-        first_rows, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
+        first_rows, pid_head = tile_rows(first_tile + pid, stride_x, ROWS, VEC)
         pid_body = ((N - pid_head) // VEC) * VEC
     if HAS_W and HOLD_W:  # see _ln_fwd_single
         if VEC > 0:
@@ -378,7 +381,7 @@ def _ln_bwd_single(
         if VEC > 0:
             dwe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
             dbe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
-    for tile in range(pid, num_tiles, num_progs):
+    for tile in range(first_tile + pid, num_tiles, num_progs):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
         offs_x, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
@@ -414,11 +417,12 @@ def _ln_bwd_single(
             c1 = c1 / N
             c2 = c2 / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
-            tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            offs_dx, dx_mask = row_body(rows, head, M_dx, N, stride_dx, BLOCK_N, VEC)
+            tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
             if VEC > 0:
                 dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * rstd[:, None]
-                tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
+                tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty),
+                         mask=e_mask & (rows < M_dx)[:, None])
         if ACC_1D:
             if NEED_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
@@ -467,7 +471,7 @@ def _ln_bwd_single(
 @triton.jit
 def _ln_bwd_split(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, count_ptr,
-    N, L, stride_dy, stride_x, stride_dx, num_items, num_progs,
+    N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -477,7 +481,8 @@ def _ln_bwd_split(
     # partials in registers across rows. Each chunk publishes its two partial row sums, waits for
     # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
-    # PREFETCH: see _common.py.
+    # PREFETCH: see _common.py. dx is written for rows below M_dx only (see _ln_bwd_single);
+    # _ln_bwd_dx_pieces writes the others with the same arithmetic.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -535,7 +540,7 @@ def _ln_bwd_split(
                                 cache_modifier=".cg"), axis=0) / N
             dx = (wdy - (xhat * c1 + c2)) * rstd
             tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
-                     mask=cmask)
+                     mask=cmask & (row < M_dx))
         elif PREFETCH == 2:
             x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
             dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
@@ -544,6 +549,56 @@ def _ln_bwd_split(
         tl.store(out, dw_acc, mask=cmask)
     if NEED_DB:
         tl.store(out + (num_progs // C) * N, db_acc, mask=cmask)  # < 2^31: partial rows x N
+
+
+@triton.jit
+def _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W: tl.constexpr):
+    # One piece of a row as _ln_bwd_split sees it: (xhat, w·dy, sum(xhat·w·dy), sum(w·dy)).
+    x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+    if HAS_W:
+        wdy = dy * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        wdy = dy
+    return xhat, wdy, tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0)
+
+
+@triton.jit
+def _ln_bwd_dx_pieces(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, N, L, stride_dy, stride_x, stride_dx,
+    row0, BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+):
+    # dx of row row0 + program id, bit for bit as _ln_bwd_split computes it (same pieces of L
+    # columns, the same BLOCK and warps, so the same per-piece reductions, combined over a
+    # (C_P2,) vector as that kernel combines its peers' sums), but in one program that reads
+    # the row twice: no statistics buffer, no cooperating programs. It writes the rows whose
+    # storage held the split kernel's parked partials (see _parked_backward).
+    row = row0 + tl.program_id(0)
+    row64 = row.to(tl.int64)
+    x_row = x_ptr + row64 * stride_x
+    dy_row = dy_ptr + row64 * stride_dy
+    dx_row = dx_ptr + row64 * stride_dx
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, C_P2)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    s1 = tl.zeros([C_P2], tl.float32)
+    s2 = tl.zeros([C_P2], tl.float32)
+    for piece in range(C):
+        cols = piece * L + lanes
+        _, _, a, b = _piece_sums(dy_row, x_row, w_ptr, cols, (lanes < L) & (cols < N), mean,
+                                 rstd, HAS_W)
+        s1 = tl.where(peers == piece, a, s1)
+        s2 = tl.where(peers == piece, b, s2)
+    c1 = tl.sum(s1, axis=0) / N
+    c2 = tl.sum(s2, axis=0) / N
+    for piece in range(C):
+        cols = piece * L + lanes
+        cmask = (lanes < L) & (cols < N)
+        xhat, wdy, _, _ = _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W)
+        dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -615,12 +670,13 @@ def _ln_bwd_dwdb_columns(
             dw_acc += dy * xhat
         if NEED_DB:
             db_acc += dy
+    # float32 partials, or (one split) dweight/dbias themselves in the parameters' dtypes
     if NEED_DW:
-        tl.store(dw_part_ptr + split.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0),
-                 mask=col_mask)
+        tl.store(dw_part_ptr + split.to(tl.int64) * N + cols,
+                 tl.sum(dw_acc, axis=0).to(dw_part_ptr.dtype.element_ty), mask=col_mask)
     if NEED_DB:
-        tl.store(db_part_ptr + split.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0),
-                 mask=col_mask)
+        tl.store(db_part_ptr + split.to(tl.int64) * N + cols,
+                 tl.sum(db_acc, axis=0).to(db_part_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -639,10 +695,11 @@ def _sum_partials(part_ptr, dw_ptr, db_ptr, P, N, FIRST: tl.constexpr, BLOCK_P: 
         acc += tl.load(base + p.to(tl.int64)[:, None] * N + cols[None, :],
                        mask=(p < P)[:, None] & cmask[None, :], other=0.0)
     total = tl.sum(acc, axis=0)
+    # dweight/dbias may be in the parameters' dtypes: rounded once, from the float32 sum.
     if which == 0:
-        tl.store(dw_ptr + cols, total, mask=cmask)
+        tl.store(dw_ptr + cols, total.to(dw_ptr.dtype.element_ty), mask=cmask)
     else:
-        tl.store(db_ptr + cols, total, mask=cmask)
+        tl.store(db_ptr + cols, total.to(db_ptr.dtype.element_ty), mask=cmask)
 
 
 # Forward: weight/bias stay in registers across a program's row tiles while each thread holds
@@ -763,6 +820,8 @@ def _fused_bwd_config(block: int, body: bool = False,
     elif body:
         tile, per_sm, acc_1d = ((8192, 1, True) if elt_size == 4 and block >= 4096
                                 else (block, 2, True))
+    elif block == 512 and elt_size == 2:  # round 18: bf16 3.15 vs 2.96, fp16 3.20 vs 3.02
+        tile, per_sm, acc_1d = 2048, 4, False
     elif block <= 2048:
         tile, per_sm, acc_1d = 4096, 2, block > 1024
     else:  # 16K-element 16-warp tiles: bf16 8K 3.55 vs 2.27 TB/s, bf16 4K 3.52 vs 2.69
@@ -811,23 +870,31 @@ _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_fwd_reload = Launcher(_ln_fwd_reload)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
-_launch_bwd_split = SplitLauncher(_ln_bwd_split)
+# Both without multiply-add contraction: _ln_bwd_dx_pieces must reproduce the split kernel's dx
+# bit for bit, and the split kernel's w·dy product and the subtraction using it sit on either
+# side of its wait loop (separate basic blocks, so never contracted), in the other in one.
+_launch_bwd_split = SplitLauncher(_ln_bwd_split, fp_fusion=False)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
+_launch_dx_pieces = Launcher(_ln_bwd_dx_pieces, fp_fusion=False)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
 
 
-def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool, out=None):
+def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool, out=None,
+                     dtypes=None):
     """Sum (2, P, N) float32 partials over P in a fixed order: (dweight, dbias), each a separate
-    (N,) float32 tensor (outputs of a custom op must not alias each other) or None; ``out``:
-    two (N,) float32 tensors to write instead of allocating."""
+    (N,) tensor (outputs of a custom op must not alias each other) or None, in ``dtypes``
+    (weight's, bias's; None: float32); ``out``: two (N,) tensors to write instead."""
     _, P, N = part.shape
     if out is not None:
         dw = out[0] if need_dw else None
         db = out[1] if need_db else None
     else:
-        dw = torch.empty((N,), dtype=torch.float32, device=part.device) if need_dw else None
-        db = torch.empty((N,), dtype=torch.float32, device=part.device) if need_db else None
+        dt_w, dt_b = dtypes or (None, None)
+        dw = (torch.empty((N,), dtype=dt_w or torch.float32, device=part.device)
+              if need_dw else None)
+        db = (torch.empty((N,), dtype=dt_b or torch.float32, device=part.device)
+              if need_db else None)
     block_p, block_c = 32, 64
     _launch_sum((cdiv(N, block_c), int(need_dw) + int(need_db)), (
         part, dw if need_dw else db, db if need_db else dw, P, N, 0 if need_dw else 1,
@@ -880,11 +947,11 @@ LOOPED_16BIT_FWD = {65536: (2048, 16)}
 # (second-pass chunk, warps[, THIRD_READ]). Checked before LOOPED_16BIT_FWD. H200, tune rounds
 # 16/16b, TB/s vs the kernels before it: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96
 # vs 3.62; 16K 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51,
-# 32K 3.73 vs 3.24 (single-block). 16-bit 32K (3.20 vs 2.96-3.07) and float32 4K (4.12 vs
-# 3.86-4.10) stay.
-RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
+# 32K 3.73 vs 3.24 (single-block); 16-bit 32K with THIRD_READ (round 18: bf16 3.51 vs 3.17,
+# fp16 3.55 vs 3.20; without it 2.96-3.07). Float32 4K (4.12 vs 3.86-4.10) stays.
+RELOAD_FWD: dict[tuple[int, int], tuple] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16),
-    (4, 16384): (2048, 16), (4, 32768): (8192, 32),
+    (2, 32768): (8192, 32, True), (4, 16384): (2048, 16), (4, 32768): (8192, 32),
 }
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
 
@@ -1004,39 +1071,22 @@ def layernorm_backward(
         return _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
                                     grad_dtypes)
     if fused is not None:
-        vec, block, rows, warps, acc_1d, tiles, progs = fused
-        part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
-        _launch_bwd_single((progs,), (
-            dy, x, w, mean, rstd, dx if need_dx else x, part,
-            M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-            block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d,
-        ), warps)
-        dw, db = _reduce_partials(part, need_dw, need_db)
-        return dx, dw, db
+        return _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
+                               fused)
     aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
     cfg = _split_config("bwd", N, x.element_size(), aligned)
-    chunk, split_warps, prefetch = cfg or (0, 0, 0)
-    if (cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, chunk)
+    if (cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, cfg[0])
             and (need_dx or need_part)):
-        C, L = split_pieces(N, chunk, 0)
-        stats = torch.empty((M * C * 2,), dtype=torch.float32, device=dev)
-        count = torch.zeros((M,), dtype=torch.int32, device=dev)
-        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch)
-        # ``mean`` stands in for the partials (same dtype/alignment) until they are sized.
-        args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, stats, count, N, L,
-                dy.stride(0), x.stride(0), N, M * C]
-        progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
-        progs = max(C, min(progs, _max_partial_rows(x) * C))
-        # One partial row per group of C programs (a program keeps one chunk of the row).
-        part = torch.empty((2, progs // C, N), dtype=torch.float32, device=dev)
-        args[6] = part
-        if _launch_bwd_split(M * C, C, tuple(args), consts, split_warps, dev, progs):
-            dw = db = None
-            if need_part:
-                dw, db = _reduce_partials(part, need_dw, need_db)
-            return dx, dw, db
-    # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once),
-    # dweight/dbias from a column-blocked pass that reads x and dy once more.
+        done = _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
+                               cfg)
+        if done is not None:
+            return done
+    if need_part and dx is not None:
+        # dx row kernel + column kernel: the column pass first, its partials parked in dx
+        return _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
+                                    grad_dtypes)
+    # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once);
+    # without dx, dweight/dbias from the column kernel into (2, splits, N) float32 scratch.
     if need_dx:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
     dw = db = None
@@ -1047,7 +1097,136 @@ def layernorm_backward(
             dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
             rows_per_split, *COLUMN_TILE, need_dw, need_db,
         ), COLUMN_WARPS)
-        dw, db = _reduce_partials(part, need_dw, need_db)
+        dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
+    return dx, dw, db
+
+
+# Scratch parked in dx. The fused and split-row backward kernels accumulate dweight/dbias in
+# per-program float32 partial rows, and the split kernel exchanges per-row statistics: scratch
+# that would put the call's peak memory above PyTorch's (whose kernels read x and dy twice
+# instead). When x needs a gradient, that scratch lives at the end of dx's own storage (dx is
+# allocated, not yet written): the kernel writes dx for the rows before it (M_dx), the partials
+# are summed into dweight/dbias, and a second launch writes the dx of the remaining rows with
+# the same arithmetic (bitwise the same rows as a call where they are not last). The extra
+# cost: those rows (at most ~1/8 of x, capped by _max_partial_rows) are read again.
+PARK_SCRATCH = True  # False: separate scratch buffers (measurements against parking only)
+
+
+def _park(dx: torch.Tensor, nbytes: int, group: int) -> tuple[int, int] | None:
+    """(M_dx, byte offset) for ``nbytes`` of scratch at the end of dx's storage: the offset is
+    16-byte aligned and M_dx, the first row it touches rounded down to a multiple of
+    ``group``; None if dx cannot hold it."""
+    M, N = dx.shape
+    row_bytes = N * dx.element_size()
+    start = (M * row_bytes - nbytes) // 16 * 16
+    if start < 0:
+        return None
+    return start // row_bytes // group * group, start
+
+
+def _parked(dx: torch.Tensor, offset: int, shape: tuple[int, ...],
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``shape`` tensor of ``dtype`` over dx's storage from byte ``offset``."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    return torch.empty((0,), dtype=dtype, device=dx.device).set_(
+        dx.untyped_storage(), offset // elt, shape)
+
+
+def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, plan):
+    """The fused kernel (rows up to 8K): dx, and dweight/dbias from per-program partials,
+    parked in dx when there is one (see _park)."""
+    vec, block, rows, warps, acc_1d, tiles, progs = plan
+    M, N = x.shape
+    need_dx = dx is not None
+    m_dx = M
+    if need_dx and PARK_SCRATCH:
+        parked = _park(dx, 8 * progs * N, rows * max(vec, 1))
+        if parked is None:  # 1-3 rows: no room in dx for the partials. dx from this kernel
+            # all the same (its rows bitwise as in any other call), then the column kernel.
+            _launch_bwd_single((progs,), (
+                dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
+                0, M, block, rows, has_w, True, False, False, vec, True, acc_1d,
+            ), warps)
+            return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
+                                          grad_dtypes))
+        m_dx, offset = parked
+        part = _parked(dx, offset, (2, progs, N))
+    else:  # no dx to park in: float32 scratch (the one case above PyTorch's peak)
+        part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
+    strides = (dy.stride(0), x.stride(0), N)
+    _launch_bwd_single((progs,), (
+        dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
+        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d,
+    ), warps)
+    dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
+    if m_dx < M:
+        first = m_dx // rows  # a multiple of vec: m_dx is a multiple of rows * vec
+        left = tiles - first
+        per_sm = _fused_bwd_config(block, vec > 0, x.element_size())[2]
+        tail = max(1, min(left, num_sms(x.device) * per_sm))
+        if vec and tail < left:
+            tail = max(vec, tail // vec * vec)
+        _launch_bwd_single((tail,), (
+            dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, tail, first, M,
+            block, rows, has_w, True, False, False, vec, True, acc_1d,
+        ), warps)
+    return dx, dw, db
+
+
+def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg):
+    """The split-row kernel (long rows): its partials, per-row statistics and counters parked
+    in dx when there is one (see _park), the remaining rows' dx from _ln_bwd_dx_pieces.
+    None if the cooperative launch was refused (the caller then uses the other kernels)."""
+    M, N = x.shape
+    dev = x.device
+    need_dx = dx is not None
+    need_part = need_dw or need_db
+    chunk, split_warps, prefetch = cfg
+    C, L = split_pieces(N, chunk, 0)
+    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch)
+    # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
+    args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
+            dy.stride(0), x.stride(0), N, M, M * C]
+    progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
+    progs = max(C, min(progs, _max_partial_rows(x) * C))
+    # One partial row per group of C programs (a program keeps one chunk of the row).
+    part_rows = progs // C if need_part else 0
+    part_bytes = 8 * part_rows * N
+    stats_bytes = 8 * M * C if need_dx else 0
+    m_dx, offset = M, None
+    if need_dx and PARK_SCRATCH:
+        parked = _park(dx, part_bytes + stats_bytes + 4 * M, 1)
+        if parked is None:  # a few rows: no room in dx. dx row by row with the split kernel's
+            # arithmetic (bitwise as in any other call), then the column kernel.
+            _launch_dx_pieces((M,), (
+                dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, 0,
+                next_pow2(L), C, next_pow2(C), has_w,
+            ), split_warps)
+            return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
+                                          grad_dtypes))
+        m_dx, offset = parked
+    if offset is not None:
+        part = _parked(dx, offset, (2, part_rows, N)) if need_part else mean
+        stats = _parked(dx, offset + part_bytes, (2 * M * C,))
+        count = _parked(dx, offset + part_bytes + stats_bytes, (M,), torch.int32).zero_()
+    else:  # no dx: scratch (without dx the kernel exchanges no statistics: placeholders)
+        part = (torch.empty((2, part_rows, N), dtype=torch.float32, device=dev)
+                if need_part else mean)
+        stats = (torch.empty((M * C * 2,), dtype=torch.float32, device=dev) if need_dx
+                 else mean)
+        count = torch.zeros((M,), dtype=torch.int32, device=dev) if need_dx else mean
+    args[6:9] = part, stats, count
+    args[14] = m_dx
+    if not _launch_bwd_split(M * C, C, tuple(args), consts, split_warps, dev, progs):
+        return None
+    dw = db = None
+    if need_part:
+        dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
+    if m_dx < M:
+        _launch_dx_pieces((M - m_dx,), (
+            dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, m_dx,
+            next_pow2(L), C, next_pow2(C), has_w,
+        ), split_warps)
     return dx, dw, db
 
 
@@ -1065,7 +1244,7 @@ def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
         tiles = num_row_tiles(M, rows, vec)
         progs = grid_size(tiles, warps, "ln_bwd", x.device, vec=vec)
         _launch_bwd_single((progs,), (
-            dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
+            dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
             block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True,
         ), warps)
     else:
@@ -1092,45 +1271,37 @@ def _column_splits(M: int, N: int, dev: torch.device,
 def _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
                          grad_dtypes=None):
     """dx, dweight, dbias with no scratch beyond the outputs (``set_layernorm_backward(
-    "low_memory")``): the column kernel's float32 partials are parked in dx's storage and
-    summed there; dweight/dbias are cast from those sums to ``grad_dtypes`` (fresh tensors of
-    the size PyTorch returns), and only then is dx written over it all (one stream: in order).
-    5 passes over memory. With no room in dx (x needs no gradient, or 1-3 rows) one row split
-    writes float32 dweight/dbias directly (no scratch; one program per 256 columns)."""
-    M, N = x.shape
-    dev = x.device
-    room = M * N * x.element_size() // (8 * N) if dx is not None else 0  # (2, N) float32 pairs
-    wanted = [dt for dt, need in zip(grad_dtypes or (None, None), (need_dw, need_db),
-                                     strict=True) if need]
-    cast = bool(wanted) and all(dt is not None for dt in wanted) and room >= 1
-    col_blocks, splits, rows_per_split = _column_splits(M, N, dev, max(1, room - int(cast)))
-    in_dx = room >= 1 and (splits > 1 or cast)
-    if in_dx:
-        def parked(offset: int, shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.empty((0,), dtype=torch.float32, device=dev).set_(
-                dx.untyped_storage(), offset, shape)
-
-        # (2, splits, N) partials first, their (2, N) sums after them (or the partials' only
-        # pair when there is one split)
-        part = parked(0, (2, splits, N))
-        sums = parked(2 * splits * N, (2, N)) if splits > 1 else part[:, 0]
-        parts = (part[0], part[1])
-    else:  # one split (no room in dx): straight into separate float32 outputs (outputs of a
-        # custom op must not alias each other)
-        dw = torch.empty((N,), dtype=torch.float32, device=dev) if need_dw else None
-        db = torch.empty((N,), dtype=torch.float32, device=dev) if need_db else None
-        parts = (dw if need_dw else db, db if need_db else dw)
-    _launch_dwdb_columns((col_blocks, splits), (
-        dy, x, mean, rstd, *parts, M, N, dy.stride(0), x.stride(0),
-        rows_per_split, *COLUMN_TILE, need_dw, need_db,
-    ), COLUMN_WARPS)
-    if in_dx:
-        if splits > 1:
-            _reduce_partials(part, need_dw, need_db, out=(sums[0], sums[1]))
-        # fresh tensors (in the parameters' dtypes when known) before dx overwrites the sums
-        dts = grad_dtypes if cast else (torch.float32, torch.float32)
-        dw = sums[0].to(dts[0], copy=True) if need_dw else None
-        db = sums[1].to(dts[1], copy=True) if need_db else None
+    "low_memory")``, and the dx row kernel's path in the default mode): dweight/dbias from
+    :func:`_column_backward` first, then the dx row kernel writes dx (one stream: in order).
+    5 passes over memory."""
+    dw, db = _column_backward(dy, x, mean, rstd, dx, need_dw, need_db, grad_dtypes)
     if dx is not None:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
     return dx, dw, db
+
+
+def _column_backward(dy, x, mean, rstd, dx, need_dw: bool, need_db: bool, grad_dtypes=None):
+    """dweight/dbias (in ``grad_dtypes``, None: float32) from the column kernel with no
+    scratch: its float32 partials parked in dx's storage (allocated, not yet written) and
+    summed from there; with no room in dx for two partial row pairs (x needs no gradient, or
+    1-3 rows), one row split writes dweight/dbias directly (one program per 256 columns)."""
+    if not (need_dw or need_db):
+        return None, None
+    M, N = x.shape
+    dev = x.device
+    room = M * N * x.element_size() // (8 * N) if dx is not None else 0  # (2, N) float32 pairs
+    col_blocks, splits, rows_per_split = _column_splits(M, N, dev, max(1, room))
+    dt_w, dt_b = grad_dtypes or (None, None)
+    # separate tensors: outputs of a custom op must not alias each other
+    dw = torch.empty((N,), dtype=dt_w or torch.float32, device=dev) if need_dw else None
+    db = torch.empty((N,), dtype=dt_b or torch.float32, device=dev) if need_db else None
+    part = _parked(dx, 0, (2, splits, N)) if splits > 1 else None
+    outs = (part[0], part[1]) if part is not None else (dw if need_dw else db,
+                                                        db if need_db else dw)
+    _launch_dwdb_columns((col_blocks, splits), (
+        dy, x, mean, rstd, *outs, M, N, dy.stride(0), x.stride(0),
+        rows_per_split, *COLUMN_TILE, need_dw, need_db,
+    ), COLUMN_WARPS)
+    if part is not None:
+        _reduce_partials(part, need_dw, need_db, out=(dw, db))
+    return dw, db

@@ -140,12 +140,13 @@ def _softmax_bwd_single(
 @triton.jit
 def _softmax_bwd_looped(
     y_ptr, dy_ptr, dx_ptr, N, stride_y, stride_dy, stride_dx, CHUNK: tl.constexpr,
-    WHOLE: tl.constexpr,
+    WHOLE: tl.constexpr, FIRST: tl.constexpr,
 ):
     # WHOLE > 0 (the padded row): the first pass (the dot product) reads the row in one load,
     # all of it in flight at once, and holds nothing across the passes (fewer registers than the
     # single-block kernel, so more programs per SM); the second pass reads it again from L2.
-    # WHOLE = 0: both passes stream CHUNK-sized pieces.
+    # WHOLE = 0: both passes stream pieces, of FIRST elements in the first pass and CHUNK in
+    # the second (FIRST > CHUNK: a row too big to load whole without spilling, in halves).
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * stride_y
     dy_row = dy_ptr + row * stride_dy
@@ -157,9 +158,9 @@ def _softmax_bwd_looped(
         dy1 = tl.load(dy_row + whole, mask=whole < N, other=0.0, eviction_policy="evict_last")
         dot = tl.sum(y1.to(tl.float32) * dy1.to(tl.float32), axis=0)
     else:
-        acc = tl.zeros([CHUNK], tl.float32)
-        for start in range(0, N, CHUNK):
-            cols = start + lanes
+        acc = tl.zeros([FIRST], tl.float32)
+        for start in range(0, N, FIRST):
+            cols = start + tl.arange(0, FIRST)
             mask = cols < N
             y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
             dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
@@ -349,9 +350,11 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
 # H200, tune rounds 16/16b, TB/s vs the single-block kernel: 16-bit 16K 4.29-4.30 vs 4.03-4.05,
 # 32K 4.06-4.10 vs 3.83-3.88 (8K chunks; 16 warps: 3.0-3.2), 4K 4.31 vs 4.26, 2K 4.33 vs 4.25;
 # 8K level (4.27 vs 4.25); float32 slower (16K 4.14 vs 4.31: the whole row is twice the
-# registers).
-RELOAD_BWD: dict[tuple[int, int], tuple[int, int]] = {
+# registers). A third value is the first pass's piece (WHOLE = 0): float32 32K in two 16K
+# halves (round 18: 4.07 vs 3.77 single-block; 8K pieces 2.7-2.95; whole-row loads spill).
+RELOAD_BWD: dict[tuple[int, ...], tuple[int, ...]] = {
     (2, 2048): (2048, 8), (2, 4096): (4096, 16), (2, 16384): (4096, 32), (2, 32768): (8192, 32),
+    (4, 32768): (8192, 32, 16384),
 }
 RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
 
@@ -394,10 +397,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
               if N > RELOAD_BWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
-        chunk, warps = reload
-        _launch_bwd_looped(
-            (M,), (y, dy, dx, N, N, dy.stride(0), N, chunk, next_pow2(N)), warps
-        )
+        chunk, warps, *first = reload  # (chunk, warps[, first-pass piece]): see RELOAD_BWD
+        _launch_bwd_looped((M,), (
+            y, dy, dx, N, N, dy.stride(0), N, chunk, 0 if first else next_pow2(N),
+            first[0] if first else chunk), warps)
         return dx
     single, block, rows, warps, vec = unaligned_config(N, "softmax_bwd", y.element_size(), vec)
     if single:
@@ -411,6 +414,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
                          y.element_size(), "bwd", vec, y.device):
             return dx
         _launch_bwd_looped(
-            (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block, 0), warps
+            (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block, 0, block),
+            warps
         )
     return dx

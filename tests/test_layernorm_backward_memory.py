@@ -1,0 +1,211 @@
+"""LayerNorm backward memory: no scratch beyond the outputs, so forward + backward peak memory
+is no larger than PyTorch's.
+
+Default (``"fast"``) mode: the fused and split-row kernels' float32 partials (and the split
+kernel's per-row statistics) are parked at the end of dx's storage; dx of the rows there is
+written by a second launch after the partials are summed. ``"low_memory"`` mode
+(``fusedops.set_layernorm_backward``): a column pass parks its partials in dx, then dx is
+written; also without dx.
+
+CPU (Triton interpreter): results against float64 in both modes, bitwise repeatability, the
+mode API, where the partial sums live, the second launch, the split kernel's dx-of-parked-rows
+kernel. GPU (``gpu`` marker): the peak memory against torch's, no slack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _reliability import forward_backward_peak
+from conftest import assert_close_to_ref
+
+import fusedops
+
+
+def test_mode_api():
+    assert fusedops.get_layernorm_backward() == "fast"
+    with fusedops.layernorm_backward_mode("low_memory"):
+        assert fusedops.get_layernorm_backward() == "low_memory"
+    assert fusedops.get_layernorm_backward() == "fast"
+    with pytest.raises(ValueError, match="mode"):
+        fusedops.set_layernorm_backward("small")
+
+
+def _grads(x, w, b, g, mode, need_x=True):
+    n = x.shape[-1]
+    leaves = [x.clone().requires_grad_(need_x)] + [
+        None if t is None else t.clone().requires_grad_(True) for t in (w, b)]
+    with fusedops.layernorm_backward_mode(mode):
+        y = fusedops.fused_layernorm(leaves[0], n, leaves[1], leaves[2])
+        ins = [t for t in leaves if t is not None and t.requires_grad]
+        return torch.autograd.grad(y, ins, g)
+
+
+CASES = {  # (M, N, row padding of x, affine)
+    "many_rows": (300, 64, 0, "both"),
+    "unaligned": (300, 33, 0, "both"),
+    "strided_x": (50, 100, 7, "both"),
+    "few_rows": (3, 64, 0, "both"),  # no room in dx for the partials: straight into dw/db
+    "one_row": (1, 40, 0, "both"),
+    "weight_only": (300, 64, 0, "weight"),
+    "bias_only": (300, 64, 0, "bias"),
+    "params_in_x_dtype": (300, 64, 0, "both-x"),  # summed straight into x's dtype
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("need_x", [True, False], ids=["dx", "params-only"])
+@pytest.mark.parametrize("mode", ["fast", "low_memory"])
+def test_backward_matches_float64(triton_backend, device, dtype, case, need_x, mode):
+    m, n, pad, affine = CASES[case]
+    torch.manual_seed(m * n + pad)
+    x = (torch.randn(m, n + pad, device=device) * 2 + 1).to(dtype)[:, :n]
+    pdt = dtype if affine == "both-x" else torch.float32
+    w = torch.randn(n, device=device).to(pdt) if affine != "bias" else None
+    b = torch.randn(n, device=device).to(pdt) if affine in ("both", "bias", "both-x") else None
+    g = torch.randn(m, n, device=device).to(dtype)
+    got = _grads(x, w, b, g, mode, need_x)
+    assert all(t.dtype == pdt for t in got[int(need_x):])
+    r = [x.double().requires_grad_(need_x)] + [
+        None if t is None else t.double().requires_grad_(True) for t in (w, b)]
+    want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1], r[2]),
+                               [t for t in r if t is not None and t.requires_grad], g.double())
+    if need_x:
+        assert_close_to_ref(got[0], want[0], dtype, scale=8)
+    tol = 5e-2 if pdt != torch.float32 or dtype != torch.float32 else 1e-4
+    for a, e in zip(got[int(need_x):], want[int(need_x):], strict=True):
+        torch.testing.assert_close(a.double(), e, atol=tol * (1 + e.abs().max().item()), rtol=0)
+    again = _grads(x, w, b, g, mode, need_x)
+    assert all(torch.equal(p, q) for p, q in zip(got, again, strict=True))  # deterministic
+
+
+@pytest.mark.parametrize("m,expect_in_dx", [(300, True), (3, False)])
+def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx):
+    from fusedops.triton import layernorm as tln
+
+    seen = []
+    real = tln._launch_dwdb_columns
+    monkeypatch.setattr(tln, "_launch_dwdb_columns", lambda grid, args, warps: seen.append(
+        (grid, args[4].untyped_storage().data_ptr())) or real(grid, args, warps))
+    x = torch.randn(m, 64, device=device)
+    dy = torch.randn(m, 64, device=device)
+    w = torch.randn(64, device=device)
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+    with fusedops.layernorm_backward_mode("low_memory"):
+        dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    (grid, ptr), = seen
+    # separate outputs (a custom op's outputs must not alias), none of them in dx
+    ptrs = {t.untyped_storage().data_ptr() for t in (dx, dw, db)}
+    assert len(ptrs) == 3
+    if expect_in_dx:
+        assert grid[1] > 1 and ptr == dx.untyped_storage().data_ptr()
+    else:
+        assert grid[1] == 1 and ptr == dw.untyped_storage().data_ptr()
+
+
+def _inside(t: torch.Tensor, owner: torch.Tensor) -> bool:
+    """Whether t's storage is owner's (a view parked in it)."""
+    return t.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("body_from", [None, 16], ids=["aligned", "unaligned-body"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n", [(300, 64), (137, 33), (8, 48)])
+def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, dtype,
+                                     body_from):
+    """Default mode, fused kernel: partials in dx's storage, dx of the rows from M_dx on by a
+    second launch of the same kernel (no dweight/dbias), dweight/dbias in the parameters'
+    dtypes; the same values (bitwise) as with the partials in separate scratch."""
+    from fusedops.triton import layernorm as tln
+
+    if body_from is not None:  # the aligned-body variant (VEC > 0) even for short rows
+        monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", body_from)
+    launches = []
+    real = tln._launch_bwd_single
+    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: launches.append(
+        (grid, args)) or real(grid, args, warps))
+    torch.manual_seed(m + n)
+    x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
+    dy = torch.randn(m, n, device=device).to(dtype)
+    w = torch.randn(n, device=device).to(dtype)
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+    dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True,
+                                        grad_dtypes=(dtype, dtype))
+    assert dw.dtype == db.dtype == dtype
+    (_, main), (tail_grid, tail) = launches
+    part, m_dx = main[6], main[15]
+    assert _inside(part, dx) and 0 <= m_dx < m
+    # the partials start at or after row m_dx, and the tail launch covers rows m_dx..m
+    assert part.storage_offset() * 4 >= m_dx * n * x.element_size()
+    rows = main[17]  # the ROWS constexpr
+    assert tail[14] == m_dx // rows and tail[15] == m and tail[20:22] == (False, False)
+    assert not any(_inside(t, dx) or _inside(t, dw) for t in (db,)) and not _inside(dw, dx)
+    # partials in a separate buffer instead (every row's dx from the first launch): same bits
+    ref = _separate_scratch(tln, dy, x, w, mean, rstd, dtype)
+    for got, want in zip((dx, dw, db), ref, strict=True):
+        assert torch.equal(got, want)
+
+
+def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
+    """The fused backward with its partials in a separate buffer (no parking): dx from the
+    first launch for every row."""
+    M, N = x.shape
+    plan = tln._fused_plan(M, N, x, dy)
+    vec, block, rows, warps, acc_1d, tiles, progs = plan
+    dx = torch.empty_like(x)
+    part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
+    tln._launch_bwd_single((progs,), (
+        dy, x, w, mean, rstd, dx, part, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
+        block, rows, True, True, True, True, vec, True, acc_1d), warps)
+    dw, db = tln._reduce_partials(part, True, True, dtypes=(dtype, dtype))
+    return dx, dw, db
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,piece", [(40, 16), (37, 8), (64, 64)])
+def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece):
+    """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
+    row0.. against float64, rows before row0 untouched, pieces past the row's end masked."""
+    from fusedops.triton import _common
+    from fusedops.triton import layernorm as tln
+
+    torch.manual_seed(n)
+    m, row0 = 7, 3
+    x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]  # strided rows
+    dy = torch.randn(m, n, device=device).to(dtype)
+    w = torch.randn(n, device=device).to(dtype)
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+    C, L = _common.split_pieces(n, piece, 0)
+    dx = torch.full((m, n), 7.0, device=device).to(dtype)
+    tln._launch_dx_pieces((m - row0,), (
+        dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
+        _common.next_pow2(L), C, _common.next_pow2(C), True), 4)
+    assert torch.all(dx[:row0] == 7)
+    r = x.double().requires_grad_()
+    want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
+    assert_close_to_ref(dx[row0:], want[row0:], dtype, scale=8)
+
+
+PEAK_SHAPES = [(4096, 1024), (1024, 4096), (64, 70000), (8, 2 * 16384), (16384, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n", PEAK_SHAPES, ids=[f"{m}x{n}" for m, n in PEAK_SHAPES])
+def test_gpu_low_memory_peak_not_above_torch(m, n, dtype):
+    """Forward + backward peak in low_memory mode <= torch's, with no slack: the partials and
+    their float32 sums live in dx's storage until dweight/dbias are cast to the parameters'
+    dtypes, then dx is written over them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, generator=g).to(dtype).cuda()
+    dy = torch.randn(m, n, generator=g).to(dtype).cuda()
+    w = torch.randn(n, generator=g).cuda().to(dtype)
+    b = torch.randn(n, generator=g).cuda().to(dtype)
+
+    with fusedops.layernorm_backward_mode("low_memory"):
+        fused = forward_backward_peak(
+            lambda x, w, b: fusedops.fused_layernorm(x, (n,), w, b), [x, w, b], dy)
+    ref = forward_backward_peak(lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, b], dy)
+    assert fused <= ref, (fused, ref)
