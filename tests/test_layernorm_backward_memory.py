@@ -1,11 +1,9 @@
-"""LayerNorm backward memory: no scratch beyond the outputs, so forward + backward peak memory
-is no larger than PyTorch's.
-
-Default (``"fast"``) mode: the fused and split-row kernels' float32 partials (and the split
-kernel's per-row statistics) are parked at the end of dx's storage; dx of the rows there is
-written by a second launch after the partials are summed. ``"low_memory"`` mode
-(``fusedops.set_layernorm_backward``): a column pass parks its partials in dx, then dx is
-written; also without dx.
+"""LayerNorm backward memory. ``"low_memory"`` mode (``fusedops.set_layernorm_backward``): no
+scratch beyond the outputs, so forward + backward peak memory is no larger than PyTorch's: the
+fused and split-row kernels' float32 partials (and the split kernel's per-row statistics) are
+parked at the end of dx's storage, and dx of the rows there is written by a second launch after
+the partials are summed; the dx row kernel's path computes dweight/dbias by a column pass
+parked in dx before dx (both modes). Default (``"fast"``): separate scratch.
 
 CPU (Triton interpreter): results against float64 in both modes, bitwise repeatability, the
 mode API, where the partial sums live, the second launch, the split kernel's dx-of-parked-rows
@@ -83,8 +81,10 @@ def test_backward_matches_float64(triton_backend, device, dtype, case, need_x, m
 
 @pytest.mark.parametrize("m,expect_in_dx", [(300, True), (3, False)])
 def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx):
+    """The column path (dx row kernel + column kernel, forced at every length here)."""
     from fusedops.triton import layernorm as tln
 
+    monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)
     seen = []
     real = tln._launch_dwdb_columns
     monkeypatch.setattr(tln, "_launch_dwdb_columns", lambda grid, args, warps: seen.append(
@@ -115,8 +115,8 @@ def _inside(t: torch.Tensor, owner: torch.Tensor) -> bool:
 @pytest.mark.parametrize("m,n", [(300, 64), (137, 33), (8, 48)])
 def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, dtype,
                                      body_from):
-    """Default mode, fused kernel: partials in dx's storage, dx of the rows from M_dx on by a
-    second launch of the same kernel (no dweight/dbias), dweight/dbias in the parameters'
+    """low_memory mode, fused kernel: partials in dx's storage, dx of the rows from M_dx on by
+    a second launch of the same kernel (no dweight/dbias), dweight/dbias in the parameters'
     dtypes; the same values (bitwise) as with the partials in separate scratch."""
     from fusedops.triton import layernorm as tln
 
@@ -131,10 +131,12 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True,
-                                        grad_dtypes=(dtype, dtype))
+    with fusedops.layernorm_backward_mode("low_memory"):
+        dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True,
+                                            grad_dtypes=(dtype, dtype))
     assert dw.dtype == db.dtype == dtype
     (_, main), (tail_grid, tail) = launches
+    assert main[25] and tail[25]  # the PARKED variant
     part, m_dx = main[6], main[15]
     assert _inside(part, dx) and 0 <= m_dx < m
     # the partials start at or after row m_dx, and the tail launch covers rows m_dx..m
@@ -148,8 +150,25 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
         assert torch.equal(got, want)
 
 
+def test_fast_mode_keeps_separate_scratch(monkeypatch, triton_backend, device):
+    """Default mode: one launch of the fused kernel (not its parked variant), partials in
+    their own buffer."""
+    from fusedops.triton import layernorm as tln
+
+    launches = []
+    real = tln._launch_bwd_single
+    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: launches.append(
+        args) or real(grid, args, warps))
+    x, dy = torch.randn(300, 64, device=device), torch.randn(300, 64, device=device)
+    w = torch.randn(64, device=device)
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+    dx, _, _ = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    (main,) = launches
+    assert not main[25] and main[15] == 300 and not _inside(main[6], dx)
+
+
 def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
-    """The fused backward with its partials in a separate buffer (no parking): dx from the
+    """The fused backward's parked variant with its partials in a separate buffer: dx from the
     first launch for every row."""
     M, N = x.shape
     plan = tln._fused_plan(M, N, x, dy)
@@ -158,7 +177,7 @@ def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
     tln._launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx, part, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
-        block, rows, True, True, True, True, vec, True, acc_1d), warps)
+        block, rows, True, True, True, True, vec, True, acc_1d, True), warps)
     dw, db = tln._reduce_partials(part, True, True, dtypes=(dtype, dtype))
     return dx, dw, db
 
@@ -188,16 +207,17 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     assert_close_to_ref(dx[row0:], want[row0:], dtype, scale=8)
 
 
-PEAK_SHAPES = [(4096, 1024), (1024, 4096), (64, 70000), (8, 2 * 16384), (16384, 64)]
+PEAK_SHAPES = [(4096, 1024), (1024, 4096), (300, 8193), (64, 70000), (8, 2 * 16384),
+               (16384, 64)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m,n", PEAK_SHAPES, ids=[f"{m}x{n}" for m, n in PEAK_SHAPES])
 def test_gpu_low_memory_peak_not_above_torch(m, n, dtype):
-    """Forward + backward peak in low_memory mode <= torch's, with no slack: the partials and
-    their float32 sums live in dx's storage until dweight/dbias are cast to the parameters'
-    dtypes, then dx is written over them."""
+    """Forward + backward peak in low_memory mode <= torch's, with no slack: the kernels'
+    scratch lives in dx's storage until dweight/dbias are summed (in the parameters' dtypes),
+    then dx of those rows is written over it."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, n, generator=g).to(dtype).cuda()
     dy = torch.randn(m, n, generator=g).to(dtype).cuda()

@@ -112,11 +112,13 @@ def test_nothing_saved_without_grad(target):
 MIB = 1 << 20
 
 
-# Slack allowed above torch's peak, and why. LayerNorm: none (its kernels' scratch is parked
-# in dx's storage, see _park in fusedops/triton/layernorm.py). Softmax: the split-row kernels'
-# per-chunk statistics and per-row counters (a few bytes per row, two allocator granules):
-# 64 KiB, though its peak is 0.75 of torch's (no separate gradient buffer kept alive).
-LAYERNORM_SLACK = (0.0, 0)
+# Slack allowed above torch's peak, and why. LayerNorm (default "fast" mode): its
+# dweight/dbias are reduced without atomics (deterministic) from float32 partial sums, one (2, N)
+# row pair per program, a few programs per SM: up to 5% of torch's peak plus 1 MiB (the
+# "low_memory" mode has none: tests/test_layernorm_backward_memory.py). Softmax: the split-row
+# kernels' per-chunk statistics and per-row counters (a few bytes per row, two allocator
+# granules): 64 KiB, though its peak is 0.75 of torch's (no separate gradient buffer).
+LAYERNORM_SLACK = (0.05, MIB)
 SOFTMAX_SLACK = (0.0, 64 * 1024)
 
 

@@ -405,10 +405,12 @@ if "r18" in which:  # round 18 (seventh session)
              lambda t=t, p=p, a=a: knobs(tln, FUSED_BWD_OVERRIDE=(t, p, a)))
             for t, p, a in ((2048, 2, False), (2048, 4, False), (4096, 1, False),
                             (4096, 3, False), (8192, 1, False), (4096, 2, True))])
-    # LayerNorm backward scratch parked in dx (this session) against separate scratch
+    # LayerNorm backward scratch parked in dx (round 18 ran it as the default, commit a69ff6c:
+    # "cur" parked, "sep" separate scratch); now the low_memory mode against the default
+    from fusedops import layernorm_backward_mode
     for dt in (bf, f32):
         for N in (1024, 4096, 8192, 8193, 16384, 65536):
-            point("ln_bwd", dt, N, [("sep", lambda: knobs(tln, PARK_SCRATCH=False))])
+            point("ln_bwd", dt, N, [("lowmem", lambda: layernorm_backward_mode("low_memory"))])
 if "fused_vec" in which:  # next: the fused backward's body variant without spills. Offline
     # (ptxas sm_90, Triton 3.9) the shipped tiles spill there (8K body, 2 rows x 16 warps: 208
     # bytes; 4K body, 4 rows x 16 warps: 656); one row per tile does not (8K on 16 warps: 122

@@ -21,8 +21,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   those measured faster, on the interpreter, and after a refused split launch.
 * Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: PyTorch's native
   kernel (see ``NATIVE_UNALIGNED_16BIT_BWD``).
-* Backward, ``low_memory`` mode (``fusedops.set_layernorm_backward``): the column kernel with its
-  partials parked in dx's storage, then the dx row kernel: no scratch, 5 passes.
+* Backward, ``low_memory`` mode (``fusedops.set_layernorm_backward``): the same kernels with
+  their scratch parked at the end of dx's storage (see ``_park``), the dx of those rows written
+  by a second launch; the column path computes dweight/dbias before dx: no scratch at all.
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ def _ln_bwd_single(
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs, first_tile, M_dx,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
-    HOLD_W: tl.constexpr, ACC_1D: tl.constexpr,
+    HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -355,13 +356,19 @@ def _ln_bwd_single(
     # share one misalignment (the launcher makes num_progs a multiple of VEC, or gives each
     # program one tile), so accumulator lane j is column pid_head + j throughout, and the
     # columns outside the aligned body accumulate in (2·VEC,) edge accumulators.
-    # Tiles first_tile.. are processed; dx is written for rows below M_dx only (the rows from
-    # M_dx on hold the parked partials until a second launch writes their dx: see
-    # _parked_backward). first_tile is a multiple of VEC, so a program's misalignment holds.
+    # PARKED (the low_memory mode, see _park): tiles first_tile.. are processed and dx is
+    # written for rows below M_dx only (the rows from M_dx on hold the parked partials until a
+    # second launch writes their dx); first_tile is a multiple of VEC, so a program's
+    # misalignment holds. Without it both arguments are ignored: the code is the one measured
+    # for the default mode (the few extra instructions cost 3-27% at 16-warp tiles, H200).
     pid = tl.program_id(0)
+    if PARKED:
+        start = first_tile + pid
+    else:
+        start = pid
     cols = tl.arange(0, BLOCK_N)
     if VEC > 0:
-        first_rows, pid_head = tile_rows(first_tile + pid, stride_x, ROWS, VEC)
+        first_rows, pid_head = tile_rows(start, stride_x, ROWS, VEC)
         pid_body = ((N - pid_head) // VEC) * VEC
     if HAS_W and HOLD_W:  # see _ln_fwd_single
         if VEC > 0:
@@ -381,7 +388,7 @@ def _ln_bwd_single(
         if VEC > 0:
             dwe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
             dbe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
-    for tile in range(first_tile + pid, num_tiles, num_progs):
+    for tile in range(start, num_tiles, num_progs):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
         offs_x, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
@@ -417,12 +424,17 @@ def _ln_bwd_single(
             c1 = c1 / N
             c2 = c2 / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            offs_dx, dx_mask = row_body(rows, head, M_dx, N, stride_dx, BLOCK_N, VEC)
+            if PARKED:
+                offs_dx, dx_mask = row_body(rows, head, M_dx, N, stride_dx, BLOCK_N, VEC)
+            else:
+                offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
+                dx_mask = mask
             tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
             if VEC > 0:
                 dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * rstd[:, None]
-                tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty),
-                         mask=e_mask & (rows < M_dx)[:, None])
+                if PARKED:
+                    e_mask = e_mask & (rows < M_dx)[:, None]
+                tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
         if ACC_1D:
             if NEED_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
@@ -474,15 +486,15 @@ def _ln_bwd_split(
     N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PARKED: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
     # partials in registers across rows. Each chunk publishes its two partial row sums, waits for
     # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
-    # PREFETCH: see _common.py. dx is written for rows below M_dx only (see _ln_bwd_single);
-    # _ln_bwd_dx_pieces writes the others with the same arithmetic.
+    # PREFETCH: see _common.py. PARKED: dx is written for rows below M_dx only (see
+    # _ln_bwd_single); _ln_bwd_dx_pieces writes the others with the same arithmetic.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -539,8 +551,12 @@ def _ln_bwd_split(
             c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
                                 cache_modifier=".cg"), axis=0) / N
             dx = (wdy - (xhat * c1 + c2)) * rstd
-            tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
-                     mask=cmask & (row < M_dx))
+            if PARKED:
+                tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
+                         mask=cmask & (row < M_dx))
+            else:
+                tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
+                         mask=cmask)
         elif PREFETCH == 2:
             x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
             dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
@@ -870,10 +886,12 @@ _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_fwd_reload = Launcher(_ln_fwd_reload)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
-# Both without multiply-add contraction: _ln_bwd_dx_pieces must reproduce the split kernel's dx
-# bit for bit, and the split kernel's w·dy product and the subtraction using it sit on either
-# side of its wait loop (separate basic blocks, so never contracted), in the other in one.
-_launch_bwd_split = SplitLauncher(_ln_bwd_split, fp_fusion=False)
+_launch_bwd_split = SplitLauncher(_ln_bwd_split)
+# The low_memory mode's split kernel and _ln_bwd_dx_pieces, both without multiply-add
+# contraction: the latter must reproduce the former's dx bit for bit, and the split kernel's
+# w·dy product and the subtraction using it sit on either side of its wait loop (separate basic
+# blocks, so never contracted), in the other in one.
+_launch_bwd_split_parked = SplitLauncher(_ln_bwd_split, fp_fusion=False)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
 _launch_dx_pieces = Launcher(_ln_bwd_dx_pieces, fp_fusion=False)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
@@ -1058,27 +1076,26 @@ def layernorm_backward(
     has_w = weight is not None
     w = weight if has_w else x
     need_part = need_dw or need_db
-    low_memory = need_part and get_layernorm_backward() == "low_memory"
-    fused = (_fused_plan(M, N, x, dy) if need_part and not low_memory and M > 0 and N > 0
-             else None)
+    parked = get_layernorm_backward() == "low_memory"
+    fused = _fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
     if fused is None and M > 0 and N > 0 and _native_unaligned(x, dy, weight):
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
     if M == 0 or N == 0:
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
-    if low_memory:
-        return _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
-                                    grad_dtypes)
+    if parked and dx is None and need_part:  # nothing to park in: the column kernel straight
+        # into dweight/dbias (no scratch; slow for many rows)
+        return (None, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes))
     if fused is not None:
         return _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                               fused)
+                               fused, parked)
     aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
     cfg = _split_config("bwd", N, x.element_size(), aligned)
     if (cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, cfg[0])
             and (need_dx or need_part)):
         done = _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                               cfg)
+                               cfg, parked)
         if done is not None:
             return done
     if need_part and dx is not None:
@@ -1101,17 +1118,17 @@ def layernorm_backward(
     return dx, dw, db
 
 
-# Scratch parked in dx. The fused and split-row backward kernels accumulate dweight/dbias in
-# per-program float32 partial rows, and the split kernel exchanges per-row statistics: scratch
-# that would put the call's peak memory above PyTorch's (whose kernels read x and dy twice
-# instead). When x needs a gradient, that scratch lives at the end of dx's own storage (dx is
-# allocated, not yet written): the kernel writes dx for the rows before it (M_dx), the partials
-# are summed into dweight/dbias, and a second launch writes the dx of the remaining rows with
-# the same arithmetic (bitwise the same rows as a call where they are not last). The extra
-# cost: those rows (at most ~1/8 of x, capped by _max_partial_rows) are read again.
-PARK_SCRATCH = True  # False: separate scratch buffers (measurements against parking only)
-
-
+# Scratch parked in dx (the low_memory mode). The fused and split-row backward kernels
+# accumulate dweight/dbias in per-program float32 partial rows, and the split kernel exchanges
+# per-row statistics: scratch that puts the call's peak memory up to a few percent above
+# PyTorch's (whose kernels read x and dy twice instead). In the low_memory mode that scratch
+# lives at the end of dx's own storage (dx is allocated, not yet written): the kernel writes dx
+# for the rows before it (M_dx), the partials are summed into dweight/dbias, and a second launch
+# writes the dx of the remaining rows with the same arithmetic (bitwise the same rows as a call
+# where they are not last). Costs: those rows (at most ~1/8 of x, capped by _max_partial_rows)
+# are read again, the split rows' second launch runs one program per row, and the kernels'
+# parked variant (PARKED) measured 3-27% slower at 16-warp tiles; so the default keeps the
+# scratch (H200, 2026-11-21, benchmarks/results/reliability-h200-2026-11-21/).
 def _park(dx: torch.Tensor, nbytes: int, group: int) -> tuple[int, int] | None:
     """(M_dx, byte offset) for ``nbytes`` of scratch at the end of dx's storage: the offset is
     16-byte aligned and M_dx, the first row it touches rounded down to a multiple of
@@ -1132,31 +1149,32 @@ def _parked(dx: torch.Tensor, offset: int, shape: tuple[int, ...],
         dx.untyped_storage(), offset // elt, shape)
 
 
-def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, plan):
-    """The fused kernel (rows up to 8K): dx, and dweight/dbias from per-program partials,
-    parked in dx when there is one (see _park)."""
+def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, plan,
+                    parked: bool):
+    """The fused kernel (rows up to 8K): dx, and dweight/dbias from per-program partials, in
+    float32 scratch or (``parked``, the low_memory mode, with a dx) parked in dx (see _park)."""
     vec, block, rows, warps, acc_1d, tiles, progs = plan
     M, N = x.shape
     need_dx = dx is not None
+    strides = (dy.stride(0), x.stride(0), N)
     m_dx = M
-    if need_dx and PARK_SCRATCH:
-        parked = _park(dx, 8 * progs * N, rows * max(vec, 1))
-        if parked is None:  # 1-3 rows: no room in dx for the partials. dx from this kernel
+    if parked and need_dx:
+        place = _park(dx, 8 * progs * N, rows * max(vec, 1))
+        if place is None:  # 1-3 rows: no room in dx for the partials. dx from this kernel
             # all the same (its rows bitwise as in any other call), then the column kernel.
             _launch_bwd_single((progs,), (
-                dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs,
-                0, M, block, rows, has_w, True, False, False, vec, True, acc_1d,
+                dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, progs, 0, M,
+                block, rows, has_w, True, False, False, vec, True, acc_1d, True,
             ), warps)
             return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
                                           grad_dtypes))
-        m_dx, offset = parked
+        m_dx, offset = place
         part = _parked(dx, offset, (2, progs, N))
-    else:  # no dx to park in: float32 scratch (the one case above PyTorch's peak)
+    else:
         part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
-    strides = (dy.stride(0), x.stride(0), N)
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
-        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d,
+        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked,
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
@@ -1168,35 +1186,38 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
             tail = max(vec, tail // vec * vec)
         _launch_bwd_single((tail,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, tail, first, M,
-            block, rows, has_w, True, False, False, vec, True, acc_1d,
+            block, rows, has_w, True, False, False, vec, True, acc_1d, True,
         ), warps)
     return dx, dw, db
 
 
-def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg):
-    """The split-row kernel (long rows): its partials, per-row statistics and counters parked
-    in dx when there is one (see _park), the remaining rows' dx from _ln_bwd_dx_pieces.
-    None if the cooperative launch was refused (the caller then uses the other kernels)."""
+def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg,
+                    parked: bool):
+    """The split-row kernel (long rows): partials, per-row statistics and counters in scratch
+    or (``parked``, the low_memory mode, with a dx) parked in dx (see _park), the remaining
+    rows' dx then from _ln_bwd_dx_pieces. None if the cooperative launch was refused (the
+    caller then uses the other kernels)."""
     M, N = x.shape
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
     chunk, split_warps, prefetch = cfg
     C, L = split_pieces(N, chunk, 0)
-    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch)
+    launcher = _launch_bwd_split_parked if parked else _launch_bwd_split
+    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
+    progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev)
     progs = max(C, min(progs, _max_partial_rows(x) * C))
     # One partial row per group of C programs (a program keeps one chunk of the row).
-    part_rows = progs // C if need_part else 0
-    part_bytes = 8 * part_rows * N
+    part_rows = progs // C
+    part_bytes = 8 * part_rows * N if need_part else 0
     stats_bytes = 8 * M * C if need_dx else 0
-    m_dx, offset = M, None
-    if need_dx and PARK_SCRATCH:
-        parked = _park(dx, part_bytes + stats_bytes + 4 * M, 1)
-        if parked is None:  # a few rows: no room in dx. dx row by row with the split kernel's
+    m_dx = M
+    if parked and need_dx:
+        place = _park(dx, part_bytes + stats_bytes + 4 * M, 1)
+        if place is None:  # a few rows: no room in dx. dx row by row with the split kernel's
             # arithmetic (bitwise as in any other call), then the column kernel.
             _launch_dx_pieces((M,), (
                 dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, 0,
@@ -1204,12 +1225,11 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
             ), split_warps)
             return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
                                           grad_dtypes))
-        m_dx, offset = parked
-    if offset is not None:
+        m_dx, offset = place
         part = _parked(dx, offset, (2, part_rows, N)) if need_part else mean
         stats = _parked(dx, offset + part_bytes, (2 * M * C,))
         count = _parked(dx, offset + part_bytes + stats_bytes, (M,), torch.int32).zero_()
-    else:  # no dx: scratch (without dx the kernel exchanges no statistics: placeholders)
+    else:  # scratch (without dx the kernel exchanges no statistics: placeholders)
         part = (torch.empty((2, part_rows, N), dtype=torch.float32, device=dev)
                 if need_part else mean)
         stats = (torch.empty((M * C * 2,), dtype=torch.float32, device=dev) if need_dx
@@ -1217,7 +1237,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         count = torch.zeros((M,), dtype=torch.int32, device=dev) if need_dx else mean
     args[6:9] = part, stats, count
     args[14] = m_dx
-    if not _launch_bwd_split(M * C, C, tuple(args), consts, split_warps, dev, progs):
+    if not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
         return None
     dw = db = None
     if need_part:
@@ -1245,7 +1265,7 @@ def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
         progs = grid_size(tiles, warps, "ln_bwd", x.device, vec=vec)
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
-            block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True,
+            block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True, False,
         ), warps)
     else:
         _launch_dx_looped((M,), (
@@ -1270,10 +1290,9 @@ def _column_splits(M: int, N: int, dev: torch.device,
 
 def _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
                          grad_dtypes=None):
-    """dx, dweight, dbias with no scratch beyond the outputs (``set_layernorm_backward(
-    "low_memory")``, and the dx row kernel's path in the default mode): dweight/dbias from
-    :func:`_column_backward` first, then the dx row kernel writes dx (one stream: in order).
-    5 passes over memory."""
+    """dx, dweight, dbias with no scratch beyond the outputs (the dx row kernel's path, both
+    modes): dweight/dbias from :func:`_column_backward` first, then the dx row kernel writes dx
+    (one stream: in order). 5 passes over memory."""
     dw, db = _column_backward(dy, x, mean, rstd, dx, need_dw, need_db, grad_dtypes)
     if dx is not None:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
