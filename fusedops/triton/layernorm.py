@@ -1100,7 +1100,7 @@ def layernorm_backward(
             return done
     if need_part and dx is not None:
         # dx row kernel + column kernel: the column pass first, its partials parked in dx
-        return _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
+        return _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
                                     grad_dtypes)
     # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once);
     # without dx, dweight/dbias from the column kernel into (2, splits, N) float32 scratch.
@@ -1288,7 +1288,7 @@ def _column_splits(M: int, N: int, dev: torch.device,
     return col_blocks, cdiv(M, rows_per_split), rows_per_split
 
 
-def _low_memory_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
+def _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
                          grad_dtypes=None):
     """dx, dweight, dbias with no scratch beyond the outputs (the dx row kernel's path, both
     modes): dweight/dbias from :func:`_column_backward` first, then the dx row kernel writes dx
