@@ -1103,19 +1103,11 @@ def layernorm_backward(
         return _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
                                     grad_dtypes)
     # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once);
-    # without dx, dweight/dbias from the column kernel into (2, splits, N) float32 scratch.
+    # without dx, dweight/dbias from the column kernel into float32 scratch.
     if need_dx:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
-    dw = db = None
-    if need_part:
-        col_blocks, splits, rows_per_split = _column_splits(M, N, dev)
-        part = torch.empty((2, splits, N), dtype=torch.float32, device=dev)
-        _launch_dwdb_columns((col_blocks, splits), (
-            dy, x, mean, rstd, part[0], part[1], M, N, dy.stride(0), x.stride(0),
-            rows_per_split, *COLUMN_TILE, need_dw, need_db,
-        ), COLUMN_WARPS)
-        dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
-    return dx, dw, db
+    return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes,
+                                  scratch=True))
 
 
 # Scratch parked in dx (the low_memory mode). The fused and split-row backward kernels
@@ -1157,15 +1149,18 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     M, N = x.shape
     need_dx = dx is not None
     strides = (dy.stride(0), x.stride(0), N)
+    def dx_only(first: int, grid: int) -> None:  # the parked variant's dx of tiles first..
+        _launch_bwd_single((grid,), (
+            dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
+            block, rows, has_w, True, False, False, vec, True, acc_1d, True,
+        ), warps)
+
     m_dx = M
     if parked and need_dx:
         place = _park(dx, 8 * progs * N, rows * max(vec, 1))
         if place is None:  # 1-3 rows: no room in dx for the partials. dx from this kernel
             # all the same (its rows bitwise as in any other call), then the column kernel.
-            _launch_bwd_single((progs,), (
-                dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, progs, 0, M,
-                block, rows, has_w, True, False, False, vec, True, acc_1d, True,
-            ), warps)
+            dx_only(0, progs)
             return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
                                           grad_dtypes))
         m_dx, offset = place
@@ -1184,10 +1179,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         tail = max(1, min(left, num_sms(x.device) * per_sm))
         if vec and tail < left:
             tail = max(vec, tail // vec * vec)
-        _launch_bwd_single((tail,), (
-            dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, tail, first, M,
-            block, rows, has_w, True, False, False, vec, True, acc_1d, True,
-        ), warps)
+        dx_only(first, tail)
     return dx, dw, db
 
 
@@ -1214,15 +1206,18 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     part_rows = progs // C
     part_bytes = 8 * part_rows * N if need_part else 0
     stats_bytes = 8 * M * C if need_dx else 0
+    def dx_pieces(row0: int) -> None:  # dx of rows row0.. with the split kernel's arithmetic
+        _launch_dx_pieces((M - row0,), (
+            dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, row0,
+            next_pow2(L), C, next_pow2(C), has_w,
+        ), split_warps)
+
     m_dx = M
     if parked and need_dx:
         place = _park(dx, part_bytes + stats_bytes + 4 * M, 1)
         if place is None:  # a few rows: no room in dx. dx row by row with the split kernel's
             # arithmetic (bitwise as in any other call), then the column kernel.
-            _launch_dx_pieces((M,), (
-                dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, 0,
-                next_pow2(L), C, next_pow2(C), has_w,
-            ), split_warps)
+            dx_pieces(0)
             return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
                                           grad_dtypes))
         m_dx, offset = place
@@ -1243,10 +1238,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     if need_part:
         dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
-        _launch_dx_pieces((M - m_dx,), (
-            dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, m_dx,
-            next_pow2(L), C, next_pow2(C), has_w,
-        ), split_warps)
+        dx_pieces(m_dx)
     return dx, dw, db
 
 
@@ -1289,7 +1281,7 @@ def _column_splits(M: int, N: int, dev: torch.device,
 
 
 def _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
-                         grad_dtypes=None):
+                            grad_dtypes=None):
     """dx, dweight, dbias with no scratch beyond the outputs (the dx row kernel's path, both
     modes): dweight/dbias from :func:`_column_backward` first, then the dx row kernel writes dx
     (one stream: in order). 5 passes over memory."""
@@ -1299,22 +1291,27 @@ def _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need
     return dx, dw, db
 
 
-def _column_backward(dy, x, mean, rstd, dx, need_dw: bool, need_db: bool, grad_dtypes=None):
-    """dweight/dbias (in ``grad_dtypes``, None: float32) from the column kernel with no
-    scratch: its float32 partials parked in dx's storage (allocated, not yet written) and
-    summed from there; with no room in dx for two partial row pairs (x needs no gradient, or
-    1-3 rows), one row split writes dweight/dbias directly (one program per 256 columns)."""
+def _column_backward(dy, x, mean, rstd, dx, need_dw: bool, need_db: bool, grad_dtypes=None,
+                     scratch: bool = False):
+    """dweight/dbias (in ``grad_dtypes``, None: float32) from the column kernel: its float32
+    partials parked in dx's storage (allocated, not yet written) and summed from there, or
+    (``scratch``) in a buffer of their own; with neither (x needs no gradient, or 1-3 rows),
+    one row split writes dweight/dbias directly (one program per 256 columns)."""
     if not (need_dw or need_db):
         return None, None
     M, N = x.shape
     dev = x.device
     room = M * N * x.element_size() // (8 * N) if dx is not None else 0  # (2, N) float32 pairs
-    col_blocks, splits, rows_per_split = _column_splits(M, N, dev, max(1, room))
+    col_blocks, splits, rows_per_split = _column_splits(M, N, dev,
+                                                        None if scratch else max(1, room))
     dt_w, dt_b = grad_dtypes or (None, None)
     # separate tensors: outputs of a custom op must not alias each other
     dw = torch.empty((N,), dtype=dt_w or torch.float32, device=dev) if need_dw else None
     db = torch.empty((N,), dtype=dt_b or torch.float32, device=dev) if need_db else None
-    part = _parked(dx, 0, (2, splits, N)) if splits > 1 else None
+    part = None
+    if splits > 1:
+        part = (torch.empty((2, splits, N), dtype=torch.float32, device=dev) if scratch
+                else _parked(dx, 0, (2, splits, N)))
     outs = (part[0], part[1]) if part is not None else (dw if need_dw else db,
                                                         db if need_db else dw)
     _launch_dwdb_columns((col_blocks, splits), (
