@@ -1,13 +1,14 @@
-"""LayerNorm backward memory. ``"low_memory"`` mode (``fusedops.set_layernorm_backward``): no
-scratch beyond the outputs, so forward + backward peak memory is no larger than PyTorch's: the
-fused and split-row kernels' float32 partials (and the split kernel's per-row statistics) are
-parked at the end of dx's storage, and dx of the rows there is written by a second launch after
-the partials are summed; the dx row kernel's path computes dweight/dbias by a column pass
-parked in dx before dx (both modes). Default (``"fast"``): separate scratch.
+"""LayerNorm backward memory. Default ``"low_memory"`` mode (``fusedops.set_layernorm_backward``):
+no scratch beyond the outputs, so forward + backward peak memory is no larger than PyTorch's:
+the fused and split-row kernels' float32 partials (and the split kernel's per-row statistics)
+are parked at the end of dx's storage, and dx of the rows there is written by a second launch
+after the partials are summed; the dx row kernel's path computes dweight/dbias by a column pass
+parked in dx before dx (both modes). ``"fast"``: separate scratch, the same bits.
 
-CPU (Triton interpreter): results against float64 in both modes, bitwise repeatability, the
-mode API, where the partial sums live, the second launch, the split kernel's dx-of-parked-rows
-kernel. GPU (``gpu`` marker): the peak memory against torch's, no slack.
+CPU (Triton interpreter): results against float64 in both modes, the modes bitwise equal,
+repeatability, the mode API, where the partial sums live, the second launch, the split
+kernel's dx-of-parked-rows kernels. GPU (``gpu`` marker): the peak memory against torch's (no
+slack), the modes bitwise equal on every kernel path.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import fusedops
 
 
 def test_mode_api():
-    assert fusedops.get_layernorm_backward() == "fast"
-    with fusedops.layernorm_backward_mode("low_memory"):
-        assert fusedops.get_layernorm_backward() == "low_memory"
-    assert fusedops.get_layernorm_backward() == "fast"
+    assert fusedops.get_layernorm_backward() == "low_memory"  # the default
+    with fusedops.layernorm_backward_mode("fast"):
+        assert fusedops.get_layernorm_backward() == "fast"
+    assert fusedops.get_layernorm_backward() == "low_memory"
     with pytest.raises(ValueError, match="mode"):
         fusedops.set_layernorm_backward("small")
 
@@ -77,6 +78,28 @@ def test_backward_matches_float64(triton_backend, device, dtype, case, need_x, m
         torch.testing.assert_close(a.double(), e, atol=tol * (1 + e.abs().max().item()), rtol=0)
     again = _grads(x, w, b, g, mode, need_x)
     assert all(torch.equal(p, q) for p, q in zip(got, again, strict=True))  # deterministic
+
+
+def _modes_bitwise_equal(m: int, n: int, dtype: torch.dtype, device: str) -> None:
+    """dx always; dweight/dbias from 8 rows on (with fewer, dx may have no room for the
+    partials and low_memory sums them by columns: another order)."""
+    torch.manual_seed(m + n)
+    x = (torch.randn(m, n, device=device) * 2 + 0.5).to(dtype)
+    w, b = (torch.randn(n, device=device).to(dtype) for _ in range(2))
+    g = torch.randn(m, n, device=device).to(dtype)
+    fast, low = (_grads(x, w, b, g, mode) for mode in ("fast", "low_memory"))
+    names = ("dx", "dweight", "dbias") if m >= 8 else ("dx",)
+    for name, p, q in zip(names, fast[:len(names)], low[:len(names)], strict=True):
+        assert torch.equal(p, q), f"{name}: the modes differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n", [(300, 64), (137, 33), (70, 24)])
+def test_modes_give_the_same_bits(triton_backend, device, m, n, dtype):
+    """low_memory's second launch (dx of the rows that held the parked partials) writes the
+    bits the single launch of the fast mode writes; dweight/dbias are the same sums, rounded
+    once to the parameters' dtype either way."""
+    _modes_bitwise_equal(m, n, dtype, device)
 
 
 @pytest.mark.parametrize("m,expect_in_dx", [(300, True), (3, False)])
@@ -151,8 +174,8 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
 
 
 def test_fast_mode_keeps_separate_scratch(monkeypatch, triton_backend, device):
-    """Default mode: one launch of the fused kernel (not its parked variant), partials in
-    their own buffer."""
+    """fast mode: one launch of the fused kernel (not its parked variant), partials in their
+    own buffer."""
     from fusedops.triton import layernorm as tln
 
     launches = []
@@ -162,7 +185,8 @@ def test_fast_mode_keeps_separate_scratch(monkeypatch, triton_backend, device):
     x, dy = torch.randn(300, 64, device=device), torch.randn(300, 64, device=device)
     w = torch.randn(64, device=device)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    dx, _, _ = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    with fusedops.layernorm_backward_mode("fast"):
+        dx, _, _ = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
     (main,) = launches
     assert not main[25] and main[15] == 300 and not _inside(main[6], dx)
 
@@ -200,8 +224,43 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     tln._launch_dx_pieces((m - row0,), (
         dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
-        _common.next_pow2(L), C, _common.next_pow2(C), True), 4)
+        _common.next_pow2(L), C, _common.next_pow2(C), True, False), 4)
     assert torch.all(dx[:row0] == 7)
+    r = x.double().requires_grad_()
+    want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
+    assert_close_to_ref(dx[row0:], want[row0:], dtype, scale=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,piece", [(40, 16), (37, 8), (64, 64)])
+def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, piece):
+    """_ln_bwd_dx_published (dx of the rows over the split kernel's parked scratch, from the
+    per-piece statistics it published): rows row0.. against float64, rows before untouched.
+    Here the statistics sit in a buffer of their own, so no program has to wait (late_from =
+    the grid); the overlapping layout and the waiting are GPU-tested (modes bitwise)."""
+    from fusedops.triton import _common
+    from fusedops.triton import layernorm as tln
+
+    torch.manual_seed(n)
+    m, row0 = 7, 3
+    x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]  # strided rows
+    dy = torch.randn(m, n, device=device).to(dtype)
+    w = torch.randn(n, device=device).to(dtype)
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+    C, L = _common.split_pieces(n, piece, 0)
+    xhat = (x.float() - mean[:, None]) * rstd[:, None]
+    wdy = dy.float() * w.float()
+    cols = torch.arange(C * L, device=device).clamp(max=n - 1).view(C, L)
+    keep = (torch.arange(C * L, device=device) < n).view(C, L).float()
+    stats = torch.stack([((xhat * wdy)[:, cols] * keep).sum(-1), (wdy[:, cols] * keep).sum(-1)],
+                        -1).reshape(-1).contiguous()  # (M, C, 2): what the split kernel stores
+    done = torch.zeros(1, dtype=torch.int32, device=device)
+    dx = torch.full((m, n), 7.0, device=device).to(dtype)
+    grid = (m - row0) * C
+    tln._launch_dx_published((grid,), (
+        dy, x, w, mean, rstd, dx, stats, done, n, L, dy.stride(0), x.stride(0), n, row0, grid,
+        grid, _common.next_pow2(L), C, _common.next_pow2(C), True, False), 4)
+    assert torch.all(dx[:row0] == 7) and done.item() == grid
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
     assert_close_to_ref(dx[row0:], want[row0:], dtype, scale=8)
@@ -229,3 +288,18 @@ def test_gpu_low_memory_peak_not_above_torch(m, n, dtype):
             lambda x, w, b: fusedops.fused_layernorm(x, (n,), w, b), [x, w, b], dy)
     ref = forward_backward_peak(lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, b], dy)
     assert fused <= ref, (fused, ref)
+
+
+MODE_SHAPES = [(4096, 1024), (1000, 4097), (300, 8193), (2, 8193), (64, 70000), (8, 2 * 16384),
+               (3, 6 * 16384 + 5), (1, 65536), (16384, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,n", MODE_SHAPES, ids=[f"{m}x{n}" for m, n in MODE_SHAPES])
+def test_gpu_modes_give_the_same_bits(m, n, dtype):
+    """Every kernel path in both modes, bitwise: low_memory's second launches (the fused
+    kernel's dx-only variant; for split rows _ln_bwd_dx_published on the statistics the split
+    launch left, or with too few rows _ln_bwd_dx_pieces) reproduce the rows the fast mode's
+    single launch writes."""
+    _modes_bitwise_equal(m, n, dtype, "cuda")

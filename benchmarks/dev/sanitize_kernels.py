@@ -222,19 +222,20 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         for n in (2 * 16384, 6 * 16384 + 5):
             layernorm_case(f"layernorm split N={n} {tag}", randn(3, n, dtype=dtype, seed=20),
                            *params(n), randn(3, n, dtype=dtype, seed=21))
-        if affine == "both":  # the low_memory mode: scratch parked at the end of dx
-            with fusedops.layernorm_backward_mode("low_memory"):
-                for m, n in ((40, 32768), (3, 32768), (70, 1000), (2, 1000), (256, 8193)):
-                    # 40 rows: the split kernel writes dx before its parked scratch and
-                    # _ln_bwd_dx_pieces the rest; 3 rows: no room (or no row before it), all
-                    # rows from _ln_bwd_dx_pieces; 70 / 2 rows: the fused kernel's parked
-                    # variant and its second launch / no room; 8193: the aligned-body variant
-                    layernorm_case(f"layernorm low_memory {m} x {n} {tag}",
-                                   randn(m, n, dtype=dtype, seed=26), *params(n),
-                                   randn(m, n, dtype=dtype, seed=27))
-                layernorm_case(f"layernorm low_memory params-only {tag}",
-                               randn(40, 300, dtype=dtype, seed=28), *params(300),
-                               randn(40, 300, dtype=dtype, seed=29), need_x=False)
+        if affine == "both":  # both LayerNorm backward modes (low_memory: scratch in dx)
+            for mode in ("fast", "low_memory"):
+                with fusedops.layernorm_backward_mode(mode):
+                    for m, n in ((40, 32768), (3, 32768), (70, 1000), (2, 1000), (256, 8193)):
+                        # 40 rows: the split kernel writes dx before its parked scratch and
+                        # _ln_bwd_dx_published the rest; 3 rows: no room, all rows from
+                        # _ln_bwd_dx_pieces; 70 / 2 rows: the fused kernel's parked variant and
+                        # its second launch / no room; 8193: the aligned-body variant
+                        layernorm_case(f"layernorm {mode} {m} x {n} {tag}",
+                                       randn(m, n, dtype=dtype, seed=26), *params(n),
+                                       randn(m, n, dtype=dtype, seed=27))
+                    layernorm_case(f"layernorm {mode} params-only {tag}",
+                                   randn(40, 300, dtype=dtype, seed=28), *params(300),
+                                   randn(40, 300, dtype=dtype, seed=29), need_x=False)
         if affine != "none":  # unaligned 8K bodies: the fused backward's body + edge variant
             layernorm_case(f"layernorm unaligned fused N=8193 {tag}",
                            randn(256, 8193, dtype=dtype, seed=22), *params(8193),
@@ -262,7 +263,8 @@ def main() -> int:
         torch.cuda.synchronize()
     # The interpreter runs split rows on the looped kernels (and so never needs the dx of the
     # rows behind the split kernel's parked scratch).
-    expected_missing = ({n for n in names if "split" in n or n.endswith("_dx_pieces")}
+    expected_missing = ({n for n in names if "split" in n
+                         or n.endswith(("_dx_pieces", "_dx_published"))}
                         if DEV.type == "cpu" else set())
     missing = [n for n in names if LAUNCHES[n] == 0 and n not in expected_missing]
     print("kernel launches:")

@@ -21,9 +21,10 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   those measured faster, on the interpreter, and after a refused split launch.
 * Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: PyTorch's native
   kernel (see ``NATIVE_UNALIGNED_16BIT_BWD``).
-* Backward, ``low_memory`` mode (``fusedops.set_layernorm_backward``): the same kernels with
-  their scratch parked at the end of dx's storage (see ``_park``), the dx of those rows written
-  by a second launch; the column path computes dweight/dbias before dx: no scratch at all.
+* Backward, ``low_memory`` mode (the default, ``fusedops.set_layernorm_backward``): the same
+  kernels with their scratch parked at the end of dx's storage (see ``_park``), the dx of those
+  rows written by a second launch; the column path computes dweight/dbias before dx: no
+  scratch at all. ``fast`` mode: separate scratch, one launch, the same bits.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fusedops.triton._common import (
     OVERRIDES,
     Launcher,
     SplitLauncher,
+    _interpreting,
     body_len,
     cdiv,
     grid_size,
@@ -356,11 +358,9 @@ def _ln_bwd_single(
     # share one misalignment (the launcher makes num_progs a multiple of VEC, or gives each
     # program one tile), so accumulator lane j is column pid_head + j throughout, and the
     # columns outside the aligned body accumulate in (2·VEC,) edge accumulators.
-    # PARKED (the low_memory mode, see _park): tiles first_tile.. are processed and dx is
-    # written for rows below M_dx only (the rows from M_dx on hold the parked partials until a
-    # second launch writes their dx); first_tile is a multiple of VEC, so a program's
-    # misalignment holds. Without it both arguments are ignored: the code is the one measured
-    # for the default mode (the few extra instructions cost 3-27% at 16-warp tiles, H200).
+    # PARKED (see _park): tiles first_tile.. are processed and dx is written for rows below
+    # M_dx only (the rows from M_dx on hold the parked partials until a second launch writes
+    # their dx); first_tile is a multiple of VEC, so a program's misalignment holds.
     pid = tl.program_id(0)
     if PARKED:
         start = first_tile + pid
@@ -424,11 +424,10 @@ def _ln_bwd_single(
             c1 = c1 / N
             c2 = c2 / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            if PARKED:
-                offs_dx, dx_mask = row_body(rows, head, M_dx, N, stride_dx, BLOCK_N, VEC)
-            else:
-                offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
-                dx_mask = mask
+            offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
+            dx_mask = mask
+            if PARKED:  # (offsets from row_body(..., M_dx, ...) cost 9-25% on unaligned rows)
+                dx_mask = mask & (rows < M_dx)[:, None]
             tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
             if VEC > 0:
                 dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * rstd[:, None]
@@ -494,7 +493,7 @@ def _ln_bwd_split(
     # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
     # PREFETCH: see _common.py. PARKED: dx is written for rows below M_dx only (see
-    # _ln_bwd_single); _ln_bwd_dx_pieces writes the others with the same arithmetic.
+    # _ln_bwd_single); _ln_bwd_dx_published writes the others with the same arithmetic.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -569,7 +568,7 @@ def _ln_bwd_split(
 
 @triton.jit
 def _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W: tl.constexpr):
-    # One piece of a row as _ln_bwd_split sees it: (xhat, w·dy, sum(xhat·w·dy), sum(w·dy)).
+    # One piece of a row's statistics as _ln_bwd_split computes them: sum(xhat·w·dy), sum(w·dy).
     x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
     dy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
     xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
@@ -577,19 +576,34 @@ def _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W: tl.constex
         wdy = dy * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     else:
         wdy = dy
-    return xhat, wdy, tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0)
+    return tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0)
+
+
+@triton.jit
+def _rounded_mul(a, b, PTX: tl.constexpr):
+    """a·b rounded to float32 before any use: an explicitly rounded PTX multiply is never
+    contracted into a multiply-add (PTX: False, the interpreter, which never contracts)."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return a * b
 
 
 @triton.jit
 def _ln_bwd_dx_pieces(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, N, L, stride_dy, stride_x, stride_dx,
     row0, BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     # dx of row row0 + program id, bit for bit as _ln_bwd_split computes it (same pieces of L
     # columns, the same BLOCK and warps, so the same per-piece reductions, combined over a
     # (C_P2,) vector as that kernel combines its peers' sums), but in one program that reads
-    # the row twice: no statistics buffer, no cooperating programs. It writes the rows whose
-    # storage held the split kernel's parked partials (see _parked_backward).
+    # the row twice: no statistics buffer, no cooperating programs (for the few rows whose dx
+    # cannot hold that kernel's scratch, see _split_backward). In the split kernel w·dy and
+    # the subtraction using it sit on either side of the wait loop, in separate basic blocks,
+    # so they are never contracted into one multiply-add; here they share a block, hence the
+    # explicitly rounded product (PTX, see _rounded_mul).
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
     x_row = x_ptr + row64 * stride_x
@@ -603,7 +617,7 @@ def _ln_bwd_dx_pieces(
     s2 = tl.zeros([C_P2], tl.float32)
     for piece in range(C):
         cols = piece * L + lanes
-        _, _, a, b = _piece_sums(dy_row, x_row, w_ptr, cols, (lanes < L) & (cols < N), mean,
+        a, b = _piece_sums(dy_row, x_row, w_ptr, cols, (lanes < L) & (cols < N), mean,
                                  rstd, HAS_W)
         s1 = tl.where(peers == piece, a, s1)
         s2 = tl.where(peers == piece, b, s2)
@@ -612,9 +626,59 @@ def _ln_bwd_dx_pieces(
     for piece in range(C):
         cols = piece * L + lanes
         cmask = (lanes < L) & (cols < N)
-        xhat, wdy, _, _ = _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W)
+        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        wdy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+        if HAS_W:
+            wdy = _rounded_mul(wdy, tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32),
+                               PTX)
         dx = (wdy - (xhat * c1 + c2)) * rstd
         tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _ln_bwd_dx_published(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, stats_ptr, done_ptr, N, L, stride_dy,
+    stride_x, stride_dx, row0, num_progs, late_from,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    # dx of piece pid % C of row row0 + pid // C from the per-piece statistics a parked
+    # _ln_bwd_split launch left in dx's storage (see _split_backward), bit for bit as that
+    # kernel computes it after its wait: the same (C_P2,) sum of the peers' statistics, and
+    # w·dy rounded before the subtraction (there it crosses the wait loop; see _rounded_mul).
+    # The statistics lie in the storage of the last pieces: programs from late_from on (whose
+    # dx covers them) write only once every program has read what it needs (done_ptr: a
+    # zeroed counter there too). The others never wait, so the grid needs no co-residency.
+    pid = tl.program_id(0)
+    row = row0 + pid // C
+    row64 = row.to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, C_P2)
+    cols = (pid % C) * L + lanes
+    cmask = (lanes < L) & (cols < N)
+    base = (row * C + peers) * 2
+    ok = peers < C
+    c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
+                axis=0) / N
+    c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg"),
+                axis=0) / N
+    tl.debug_barrier()  # every thread's statistics loads happen before the release
+    tl.atomic_add(done_ptr, 1, sem="release")
+    if pid >= late_from:
+        seen = tl.atomic_add(done_ptr, 0, sem="acquire")
+        while seen < num_progs:
+            seen = tl.atomic_add(done_ptr, 0, sem="acquire")
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+    wdy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+    xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+    if HAS_W:
+        wdy = _rounded_mul(wdy, tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32),
+                           PTX)
+    dx = (wdy - (xhat * c1 + c2)) * rstd
+    tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -887,13 +951,9 @@ _launch_fwd_reload = Launcher(_ln_fwd_reload)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
-# The low_memory mode's split kernel and _ln_bwd_dx_pieces, both without multiply-add
-# contraction: the latter must reproduce the former's dx bit for bit, and the split kernel's
-# w·dy product and the subtraction using it sit on either side of its wait loop (separate basic
-# blocks, so never contracted), in the other in one.
-_launch_bwd_split_parked = SplitLauncher(_ln_bwd_split, fp_fusion=False)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
-_launch_dx_pieces = Launcher(_ln_bwd_dx_pieces, fp_fusion=False)
+_launch_dx_pieces = Launcher(_ln_bwd_dx_pieces)
+_launch_dx_published = Launcher(_ln_bwd_dx_published)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
 
@@ -1110,17 +1170,17 @@ def layernorm_backward(
                                   scratch=True))
 
 
-# Scratch parked in dx (the low_memory mode). The fused and split-row backward kernels
-# accumulate dweight/dbias in per-program float32 partial rows, and the split kernel exchanges
-# per-row statistics: scratch that puts the call's peak memory up to a few percent above
-# PyTorch's (whose kernels read x and dy twice instead). In the low_memory mode that scratch
-# lives at the end of dx's own storage (dx is allocated, not yet written): the kernel writes dx
-# for the rows before it (M_dx), the partials are summed into dweight/dbias, and a second launch
-# writes the dx of the remaining rows with the same arithmetic (bitwise the same rows as a call
-# where they are not last). Costs: those rows (at most ~1/8 of x, capped by _max_partial_rows)
-# are read again, the split rows' second launch runs one program per row, and the kernels'
-# parked variant (PARKED) measured 3-27% slower at 16-warp tiles; so the default keeps the
-# scratch (H200, 2026-11-21, benchmarks/results/reliability-h200-2026-11-21/).
+# Scratch parked in dx (the low_memory mode, the default). The fused and split-row backward
+# kernels accumulate dweight/dbias in per-program float32 partial rows, and the split kernel
+# exchanges per-row statistics: scratch that would put the call's peak memory up to a few
+# percent above PyTorch's (whose kernels read x and dy twice instead). It lives at the end of
+# dx's own storage (dx is allocated, not yet written): the kernel writes dx for the rows before
+# it (M_dx), the partials are summed into dweight/dbias, and a second launch writes the dx of the
+# remaining rows with the same arithmetic (bitwise the rows the fast mode's single launch
+# writes). Cost: those rows (at most ~1/8 of x, capped by _max_partial_rows) are read again,
+# plus a launch: 1-3% at most shapes, up to 7% at unaligned 16-bit rows (H100, 2026-11-21,
+# benchmarks/results/reliability-h100-2026-11-21/). (The parked variant's dx mask once cost
+# 9-25% at unaligned rows: row offsets recomputed for it; now the default's offsets are kept.)
 def _park(dx: torch.Tensor, nbytes: int, group: int) -> tuple[int, int] | None:
     """(M_dx, byte offset) for ``nbytes`` of scratch at the end of dx's storage: the offset is
     16-byte aligned and M_dx, the first row it touches rounded down to a multiple of
@@ -1186,21 +1246,24 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
 def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg,
                     parked: bool):
     """The split-row kernel (long rows): partials, per-row statistics and counters in scratch
-    or (``parked``, the low_memory mode, with a dx) parked in dx (see _park), the remaining
-    rows' dx then from _ln_bwd_dx_pieces. None if the cooperative launch was refused (the
-    caller then uses the other kernels)."""
+    or (``parked``, with a dx) parked in dx (see _park). None if the cooperative launch was
+    refused (the caller then uses the other kernels).
+
+    Parked: partials, then statistics and counters, at the end of dx's storage. Once the
+    partials are summed, the rows over them (from M_dx) get their dx from
+    _ln_bwd_dx_published, which reads the statistics the split launch left there: bitwise as
+    that launch would have written those rows."""
     M, N = x.shape
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
     chunk, split_warps, prefetch = cfg
     C, L = split_pieces(N, chunk, 0)
-    launcher = _launch_bwd_split_parked if parked else _launch_bwd_split
     consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev)
+    progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
     progs = max(C, min(progs, _max_partial_rows(x) * C))
     # One partial row per group of C programs (a program keeps one chunk of the row).
     part_rows = progs // C
@@ -1209,7 +1272,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     def dx_pieces(row0: int) -> None:  # dx of rows row0.. with the split kernel's arithmetic
         _launch_dx_pieces((M - row0,), (
             dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, row0,
-            next_pow2(L), C, next_pow2(C), has_w,
+            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(),
         ), split_warps)
 
     m_dx = M
@@ -1232,13 +1295,23 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         count = torch.zeros((M,), dtype=torch.int32, device=dev) if need_dx else mean
     args[6:9] = part, stats, count
     args[14] = m_dx
-    if not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
+    if not _launch_bwd_split(M * C, C, tuple(args), consts, split_warps, dev, progs):
         return None
     dw = db = None
     if need_part:
         dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
-        dx_pieces(m_dx)
+        # The programs whose piece of dx covers the statistics of rows m_dx.. (or what
+        # follows them) write last; the last counter, no longer needed, counts the readers.
+        row_bytes, first = N * dx.element_size(), offset + part_bytes + 8 * C * m_dx
+        late_from = ((first // row_bytes - m_dx) * C
+                     + first % row_bytes // (L * dx.element_size()))
+        n_progs = (M - m_dx) * C
+        _launch_dx_published((n_progs,), (
+            dy, x, w, mean, rstd, dx, stats, count[M - 1:].zero_(), N, L, dy.stride(0),
+            x.stride(0), N, m_dx, n_progs, max(0, late_from),
+            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(),
+        ), split_warps)
     return dx, dw, db
 
 
