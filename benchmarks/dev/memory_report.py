@@ -55,8 +55,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    p.add_argument("--layernorm-backward", choices=["fast", "low_memory"], default="fast",
-                   help="fusedops.set_layernorm_backward mode for the fused runs")
+    p.add_argument("--layernorm-backward", choices=["fast", "low_memory"],
+                   default=fusedops.get_layernorm_backward(),
+                   help="fusedops.set_layernorm_backward mode for the fused runs (default: the "
+                        "current one)")
     args = p.parse_args()
     fusedops.set_layernorm_backward(args.layernorm_backward)
     print(f"LayerNorm backward mode: {args.layernorm_backward}")
