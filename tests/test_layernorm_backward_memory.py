@@ -206,11 +206,9 @@ def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     return dx, dw, db
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n,piece", [(40, 16), (37, 8), (64, 64)])
-def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece):
-    """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
-    row0.. against float64, rows before row0 untouched, pieces past the row's end masked."""
+def _pieces_case(device, dtype, n: int, piece: int):
+    """Inputs of the split rows' second kernels: 7 strided rows of n, the first 3 not written;
+    rows cut into C pieces of L columns as the split kernel cuts them."""
     from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
 
@@ -220,7 +218,18 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    C, L = _common.split_pieces(n, piece, 0)
+    return (m, row0, x, dy, w, mean, rstd, *_common.split_pieces(n, piece, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,piece", [(40, 16), (37, 8), (64, 64)])
+def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece):
+    """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
+    row0.. against float64, rows before row0 untouched, pieces past the row's end masked."""
+    from fusedops.triton import _common
+    from fusedops.triton import layernorm as tln
+
+    m, row0, x, dy, w, mean, rstd, C, L = _pieces_case(device, dtype, n, piece)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     tln._launch_dx_pieces((m - row0,), (
         dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
@@ -241,13 +250,7 @@ def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, p
     from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
 
-    torch.manual_seed(n)
-    m, row0 = 7, 3
-    x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]  # strided rows
-    dy = torch.randn(m, n, device=device).to(dtype)
-    w = torch.randn(n, device=device).to(dtype)
-    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    C, L = _common.split_pieces(n, piece, 0)
+    m, row0, x, dy, w, mean, rstd, C, L = _pieces_case(device, dtype, n, piece)
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
     wdy = dy.float() * w.float()
     cols = torch.arange(C * L, device=device).clamp(max=n - 1).view(C, L)

@@ -6,7 +6,12 @@ Variants are generated from the shipped kernel's source by text substitution (so
 it): ``start_only`` (tiles from first_tile, dx for every row), ``mask_only`` (dx masked to
 rows < M_dx, tiles from 0), ``barrier`` (the default loop; then every program waits at a
 grid-wide counter before storing its partial rows, cooperative launch). do_bench medians,
-rounds interleaved; prints TB/s per variant."""
+rounds interleaved; prints TB/s per variant.
+
+Written against the kernel source of commit 73786d1 (its PARKED variant recomputed the dx
+offsets); the fix it found (``mask_and``) is now the shipped code, so the substitutions below
+match only that commit's source: run it from a checkout of 73786d1. Results:
+benchmarks/results/reliability-h100-2026-11-21/parked-variants.txt."""
 
 import inspect
 import json
