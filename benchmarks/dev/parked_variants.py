@@ -1,16 +1,15 @@
-"""Developer probe (GPU): which change in the fused LayerNorm backward's PARKED variant costs
-speed on unaligned rows (N = 2^k + 1), and whether a grid barrier (or a masked or branched store) before the partial-row
-stores (the loop left as in the default variant) costs nothing.
+"""Developer probe (GPU): which change in the fused LayerNorm backward's PARKED variant (the
+low_memory mode's first launch) costs speed on unaligned rows (N = 2^k + 1), against the default
+variant doing the same work.
 
 Variants are generated from the shipped kernel's source by text substitution (so they track
-it): ``start_only`` (tiles from first_tile, dx for every row), ``mask_only`` (dx masked to
-rows < M_dx, tiles from 0), ``barrier`` (the default loop; then every program waits at a
-grid-wide counter before storing its partial rows, cooperative launch). do_bench medians,
-rounds interleaved; prints TB/s per variant.
-
-Written against the kernel source of commit 73786d1 (its PARKED variant recomputed the dx
-offsets); the fix it found (``mask_and``) is now the shipped code, so the substitutions below
-match only that commit's source: run it from a checkout of 73786d1. Results:
+it): ``recompute_offsets`` (the PARKED variant of commit 73786d1: dx offsets and mask from
+``row_body(..., M_dx, ...)``, 9-25% slower on unaligned rows), ``start_only`` (tiles from
+first_tile, dx for every row), ``mask_only`` (the shipped dx mask, tiles from 0), ``barrier``
+(the default loop; then every program waits at a grid-wide counter before storing its partial
+rows, cooperative launch), ``branch`` (the dx stores under a per-tile branch). The shipped
+PARKED variant is the mask on the default's offsets. do_bench medians, rounds interleaved;
+prints TB/s per variant. Results (run as "mask_and" against 73786d1's source):
 benchmarks/results/reliability-h100-2026-11-21/parked-variants.txt."""
 
 import inspect
@@ -28,21 +27,18 @@ from fusedops.triton import layernorm as tln
 OUT = os.environ.get("OUT", "/tmp/parked_variants")
 SRC = inspect.getsource(tln._ln_bwd_single.fn)
 START = "    if PARKED:\n        start = first_tile + pid"
-MASK = "            if PARKED:\n                offs_dx, dx_mask"
+MASK = "            if PARKED:  # (offsets"
 EMASK = "                if PARKED:\n                    e_mask = e_mask"
 STORE = "    out = part_ptr + pid.to(tl.int64) * N\n"
-DXSTORE = SRC[SRC.index("            if PARKED:\n                offs_dx"):
+OFFSETS = SRC[SRC.index("            offs_dx, _ = row_body(rows, head, M, N, stride_dx"):
+              SRC.index("            tl.store(dx_ptr + offs_dx")]
+DXSTORE = SRC[SRC.index("            offs_dx, _ = row_body(rows, head, M, N, stride_dx"):
               SRC.index("        if ACC_1D:\n            if NEED_DW")]
-MASK_AND = """            offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
-            dx_mask = mask
-            if PARKED:
-                dx_mask = mask & (rows < M_dx)[:, None]
-            tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
-            if VEC > 0:
-                dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * rstd[:, None]
-                if PARKED:
-                    e_mask = e_mask & (rows < M_dx)[:, None]
-                tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
+RECOMPUTED = """            if PARKED:
+                offs_dx, dx_mask = row_body(rows, head, M_dx, N, stride_dx, BLOCK_N, VEC)
+            else:
+                offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
+                dx_mask = mask
 """
 BRANCH = """            offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
             if tile < M_dx:  # M_dx: here the first tile whose dx is not written
@@ -62,7 +58,7 @@ for s in (START, MASK, EMASK, STORE):
     assert s in SRC, s
 
 
-def variant(name, *, start=True, mask=True, barrier=False, store=None):
+def variant(name, *, start=True, mask=True, barrier=False, offsets=None, store=None):
     src = SRC.replace("def _ln_bwd_single(", f"def _v_{name}(")
     src = src.replace("first_tile, M_dx,", "first_tile, M_dx, count_ptr,")
     if not start:
@@ -72,6 +68,8 @@ def variant(name, *, start=True, mask=True, barrier=False, store=None):
         src = src.replace(EMASK, EMASK.replace("if PARKED", "if False"))
     if barrier:
         src = src.replace(STORE, BARRIER + STORE)
+    if offsets:
+        src = src.replace(OFFSETS, offsets)
     if store:
         src = src.replace(DXSTORE, store)
     return src
@@ -79,9 +77,8 @@ def variant(name, *, start=True, mask=True, barrier=False, store=None):
 
 VARIANTS = {"start_only": variant("start_only", mask=False),
             "mask_only": variant("mask_only", start=False),
-            "both": variant("both"),
+            "recompute_offsets": variant("recompute_offsets", start=False, offsets=RECOMPUTED),
             "barrier": variant("barrier", start=False, mask=False, barrier=True),
-            "mask_and": variant("mask_and", start=False, store=MASK_AND),
             "branch": variant("branch", start=False, store=BRANCH)}
 d = tempfile.mkdtemp()
 with open(f"{d}/lnvariants.py", "w") as f:
@@ -144,7 +141,7 @@ def main():
             dx.zero_()
             part.zero_()
             fn()
-            rows_ok = (m_dx if name in ("mask_only", "both", "shipped_parked", "mask_and", "branch")
+            rows_ok = (m_dx if name in ("mask_only", "shipped_parked", "recompute_offsets", "branch")
                        else M)
             got = (dx[:rows_ok].clone(), part.clone())
             if ref is None:
