@@ -233,7 +233,8 @@ def test_reload_rules():
 @pytest.mark.parametrize("n", [16384, 12000])
 def test_reload_kernels_take_their_rows(monkeypatch, n):
     """Aligned rows whose padded length has a reload rule run the reload kernels (forward
-    LayerNorm, backward softmax) with the rule's chunk and warps; unaligned rows do not."""
+    LayerNorm, backward softmax) with the rule's chunk and warps; unaligned rows do not (their
+    forward has its own reload kernel, tested below)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fwd, bwd = [], []
     _recording(monkeypatch, tln, "_launch_fwd_reload", fwd, lambda g, a, w: (g, a[10], a[11], w))
@@ -247,6 +248,39 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(odd, -1), odd, torch.bfloat16)
     assert len(fwd) == 1 and len(bwd) == 1
+
+
+def test_reload_rules_for_unaligned_rows():
+    # Round 19 (H100): 16-bit rows that start unaligned (N = 2^k + 1) read whole, then again in
+    # chunks, weight/bias from shifted copies: (element size, padded body) -> (chunk, warps).
+    assert tln.RELOAD_VEC_FWD == {(2, 4096): (1024, 4), (2, 8192): (1024, 8),
+                                  (2, 16384): (4096, 16), (2, 32768): (8192, 32)}
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("n", [4097, 8193])
+def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n):
+    """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run _ln_fwd_reload_vec with the rule's
+    chunk and warps in calls of RELOAD_VEC_MIN_ELEMS elements or more (float32 rows, and smaller
+    calls, keep the single-block kernel); results against float64."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert tln.RELOAD_VEC_MIN_ELEMS == 1 << 24
+    monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 5 * n)
+    calls = []
+    _recording(monkeypatch, tln, "_launch_fwd_reload_vec", calls,
+               lambda g, a, w: (g, a[10], a[11], a[15], w))
+    x = (torch.randn(5, n, device=device) * 3 + 50).to(torch.bfloat16)
+    w = torch.randn(n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, device=device, dtype=torch.bfloat16)
+    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, torch.bfloat16)
+    chunk, warps = tln.RELOAD_VEC_FWD[(2, n - 1)]
+    assert calls == [((5,), n - 1, chunk, 8, warps)]
+    ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double())
+    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(mean.double(), x.double().mean(-1), atol=1e-3, rtol=1e-5)
+    tln.layernorm_forward(x.float(), w.float(), b.float(), 1e-5, torch.float32)
+    tln.layernorm_forward(x[:4], w, b, 1e-5, torch.bfloat16)  # below the size threshold
+    assert len(calls) == 1
 
 
 @NEEDS_KERNELS

@@ -104,10 +104,13 @@ def test_modes_give_the_same_bits(triton_backend, device, m, n, dtype):
 
 @pytest.mark.parametrize("m,expect_in_dx", [(300, True), (3, False)])
 def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx):
-    """The column path (dx row kernel + column kernel, forced at every length here)."""
+    """The column path (dx row kernel + column kernel, forced at every length here; split rows
+    off, which would otherwise take these rows on CUDA)."""
+    from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)
+    monkeypatch.setattr(_common, "_split_state", {"enabled": False})
     seen = []
     real = tln._launch_dwdb_columns
     monkeypatch.setattr(tln, "_launch_dwdb_columns", lambda grid, args, warps: seen.append(

@@ -219,6 +219,10 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         # rows padded to 16K: the forward's reload kernel (row read whole, then in chunks)
         layernorm_case(f"layernorm reload N=12000 {tag}", randn(3, 12000, dtype=dtype, seed=24),
                        *params(12000), randn(3, 12000, dtype=dtype, seed=25))
+        # 16-bit rows of 2^k + 1: the reload kernel for unaligned rows (+ shifted weights)
+        layernorm_case(f"layernorm reload unaligned N=4097 {tag}",
+                       randn(9, 4097, dtype=dtype, seed=30), *params(4097),
+                       randn(9, 4097, dtype=dtype, seed=31))
         for n in (2 * 16384, 6 * 16384 + 5):
             layernorm_case(f"layernorm split N={n} {tag}", randn(3, n, dtype=dtype, seed=20),
                            *params(n), randn(3, n, dtype=dtype, seed=21))
@@ -244,6 +248,10 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         w, b = randn(1000, seed=16), randn(1000, seed=17)
         layernorm_case(f"layernorm mixed-params {t}", randn(5, 1000, dtype=dtype, seed=18), w, b,
                        randn(5, 1000, dtype=dtype, seed=19))
+        w, b = randn(4097, seed=16), randn(4097, seed=17)
+        layernorm_case(f"layernorm mixed-params unaligned {t}",
+                       randn(5, 4097, dtype=dtype, seed=18), w, b,
+                       randn(5, 4097, dtype=dtype, seed=19))
 
 
 def main() -> int:
@@ -251,6 +259,9 @@ def main() -> int:
         print("sanitize_kernels: no CUDA device (use --device cpu for the interpreter)")
         return 2
     names = wrap_launchers()
+    # Small inputs reach the forward's reload kernel for unaligned rows (normally only calls of
+    # 2^24+ elements, where its extra launch pays off).
+    tln.RELOAD_VEC_MIN_ELEMS = 0
     with fusedops.use_backend("triton"):
         for dtype in DTYPES:
             for cases in (softmax_cases, layernorm_cases):

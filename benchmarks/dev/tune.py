@@ -318,6 +318,58 @@ def entry(mapping, key, value):
         mapping.pop(key, None)
 
 
+if "rvec" in which:  # round 19 (ninth session): LayerNorm forward, unaligned rows (2^k + 1).
+    # The weight/bias loads of the body were scalar (their columns start at the row's head):
+    # "cur" = _ln_fwd_reload_vec (the row read whole, then again in chunks, weight/bias from
+    # copies shifted per head, loaded as vectors); "single" = the single-block kernel with the
+    # shifted copies (SHIFT_W); "noshift" = the single-block kernel before this round.
+    def rv(elt, block, chunk, warps):
+        cfg = (chunk, warps)
+        return (f"rv{chunk // 1024 or 0.5}Kw{warps}",
+                lambda: item(tln.RELOAD_VEC_FWD, (elt, block), cfg)
+                if (elt, block) in tln.RELOAD_VEC_FWD
+                else entry(tln.RELOAD_VEC_FWD, (elt, block), cfg))
+    single = ("single", lambda: knobs(tln, RELOAD_VEC_FWD={}))
+    noshift = ("noshift", lambda: knobs(tln, RELOAD_VEC_FWD={}, SHIFT_W_MIN_BLOCK={}))
+    cfgs = {4096: ((512, 4), (1024, 8), (2048, 8), (1024, 4)),
+            8192: ((2048, 8), (1024, 4), (1024, 16), (2048, 16), (1024, 8)),
+            16384: ((2048, 16), (4096, 32), (2048, 32), (8192, 32), (4096, 16))}
+    for dt in (bf, fp16, f32):
+        elt = torch.empty((), dtype=dt).element_size()
+        for N in (4097, 8193, 16385):
+            point("ln_fwd", dt, N, [single, noshift] + [rv(elt, N - 1, c, w)
+                                                        for c, w in cfgs[N - 1]])
+    for dt in (bf, fp16):
+        point("ln_fwd", dt, 32769, [noshift])
+if "rvec2" in which:  # round 19b: 16-bit 32769 on the reload kernel for unaligned rows, and
+    # the wall time per call of few-row calls (the shifted copies cost one more launch)
+    def rv2(chunk, warps):
+        return (f"rv{chunk // 1024}Kw{warps}",
+                lambda: item(tln.RELOAD_VEC_FWD, (2, 32768), (chunk, warps)))
+    for dt in (bf, fp16):
+        point("ln_fwd", dt, 32769, [("single", lambda: knobs(tln, RELOAD_VEC_FWD={}))]
+              + [rv2(c, w) for c, w in ((4096, 32), (8192, 16), (16384, 32), (4096, 16))])
+    import statistics
+    for M in (() if SMOKE else (2, 16, 64, 256)):
+        x = torch.randn(M, 8193, device=dev, dtype=bf)
+        w = torch.randn(8193, device=dev, dtype=bf)
+        res = {}
+        for name, ctx in (("rvec", nullctx), ("single", lambda: knobs(tln, RELOAD_VEC_FWD={}))):
+            with ctx():
+                f = lambda: tln.layernorm_forward(x, w, w, 1e-5, bf)  # noqa: E731
+                for _ in range(50):
+                    f()
+                runs = []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    for _ in range(500):
+                        f()
+                    torch.cuda.synchronize()
+                    runs.append((time.perf_counter() - t1) / 500 * 1e6)
+                res[name] = statistics.median(runs)
+        print(f"wall us/call bf16 {M}x8193: " + " ".join(f"{k}={v:.1f}" for k, v in res.items()),
+              flush=True)
 if "reload" in which:  # round 16: rows read whole (all bytes in flight), then again from L2
     # (Inductor's unrolled two-loop reductions; ours kept the row in registers or looped).
     # Offline ptxas sm_90: LN fwd bf16 16K 62 regs at 16 warps, 32 at 32; softmax bwd bf16 16K

@@ -155,6 +155,24 @@ def _write_normalized(x_row, y_row, w_ptr, b_ptr, cols, N, mean, rstd, HAS_W: tl
 
 
 @triton.jit
+def _shift_weights(w_ptr, b_ptr, ws_ptr, bs_ptr, N, w_ld, HAS_W: tl.constexpr,
+                   HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    # Row h of the (VEC, w_ld) outputs is the weight (bias) from column h on, zero-padded: the
+    # copies _ln_fwd_reload_vec reads with aligned vector loads for rows whose body starts at
+    # column h.
+    h = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = cols < N - h
+    dst = cols < w_ld
+    if HAS_W:
+        tl.store(ws_ptr + h * w_ld + cols, tl.load(w_ptr + h + cols, mask=src, other=0.0),
+                 mask=dst)
+    if HAS_B:
+        tl.store(bs_ptr + h * w_ld + cols, tl.load(b_ptr + h + cols, mask=src, other=0.0),
+                 mask=dst)
+
+
+@triton.jit
 def _ln_fwd_looped(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_x, stride_y, eps,
     CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -228,6 +246,62 @@ def _ln_fwd_reload(
     lanes = tl.arange(0, CHUNK)
     for start in tl.static_range(0, BLOCK_N, CHUNK):
         _write_normalized(x_row, y_row, w_ptr, b_ptr, start + lanes, N, mean, rstd, HAS_W, HAS_B)
+
+
+@triton.jit
+def _ln_fwd_reload_vec(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride, eps, w_ld,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    STATS: tl.constexpr, VEC: tl.constexpr,
+):
+    # _ln_fwd_reload for rows that start unaligned (N = 2^k + 1): the aligned body (16-byte
+    # vectors from the first boundary of the row on) plus up to 2·VEC edge elements, as in
+    # row_body/row_edges; x and y share the row stride. Weight and bias come from the shifted
+    # copies of _shift_weights (row ``head``), so the write pass loads them as vectors too.
+    row = tl.program_id(0)
+    start = row.to(tl.int64) * stride
+    first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
+    head = (first - start).to(tl.int32)
+    body = ((N - head) // VEC) * VEC
+    cols = tl.arange(0, BLOCK_N)
+    bmask = cols < body
+    x = tl.load(x_ptr + first + cols, mask=bmask, other=0.0, eviction_policy="evict_last")
+    x0 = tl.load(x_ptr + start).to(tl.float32)  # the shift, as in _ln_fwd_single
+    j = tl.arange(0, 2 * VEC)
+    ecol = tl.where(j < VEC, j, head + body + (j - VEC))
+    emask = tl.where(j < VEC, j < head, ecol < N)
+    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+    total = (tl.sum(tl.where(bmask, x.to(tl.float32) - x0, 0.0), axis=0)
+             + tl.sum(tl.where(emask, xe - x0, 0.0), axis=0))
+    mean = x0 + total / N
+    xc = tl.where(bmask, x.to(tl.float32) - mean, 0.0)
+    xce = tl.where(emask, xe - mean, 0.0)
+    var = (tl.sum(xc * xc, axis=0) + tl.sum(xce * xce, axis=0)) / N
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    if STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+    ye = xce * rstd
+    if HAS_W:  # row 0 of the shifted copies is the weight itself
+        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    if HAS_B:
+        ye = ye + tl.load(b_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    lanes = tl.arange(0, CHUNK)
+    w_at = head * w_ld
+    for c0 in tl.static_range(0, BLOCK_N, CHUNK):
+        c = c0 + lanes
+        m = c < body
+        xv = tl.load(x_ptr + first + c, mask=m, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        yv = (xv - mean) * rstd
+        if HAS_W:
+            yv = yv * tl.load(w_ptr + w_at + c, mask=m, other=0.0,
+                              eviction_policy="evict_last").to(tl.float32)
+        if HAS_B:
+            yv = yv + tl.load(b_ptr + w_at + c, mask=m, other=0.0,
+                              eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_ptr + first + c, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -946,8 +1020,10 @@ COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias ke
 COLUMN_WARPS = 8
 
 _launch_fwd_single = Launcher(_ln_fwd_single)
+_launch_shift_weights = Launcher(_shift_weights)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_fwd_reload = Launcher(_ln_fwd_reload)
+_launch_fwd_reload_vec = Launcher(_ln_fwd_reload_vec)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
@@ -978,6 +1054,28 @@ def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool, out=None,
         part, dw if need_dw else db, db if need_db else dw, P, N, 0 if need_dw else 1,
         block_p, block_c), 4)
     return dw, db
+
+
+SHIFT_W_BLOCK = 1024  # columns per program of _shift_weights
+
+
+def _shifted_weights(w: torch.Tensor | None, b: torch.Tensor | None, vec: int, n: int):
+    """(weight copies, bias copies, row stride): (vec, ld) tensors whose row h holds columns
+    h.. of ``w`` (``b``), zero-padded to ``ld`` (a multiple of 16 elements); None for an absent
+    tensor."""
+    ld = cdiv(n, 16) * 16
+    if w is not None and b is not None and w.dtype == b.dtype:
+        both = torch.empty((2, vec, ld), dtype=w.dtype, device=w.device)
+        ws, bs = both[0], both[1]
+    else:
+        ws = torch.empty((vec, ld), dtype=w.dtype, device=w.device) if w is not None else None
+        bs = torch.empty((vec, ld), dtype=b.dtype, device=b.device) if b is not None else None
+    some = ws if ws is not None else bs
+    _launch_shift_weights((vec, cdiv(ld, SHIFT_W_BLOCK)), (
+        w if w is not None else some, b if b is not None else some,
+        ws if ws is not None else some, bs if bs is not None else some, n, ld,
+        w is not None, b is not None, SHIFT_W_BLOCK), 4)
+    return ws, bs, ld
 
 
 def layernorm_forward(
@@ -1047,6 +1145,43 @@ def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chu
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
+# Unaligned rows (VEC > 0) on _ln_fwd_reload_vec: (element size, padded body) -> (chunk, warps).
+# The single-block kernel's body loads of weight/bias start at the row's head column, which
+# only scalar loads can do (ptxas sm_90, 16-bit 8193 on 4 warps: 153 scalar loads, 255
+# registers, two 4-warp programs per SM; too few bytes in flight). H100, tune round 19, TB/s
+# against the single-block kernel: bf16 / fp16 4097 2.87 / 2.88 vs 2.27 / 1.96, 8193 2.72 /
+# 2.74 vs 1.71 / 1.97, 16385 2.65 / 2.68 vs 1.83 / 1.87, 32769 2.49 / 2.52 vs 0.52 / 0.56 (the
+# chunk/warps neighbours within 3%). Float32 rows stay: 8193 2.82 vs 2.92 (4-byte scalar
+# loads are half as many per byte of x).
+RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16), (2, 32768): (8192, 32),
+}
+# ... for calls of at least this many elements: the shifted copies cost a launch and an
+# allocation (14.5 µs of host time per call on an H100 host), which small calls do not win
+# back. Wall time per call, bf16 rows of 8193 (benchmarks/dev/launch_paths.py, results in
+# benchmarks/results/tune-h100-2026-11-21/launch-paths-before-threshold.json): 512 rows 36.4
+# vs 22.2 µs single-block, 2048 rows 40.6 vs 48.2, 8192 rows 101 vs 156.
+RELOAD_VEC_MIN_ELEMS = 1 << 24
+
+
+def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, warps):
+    has_w, has_b = weight is not None, bias is not None
+    w = b = y  # placeholders, never read (HAS_W/HAS_B are constexpr)
+    w_ld = N
+    if has_w or has_b:
+        ws, bs, w_ld = _shifted_weights(weight, bias, vec, N)
+        w, b = (ws if has_w else y), (bs if has_b else y)
+    mean = rstd = y  # placeholders, never written without STATS
+    if with_stats:
+        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M > 0:
+        _launch_fwd_reload_vec((M,), (x, w, b, y, mean, rstd, N, N, eps, w_ld,
+                                      next_pow2(body_len(N, vec)), chunk, has_w, has_b,
+                                      with_stats, vec), warps)
+    return (y, mean, rstd) if with_stats else (y, None, None)
+
+
 def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     M, N, stride, y = rows_and_output(x, out_dtype)
     has_w, has_b = weight is not None, bias is not None
@@ -1060,6 +1195,11 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         # Measured with the statistics written (see STATS_FREE_16BIT_MAX below).
         stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
         return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload)
+    reload = (RELOAD_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
+              if vec and M * N >= RELOAD_VEC_MIN_ELEMS
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if reload:
+        return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *reload)
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
     looped = (LOOPED_16BIT_FWD.get(next_pow2(N))
               if N > 8192 and not vec and x.element_size() == 2 else None)
