@@ -12,6 +12,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   with Chan's formula; pass 2 normalises and writes.
 * Forward, reload (chosen row lengths, ``RELOAD_FWD``): the row read whole in one load for the
   statistics, then again from L2 in chunks to write y; nothing held across the two.
+* Forward, reload for unaligned 16-bit rows (N = 2^k + 1, ``RELOAD_VEC_FWD``, large calls): the
+  same on the row's aligned body plus its edges; weight and bias from copies shifted per row
+  misalignment (``_shift_weights``), so every per-column load is a 16-byte vector.
 * Backward, fused (rows up to 8K, and unaligned rows with a 2K-8K body): persistent programs write
   dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
   each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics).
