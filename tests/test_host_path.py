@@ -141,3 +141,64 @@ def test_direct_launch_matches_triton_launch():
     flat = torch.randn(300 * 1001 + 1, device="cuda")
     odd = flat[1:].view(300, 1001)[:, :1000]  # misaligned base pointer, row stride 1001
     torch.testing.assert_close(tsm.softmax_forward(odd, odd.dtype), torch.softmax(odd, -1))
+
+
+def test_generated_key_equals_the_generic_key():
+    """The per-kernel generated key gives the generic key's value for arguments of the kinds it
+    was generated for, and raises (so the launcher falls back to the generic key) for others."""
+    t = torch.zeros(64)
+    n = 8
+    first = (t, t[1:], 32, 7, 1, 2**31 + 5, 1e-5, True, 128, "const")
+    key = _common._key_function(first, n)
+    for args in (first, (t.half(), t, 48, 1, 33, -(2**31) - 1, 2.0, False, 64, "other"),
+                 (t[3:], t[4:], 0, 16, 2, 3, 0.0, True, 1, None)):
+        assert key(8, args) == _common._launch_key(8, args, n)
+    for other in ((1, t, 32, 7, 1, 5, 1e-5, True, 1, 2),  # an int where a tensor was
+                  (t, t, t, 7, 1, 5, 1e-5, True, 1, 2),  # a tensor where an int was
+                  (t, t, 32, 7.0, 1, 5, 1e-5, True, 1, 2),  # a float where an int was
+                  (t, t, 32, 7, 1, 5, 0, True, 1, 2),  # an int where a float was
+                  (t, t, 32, 7, 1, 5, 1e-5, 1, 1, 2)):  # an int where a bool was
+        with pytest.raises((TypeError, AttributeError, RuntimeError)):
+            key(8, other)
+    assert _common._key_function((4, 2), 0)(8, (4, 2)) == _common._launch_key(8, (4, 2), 0)
+
+
+class _FakeCompiled:
+    """What Launcher reads from Triton's compiled kernel, with a recording launcher."""
+
+    def __init__(self, run):
+        self.run, self.function, self.packed_metadata = run, 77, (4, 1, 0)
+
+
+def test_direct_entry_calls_the_c_entry_on_known_triton(monkeypatch):
+    calls = []
+
+    class CudaLauncher:  # Triton 3.6's runner: __call__ (Python) wrapping launch (C)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def launch(self, *a):
+            calls.append(("launch", a))
+
+        def __call__(self, *a):
+            calls.append(("run", a))
+
+    monkeypatch.setattr(_common.triton, "__version__", "3.6.0")
+    go = _common._direct_entry(_FakeCompiled(CudaLauncher()))
+    go((5,), 123, ("x", 1))
+    go((5, 2), 123, ("x", 1))
+    assert calls == [
+        ("launch", (5, 1, 1, 123, 77, False, False, None, None, (4, 1, 0), None, None, None,
+                    "x", 1)),
+        ("launch", (5, 2, 1, 123, 77, False, False, None, None, (4, 1, 0), None, None, None,
+                    "x", 1))]
+    # another Triton version, or a kernel that needs scratch memory: Triton's runner
+    calls.clear()
+    monkeypatch.setattr(_common.triton, "__version__", "3.9.0")
+    _common._direct_entry(_FakeCompiled(CudaLauncher()))((5,), 123, ("x",))
+    monkeypatch.setattr(_common.triton, "__version__", "3.6.0")
+    runner = CudaLauncher()
+    runner.global_scratch_size = 256
+    _common._direct_entry(_FakeCompiled(runner))((5,), 123, ("x",))
+    assert [c[0] for c in calls] == ["run", "run"]
+    assert calls[0][1] == (5, 1, 1, 123, 77, (4, 1, 0), None, None, None, "x")

@@ -139,7 +139,9 @@ class Launcher:
     metadata for Triton's (usually empty) launch hooks and looks up the device and stream on
     every call, which costs more host time than the kernel itself for small tensors. The first
     launch for a given specialisation (see :func:`_launch_key`) goes through Triton; later ones
-    call the compiled kernel's launcher directly with the tensor's device's current stream.
+    call the compiled kernel's launcher directly with the tensor's device's current stream
+    (on Triton 3.6, its C entry point itself: see :func:`_direct_entry`). The key is computed
+    by a function generated for the kernel's argument kinds (:func:`_key_function`).
     Arguments must be passed positionally, constexprs included, in signature order.
     On CPU tensors (``TRITON_INTERPRET=1``) every call goes through Triton.
 
@@ -147,11 +149,12 @@ class Launcher:
     honoured: while any is registered, launches take Triton's own path.
     """
 
-    __slots__ = ("kernel", "compiled", "direct", "n_runtime", "options")
+    __slots__ = ("kernel", "compiled", "direct", "n_runtime", "options", "key")
 
     def __init__(self, kernel, cooperative: bool = False, fp_fusion: bool = True) -> None:
         self.kernel = kernel
         self.compiled: dict = {}
+        self.key = None
         self.direct = _current_stream is not None and _launch_hooks is not None
         self.options = {"launch_cooperative_grid": True} if cooperative else {}
         if not fp_fusion:
@@ -173,13 +176,15 @@ class Launcher:
         """Launch; returns Triton's compiled kernel object (or None on the direct path)."""
         if not self.direct:
             return self.kernel[grid](*args, num_warps=num_warps, **self.options)
-        key = _launch_key(num_warps, args, self.n_runtime)
+        try:
+            key = self.key(num_warps, args)
+        except Exception:  # first call, or other argument kinds than the generated key's
+            key = _launch_key(num_warps, args, self.n_runtime)
+            if self.key is None:
+                self.key = _key_function(args, self.n_runtime)
         entry = self.compiled.get(key)
         if entry is not None and not _hooks_registered():
-            run, function, metadata = entry
-            g = (*grid, 1, 1)
-            run(g[0], g[1], g[2], _current_stream(key[0]), function, metadata, None, None, None,
-                *args)
+            entry(grid, _current_stream(key[0]), args)
             return None
         compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
         if entry is None:
@@ -187,15 +192,87 @@ class Launcher:
         return compiled
 
     def _remember(self, key: tuple, compiled) -> None:
-        try:
-            entry = (compiled.run, compiled.function, compiled.packed_metadata)
-        except AttributeError:
-            entry = None
-        if entry is not None and entry[1] is not None and callable(entry[0]):
+        entry = _direct_entry(compiled)
+        if entry is not None:
             self.compiled[key] = entry
         elif not _interpreting():
             # An unknown Triton runtime API: stay on Triton's own (slower) path for this kernel.
             self.direct = False
+
+
+def _key_function(args: tuple, n: int):
+    """A function ``(num_warps, args) -> key`` equal to :func:`_launch_key` for arguments of
+    the same kinds (tensor, int, float, bool) at the same positions as ``args``, written out
+    argument by argument (no loop, no per-argument type dispatch: about half the host time of
+    the generic key for a dozen arguments). Arguments of other kinds make it raise, and the
+    caller falls back to the generic key."""
+    names = [f"a{i}" for i in range(n)]
+    parts, first_tensor = [], None
+    for name, a in zip(names, args[:n], strict=True):
+        cls = a.__class__
+        if cls is int:
+            parts.append(f"(({name} & 15 == 0) + 2 * ({name} == 1)"
+                         f" + 4 * ({name} >= 2147483648 or {name} < -2147483648))"
+                         f" if {name}.__class__ is int else _other()")
+        elif cls is float:
+            parts.append(f"0.5 if {name}.__class__ is float else _other()")
+        elif cls is bool:
+            parts.append(f"{name} if {name}.__class__ is bool else _other()")
+        else:
+            first_tensor = first_tensor or name
+            parts += [f"{name}.dtype", f"{name}.data_ptr() & 15 == 0"]
+    device = f"{first_tensor}.get_device()" if first_tensor else "None"
+    unpack = f"    {', '.join(names)}, *consts = args\n" if n else "    consts = args\n"
+    src = (f"def key(num_warps, args):\n{unpack}"
+           f"    return ({device}, num_warps, {''.join(p + ', ' for p in parts)}*consts)\n")
+    scope = {"_other": _other_kinds}
+    exec(src, scope)  # noqa: S102 - generated from the argument kinds above, no user text
+    return scope["key"]
+
+
+def _other_kinds():
+    raise TypeError("argument kinds differ from the generated launch key's")
+
+
+# Triton versions whose compiled-kernel launcher (``CompiledKernel.run``) is known to be a
+# ``CudaLauncher`` whose ``launch`` attribute is its C entry point, taking (grid x, y, z,
+# stream, function, cooperative, pdl, global scratch, profile scratch, packed metadata, launch
+# metadata, enter hook, exit hook, *args): calling it directly skips the Python wrapper (which
+# allocates the scratch buffers these kernels do not use): 1.5 µs per launch on an H100 host
+# (benchmarks/dev/launch_paths.py). Other versions call ``run`` itself.
+_C_ENTRY_VERSIONS = ("3.6.",)
+
+
+def _direct_entry(compiled):
+    """``go(grid, stream, args)`` launching ``compiled`` without Triton's Python layers, or
+    None where its runtime API is not the one known here."""
+    try:
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    except AttributeError:
+        return None
+    if function is None or not callable(run):
+        return None
+    launch = getattr(run, "launch", None)
+    if (type(run).__name__ == "CudaLauncher" and callable(launch)
+            and triton.__version__.startswith(_C_ENTRY_VERSIONS)
+            and not getattr(run, "global_scratch_size", 1)
+            and not getattr(run, "profile_scratch_size", 1)):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+        def go(grid, stream, args):
+            if len(grid) == 1:
+                launch(grid[0], 1, 1, stream, function, coop, pdl, None, None, metadata, None,
+                       None, None, *args)
+            else:
+                g = (*grid, 1)
+                launch(g[0], g[1], g[2], stream, function, coop, pdl, None, None, metadata,
+                       None, None, None, *args)
+        return go
+
+    def go(grid, stream, args):
+        g = (*grid, 1, 1)
+        run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args)
+    return go
 
 
 def _hooks_registered() -> bool:
