@@ -238,7 +238,7 @@ def _other_kinds():
 # ``CudaLauncher`` whose ``launch`` attribute is its C entry point, taking (grid x, y, z,
 # stream, function, cooperative, pdl, global scratch, profile scratch, packed metadata, launch
 # metadata, enter hook, exit hook, *args): calling it directly skips the Python wrapper (which
-# allocates the scratch buffers these kernels do not use): 1.5 µs per launch on an H100 host
+# allocates the scratch buffers these kernels do not use): 0.8-1.5 µs per launch on an H100 host
 # (benchmarks/dev/launch_paths.py). Other versions call ``run`` itself.
 _C_ENTRY_VERSIONS = ("3.6.",)
 
