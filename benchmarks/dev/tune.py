@@ -318,11 +318,16 @@ def entry(mapping, key, value):
         mapping.pop(key, None)
 
 
+# Round 19a (tune-h100-2026-11-21/round19-shift-single.json) timed that SHIFT_W variant alone
+# (noshift, s_all, s_w4/s_w16 warps, s_np without the persistent grid); the variant and its
+# section were not kept.
 if "rvec" in which:  # round 19 (ninth session): LayerNorm forward, unaligned rows (2^k + 1).
     # The weight/bias loads of the body were scalar (their columns start at the row's head):
     # "cur" = _ln_fwd_reload_vec (the row read whole, then again in chunks, weight/bias from
-    # copies shifted per head, loaded as vectors); "single" = the single-block kernel with the
-    # shifted copies (SHIFT_W); "noshift" = the single-block kernel before this round.
+    # copies shifted per head, loaded as vectors); "single" = the single-block kernel. In the
+    # round's JSON (tune-h100-2026-11-21/round19-rvec.json) "single" was the single-block
+    # kernel reading the shifted copies (a SHIFT_W variant, dropped after this round) and
+    # "noshift" the single-block kernel as it is now.
     def rv(elt, block, chunk, warps):
         cfg = (chunk, warps)
         return (f"rv{chunk // 1024 or 0.5}Kw{warps}",
@@ -330,17 +335,13 @@ if "rvec" in which:  # round 19 (ninth session): LayerNorm forward, unaligned ro
                 if (elt, block) in tln.RELOAD_VEC_FWD
                 else entry(tln.RELOAD_VEC_FWD, (elt, block), cfg))
     single = ("single", lambda: knobs(tln, RELOAD_VEC_FWD={}))
-    noshift = ("noshift", lambda: knobs(tln, RELOAD_VEC_FWD={}, SHIFT_W_MIN_BLOCK={}))
     cfgs = {4096: ((512, 4), (1024, 8), (2048, 8), (1024, 4)),
             8192: ((2048, 8), (1024, 4), (1024, 16), (2048, 16), (1024, 8)),
             16384: ((2048, 16), (4096, 32), (2048, 32), (8192, 32), (4096, 16))}
     for dt in (bf, fp16, f32):
         elt = torch.empty((), dtype=dt).element_size()
         for N in (4097, 8193, 16385):
-            point("ln_fwd", dt, N, [single, noshift] + [rv(elt, N - 1, c, w)
-                                                        for c, w in cfgs[N - 1]])
-    for dt in (bf, fp16):
-        point("ln_fwd", dt, 32769, [noshift])
+            point("ln_fwd", dt, N, [single] + [rv(elt, N - 1, c, w) for c, w in cfgs[N - 1]])
 if "rvec2" in which:  # round 19b: 16-bit 32769 on the reload kernel for unaligned rows, and
     # the wall time per call of few-row calls (the shifted copies cost one more launch)
     def rv2(chunk, warps):
