@@ -14,32 +14,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import struct
-import time
 
 import torch
 import triton
+from host_breakdown import per_call_us  # same folder: run as a script
 
 from fusedops.triton import _common
 from fusedops.triton import layernorm as tln
 from fusedops.triton import softmax as tsm
 
 _FORMATS = {"i32": "i4x", "i64": "q", "i1": "b7x", "fp32": "f4x", "u32": "I4x", "u64": "Q"}
-
-
-def per_call_us(fn, calls: int = 3000, repeats: int = 7) -> float:
-    for _ in range(300):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
 
 
 class CtypesLaunch:

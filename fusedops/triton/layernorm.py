@@ -1135,12 +1135,18 @@ RELOAD_FWD: dict[tuple[int, int], tuple] = {
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
 
 
+def _stats_buffers(M: int, device: torch.device, with_stats: bool, placeholder: torch.Tensor):
+    """(mean, rstd) float32 (M,) buffers, or the placeholder twice (never written without
+    STATS) for the reload kernels' inference calls."""
+    if not with_stats:
+        return placeholder, placeholder
+    return (torch.empty((M,), dtype=torch.float32, device=device),
+            torch.empty((M,), dtype=torch.float32, device=device))
+
+
 def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
                     third_read=False):
-    mean = rstd = y  # placeholders, never written without STATS
-    if with_stats:
-        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
-        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    mean, rstd = _stats_buffers(M, x.device, with_stats, y)
     if M > 0:
         _launch_fwd_reload((M,), (x, w, b, y, mean, rstd, N, stride, N, eps,
                                   next_pow2(N), chunk, has_w, has_b, with_stats, third_read),
@@ -1174,10 +1180,7 @@ def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, w
     if has_w or has_b:
         ws, bs, w_ld = _shifted_weights(weight, bias, vec, N)
         w, b = (ws if has_w else y), (bs if has_b else y)
-    mean = rstd = y  # placeholders, never written without STATS
-    if with_stats:
-        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
-        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    mean, rstd = _stats_buffers(M, x.device, with_stats, y)
     if M > 0:
         _launch_fwd_reload_vec((M,), (x, w, b, y, mean, rstd, N, N, eps, w_ld,
                                       next_pow2(body_len(N, vec)), chunk, has_w, has_b,
