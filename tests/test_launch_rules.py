@@ -86,24 +86,28 @@ def test_split_pieces_cover_the_row(n, chunk, vec):
 
 def test_split_config_rules():
     cfg = tln._split_config
-    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit 8192/8
-    assert cfg("fwd", 65537, 2, False) == (16384, 16, 1)  # unaligned rows
+    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit 8192/4 up to 64K, then /8
+    assert cfg("fwd", 65537, 2, False) == (8192, 4, 3)  # unaligned rows
     assert cfg("fwd", 65536, 4, True) == (8192, 4, 1)
-    assert cfg("fwd", 65537, 4, False) == (16384, 16, 1)
+    assert cfg("fwd", 65537, 4, False) == (8192, 4, 3)
+    assert cfg("fwd", 65536, 2, True) == (8192, 4, 1)
     assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
-    # backward: aligned 16-bit rows up to 16K keep the dx + column kernels
-    assert cfg("bwd", 16384, 2, True) is None
+    # backward (piece, warps, prefetch[, reread, register cap])
+    assert cfg("bwd", 16384, 2, True) == cfg("bwd", 65536, 2, True) == (4096, 8, 1, False, 128)
+    assert cfg("bwd", 131072, 2, True) == (8192, 16, 1)
+    assert cfg("bwd", 262144, 2, True) == (8192, 8, 3)
     assert cfg("bwd", 8193, 2, False) == (8192, 8, 2)
-    assert cfg("bwd", 32768, 2, True) == (8192, 8, 2)
-    assert cfg("bwd", 65536, 2, True) == (8192, 16, 1)
+    assert cfg("bwd", 65537, 2, False) == (8192, 16, 1)
     assert cfg("bwd", 8193, 4, False) == (2048, 4, 2)
     assert cfg("bwd", 32768, 4, True) == (2048, 4, 0)
     assert cfg("bwd", 65536, 4, True) == (4096, 4, 2)
     assert cfg("bwd", 262144, 4, True) == (8192, 8, 2)
-    # softmax: 8192 x 8; prefetch by direction, dtype and alignment
-    assert tsm._split_config("fwd", 2) == (8192, 8, 0)
-    assert tsm._split_config("fwd", 4) == tsm._split_config("fwd", 2, 8) == (8192, 8, 1)
+    # softmax: prefetch by direction, dtype and alignment
+    assert tsm._split_config("fwd", 2, 0, 65536) == (4096, 4, 3)
+    assert tsm._split_config("fwd", 2, 0, 131072) == (8192, 8, 3)
+    assert tsm._split_config("fwd", 4, 0, 65536) == (8192, 8, 1)
+    assert tsm._split_config("fwd", 2, 8, 65537) == tsm._split_config("fwd", 4, 4) == (8192, 8, 3)
     assert tsm._split_config("bwd", 2) == (8192, 8, 1)
     assert tsm._split_config("bwd", 4) == tsm._split_config("bwd", 4, 4) == (8192, 8, 0)
     assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows
@@ -180,7 +184,8 @@ def test_unaligned_config_rules():
     assert uc(8193, "softmax_fwd", 2, 8) == (True, 8192, 1, 4, 8)
     assert uc(8193, "softmax_bwd", 2, 8)[1:] == (8192, 1, 8, 8)
     assert uc(1025, "softmax_bwd", 2, 8)[3:] == (16, 8)
-    assert uc(65537, "softmax_fwd", 2, 8)[:2] == (True, 65536)
+    assert uc(32769, "softmax_fwd", 2, 8)[:2] == (True, 32768)
+    assert not uc(65537, "softmax_fwd", 2, 8)[0]  # softmax forward rows of 64K+: split rows
     # short float32 backward rows (and LayerNorm dx rows up to 1K) stay on scalar access
     assert uc(1025, "softmax_bwd", 4, 4) == (*_common.row_config(1025, "softmax_bwd", 4), 0)
     assert uc(1025, "ln_bwd", 2, 8)[-1] == 0
@@ -198,10 +203,9 @@ def _recording(monkeypatch, mod, name, calls, pick):
 
 
 @NEEDS_KERNELS
-def test_looped_16bit_layernorm_forward_rule(monkeypatch):
-    # Round 10: 16-bit rows of 64K run the two-pass looped kernel (2048 x 16 warps); 16K moved to
-    # the reload kernel in round 16.
-    assert tln.LOOPED_16BIT_FWD == {65536: (2048, 16)}
+def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch):
+    """16-bit rows of 64K take the split-row kernel (round 22); without it (the interpreter, a
+    refused cooperative launch) the two-pass looped kernel, with row_config's chunk."""
     calls = []
     _recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
     monkeypatch.setattr(_common, "_split_state", {"enabled": False})
@@ -209,7 +213,8 @@ def test_looped_16bit_layernorm_forward_rule(monkeypatch):
     x = (torch.randn(2, 65536, device=device) * 3 + 100).to(torch.bfloat16)
     w = torch.randn(65536, device=device)
     y, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, torch.bfloat16)
-    assert calls == [(2048, 16)]
+    single, block, _, warps = _common.row_config(65536, "ln_fwd", 2)
+    assert not single and calls == [(block, warps)]
     ref = torch.nn.functional.layer_norm(x.double(), (65536,), w.double())
     torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
     torch.testing.assert_close(mean.double(), x.double().mean(-1), atol=1e-3, rtol=1e-5)

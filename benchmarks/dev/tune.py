@@ -318,6 +318,112 @@ def entry(mapping, key, value):
         mapping.pop(key, None)
 
 
+if "split_bwd" in which:  # round 20 (tenth session): LayerNorm backward split rows. 16-bit
+    # rows of 16K-256K sat at 0.55-0.63 of copy (float32 0.81-0.87): offline ptxas sm_90 gives
+    # the shipped 16-bit configs 255 registers (8192 x 8: one 8-warp program per SM, 32 KB of
+    # loads in flight, nothing in flight during the wait). REREAD (r): x, dy, w read again after
+    # the wait, only the accumulators and a prefetched row live across it (8192 x 8 prefetch 1:
+    # 178 registers; 4096 x 8: 124; 8192 x 16: 100). s{piece}w{warps}p{prefetch}[r]
+    def sb(cfg):
+        name = f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}{'r' if cfg[3:] and cfg[3] else ''}"
+        return (name, lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg))
+    c16 = ((8192, 8, 1, 1), (8192, 8, 2, 1), (8192, 16, 1, 1), (4096, 8, 1, 1), (4096, 4, 1, 1),
+           (2048, 4, 1, 1), (2048, 4, 0, 0), (4096, 8, 2, 0), (8192, 8, 2, 0))
+    for dt in (bf, fp16):
+        for N in (16384, 32768, 65536, 131072, 262144):
+            point("ln_bwd", dt, N, [sb(c) for c in c16])
+    c32 = ((2048, 4, 0, 1), (2048, 4, 1, 1), (4096, 8, 1, 1), (4096, 4, 1, 1), (8192, 16, 1, 1),
+           (2048, 4, 2, 0))
+    for N in (16384, 32768, 65536, 131072, 262144):
+        point("ln_bwd", f32, N, [sb(c) for c in c32])
+if "pf3" in which:  # round 21: PREFETCH 3, the next row's loads issued between the release
+    # and the wait. The release is MEMBAR.GPU + RED in SASS, and a membar waits for the thread's
+    # outstanding loads: PREFETCH 1's loads (issued before it) are waited for before the
+    # release, so nothing is in flight during the wait; 3's are.
+    def sbw(cfg):
+        name = f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}{'r' if cfg[3:] and cfg[3] else ''}"
+        return (name, lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg))
+
+    def sfw(cfg):
+        return (f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}", lambda: knobs(tln, SPLIT_CONFIG=cfg))
+
+    def smc(kind, cfg):
+        return (f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}", lambda: sm_cfg(kind, cfg))
+    for dt, cfgs in ((bf, ((8192, 8, 3, 0), (8192, 8, 3, 1), (4096, 8, 3, 1), (4096, 8, 3, 0),
+                           (2048, 4, 3, 0), (8192, 16, 3, 1), (4096, 4, 3, 0))),
+                     (f32, ((2048, 4, 3, 0), (2048, 4, 3, 1), (4096, 4, 3, 0), (8192, 8, 3, 0),
+                            (4096, 8, 3, 1)))):
+        for N in (16384, 32768, 65536, 131072, 262144):
+            point("ln_bwd", dt, N, [sbw(c) for c in cfgs])
+    for dt in (bf, f32):
+        for N in (65536, 65537, 131072, 262144):
+            point("sm_fwd", dt, N, [smc("fwd", c) for c in (
+                (8192, 8, 3), (16384, 16, 3), (8192, 16, 3), (4096, 4, 3))])
+            point("sm_bwd", dt, N, [smc("bwd", c) for c in (
+                (8192, 8, 3), (8192, 16, 3), (16384, 16, 3))])
+            point("ln_fwd", dt, N, [sfw(c) for c in (
+                (8192, 8, 3), (8192, 4, 3), (16384, 16, 3), (4096, 4, 3))])
+if "r22" in which:  # round 22: after round 21 and benchmarks/dev/split_anatomy.py (taking the
+    # cross-program wait out barely changes the time: the split kernels are bound by their own
+    # loads and arithmetic at their occupancy). Softmax forward split now takes one exponential
+    # per element ("cur"); the 16-bit LayerNorm backward at 16 elements per thread capped at 128
+    # registers (ptxas: 150 -> 128, 16 bytes of spill) for four 4-warp programs per SM (m128).
+    @contextlib.contextmanager
+    def maxnreg(launcher, regs):
+        inner = launcher.launcher
+        old = dict(inner.options)
+        inner.options["maxnreg"] = regs
+        inner.compiled.clear()
+        launcher.blocks_per_sm.clear()
+        try:
+            yield
+        finally:
+            inner.options.clear()
+            inner.options.update(old)
+            inner.compiled.clear()
+            launcher.blocks_per_sm.clear()
+
+    def sbw(cfg, regs=None):
+        name = f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}{'r' if cfg[3:] and cfg[3] else ''}"
+        if regs:
+            return (name + f"m{regs}", lambda: stack(knobs(tln, SPLIT_BWD_CONFIG=cfg),
+                                                     maxnreg(tln._launch_bwd_split, regs)))
+        return (name, lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg))
+    for N in (16384, 32768, 65536, 131072, 262144):
+        point("ln_bwd", bf, N, [sbw((8192, 8, 3)), sbw((2048, 4, 3), 128), sbw((4096, 8, 3), 128),
+                                sbw((2048, 4, 1), 128), sbw((4096, 8, 1), 128),
+                                sbw((4096, 4, 3), 128)])
+
+    def smc(cfg):
+        return (f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}", lambda: sm_cfg("fwd", cfg))
+    for dt in (bf, torch.float16, f32):
+        for N in (65536, 65537, 131072, 262144):
+            v = [smc(c) for c in ((8192, 8, 3), (4096, 4, 3), (8192, 8, 1), (8192, 8, 0))]
+            if N == 65536:  # single-block as shipped; the split variants with a lower cap
+                v = [(n, lambda c=c: stack(caps(softmax_fwd=32768), c())) for n, c in v]
+            point("sm_fwd", dt, N, v)
+
+    def sfw(cfg):
+        return (f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}", lambda: knobs(tln, SPLIT_CONFIG=cfg))
+    for dt in (bf, torch.float16, f32):
+        point("ln_fwd", dt, 65537, [sfw(c) for c in (
+            (8192, 4, 3), (8192, 4, 1), (4096, 4, 3), (8192, 8, 1), (16384, 16, 3))])
+    # (the round ran these with the 64K looped rule, LOOPED_16BIT_FWD, emptied; "cur" was that
+    # looped kernel at 64K; the rule is gone since)
+    for N in (65536, 131072, 262144):
+        point("ln_fwd", bf, N, [sfw(c) for c in (
+            (8192, 8, 3), (8192, 4, 3), (8192, 4, 1), (4096, 4, 1))])
+if "r23" in which:  # round 23: the round-22 rules as "cur" against what they replaced
+    def smc(cfg):
+        return (f"s{cfg[0] // 1024}w{cfg[1]}p{cfg[2]}", lambda: sm_cfg("fwd", cfg))
+    single = ("single", lambda: caps(softmax_fwd=65536))  # rows of 64K in one program
+    for dt in (bf, torch.float16):
+        point("sm_fwd", dt, 65537, [single, smc((8192, 8, 1)), smc((4096, 4, 3))])
+        point("sm_fwd", dt, 65536, [single, smc((8192, 8, 3))])
+        for N in (16384, 32768, 65536):
+            point("ln_bwd", dt, N, [("s8w8p3", lambda: knobs(tln, SPLIT_BWD_CONFIG=(8192, 8, 3))),
+                                    ("s4w8p1", lambda: knobs(tln, SPLIT_BWD_CONFIG=(4096, 8, 1)))])
+        point("ln_fwd", dt, 65536, [("s8w8p1", lambda: knobs(tln, SPLIT_CONFIG=(8192, 8, 1)))])
 # Round 19a (tune-h100-2026-11-21/round19-shift-single.json) timed that SHIFT_W variant alone
 # (noshift, s_all, s_w4/s_w16 warps, s_np without the persistent grid); the variant and its
 # section were not kept.

@@ -151,7 +151,8 @@ class Launcher:
 
     __slots__ = ("kernel", "compiled", "direct", "n_runtime", "options", "key")
 
-    def __init__(self, kernel, cooperative: bool = False, fp_fusion: bool = True) -> None:
+    def __init__(self, kernel, cooperative: bool = False, fp_fusion: bool = True,
+                 maxnreg: int | None = None) -> None:
         self.kernel = kernel
         self.compiled: dict = {}
         self.key = None
@@ -162,6 +163,10 @@ class Launcher:
             # written with the same arithmetic give the same bits however their code is split
             # into basic blocks (the contraction is decided per block).
             self.options["enable_fp_fusion"] = False
+        if maxnreg and not _interpreting():
+            # A register cap (ptxas .maxnreg): more programs per SM where the compiler would
+            # otherwise take registers it does not need (the interpreter has no such option).
+            self.options["maxnreg"] = maxnreg
         params = getattr(kernel, "params", None)
         if params is None:  # the interpreter's wrapper: no compiled kernels to cache
             self.direct, self.n_runtime = False, 0
@@ -297,7 +302,9 @@ def _interpreting() -> bool:
 # rows per program so every thread holds a few 16-byte vectors), the threads per program, and
 # whether the grid is persistent (about one resident wave of programs looping over row tiles) or
 # one program per tile.
-KIND_CAPS = {"softmax_fwd": 65536, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
+KIND_CAPS = {"softmax_fwd": 32768, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
+# (softmax forward rows of 64K run split: H100 round 22, 16-bit 2.50 vs 1.84-2.28 TB/s in one
+# program; float32 H200 round 11, 3.29 vs 2.89.)
 _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
 # Tiles of this many bytes, for kinds listed here (measured: softmax forward peaks at 4 KB per
 # program with one program per tile, 0.96-0.99 of copy bandwidth at N <= 8K).
@@ -357,9 +364,6 @@ def _cap(kind: str, elt_size: int) -> int:
     # thread); the split-row kernel measured 3.68 vs 3.32 TB/s there.
     if kind == "softmax_bwd" and elt_size == 4:
         return 16384
-    # float32 softmax forward rows of 64K: split rows 3.29 vs 2.89 TB/s in one program (round 11)
-    if kind == "softmax_fwd" and elt_size == 4:
-        return min(32768, KIND_CAPS[kind])
     return KIND_CAPS[kind]
 
 
@@ -426,8 +430,11 @@ def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
 # PREFETCH (a constexpr of every split-row kernel): where a program issues the loads of its
 # next row (it keeps the same piece of rows num_progs / C apart): 0 = not ahead (load, reduce,
 # publish, wait, write: its loads idle while it waits for its row's other pieces), 1 = before
-# publishing and waiting, 2 = right after the wait, overlapping the combine and the write. Each
-# kernel kind's measured choice is in its split config (softmax.py, layernorm.py).
+# publishing and waiting, 2 = right after the wait, overlapping the combine and the write, 3 =
+# between publishing and waiting. The release that publishes is a fence (MEMBAR.GPU in SASS):
+# it waits for the publishing thread's outstanding loads, so loads issued before it (1) are
+# waited for before the release, while loads issued after it (3) are in flight during the wait.
+# Each kernel kind's measured choice is in its split config (softmax.py, layernorm.py).
 # FUSEDOPS_SPLIT_ROWS=0 turns them off (the looped kernels then handle long rows).
 _split_state = {"enabled": __import__("os").environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 
@@ -452,10 +459,15 @@ def disable_split_rows(reason: str) -> None:
 
 
 @triton.jit
-def wait_for_row(count_ptr, row, C: tl.constexpr):
-    """Publish this program's partials for ``row`` and wait until all C chunks have."""
+def publish_row(count_ptr, row):
+    """Publish this program's partials for ``row`` (its stores before this call)."""
     tl.debug_barrier()  # every thread's partial-statistics stores happen before the release
     tl.atomic_add(count_ptr + row, 1, sem="release")
+
+
+@triton.jit
+def await_row(count_ptr, row, C: tl.constexpr):
+    """Wait until all C chunks of ``row`` have published."""
     seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
     while seen < C:
         seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
@@ -524,8 +536,8 @@ class SplitLauncher:
 
     __slots__ = ("launcher", "blocks_per_sm")
 
-    def __init__(self, kernel, fp_fusion: bool = True) -> None:
-        self.launcher = Launcher(kernel, cooperative=True, fp_fusion=fp_fusion)
+    def __init__(self, kernel, fp_fusion: bool = True, maxnreg: int | None = None) -> None:
+        self.launcher = Launcher(kernel, cooperative=True, fp_fusion=fp_fusion, maxnreg=maxnreg)
         self.blocks_per_sm: dict = {}
 
     def programs(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,

@@ -39,16 +39,17 @@ import triton.language as tl
 from fusedops._settings import get_layernorm_backward
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
-    OVERRIDES,
     Launcher,
     SplitLauncher,
     _interpreting,
+    await_row,
     body_len,
     cdiv,
     grid_size,
     next_pow2,
     num_row_tiles,
     num_sms,
+    publish_row,
     row_body,
     row_config,
     row_edges,
@@ -62,7 +63,6 @@ from fusedops.triton._common import (
     tile_rows,
     unaligned_config,
     unaligned_vec,
-    wait_for_row,
 )
 
 
@@ -373,7 +373,10 @@ def _ln_fwd_split(
             m2 += tl.sum(xce * xce, axis=0)
         tl.store(stats_ptr + item * 2, mean_c)
         tl.store(stats_ptr + item * 2 + 1, m2)
-        wait_for_row(count_ptr, row, C)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        await_row(count_ptr, row, C)
         if PREFETCH == 2:
             x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
         base = (row * C + peers) * 2
@@ -562,7 +565,8 @@ def _ln_bwd_split(
     N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    PREFETCH: tl.constexpr, PARKED: tl.constexpr,
+    PREFETCH: tl.constexpr, PARKED: tl.constexpr, REREAD: tl.constexpr = False,
+    PTX: tl.constexpr = True,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -571,13 +575,19 @@ def _ln_bwd_split(
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
     # PREFETCH: see _common.py. PARKED: dx is written for rows below M_dx only (see
     # _ln_bwd_single); _ln_bwd_dx_published writes the others with the same arithmetic.
+    # REREAD (set only with NEED_DX): only the two sums before the wait; after it x, dy and w
+    # are read again (from L1/L2: this program read them just before) for dx and the
+    # accumulators, so nothing but the accumulators (and a prefetched row) stays live across
+    # the wait: fewer registers per element, hence longer pieces or more programs per SM (16-bit
+    # rows need twice the elements in flight per byte). w·dy is then rounded before the
+    # subtraction as in _ln_bwd_dx_published (PTX, see _rounded_mul): the same bits.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     cols = (pid % C) * L + lanes
     cmask = (lanes < L) & (cols < N)
     step = num_progs // C
-    if HAS_W:
+    if HAS_W and not REREAD:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK], tl.float32)
     db_acc = tl.zeros([BLOCK], tl.float32)
@@ -604,18 +614,27 @@ def _ln_bwd_split(
         rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
         # Accumulate before waiting: only xhat and w·dy stay live across the wait.
-        if NEED_DW:
-            dw_acc += dy * xhat
-        if NEED_DB:
-            db_acc += dy
+        if not REREAD:
+            if NEED_DW:
+                dw_acc += dy * xhat
+            if NEED_DB:
+                db_acc += dy
         if NEED_DX:
             if HAS_W:
-                wdy = dy * w
+                if REREAD:
+                    wdy = dy * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+                else:
+                    wdy = dy * w
             else:
                 wdy = dy
             tl.store(stats_ptr + item * 2, tl.sum(xhat * wdy, axis=0))
             tl.store(stats_ptr + item * 2 + 1, tl.sum(wdy, axis=0))
-            wait_for_row(count_ptr, row, C)
+            publish_row(count_ptr, row)
+            if PREFETCH == 3:
+                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
+                                  other=0.0)
+            await_row(count_ptr, row, C)
             if PREFETCH == 2:
                 x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
                 dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
@@ -626,6 +645,21 @@ def _ln_bwd_split(
                         axis=0) / N
             c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
                                 cache_modifier=".cg"), axis=0) / N
+            if REREAD:
+                x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask,
+                            other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask,
+                             other=0.0).to(tl.float32)
+                xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+                if NEED_DW:
+                    dw_acc += dy * xhat
+                if NEED_DB:
+                    db_acc += dy
+                if HAS_W:
+                    wdy = _rounded_mul(dy, tl.load(w_ptr + cols, mask=cmask,
+                                                   other=0.0).to(tl.float32), PTX)
+                else:
+                    wdy = dy
             dx = (wdy - (xhat * c1 + c2)) * rstd
             if PARKED:
                 tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
@@ -633,7 +667,7 @@ def _ln_bwd_split(
             else:
                 tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
                          mask=cmask)
-        elif PREFETCH == 2:
+        elif PREFETCH >= 2:
             x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
             dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
     out = part_ptr + (pid // C).to(tl.int64) * N + cols
@@ -875,36 +909,43 @@ def _hold_w(block: int, warps: int) -> bool:
 # into C = ceil(N / piece) equal pieces (no nearly empty last piece at N = 2^k + 1).
 # None = the measured defaults below; a tuple overrides them (experiments).
 SPLIT_CONFIG: tuple[int, int, int] | None = None
-SPLIT_BWD_CONFIG: tuple[int, int, int] | None = None
+SPLIT_BWD_CONFIG: tuple | None = None
 
 
-def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple[int, int, int] | None:
+def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | None:
     """(piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
     where the other kernels measured faster (H200, benchmarks/dev/tune.py rounds 4 and 11;
     PREFETCH: see _common.py).
 
     Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
     256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
-    128K: 2.23 vs 2.08 on 4); aligned 16-bit rows of 256K+ stream faster looped (2.37 vs 2.00);
-    unaligned rows (aligned-body pieces, round 12) 16384 on 16 warps (N = 65537: bf16 1.44 vs
-    0.98 at 8192 x 8 and 1.08 before, float32 2.03 vs 1.68).
-    Backward: 16-bit rows up to 16K keep the dx + column kernels (2.12 vs 2.09), 32K 8192 x 8
-    prefetching after the wait (2.06 vs 1.89), longer 8192 x 16 prefetching before it (bf16
-    64K: 2.18); float32 from 2048 x 4 to 8192 x 8 as rows grow (8193: 1.86 vs 1.51 at 4096 x
-    4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47)."""
+    128K: 2.23 vs 2.08 on 4), on 4 up to 64K (H100 round 22: 2.05 vs 1.94 looped); aligned
+    16-bit rows of 256K+ stream faster looped (2.37 vs 2.00); unaligned rows (aligned-body
+    pieces) 8192 on 4 warps prefetching between publishing and waiting (H100 round 22, N =
+    65537: bf16 1.56 vs 1.38 at 16384 x 16 prefetching before publishing, fp16 1.59 vs 1.40,
+    float32 1.86 vs 1.76).
+    Backward (a fourth value: REREAD, see _ln_bwd_split; a fifth: a register cap, see
+    Launcher): 16-bit rows up to 64K on 4096 x 8 prefetching before publishing, capped at 128
+    registers (H100 round 22, bf16 16K / 32K / 64K: 2.00 / 2.00 / 1.95 vs 1.65 dx + column
+    kernels / 1.67 at 8192 x 8 / 1.88 at 8192 x 16), 128K 8192 x 16 (1.86), longer 8192 x 8
+    prefetching between publishing and waiting (256K: 1.75 vs 1.62); float32 from 2048 x 4 to
+    8192 x 8 as rows grow (H200: 8193: 1.86 vs 1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71;
+    256K: 2.83 vs 1.47)."""
     override = SPLIT_CONFIG if kind == "fwd" else SPLIT_BWD_CONFIG
     if override is not None:
         return override
     if kind == "fwd":
         if not aligned:
-            return 16384, 16, 1
+            return 8192, 4, 3
         if elt_size == 2 and n >= 262144:
             return None
-        return (8192, 4, 1) if elt_size == 4 else (8192, 8, 1)
+        return (8192, 4, 1) if elt_size == 4 or n <= 65536 else (8192, 8, 1)
     if elt_size == 2:
-        if aligned and n <= 16384:
-            return None
-        return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
+        if not aligned:  # scalar accesses (rarely run: see NATIVE_UNALIGNED_16BIT_BWD)
+            return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
+        if n <= 65536:
+            return 4096, 8, 1, False, 128
+        return (8192, 16, 1) if n <= 131072 else (8192, 8, 3)
     if n < 16384:
         return (2048, 4, 2)
     if n <= 32768:
@@ -1030,6 +1071,16 @@ _launch_fwd_reload_vec = Launcher(_ln_fwd_reload_vec)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
+_capped_bwd_split: dict[int, SplitLauncher] = {}  # by register cap (see _split_config)
+
+
+def _bwd_split_launcher(maxnreg: int | None) -> SplitLauncher:
+    if not maxnreg:
+        return _launch_bwd_split
+    launcher = _capped_bwd_split.get(maxnreg)
+    if launcher is None:
+        launcher = _capped_bwd_split[maxnreg] = SplitLauncher(_ln_bwd_split, maxnreg=maxnreg)
+    return launcher
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
 _launch_dx_pieces = Launcher(_ln_bwd_dx_pieces)
 _launch_dx_published = Launcher(_ln_bwd_dx_published)
@@ -1117,13 +1168,8 @@ def layernorm_forward_y(
     return _forward(x, weight, bias, eps, out_dtype, False)[0]
 
 
-# 16-bit rows that run faster on the looped kernel (two passes, the second from L2) than in
-# registers or split over programs: padded row length -> (chunk, warps). H200, tune round 10
-# (per-lane shifted sums in the looped kernel): bf16 64K 2.54 vs 2.17 split-row (16K, 3.10 vs
-# 2.77 single-block then, moved to RELOAD_FWD in round 16).
-LOOPED_16BIT_FWD = {65536: (2048, 16)}
 # Aligned rows read whole, then again from L2 (_ln_fwd_reload): (element size, padded row) ->
-# (second-pass chunk, warps[, THIRD_READ]). Checked before LOOPED_16BIT_FWD. H200, tune rounds
+# (second-pass chunk, warps[, THIRD_READ]). H200, tune rounds
 # 16/16b, TB/s vs the kernels before it: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96
 # vs 3.62; 16K 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51,
 # 32K 3.73 vs 3.24 (single-block); 16-bit 32K with THIRD_READ (round 18: bf16 3.51 vs 3.17,
@@ -1207,12 +1253,6 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     if reload:
         return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *reload)
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
-    looped = (LOOPED_16BIT_FWD.get(next_pow2(N))
-              if N > 8192 and not vec and x.element_size() == 2 else None)
-    if looped and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT and not OVERRIDES:
-        single, (block, warps) = False, looped
-    else:
-        looped = None
     if (not with_stats and x.element_size() == 2 and block >= 8192
             and M * N > STATS_FREE_16BIT_MAX):
         # The variant without statistics compiles slower for large 16-bit inputs with rows of
@@ -1237,8 +1277,7 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats,
         ), warps)
     else:
-        cfg = None if looped else _split_config("fwd", N, x.element_size(),
-                                                 stride % 8 == 0 and N % 8 == 0)
+        cfg = _split_config("fwd", N, x.element_size(), stride % 8 == 0 and N % 8 == 0)
         chunk, split_warps, prefetch = cfg or (0, 0, 0)
         if cfg and split_rows_enabled(x.device, N, chunk):
             C, L = split_pieces(N, chunk, vec)
@@ -1403,13 +1442,16 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
-    chunk, split_warps, prefetch = cfg
+    chunk, split_warps, prefetch, *rest = cfg
+    reread = bool(rest and rest[0]) and need_dx
+    launcher = _bwd_split_launcher(rest[1] if len(rest) > 1 else None)
     C, L = split_pieces(N, chunk, 0)
-    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked)
+    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
+              reread, not _interpreting())
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    progs = _launch_bwd_split.programs(M * C, C, tuple(args), consts, split_warps, dev)
+    progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev)
     progs = max(C, min(progs, _max_partial_rows(x) * C))
     # One partial row per group of C programs (a program keeps one chunk of the row).
     part_rows = progs // C
@@ -1441,7 +1483,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         count = torch.zeros((M,), dtype=torch.int32, device=dev) if need_dx else mean
     args[6:9] = part, stats, count
     args[14] = m_dx
-    if not _launch_bwd_split(M * C, C, tuple(args), consts, split_warps, dev, progs):
+    if not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
         return None
     dw = db = None
     if need_part:

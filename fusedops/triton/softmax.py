@@ -27,9 +27,11 @@ from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
     SplitLauncher,
+    await_row,
     grid_size,
     next_pow2,
     num_row_tiles,
+    publish_row,
     row_body,
     row_edges,
     rows_and_output,
@@ -41,7 +43,6 @@ from fusedops.triton._common import (
     tile_rows,
     unaligned_config,
     unaligned_vec,
-    wait_for_row,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -217,13 +218,21 @@ def _softmax_fwd_split(
             nan = tl.sum((x != x).to(tl.int32), axis=0)
         # tl.max drops NaN: a piece holding one publishes a NaN max, so the whole row is NaN.
         m = tl.where(nan > 0, float("nan"), m)
-        s = tl.sum(tl.exp2((x - m) * LOG2E), axis=0)
+        # e = exp(x - m) once: y = e · exp(m - row max) / sum after the wait (one exponential per
+        # element, not two). An all -inf piece takes its exponentials about 0 (-inf - -inf would
+        # be NaN): e = 0, and its scale is exp(-inf) = 0 (NaN if the whole row is -inf, as torch).
+        m_safe = tl.where(m == -float("inf"), 0.0, m)
+        e = tl.exp2((x - m_safe) * LOG2E)
+        s = tl.sum(e, axis=0)
         if VEC > 0:
-            s += tl.sum(tl.exp2((xe - m) * LOG2E), axis=0)
-        s = tl.where(m == -float("inf"), 0.0, s)  # an all -inf piece contributes nothing
+            ee = tl.exp2((xe - m_safe) * LOG2E)
+            s += tl.sum(ee, axis=0)
         tl.store(stats_ptr + item * 2, m)
         tl.store(stats_ptr + item * 2 + 1, s)
-        wait_for_row(count_ptr, row, C)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
+        await_row(count_ptr, row, C)
         if PREFETCH == 2:
             x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
         base = (row * C + peers) * 2
@@ -232,13 +241,11 @@ def _softmax_fwd_split(
         row_max = tl.max(ms, axis=0)
         denom = tl.sum(tl.where(ms == -float("inf"), 0.0, ss * tl.exp2((ms - row_max) * LOG2E)),
                        axis=0)
-        inv = 1.0 / denom
-        y = tl.exp2((x - row_max) * LOG2E) * inv
+        scale = tl.exp2((m - row_max) * LOG2E) / denom  # m <= row max: no overflow
         offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC, FULL)
-        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs_y, (e * scale).to(y_ptr.dtype.element_ty), mask=mask)
         if VEC > 0:
-            ye = tl.exp2((xe - row_max) * LOG2E) * inv
-            tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
+            tl.store(y_ptr + e_offs, (ee * scale).to(y_ptr.dtype.element_ty), mask=e_mask)
 
 
 @triton.jit
@@ -282,7 +289,11 @@ def _softmax_bwd_split(
             dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             part += tl.sum(ye * dye, axis=0)
         tl.store(stats_ptr + item, part)
-        wait_for_row(count_ptr, row, C)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            y_next = tl.load(y_ptr + n_offs, mask=n_mask, other=0.0)
+            dy_next = tl.load(dy_ptr + n_offs_dy, mask=n_mask, other=0.0)
+        await_row(count_ptr, row, C)
         if PREFETCH == 2:
             y_next = tl.load(y_ptr + n_offs, mask=n_mask, other=0.0)
             dy_next = tl.load(dy_ptr + n_offs_dy, mask=n_mask, other=0.0)
@@ -305,11 +316,13 @@ _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
 # rows are unaligned (VEC > 0: aligned-body pieces plus edges); a row of N is cut into equal
 # pieces of at most that many elements (_common.split_pieces). H200, tune rounds 11, 12 and 15,
-# TB/s (the old kernel: 16384-element pieces on 16 warps, no prefetch):
-# * forward, 8192 x 8: 16-bit aligned without prefetch (bf16 128K / 256K: 2.57 / 2.39 vs 2.42
-#   / 2.28 old), float32 and unaligned rows with the next row prefetched (float32 64K / 128K /
-#   256K: 3.29 / 3.27 / 3.03 vs 2.91 (one program per row) / 3.31 / 3.25; 65537: 3.02 vs 2.48
-#   looped; bf16 65537: 2.22, looped 2.24);
+# TB/s (the old kernel: 16384-element pieces on 16 warps, no prefetch), and H100 rounds 21-22:
+# * forward: 16-bit aligned rows prefetching between publishing and waiting (PREFETCH 3; H100
+#   bf16 128K / 256K: 2.47 / 2.38 vs 2.20 / 2.01 without prefetch), on 4096 x 4 up to 64K
+#   (2.51 vs 2.42 at 8192 x 8); float32 aligned 8192 x 8 prefetching before publishing (H200
+#   64K / 128K / 256K: 3.29 / 3.27 / 3.03 vs 2.91 (one program per row) / 3.31 / 3.25; H100
+#   64K-256K level with PREFETCH 3); unaligned rows PREFETCH 3 (H100 float32 65537: 2.39 vs
+#   1.69 prefetching before publishing, with one exponential per element);
 # * backward, 8192 x 8: 16-bit aligned prefetching (bf16 64K / 128K / 256K: 3.52 / 3.43 / 3.30
 #   vs 2.96 / 2.86 / 2.78 old), unaligned 16-bit prefetching after the wait (65537: 2.48 vs
 #   1.80 before it, 2.28 looped), float32 without prefetch (64K / 128K: 3.83 / 3.76 vs 3.67 /
@@ -318,12 +331,16 @@ _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 SPLIT_CONFIG: dict[str, tuple[int, int, int] | None] = {"fwd": None, "bwd": None}
 
 
-def _split_config(kind: str, elt_size: int, vec: int = 0) -> tuple[int, int, int]:
+def _split_config(kind: str, elt_size: int, vec: int = 0, n: int = 0) -> tuple[int, int, int]:
     forced = SPLIT_CONFIG[kind]
     if forced is not None:
         return forced
     if kind == "fwd":
-        return (8192, 8, 0) if (elt_size == 2 and not vec) else (8192, 8, 1)
+        if vec:
+            return 8192, 8, 3
+        if elt_size == 4:
+            return 8192, 8, 1
+        return (4096, 4, 3) if n <= 65536 else (8192, 8, 3)
     if elt_size == 4:
         return 8192, 8, 0
     return (8192, 8, 2) if vec else (8192, 8, 1)
@@ -333,7 +350,7 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
                   elt_size: int, kind: str, vec: int, device: torch.device) -> bool:
     """Run the split-row kernel ``launcher`` over (M, N) rows if it applies; False otherwise
     (the caller then runs the looped kernel)."""
-    chunk, warps, prefetch = _split_config(kind, elt_size, vec)
+    chunk, warps, prefetch = _split_config(kind, elt_size, vec, N)
     if not split_rows_enabled(device, N, chunk):
         return False
     C, L = split_pieces(N, chunk, vec)
