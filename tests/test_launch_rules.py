@@ -86,11 +86,11 @@ def test_split_pieces_cover_the_row(n, chunk, vec):
 
 def test_split_config_rules():
     cfg = tln._split_config
-    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit 8192/4 up to 64K, then /8
+    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit 8192/8
     assert cfg("fwd", 65537, 2, False) == (8192, 4, 3)  # unaligned rows
     assert cfg("fwd", 65536, 4, True) == (8192, 4, 1)
     assert cfg("fwd", 65537, 4, False) == (8192, 4, 3)
-    assert cfg("fwd", 65536, 2, True) == (8192, 4, 1)
+    assert cfg("fwd", 65536, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
     # backward (piece, warps, prefetch[, reread, register cap])
@@ -107,7 +107,8 @@ def test_split_config_rules():
     assert tsm._split_config("fwd", 2, 0, 65536) == (4096, 4, 3)
     assert tsm._split_config("fwd", 2, 0, 131072) == (8192, 8, 3)
     assert tsm._split_config("fwd", 4, 0, 65536) == (8192, 8, 1)
-    assert tsm._split_config("fwd", 2, 8, 65537) == tsm._split_config("fwd", 4, 4) == (8192, 8, 3)
+    assert tsm._split_config("fwd", 2, 8, 65537) == (4096, 4, 3)  # unaligned rows
+    assert tsm._split_config("fwd", 4, 4, 65537) == (8192, 8, 3)
     assert tsm._split_config("bwd", 2) == (8192, 8, 1)
     assert tsm._split_config("bwd", 4) == tsm._split_config("bwd", 4, 4) == (8192, 8, 0)
     assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows

@@ -919,7 +919,7 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | No
 
     Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
     256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
-    128K: 2.23 vs 2.08 on 4), on 4 up to 64K (H100 round 22: 2.05 vs 1.94 looped); aligned
+    128K: 2.23 vs 2.08 on 4; H100 round 23, 64K: 2.11-2.14 vs 2.04 on 4, 1.94 looped); aligned
     16-bit rows of 256K+ stream faster looped (2.37 vs 2.00); unaligned rows (aligned-body
     pieces) 8192 on 4 warps prefetching between publishing and waiting (H100 round 22, N =
     65537: bf16 1.56 vs 1.38 at 16384 x 16 prefetching before publishing, fp16 1.59 vs 1.40,
@@ -939,7 +939,7 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | No
             return 8192, 4, 3
         if elt_size == 2 and n >= 262144:
             return None
-        return (8192, 4, 1) if elt_size == 4 or n <= 65536 else (8192, 8, 1)
+        return (8192, 4, 1) if elt_size == 4 else (8192, 8, 1)
     if elt_size == 2:
         if not aligned:  # scalar accesses (rarely run: see NATIVE_UNALIGNED_16BIT_BWD)
             return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
