@@ -184,6 +184,15 @@ def test_report_roundtrip_and_merge(tiny_result, tmp_path):
                                          bench_report.load_result(b)])
     assert len(merged["records"]) == 2 * len(tiny_result["records"])
     assert len(merged["runs"]) == 2
+    # a point one run skipped (time budget) and the other measured is not reported missing
+    rec = other["records"][0]
+    gap = {"dtype": rec["dtype"], "family": rec["op"].split("_")[0], "N": rec["N"],
+           "reason": "time budget"}
+    first = dict(bench_report.load_result(a), skipped=[gap], truncated=True)
+    merged = bench_report.merge_results([first, bench_report.load_result(b)])
+    assert merged["skipped"] == [] and not merged["truncated"]
+    merged = bench_report.merge_results([first, bench_report.load_result(a)])
+    assert merged["skipped"] == [gap] and merged["truncated"]
 
 
 def test_cli_cpu(tmp_path, capsys):

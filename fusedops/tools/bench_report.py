@@ -127,8 +127,12 @@ def merge_results(results: Sequence[dict]) -> dict:
     merged["runs"] = [{k: r.get(k) for k in ("timestamp", "copy_tbps", "git", "config")}
                       for r in results]
     merged["providers"] = {k: v for r in results for k, v in r.get("providers", {}).items()}
-    merged["skipped"] = [s for r in results for s in r.get("skipped", [])]
-    merged["truncated"] = any(r.get("truncated") for r in results)
+    # A point one run skipped and another measured is no longer missing.
+    measured = {(r["dtype"], r["op"].split("_")[0], r["N"]) for r in merged["records"]
+                if r.get("status") != "skipped"}
+    merged["skipped"] = [s for r in results for s in r.get("skipped", [])
+                         if (s["dtype"], s["family"], s["N"]) not in measured]
+    merged["truncated"] = bool(merged["skipped"])
     return merged
 
 
