@@ -93,8 +93,8 @@ def test_split_config_rules():
     assert cfg("fwd", 65536, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
-    # backward (piece, warps, prefetch[, reread, register cap])
-    assert cfg("bwd", 16384, 2, True) == cfg("bwd", 65536, 2, True) == (4096, 8, 1, False, 128)
+    # backward (piece, warps, prefetch[, register cap])
+    assert cfg("bwd", 16384, 2, True) == cfg("bwd", 65536, 2, True) == (4096, 8, 1, 128)
     assert cfg("bwd", 131072, 2, True) == (8192, 16, 1)
     assert cfg("bwd", 262144, 2, True) == (8192, 8, 3)
     assert cfg("bwd", 8193, 2, False) == (8192, 8, 2)

@@ -318,7 +318,10 @@ def entry(mapping, key, value):
         mapping.pop(key, None)
 
 
-if "split_bwd" in which:  # round 20 (tenth session): LayerNorm backward split rows. 16-bit
+if "split_bwd" in which:  # round 20 (tenth session, commit af36350; its REREAD variants (r) were
+    # removed after round 22, so this section only runs there)
+    sys.exit("section split_bwd ran on commit af36350 (REREAD, removed since)")
+    # LayerNorm backward split rows. 16-bit
     # rows of 16K-256K sat at 0.55-0.63 of copy (float32 0.81-0.87): offline ptxas sm_90 gives
     # the shipped 16-bit configs 255 registers (8192 x 8: one 8-warp program per SM, 32 KB of
     # loads in flight, nothing in flight during the wait). REREAD (r): x, dy, w read again after
@@ -336,7 +339,9 @@ if "split_bwd" in which:  # round 20 (tenth session): LayerNorm backward split r
            (2048, 4, 2, 0))
     for N in (16384, 32768, 65536, 131072, 262144):
         point("ln_bwd", f32, N, [sb(c) for c in c32])
-if "pf3" in which:  # round 21: PREFETCH 3, the next row's loads issued between the release
+if "pf3" in which:  # round 21 (commit af36350, with REREAD variants: runs only there)
+    sys.exit("section pf3 ran on commit af36350 (REREAD, removed since)")
+    # PREFETCH 3, the next row's loads issued between the release
     # and the wait. The release is MEMBAR.GPU + RED in SASS, and a membar waits for the thread's
     # outstanding loads: PREFETCH 1's loads (issued before it) are waited for before the
     # release, so nothing is in flight during the wait; 3's are.

@@ -565,8 +565,7 @@ def _ln_bwd_split(
     N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    PREFETCH: tl.constexpr, PARKED: tl.constexpr, REREAD: tl.constexpr = False,
-    PTX: tl.constexpr = True,
+    PREFETCH: tl.constexpr, PARKED: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -575,19 +574,13 @@ def _ln_bwd_split(
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
     # PREFETCH: see _common.py. PARKED: dx is written for rows below M_dx only (see
     # _ln_bwd_single); _ln_bwd_dx_published writes the others with the same arithmetic.
-    # REREAD (set only with NEED_DX): only the two sums before the wait; after it x, dy and w
-    # are read again (from L1/L2: this program read them just before) for dx and the
-    # accumulators, so nothing but the accumulators (and a prefetched row) stays live across
-    # the wait: fewer registers per element, hence longer pieces or more programs per SM (16-bit
-    # rows need twice the elements in flight per byte). w·dy is then rounded before the
-    # subtraction as in _ln_bwd_dx_published (PTX, see _rounded_mul): the same bits.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     cols = (pid % C) * L + lanes
     cmask = (lanes < L) & (cols < N)
     step = num_progs // C
-    if HAS_W and not REREAD:
+    if HAS_W:
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK], tl.float32)
     db_acc = tl.zeros([BLOCK], tl.float32)
@@ -614,17 +607,13 @@ def _ln_bwd_split(
         rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
         # Accumulate before waiting: only xhat and w·dy stay live across the wait.
-        if not REREAD:
-            if NEED_DW:
-                dw_acc += dy * xhat
-            if NEED_DB:
-                db_acc += dy
+        if NEED_DW:
+            dw_acc += dy * xhat
+        if NEED_DB:
+            db_acc += dy
         if NEED_DX:
             if HAS_W:
-                if REREAD:
-                    wdy = dy * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-                else:
-                    wdy = dy * w
+                wdy = dy * w
             else:
                 wdy = dy
             tl.store(stats_ptr + item * 2, tl.sum(xhat * wdy, axis=0))
@@ -645,21 +634,6 @@ def _ln_bwd_split(
                         axis=0) / N
             c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
                                 cache_modifier=".cg"), axis=0) / N
-            if REREAD:
-                x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask,
-                            other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask,
-                             other=0.0).to(tl.float32)
-                xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
-                if NEED_DW:
-                    dw_acc += dy * xhat
-                if NEED_DB:
-                    db_acc += dy
-                if HAS_W:
-                    wdy = _rounded_mul(dy, tl.load(w_ptr + cols, mask=cmask,
-                                                   other=0.0).to(tl.float32), PTX)
-                else:
-                    wdy = dy
             dx = (wdy - (xhat * c1 + c2)) * rstd
             if PARKED:
                 tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
@@ -924,13 +898,12 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | No
     pieces) 8192 on 4 warps prefetching between publishing and waiting (H100 round 22, N =
     65537: bf16 1.56 vs 1.38 at 16384 x 16 prefetching before publishing, fp16 1.59 vs 1.40,
     float32 1.86 vs 1.76).
-    Backward (a fourth value: REREAD, see _ln_bwd_split; a fifth: a register cap, see
-    Launcher): 16-bit rows up to 64K on 4096 x 8 prefetching before publishing, capped at 128
-    registers (H100 round 22, bf16 16K / 32K / 64K: 2.00 / 2.00 / 1.95 vs 1.65 dx + column
-    kernels / 1.67 at 8192 x 8 / 1.88 at 8192 x 16), 128K 8192 x 16 (1.86), longer 8192 x 8
-    prefetching between publishing and waiting (256K: 1.75 vs 1.62); float32 from 2048 x 4 to
-    8192 x 8 as rows grow (H200: 8193: 1.86 vs 1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71;
-    256K: 2.83 vs 1.47)."""
+    Backward (a fourth value: a register cap, see Launcher): 16-bit rows up to 64K on 4096 x 8
+    prefetching before publishing, capped at 128 registers (H100 round 22, bf16 16K / 32K /
+    64K: 2.00 / 2.00 / 1.95 vs 1.65 dx + column kernels / 1.67 at 8192 x 8 / 1.88 at 8192 x
+    16), 128K 8192 x 16 (1.86), longer 8192 x 8 prefetching between publishing and waiting
+    (256K: 1.75 vs 1.62); float32 from 2048 x 4 to 8192 x 8 as rows grow (H200: 8193: 1.86 vs
+    1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47)."""
     override = SPLIT_CONFIG if kind == "fwd" else SPLIT_BWD_CONFIG
     if override is not None:
         return override
@@ -944,7 +917,7 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | No
         if not aligned:  # scalar accesses (rarely run: see NATIVE_UNALIGNED_16BIT_BWD)
             return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
         if n <= 65536:
-            return 4096, 8, 1, False, 128
+            return 4096, 8, 1, 128
         return (8192, 16, 1) if n <= 131072 else (8192, 8, 3)
     if n < 16384:
         return (2048, 4, 2)
@@ -1071,6 +1044,11 @@ _launch_fwd_reload_vec = Launcher(_ln_fwd_reload_vec)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
+_launch_dx_looped = Launcher(_ln_bwd_dx_looped)
+_launch_dx_pieces = Launcher(_ln_bwd_dx_pieces)
+_launch_dx_published = Launcher(_ln_bwd_dx_published)
+_launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
+_launch_sum = Launcher(_sum_partials)
 _capped_bwd_split: dict[int, SplitLauncher] = {}  # by register cap (see _split_config)
 
 
@@ -1081,11 +1059,6 @@ def _bwd_split_launcher(maxnreg: int | None) -> SplitLauncher:
     if launcher is None:
         launcher = _capped_bwd_split[maxnreg] = SplitLauncher(_ln_bwd_split, maxnreg=maxnreg)
     return launcher
-_launch_dx_looped = Launcher(_ln_bwd_dx_looped)
-_launch_dx_pieces = Launcher(_ln_bwd_dx_pieces)
-_launch_dx_published = Launcher(_ln_bwd_dx_published)
-_launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
-_launch_sum = Launcher(_sum_partials)
 
 
 def _reduce_partials(part: torch.Tensor, need_dw: bool, need_db: bool, out=None,
@@ -1442,12 +1415,10 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
-    chunk, split_warps, prefetch, *rest = cfg
-    reread = bool(rest and rest[0]) and need_dx
-    launcher = _bwd_split_launcher(rest[1] if len(rest) > 1 else None)
+    chunk, split_warps, prefetch, *cap = cfg
+    launcher = _bwd_split_launcher(cap[0] if cap else None)
     C, L = split_pieces(N, chunk, 0)
-    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
-              reread, not _interpreting())
+    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
