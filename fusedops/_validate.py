@@ -76,15 +76,22 @@ def check_layernorm_args(
             f"normalized_shape={list(shape)} does not match the trailing dimensions of x "
             f"with shape {list(x.shape)}"
         )
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        check_float_tensor(p, name)
-        if p.shape != shape:
-            raise ValueError(
-                f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
-            )
-        if p.device != x.device:
-            raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+    # Written out per parameter, not as a loop over (name, tensor) pairs: this runs on every
+    # call (host cost, docs/performance.md "Small shapes").
+    if weight is not None:
+        _check_param(weight, "weight", shape, x)
+    if bias is not None:
+        _check_param(bias, "bias", shape, x)
+    if eps.__class__ is not float and (
+            isinstance(eps, bool) or not isinstance(eps, int | float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+
+
+def _check_param(p: object, name: str, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    check_float_tensor(p, name)
+    if p.shape != shape:
+        raise ValueError(
+            f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
+        )
+    if p.device != x.device:
+        raise ValueError(f"{name} is on {p.device} but x is on {x.device}")

@@ -202,3 +202,167 @@ def test_direct_entry_calls_the_c_entry_on_known_triton(monkeypatch):
     _common._direct_entry(_FakeCompiled(runner))((5,), 123, ("x",))
     assert [c[0] for c in calls] == ["run", "run"]
     assert calls[0][1] == (5, 1, 1, 123, 77, (4, 1, 0), None, None, None, "x")
+
+
+# --------------------------------------------------------------------------- launch plans
+
+
+class _Recorder:
+    """A direct entry that records its launches instead of running a kernel."""
+
+    raw_pointers = True
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, stream, args):
+        self.calls.append((grid, stream, args))
+
+
+@pytest.fixture
+def fake_stream(monkeypatch):
+    from fusedops.triton import layernorm as tln
+    from fusedops.triton import softmax as tsm
+
+    for mod in (tsm, tln):
+        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
+        monkeypatch.setattr(mod, "hooks_registered", lambda: False)
+    yield
+    tsm._fwd_plans.clear()
+    tln._fwd_plans.clear()
+
+
+def test_softmax_plan_replays_the_recorded_launch(fake_stream, monkeypatch):
+    """A call whose plan exists allocates its output and launches the plan's kernel with the
+    tensors' addresses first, then the recorded tail; calls the plan's key cannot describe
+    (strided rows, misaligned base, launch hooks) take the normal path."""
+    from fusedops.triton import softmax as tsm
+
+    x = torch.randn(6, 64, device=_dev())
+    go = _Recorder()
+    tsm._fwd_plans[(x.shape, x.dtype, torch.float32, x.get_device())] = (
+        go, (3,), x.get_device(), ("tail", 1))
+    y = tsm.softmax_forward(x, torch.float32)
+    assert go.calls == [((3,), ("stream", x.get_device()), (x.data_ptr(), y.data_ptr(),
+                                                            "tail", 1))]
+    assert y.shape == x.shape and y.dtype == torch.float32 and y.is_contiguous()
+    strided = torch.randn(6, 80, device=_dev())[:, :64]
+    misaligned = torch.randn(6 * 64 + 1, device=_dev())[1:].view(6, 64)
+    for other in (strided, misaligned):
+        torch.testing.assert_close(tsm.softmax_forward(other, torch.float32),
+                                   torch.softmax(other, -1))
+    monkeypatch.setattr(tsm, "hooks_registered", lambda: True)  # e.g. Proton is profiling
+    torch.testing.assert_close(tsm.softmax_forward(x, torch.float32), torch.softmax(x, -1))
+    assert len(go.calls) == 1
+
+
+@pytest.mark.parametrize("with_stats", [False, True])
+@pytest.mark.parametrize("affine", ["both", "none", "weight"])
+def test_layernorm_plan_replays_the_recorded_launch(fake_stream, with_stats, affine):
+    """The LayerNorm forward plan passes (x, weight, bias, y, mean, rstd) addresses in the
+    kernel's order, y's address where a parameter or the statistics are absent (the kernel's
+    placeholders), and allocates the statistics only when asked for."""
+    from fusedops.triton import layernorm as tln
+
+    x = torch.randn(5, 48, device=_dev(), dtype=torch.bfloat16)
+    w = torch.randn(48, device=_dev()) if affine != "none" else None
+    b = torch.randn(48, device=_dev()) if affine == "both" else None
+    key = (x.shape, x.dtype, x.dtype, x.get_device(), 1e-5, with_stats,
+           None if w is None else w.dtype, None if b is None else b.dtype)
+    go = _Recorder()
+    tln._fwd_plans[key] = (go, (2,), x.get_device(), (5, "tail"))
+    y, mean, rstd = tln._forward(x, w, b, 1e-5, x.dtype, with_stats)
+    (grid, stream, args), = go.calls
+    yp = y.data_ptr()
+    assert grid == (2,) and stream == ("stream", x.get_device()) and args[6:] == (5, "tail")
+    assert args[:4] == (x.data_ptr(), yp if w is None else w.data_ptr(),
+                        yp if b is None else b.data_ptr(), yp)
+    if with_stats:
+        assert mean.shape == rstd.shape == (5,) and mean.dtype == rstd.dtype == torch.float32
+        assert args[4:6] == (mean.data_ptr(), rstd.data_ptr())
+    else:
+        assert mean is None and rstd is None and args[4:6] == (yp, yp)
+    # another eps, or a weight at a misaligned address: another (or no) plan
+    tln._forward(x, w, b, 1e-6, x.dtype, with_stats)
+    if w is not None:
+        tln._forward(x, torch.randn(49, device=_dev())[1:], b, 1e-5, x.dtype, with_stats)
+    assert len(go.calls) == 1
+
+
+def test_plan_cache_keeps_only_direct_c_entries(monkeypatch):
+    plans = _common.PlanCache()
+    go = _Recorder()
+
+    class FakeLauncher:
+        def __init__(self, entry):
+            self.entry_fn = entry
+
+        def entry(self, args, num_warps):
+            return self.entry_fn
+
+    t = torch.zeros(4)
+    plans.add("k", FakeLauncher(go), (1,), (t, t, 3, 4), 4, 2)
+    assert plans["k"] == (go, (1,), t.get_device(), (3, 4))
+    plans.add("other", FakeLauncher(lambda *a: None), (1,), (t, t, 3), 4, 2)  # not a C entry
+    plans.add("none", FakeLauncher(None), (1,), (t, t, 3), 4, 2)  # nothing compiled
+    assert set(plans) == {"k"}
+    monkeypatch.setattr(_common.PlanCache, "MAX_PLANS", 1)
+    plans.add("next", FakeLauncher(go), (1,), (t, t), 4, 2)  # full: start again
+    assert set(plans) == {"next"}
+    _common.set_single_block_limit(None)  # rule changes clear every plan cache
+    assert not plans
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plans_replay_compiled_kernels(dtype):
+    """On the GPU the first call of a signature records a plan and later calls replay it: same
+    bits as the first call, on any stream, for every LayerNorm parameter combination and with
+    the statistics; a registered launch hook sends calls back through Triton."""
+    from fusedops.triton import layernorm as tln
+    from fusedops.triton import softmax as tsm
+
+    _common.set_single_block_limit(None)
+    x = torch.randn(8, 128, 768, device="cuda", dtype=dtype)
+    w = torch.randn(768, device="cuda", dtype=dtype)
+    b = torch.randn(768, device="cuda", dtype=dtype)
+    first = tsm.softmax_forward(x, torch.float32)
+    assert len(tsm._fwd_plans) == 1
+    assert torch.equal(tsm.softmax_forward(x, torch.float32), first)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        on_stream = tsm.softmax_forward(x, torch.float32)
+    s.synchronize()
+    assert torch.equal(on_stream, first)
+    torch.testing.assert_close(first, torch.softmax(x.float(), -1))
+    for weight, bias in ((w, b), (None, None), (w, None), (None, b)):
+        for stats in (False, True):
+            ref = tln._forward(x, weight, bias, 1e-5, dtype, stats)
+            again = tln._forward(x, weight, bias, 1e-5, dtype, stats)
+            for r, a in zip(ref, again, strict=True):
+                assert (r is None and a is None) or torch.equal(r, a)
+            torch.testing.assert_close(
+                again[0], torch.nn.functional.layer_norm(x, (768,), weight, bias, 1e-5))
+    assert len(tln._fwd_plans) == 8
+    hooks = getattr(getattr(__import__("triton"), "knobs", None), "runtime", None)
+    if hooks is not None:
+        seen = []
+        chain = hooks.launch_enter_hook
+
+        def hook(metadata):
+            seen.append(1)
+        if hasattr(chain, "add"):  # Triton >= 3.5: a HookChain
+            chain.add(hook)
+        else:
+            hooks.launch_enter_hook = hook
+        try:
+            assert torch.equal(tsm.softmax_forward(x, torch.float32), first)
+        finally:
+            if hasattr(chain, "remove"):
+                chain.remove(hook)
+            else:
+                hooks.launch_enter_hook = chain
+        assert seen, "the launch hook did not see the launch"
+    _common.set_single_block_limit(None)
+    assert not tsm._fwd_plans and not tln._fwd_plans

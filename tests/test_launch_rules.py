@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+from conftest import assert_close_to_ref
 
 from fusedops.triton import _common
 from fusedops.triton import layernorm as tln
@@ -228,8 +229,8 @@ def test_reload_rules():
                               (2, 16384): (4096, 16), (2, 32768): (8192, 32, True),
                               (4, 16384): (2048, 16), (4, 32768): (8192, 32)}
     assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
-                              (2, 16384): (4096, 32), (2, 32768): (8192, 32),
-                              (4, 32768): (8192, 32, 16384)}
+                              (2, 16384): (4096, 32), (2, 32768): (32768, 32),
+                              (4, 32768): (32768, 32)}
     # the host paths skip the lookup for rows shorter than every key
     assert min(k[1] for k in tln.RELOAD_FWD) > tln.RELOAD_FWD_ABOVE
     assert min(k[1] for k in tsm.RELOAD_BWD) > tsm.RELOAD_BWD_ABOVE
@@ -290,16 +291,19 @@ def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n):
 
 
 @NEEDS_KERNELS
-def test_softmax_backward_float32_32k_reads_in_halves(monkeypatch):
-    """Float32 rows padded to 32K: the looped kernel with WHOLE = 0, the first pass in 16K
-    pieces, the second in 8K chunks, 32 warps; results against float64."""
+@pytest.mark.parametrize("n", [20000, 32768])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softmax_backward_32k_reads_whole_rows(monkeypatch, n, dtype):
+    """Rows padded to 32K: the looped kernel reads the row whole for the dot product, then in
+    one 32K piece again, 32 warps; a power-of-two row unrolled without masks (EVEN = N);
+    results against float64."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bwd = []
     _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd,
-               lambda g, a, w: (g, a[7], a[8], a[9], w))
-    y = torch.softmax(torch.randn(2, 20000, device=device, dtype=torch.float64), -1)
-    dy = torch.randn(2, 20000, device=device, dtype=torch.float64)
-    dx = tsm.softmax_backward(y.float(), dy.float(), torch.float32)
-    assert bwd == [((2,), 8192, 0, 16384, 32)]
-    ref = y * (dy - (y * dy).sum(-1, keepdim=True))
-    torch.testing.assert_close(dx.double(), ref, atol=1e-6, rtol=1e-4)
+               lambda g, a, w: (g, a[7], a[8], a[9], a[10], w))
+    y = torch.softmax(torch.randn(2, n, device=device, dtype=torch.float64), -1)
+    dy = torch.randn(2, n, device=device, dtype=torch.float64)
+    dx = tsm.softmax_backward(y.to(dtype), dy.to(dtype), dtype)
+    assert bwd == [((2,), 32768, 32768, 32768, n if n == 32768 else 0, 32)]
+    y_, dy_ = y.to(dtype).double(), dy.to(dtype).double()
+    assert_close_to_ref(dx, y_ * (dy_ - (y_ * dy_).sum(-1, keepdim=True)), dtype, scale=4)

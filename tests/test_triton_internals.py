@@ -210,6 +210,34 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [64, 48])  # 48: aligned rows, no power of two
+@pytest.mark.parametrize("cfg", [(16, 4), (16, 4, 32)], ids=["whole", "pieces"])
+@pytest.mark.parametrize("unroll", [True, False], ids=["even", "masked"])
+def test_softmax_backward_reload_variants(monkeypatch, triton_backend, device, dtype, n, cfg,
+                                          unroll):
+    """The softmax backward reload kernel, first pass whole or in pieces, with power-of-two rows
+    unrolled without masks (EVEN) or masked like every other row; strided dy."""
+    from fusedops.triton import softmax as tsm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): cfg})
+    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
+    monkeypatch.setattr(tsm, "UNROLL_RELOAD_BWD", unroll)
+    calls = []
+    real = tsm._launch_bwd_looped
+    monkeypatch.setattr(tsm, "_launch_bwd_looped",
+                        lambda g, a, w: calls.append(a[7:]) or real(g, a, w))
+    torch.manual_seed(n)
+    s = torch.softmax(torch.randn(5, n, device=device, dtype=torch.float64), -1)
+    g = torch.randn(5, 2 * n, device=device, dtype=torch.float64)[:, :n]
+    dx = tsm.softmax_backward(s.to(dtype), g.to(dtype), dtype)
+    s_, g_ = s.to(dtype).double(), g.to(dtype).double()
+    assert_close_to_ref(dx, s_ * (g_ - (s_ * g_).sum(-1, keepdim=True)), dtype, scale=4)
+    whole = 0 if len(cfg) == 3 else 64
+    assert calls == [(16, whole, cfg[2] if whole == 0 else 16, 64 if unroll and n == 64 else 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
 def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_backend, device,

@@ -12,6 +12,7 @@ the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -39,6 +40,32 @@ def per_call_us(fn, calls: int = 2000, repeats: int = 7) -> float:
     return statistics.median(runs)
 
 
+class _NoPlans(dict):
+    """A plan cache that never keeps a plan (the host path before PlanCache)."""
+
+    def add(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def no_plans():
+    saved = tsm._fwd_plans, tln._fwd_plans
+    tsm._fwd_plans, tln._fwd_plans = _NoPlans(), _NoPlans()
+    try:
+        yield
+    finally:
+        tsm._fwd_plans, tln._fwd_plans = saved
+
+
+def with_and_without_plans(name: str, fn) -> dict[str, float]:
+    """``fn`` timed with launch plans, without, and with again (the host drifts)."""
+    a = per_call_us(fn)
+    with no_plans():
+        b = per_call_us(fn)
+    c = per_call_us(fn)
+    return {name: min(a, c), name + " (no plans)": b}
+
+
 def softmax_rows(x: torch.Tensor) -> dict[str, float]:
     x2 = x.reshape(-1, x.shape[-1])
     M, N = x2.shape
@@ -53,15 +80,30 @@ def softmax_rows(x: torch.Tensor) -> dict[str, float]:
     return {
         "torch.softmax": per_call_us(lambda: torch.softmax(x, -1)),
         "torch.empty_like": per_call_us(lambda: torch.empty_like(x)),
-        "fused_softmax": per_call_us(lambda: fusedops.fused_softmax(x)),
+        **with_and_without_plans("fused_softmax", lambda: fusedops.fused_softmax(x)),
         "backend.softmax_forward": per_call_us(lambda: backend.softmax_forward(x2, x.dtype)),
         "Launcher (buffers ready)": per_call_us(lambda: launcher((tiles,), args, warps)),
         "launch key only": per_call_us(lambda: _common._launch_key(warps, args, 8)),
         "compiled[grid](*args)": per_call_us(lambda: compiled[grid](*args)),
         "kernel[grid](*args) (JIT)": per_call_us(
             lambda: tsm._softmax_fwd_single[(tiles,)](*args, num_warps=warps)),
-        "current raw stream": per_call_us(lambda: _common._current_stream(0)),
+        "current raw stream": per_call_us(lambda: _common.current_stream(0)),
+        "empty_like + direct entry, int pointers (the plan floor)": plan_floor(x),
     }
+
+
+def plan_floor(x: torch.Tensor) -> float:
+    """What a replayed plan costs without the ops layer: allocation plus the C entry."""
+    tsm.softmax_forward(x, x.dtype)
+    key = (x.shape, x.dtype, x.dtype, x.get_device())
+    if key not in tsm._fwd_plans:
+        return float("nan")
+    go, grid, device, tail = tsm._fwd_plans[key]
+
+    def call():
+        y = torch.empty_like(x)
+        go(grid, _common.current_stream(device), (x.data_ptr(), y.data_ptr(), *tail))
+    return per_call_us(call)
 
 
 def layernorm_rows(x: torch.Tensor) -> dict[str, float]:
@@ -72,7 +114,8 @@ def layernorm_rows(x: torch.Tensor) -> dict[str, float]:
     backend = _dispatch.backend_for(x2)
     return {
         "F.layer_norm": per_call_us(lambda: torch.nn.functional.layer_norm(x, (n,), w, b)),
-        "fused_layernorm": per_call_us(lambda: fusedops.fused_layernorm(x, (n,), w, b)),
+        **with_and_without_plans("fused_layernorm",
+                                 lambda: fusedops.fused_layernorm(x, (n,), w, b)),
         "backend.layernorm_forward_y": per_call_us(
             lambda: backend.layernorm_forward_y(x2, w, b, 1e-5, x.dtype)),
         "backend.layernorm_forward (+stats)": per_call_us(

@@ -65,7 +65,7 @@ def variants(name, kernel, launcher, grid, args, warps, check):
     compiled = kernel[(grid,)](*args, num_warps=warps)
     compiled._init_handles()
     run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
-    stream = _common._current_stream(0)
+    stream = _common.current_stream(0)
     launch = run.launch
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
     ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
@@ -77,10 +77,10 @@ def variants(name, kernel, launcher, grid, args, warps, check):
     def old_launcher():  # the eighth session's Launcher.__call__ (generic key, Triton's runner)
         key = _common._launch_key(warps, args, n)
         entry = old_cache.get(key)
-        if entry is not None and not _common._hooks_registered():
+        if entry is not None and not _common.hooks_registered():
             r, f, m = entry
             g = ((grid,) + (1, 1))
-            r(g[0], g[1], g[2], _common._current_stream(key[0]), f, m, None, None, None, *args)
+            r(g[0], g[1], g[2], _common.current_stream(key[0]), f, m, None, None, None, *args)
 
     cases = {
         "Launcher (key + run)": lambda: launcher((grid,), args, warps),

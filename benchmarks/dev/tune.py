@@ -174,6 +174,18 @@ def point(op, dt, N, variants, parts=(True, True, True)):
     torch.cuda.empty_cache() if not SMOKE else None
 
 
+def compiled_tbps(op, dt, N):
+    """TB/s of torch.compile(dynamic=False) of the eager op on fresh data of one sweep point
+    (the sweep's "compile" provider, without autograd around the backward)."""
+    if SMOKE:
+        return 0.0
+    _, eager, nbytes, _ = case(op, dt, N)
+    torch._dynamo.reset()
+    fn = torch.compile(eager, dynamic=False)
+    fn()
+    return nbytes / bench(fn) / 1e9
+
+
 @contextlib.contextmanager
 def item(mapping, key, value):
     """mapping[key] = value for the duration of the block."""
@@ -429,6 +441,71 @@ if "r23" in which:  # round 23: the round-22 rules as "cur" against what they re
             point("ln_bwd", dt, N, [("s8w8p3", lambda: knobs(tln, SPLIT_BWD_CONFIG=(8192, 8, 3))),
                                     ("s4w8p1", lambda: knobs(tln, SPLIT_BWD_CONFIG=(4096, 8, 1)))])
         point("ln_fwd", dt, 65536, [("s8w8p1", lambda: knobs(tln, SPLIT_CONFIG=(8192, 8, 1)))])
+def with_compile(op, dt, N, variants):
+    """point(), then torch.compile of the same op timed in the same run ("compile" records)."""
+    point(op, dt, N, variants)
+    records.append(dict(op=op, dtype=str(dt).split(".")[-1], N=N, variant="compile",
+                        tbps=compiled_tbps(op, dt, N), frac_copy=None, eager_tbps=None,
+                        err=None))
+    print(f"        compile {records[-1]['tbps']:.2f}", flush=True)
+
+
+def rb25(elt, cfg):
+    """The softmax backward reload rule for rows of 32K: (second-pass chunk, warps[, first])."""
+    name = f"rl{cfg[0] // 1024}Kw{cfg[1]}" + (f"f{cfg[2] // 1024}K" if cfg[2:] else "")
+    return (name, lambda: item(tsm.RELOAD_BWD, (elt, 32768), cfg))
+
+
+if "r24" in which:  # round 24 (eleventh session): the sweep's losses to a provider, with
+    # torch.compile of the same op timed in the same run ("compile" in the JSON's records).
+    def rb(elt, cfg):  # softmax backward reload kernel: (second-pass chunk, warps[, first])
+        name = f"rl{cfg[0] // 1024}Kw{cfg[1]}" + (f"f{cfg[2] // 1024}K" if cfg[2:] else "")
+        return (name, lambda: item(tsm.RELOAD_BWD, (elt, 32768), cfg))
+    no_reload = ("single", lambda: knobs(tsm, RELOAD_BWD={}))
+    split = ("split", lambda: stack(knobs(tsm, RELOAD_BWD={}), caps(softmax_bwd=16384)))
+    for dt in (bf, fp16):
+        with_compile("sm_bwd", dt, 32768, [rb(2, c) for c in (
+            (16384, 32), (32768, 32), (4096, 32), (8192, 16), (8192, 32, 16384),
+            (4096, 16, 4096), (8192, 16, 8192))] + [no_reload, split])
+    with_compile("sm_bwd", f32, 32768, [rb(4, c) for c in (
+        (16384, 32, 16384), (4096, 32, 16384), (8192, 16, 8192), (4096, 16, 4096),
+        (8192, 32, 8192))] + [no_reload, split])
+
+    def rf(elt, N, cfg):  # LayerNorm forward reload kernel: (chunk, warps[, third read])
+        name = f"rl{cfg[0] // 1024 or 0.5}Kw{cfg[1]}" + ("t" if cfg[2:] and cfg[2] else "")
+        return (name, lambda: item(tln.RELOAD_FWD, (elt, N), cfg))
+    for dt in (bf, fp16):
+        with_compile("ln_fwd", dt, 8192, [rf(2, 8192, c) for c in (
+            (2048, 8), (1024, 16), (2048, 16), (512, 4), (1024, 4), (1024, 8, True))]
+            + [("single", lambda: knobs(tln, RELOAD_FWD={}))])
+        with_compile("ln_fwd", dt, 32768, [rf(2, 32768, c) for c in (
+            (4096, 32, True), (16384, 32, True), (8192, 16, True), (8192, 32))]
+            + [("single", lambda: knobs(tln, RELOAD_FWD={}))])
+    point("ln_bwd", f32, 8192, [
+        (f"f{t // 1024}K/{p}{'' if a else '2d'}", lambda t=t, p=p, a=a: knobs(
+            tln, FUSED_BWD_OVERRIDE=(t, p, a)))
+        for t, p, a in ((8192, 1, True), (8192, 2, True), (16384, 1, False), (32768, 1, True),
+                        (16384, 2, True))])
+if "r25" in which:  # round 25: power-of-two rows on the softmax backward reload kernel without
+    # masks, both passes unrolled (EVEN, "cur") against the masked loops ("masked"), at every
+    # reload rule; 32K with other chunks, unrolled; torch.compile in the same run.
+    masked = ("masked", lambda: knobs(tsm, UNROLL_RELOAD_BWD=False))
+
+    for dt in (bf, fp16):
+        for N in (2048, 4096, 16384):
+            point("sm_bwd", dt, N, [masked])
+        with_compile("sm_bwd", dt, 32768, [masked] + [rb25(2, c) for c in (
+            (16384, 32), (32768, 32), (8192, 32, 16384), (16384, 32, 16384), (4096, 16, 4096),
+            (8192, 16, 8192), (16384, 32, 8192))])
+    with_compile("sm_bwd", f32, 32768, [masked] + [rb25(4, c) for c in (
+        (16384, 32, 16384), (8192, 16, 8192), (4096, 16, 4096), (16384, 32, 8192))])
+if "r26" in which:  # round 26: float32 32K with the whole row in one load (ptxas sm_90, EVEN:
+    # 52 registers at 32K second-pass chunks, 44 at 16K, no spills; Inductor's kernel: 52)
+    with_compile("sm_bwd", f32, 32768, [rb25(4, c) for c in (
+        (32768, 32), (16384, 32), (16384, 32, 16384), (8192, 32))])
+    for dt in (bf, fp16):
+        point("sm_bwd", dt, 32768, [rb25(2, c) for c in (
+            (16384, 32), (16384, 32, 16384), (32768, 32))])
 # Round 19a (tune-h100-2026-11-21/round19-shift-single.json) timed that SHIFT_W variant alone
 # (noshift, s_all, s_w4/s_w16 warps, s_np without the persistent grid); the variant and its
 # section were not kept.

@@ -127,7 +127,7 @@ def _launch_key(num_warps: int, args: tuple, n: int) -> tuple:
 
 
 # The raw handle of a device's current stream (what Triton itself launches on under torch).
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # Triton's launch hooks (Proton and other profilers register here); None on Triton without knobs.
 _launch_hooks = getattr(getattr(triton, "knobs", None), "runtime", None)
 
@@ -156,7 +156,7 @@ class Launcher:
         self.kernel = kernel
         self.compiled: dict = {}
         self.key = None
-        self.direct = _current_stream is not None and _launch_hooks is not None
+        self.direct = current_stream is not None and _launch_hooks is not None
         self.options = {"launch_cooperative_grid": True} if cooperative else {}
         if not fp_fusion:
             # No multiply-add contraction: every operation rounds on its own, so two kernels
@@ -188,13 +188,25 @@ class Launcher:
             if self.key is None:
                 self.key = _key_function(args, self.n_runtime)
         entry = self.compiled.get(key)
-        if entry is not None and not _hooks_registered():
-            entry(grid, _current_stream(key[0]), args)
+        if entry is not None and not hooks_registered():
+            entry(grid, current_stream(key[0]), args)
             return None
         compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
         if entry is None:
             self._remember(key, compiled)
         return compiled
+
+    def entry(self, args: tuple, num_warps: int):
+        """The direct launch callable compiled for these arguments' specialisation (see
+        :func:`_direct_entry`), or None when there is none yet or this launcher has no direct
+        path. For :class:`PlanCache` entries."""
+        if not self.direct:
+            return None
+        try:
+            key = self.key(num_warps, args)
+        except Exception:
+            key = _launch_key(num_warps, args, self.n_runtime)
+        return self.compiled.get(key)
 
     def _remember(self, key: tuple, compiled) -> None:
         entry = _direct_entry(compiled)
@@ -272,6 +284,9 @@ def _direct_entry(compiled):
                 g = (*grid, 1)
                 launch(g[0], g[1], g[2], stream, function, coop, pdl, None, None, metadata,
                        None, None, None, *args)
+        # This C entry takes a pointer argument as a Python int as it is, where a tensor costs
+        # a data_ptr() call and a cuPointerGetAttribute check (PlanCache relies on it).
+        go.raw_pointers = True
         return go
 
     def go(grid, stream, args):
@@ -280,7 +295,44 @@ def _direct_entry(compiled):
     return go
 
 
-def _hooks_registered() -> bool:
+class PlanCache(dict):
+    """Launch plans of one op's small-call path, per call signature (shapes, dtypes, device,
+    scalar arguments: whatever fixes every launch argument but the tensors' addresses).
+
+    A plan is ``(go, grid, device index, tail)``: the compiled kernel's direct C entry
+    (:func:`_direct_entry`, one taking raw pointers), its grid, and the launch arguments after
+    the tensors. A call that finds its plan allocates its outputs and calls ``go`` with the
+    tensors' addresses as ints: no launch rules, no launch key, no pointer checks (the
+    dispatcher only sends CUDA tensors here, the ops layer checks devices). About 4 µs of host
+    time per small call on an H100 host (docs/performance.md, "Small shapes").
+
+    Plans are made only by the first call that took the normal path (and only for launches
+    whose arguments the key fixes); like the launch-config caches they are cleared whenever
+    :func:`set_single_block_limit` runs (tests and tuning change rules that way).
+    """
+
+    MAX_PLANS = 4096  # distinct call signatures kept; a workload cycling through more restarts
+
+    def __init__(self) -> None:
+        super().__init__()
+        _config_caches.append(self)
+
+    def cache_clear(self) -> None:
+        self.clear()
+
+    def add(self, key, launcher: Launcher, grid: tuple, args: tuple, num_warps: int,
+            n_tensors: int) -> None:
+        """Remember the launch ``launcher(grid, args, num_warps)`` just made, whose first
+        ``n_tensors`` arguments are the call's tensors (in the order plan users pass them)."""
+        go = launcher.entry(args, num_warps)
+        if go is None or not getattr(go, "raw_pointers", False):
+            return  # no direct C entry (other Triton versions, interpreter): no plans
+        if len(self) >= self.MAX_PLANS:
+            self.clear()
+        self[key] = (go, grid, args[0].get_device(), args[n_tensors:])
+
+
+def hooks_registered() -> bool:
     """Whether a Triton launch hook is registered (a profiler such as Proton)."""
     hook = _launch_hooks.launch_enter_hook
     if hook is None:

@@ -40,12 +40,15 @@ from fusedops._settings import get_layernorm_backward
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
+    PlanCache,
     SplitLauncher,
     _interpreting,
     await_row,
     body_len,
     cdiv,
+    current_stream,
     grid_size,
+    hooks_registered,
     next_pow2,
     num_row_tiles,
     num_sms,
@@ -1037,6 +1040,8 @@ COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias ke
 COLUMN_WARPS = 8
 
 _launch_fwd_single = Launcher(_ln_fwd_single)
+# Single-block forward launches, per (shape, dtypes, device, eps, with_stats): see _forward.
+_fwd_plans = PlanCache()
 _launch_shift_weights = Launcher(_shift_weights)
 _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_fwd_reload = Launcher(_ln_fwd_reload)
@@ -1208,6 +1213,17 @@ def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, w
 
 
 def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
+    # Contiguous x and parameters at 16-byte aligned addresses: the launch is fixed by shapes,
+    # dtypes, device, eps and with_stats, so a call seen before replays its plan (PlanCache).
+    key = ((x.shape, x.dtype, out_dtype, x.get_device(), eps, with_stats,
+            None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+           if x.is_contiguous() and not x.data_ptr() & 15
+           and (weight is None or not weight.data_ptr() & 15)
+           and (bias is None or not bias.data_ptr() & 15) else None)
+    plan = _fwd_plans.get(key)
+    if plan is not None and not hooks_registered():
+        return _replay_forward(plan, x, weight, bias, out_dtype, with_stats)
+    requested_stats = with_stats
     M, N, stride, y = rows_and_output(x, out_dtype)
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
@@ -1244,11 +1260,12 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         # vs 2.29 one program per row, 8193 1.93 vs 1.77; float32 within 2%).
         persist = vec and x.element_size() == 2 and block >= 4096
         progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec, persist)
-        _launch_fwd_single((progs,), (
-            x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
-            stride, N, eps, tiles, progs,
-            block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats,
-        ), warps)
+        args = (x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
+                stride, N, eps, tiles, progs,
+                block, rows, has_w, has_b, vec, _hold_w(block, warps), with_stats)
+        _launch_fwd_single((progs,), args, warps)
+        if key is not None and not vec and with_stats == requested_stats:
+            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 6)
     else:
         cfg = _split_config("fwd", N, x.element_size(), stride % 8 == 0 and N % 8 == 0)
         chunk, split_warps, prefetch = cfg or (0, 0, 0)
@@ -1266,6 +1283,23 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         _launch_fwd_looped((M,), (
             x, w, b, y, mean, rstd, N, stride, N, eps, block, has_w, has_b,
         ), warps)
+    return y, mean, rstd
+
+
+def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
+    """:func:`_forward` from a plan: the single-block launch with this call's tensors."""
+    go, grid, device, tail = plan
+    y = torch.empty_like(x, dtype=out_dtype)
+    yp = y.data_ptr()
+    wp = yp if weight is None else weight.data_ptr()  # placeholders, as in _forward
+    bp = yp if bias is None else bias.data_ptr()
+    if not with_stats:
+        go(grid, current_stream(device), (x.data_ptr(), wp, bp, yp, yp, yp, *tail))
+        return y, None, None
+    mean = torch.empty((tail[0],), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((tail[0],), dtype=torch.float32, device=x.device)
+    go(grid, current_stream(device),
+       (x.data_ptr(), wp, bp, yp, mean.data_ptr(), rstd.data_ptr(), *tail))
     return y, mean, rstd
 
 

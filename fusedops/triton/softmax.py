@@ -26,9 +26,12 @@ import triton.language as tl
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
+    PlanCache,
     SplitLauncher,
     await_row,
+    current_stream,
     grid_size,
+    hooks_registered,
     next_pow2,
     num_row_tiles,
     publish_row,
@@ -139,15 +142,26 @@ def _softmax_bwd_single(
 
 
 @triton.jit
+def _piece(ptr, cols, N, EVEN: tl.constexpr, POLICY: tl.constexpr):
+    if EVEN > 0:
+        v = tl.load(ptr + cols, eviction_policy=POLICY)
+    else:
+        v = tl.load(ptr + cols, mask=cols < N, other=0.0, eviction_policy=POLICY)
+    return v
+
+
+@triton.jit
 def _softmax_bwd_looped(
     y_ptr, dy_ptr, dx_ptr, N, stride_y, stride_dy, stride_dx, CHUNK: tl.constexpr,
-    WHOLE: tl.constexpr, FIRST: tl.constexpr,
+    WHOLE: tl.constexpr, FIRST: tl.constexpr, EVEN: tl.constexpr,
 ):
     # WHOLE > 0 (the padded row): the first pass (the dot product) reads the row in one load,
     # all of it in flight at once, and holds nothing across the passes (fewer registers than the
     # single-block kernel, so more programs per SM); the second pass reads it again from L2.
     # WHOLE = 0: both passes stream pieces, of FIRST elements in the first pass and CHUNK in
     # the second (FIRST > CHUNK: a row too big to load whole without spilling, in halves).
+    # EVEN > 0: N == EVEN (a power of two): no masks, and both passes unrolled (constant trip
+    # counts), so the next piece's loads are issued before the current one is used.
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * stride_y
     dy_row = dy_ptr + row * stride_dy
@@ -155,26 +169,37 @@ def _softmax_bwd_looped(
     lanes = tl.arange(0, CHUNK)
     if WHOLE > 0:
         whole = tl.arange(0, WHOLE)
-        y1 = tl.load(y_row + whole, mask=whole < N, other=0.0, eviction_policy="evict_last")
-        dy1 = tl.load(dy_row + whole, mask=whole < N, other=0.0, eviction_policy="evict_last")
+        y1 = _piece(y_row, whole, N, EVEN, "evict_last")
+        dy1 = _piece(dy_row, whole, N, EVEN, "evict_last")
         dot = tl.sum(y1.to(tl.float32) * dy1.to(tl.float32), axis=0)
     else:
         acc = tl.zeros([FIRST], tl.float32)
-        for start in range(0, N, FIRST):
-            cols = start + tl.arange(0, FIRST)
-            mask = cols < N
-            y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            acc += y.to(tl.float32) * dy.to(tl.float32)
+        if EVEN > 0:
+            for start in tl.static_range(0, EVEN, FIRST):
+                cols = start + tl.arange(0, FIRST)
+                y = _piece(y_row, cols, N, EVEN, "evict_last")
+                dy = _piece(dy_row, cols, N, EVEN, "evict_last")
+                acc += y.to(tl.float32) * dy.to(tl.float32)
+        else:
+            for start in range(0, N, FIRST):
+                cols = start + tl.arange(0, FIRST)
+                y = _piece(y_row, cols, N, EVEN, "evict_last")
+                dy = _piece(dy_row, cols, N, EVEN, "evict_last")
+                acc += y.to(tl.float32) * dy.to(tl.float32)
         dot = tl.sum(acc, axis=0)
-    for start in range(0, N, CHUNK):
-        cols = start + lanes
-        mask = cols < N
-        y = tl.load(y_row + cols, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+    if EVEN > 0:
+        for start in tl.static_range(0, EVEN, CHUNK):
+            cols = start + lanes
+            y = _piece(y_row, cols, N, EVEN, "evict_first").to(tl.float32)
+            dy = _piece(dy_row, cols, N, EVEN, "evict_first").to(tl.float32)
+            tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty))
+    else:
+        for start in range(0, N, CHUNK):
+            cols = start + lanes
+            mask = cols < N
+            y = _piece(y_row, cols, N, EVEN, "evict_first").to(tl.float32)
+            dy = _piece(dy_row, cols, N, EVEN, "evict_first").to(tl.float32)
+            tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -311,6 +336,7 @@ _launch_bwd_single = Launcher(_softmax_bwd_single)
 _launch_bwd_looped = Launcher(_softmax_bwd_looped)
 _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
 _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
+_fwd_plans = PlanCache()  # single-block forward launches, per (shape, dtype, out dtype, device)
 
 
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
@@ -366,14 +392,21 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
 # Aligned rows read whole for the dot product, then again from L2 for dx (the looped kernel
 # with WHOLE = the padded row): (element size, padded row) -> (second-pass chunk, warps).
 # H200, tune rounds 16/16b, TB/s vs the single-block kernel: 16-bit 16K 4.29-4.30 vs 4.03-4.05,
-# 32K 4.06-4.10 vs 3.83-3.88 (8K chunks; 16 warps: 3.0-3.2), 4K 4.31 vs 4.26, 2K 4.33 vs 4.25;
-# 8K level (4.27 vs 4.25); float32 slower (16K 4.14 vs 4.31: the whole row is twice the
-# registers). A third value is the first pass's piece (WHOLE = 0): float32 32K in two 16K
-# halves (round 18: 4.07 vs 3.77 single-block; 8K pieces 2.7-2.95; whole-row loads spill).
+# 4K 4.31 vs 4.26, 2K 4.33 vs 4.25; 8K level (4.27 vs 4.25); float32 16K slower (4.14 vs 4.31:
+# the whole row is twice the registers). A third value is the first pass's piece (WHOLE = 0).
+# 32K, every dtype, since tune rounds 24-26 (eleventh session, H200, with power-of-two rows
+# unrolled, UNROLL_RELOAD_BWD): the whole row, second pass in one 32K piece, as Inductor does
+# for this shape (ptxas sm_90: 52 registers float32, 38 16-bit, no spill): float32 4.21 vs
+# 3.98-4.05 (the round-18 rule, two 16K halves then 8K chunks) and torch.compile 4.20; bf16 /
+# fp16 4.09-4.13 / 4.14-4.15 vs 4.04-4.08 / 4.07-4.09 (8K chunks), compile 4.12 / 4.17.
 RELOAD_BWD: dict[tuple[int, ...], tuple[int, ...]] = {
-    (2, 2048): (2048, 8), (2, 4096): (4096, 16), (2, 16384): (4096, 32), (2, 32768): (8192, 32),
-    (4, 32768): (8192, 32, 16384),
+    (2, 2048): (2048, 8), (2, 4096): (4096, 16), (2, 16384): (4096, 32), (2, 32768): (32768, 32),
+    (4, 32768): (32768, 32),
 }
+# Power-of-two rows on the reload kernel without masks, loops unrolled (EVEN): H200, tune round
+# 25, TB/s vs masked loops: 32K 4.04-4.07 vs 4.00-4.05 (16-bit), 4.00 vs 3.95 (float32);
+# 2K-16K level or +0.5%; the 32K first pass in 16K pieces 4.07-4.11 vs 3.26-3.34 masked.
+UNROLL_RELOAD_BWD = True
 RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
 
 
@@ -383,6 +416,16 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
     Returns a contiguous tensor of ``x``'s shape and ``out_dtype``.
     """
+    # Contiguous inputs at 16-byte aligned addresses: the launch is fixed by shape, dtypes and
+    # device, so a call seen before replays its plan (see PlanCache).
+    key = ((x.shape, x.dtype, out_dtype, x.get_device())
+           if x.is_contiguous() and not x.data_ptr() & 15 else None)
+    plan = _fwd_plans.get(key)
+    if plan is not None and not hooks_registered():
+        y = torch.empty_like(x, dtype=out_dtype)
+        go, grid, device, tail = plan
+        go(grid, current_stream(device), (x.data_ptr(), y.data_ptr(), *tail))
+        return y
     M, N, stride, y = rows_and_output(x, out_dtype)
     if M == 0 or N == 0:
         return y
@@ -391,9 +434,10 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if single:
         tiles = num_row_tiles(M, rows, vec)
         progs = grid_size(tiles, warps, "softmax_fwd", x.device)
-        _launch_fwd_single(
-            (progs,), (x, y, M, N, stride, N, tiles, progs, block, rows, vec), warps
-        )
+        args = (x, y, M, N, stride, N, tiles, progs, block, rows, vec)
+        _launch_fwd_single((progs,), args, warps)
+        if key is not None and not vec:
+            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 2)
     else:
         if _launch_split(_launch_fwd_split, M, N, (x, y), (stride, N), 2, x.element_size(),
                          "fwd", vec, x.device):
@@ -416,9 +460,10 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
         chunk, warps, *first = reload  # (chunk, warps[, first-pass piece]): see RELOAD_BWD
+        even = N if N == next_pow2(N) and UNROLL_RELOAD_BWD else 0
         _launch_bwd_looped((M,), (
             y, dy, dx, N, N, dy.stride(0), N, chunk, 0 if first else next_pow2(N),
-            first[0] if first else chunk), warps)
+            first[0] if first else chunk, even), warps)
         return dx
     single, block, rows, warps, vec = unaligned_config(N, "softmax_bwd", y.element_size(), vec)
     if single:
@@ -432,7 +477,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
                          y.element_size(), "bwd", vec, y.device):
             return dx
         _launch_bwd_looped(
-            (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block, 0, block),
+            (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block, 0, block, 0),
             warps
         )
     return dx
