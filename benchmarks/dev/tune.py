@@ -191,10 +191,12 @@ def item(mapping, key, value):
     """mapping[key] = value for the duration of the block."""
     old = mapping[key]
     mapping[key] = value
+    _common.set_single_block_limit(_common.single_block_limit())  # config caches and plans
     try:
         yield
     finally:
         mapping[key] = old
+        _common.set_single_block_limit(_common.single_block_limit())
 
 
 def persistent(kind, value):
@@ -324,10 +326,12 @@ def sm_cfg(kind, cfg):
 def entry(mapping, key, value):
     """mapping[key] = value for the duration of the block (key absent before)."""
     mapping[key] = value
+    _common.set_single_block_limit(_common.single_block_limit())
     try:
         yield
     finally:
         mapping.pop(key, None)
+        _common.set_single_block_limit(_common.single_block_limit())
 
 
 if "split_bwd" in which:  # round 20 (tenth session, commit af36350; its REREAD variants (r) were
