@@ -17,8 +17,7 @@ def _forward_rows(x2, w, b, eps, out_dtype):
     if torch.compiler.is_compiling():
         return _library.layernorm_forward(x2, w, b, eps, out_dtype)
     backend = _dispatch.backend_for(x2)
-    if _dispatch._counts is not None:  # counting is on (count_fused_calls)
-        _dispatch.record("layernorm_forward", backend)
+    _dispatch.record("layernorm_forward", backend)
     return backend.layernorm_forward(x2, w, b, eps, out_dtype)
 
 
@@ -29,8 +28,7 @@ def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db, grad_dtype
         )
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
     backend = _dispatch.backend_for(x2)
-    if _dispatch._counts is not None:  # counting is on (count_fused_calls)
-        _dispatch.record("layernorm_backward", backend)
+    _dispatch.record("layernorm_backward", backend)
     return backend.layernorm_backward(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db,
                                       grad_dtypes=grad_dtypes)
 
@@ -145,8 +143,7 @@ def _forward_inference(x, dims: int, n: int, weight, bias, eps: float, out_dtype
         y2 = _library.layernorm_forward(x2, w, b, eps, out_dtype)[0]
         return y2.view(x.shape)
     backend = _dispatch.backend_for(x)
-    if _dispatch._counts is not None:  # counting is on (count_fused_calls)
-        _dispatch.record("layernorm_forward", backend)
+    _dispatch.record("layernorm_forward", backend)
     if dims == 1 and x.is_contiguous() and getattr(backend, "ROWS_ND", False):
         return backend.layernorm_forward_y(x, w, b, eps, out_dtype)  # x as is: no views
     x2 = as_rows(x, n)

@@ -17,8 +17,7 @@ def _forward_rows(x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _library.softmax_forward(x2, out_dtype)
     backend = _dispatch.backend_for(x2)
-    if _dispatch._counts is not None:  # counting is on (count_fused_calls)
-        _dispatch.record("softmax_forward", backend)
+    _dispatch.record("softmax_forward", backend)
     return backend.softmax_forward(x2, out_dtype)
 
 
@@ -26,8 +25,7 @@ def _backward_rows(y2: torch.Tensor, dy2: torch.Tensor, out_dtype: torch.dtype) 
     if torch.compiler.is_compiling():
         return _library.softmax_backward(y2, dy2, out_dtype)
     backend = _dispatch.backend_for(y2)
-    if _dispatch._counts is not None:  # counting is on (count_fused_calls)
-        _dispatch.record("softmax_backward", backend)
+    _dispatch.record("softmax_backward", backend)
     return backend.softmax_backward(y2, dy2, out_dtype)
 
 
@@ -125,7 +123,6 @@ def _forward_inference(x: torch.Tensor, dim: int, out_dtype: torch.dtype) -> tor
     if dim == x.dim() - 1 and x.is_contiguous() and not torch.compiler.is_compiling():
         backend = _dispatch.backend_for(x)
         if getattr(backend, "ROWS_ND", False):  # takes x as is: no views around the call
-            if _dispatch._counts is not None:  # counting is on (count_fused_calls)
-                _dispatch.record("softmax_forward", backend)
+            _dispatch.record("softmax_forward", backend)
             return backend.softmax_forward(x, out_dtype)
     return _from_rows(_forward_rows(_to_rows(x, dim), out_dtype), x, dim)

@@ -35,20 +35,12 @@ if AVAILABLE:
         @functools.wraps(fn)
         def run(first, *args, **kwargs):
             index = first.get_device()  # -1 for CPU tensors (the interpreter)
-            if index >= 0 and index != get_device() and first.is_cuda:
+            if index >= 0 and first.is_cuda and index != get_device():
                 with torch.cuda.device(index):
                     return fn(first, *args, **kwargs)
             return fn(first, *args, **kwargs)
 
-        @functools.wraps(fn)
-        def run_positional(first, *args):  # the forward entry points: no keyword packing
-            index = first.get_device()
-            if index >= 0 and index != get_device() and first.is_cuda:
-                with torch.cuda.device(index):
-                    return fn(first, *args)
-            return fn(first, *args)
-
-        return run_positional if fn.__name__ != "layernorm_backward" else run
+        return run
 
     layernorm_forward = _on_tensor_device(_layernorm.layernorm_forward)
     layernorm_forward_y = _on_tensor_device(_layernorm.layernorm_forward_y)
