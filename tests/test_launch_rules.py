@@ -231,6 +231,9 @@ def test_reload_rules():
     assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
                               (2, 16384): (4096, 32), (2, 32768): (32768, 32),
                               (4, 32768): (32768, 32)}
+    # Round 27: the softmax forward's reload kernel
+    assert tsm.RELOAD_FWD == {(2, 65536): (16384, 32), (4, 32768): (8192, 32)}
+    assert min(k[1] for k in tsm.RELOAD_FWD) > tsm.RELOAD_FWD_ABOVE
     # the host paths skip the lookup for rows shorter than every key
     assert min(k[1] for k in tln.RELOAD_FWD) > tln.RELOAD_FWD_ABOVE
     assert min(k[1] for k in tsm.RELOAD_BWD) > tsm.RELOAD_BWD_ABOVE
@@ -255,6 +258,24 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(odd, -1), odd, torch.bfloat16)
     assert len(fwd) == 1 and len(bwd) == 1
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype,n,want", [
+    (torch.bfloat16, 65536, (65536, 16384, 65536, 32)),
+    (torch.bfloat16, 40000, (65536, 16384, 0, 32)),  # masked, not unrolled
+    (torch.float32, 32768, (32768, 8192, 32768, 32)),
+    (torch.bfloat16, 32768, None),  # no rule: single-block
+    (torch.bfloat16, 65537, None),  # unaligned rows: split rows or looped
+])
+def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, want):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    _recording(monkeypatch, tsm, "_launch_fwd_reload", calls, lambda g, a, w: (g, *a[5:], w))
+    x = torch.randn(3, n, device=device, dtype=dtype)
+    y = tsm.softmax_forward(x, dtype)
+    assert calls == ([((3,), *want)] if want else [])
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-6, rtol=0.02)
 
 
 def test_reload_rules_for_unaligned_rows():

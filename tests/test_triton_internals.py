@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref
+from conftest import assert_close_to_ref, tol
 
 import fusedops
 from fusedops.triton import _common
@@ -235,6 +235,40 @@ def test_softmax_backward_reload_variants(monkeypatch, triton_backend, device, d
     assert_close_to_ref(dx, s_ * (g_ - (s_ * g_).sum(-1, keepdim=True)), dtype, scale=4)
     whole = 0 if len(cfg) == 3 else 64
     assert calls == [(16, whole, cfg[2] if whole == 0 else 16, 64 if unroll and n == 64 else 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [64, 48, 50])  # a power of two (EVEN), 48 and 50 masked
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, chunk):
+    """The softmax forward reload kernel (row read whole for max and sum, then again in chunks
+    to write y) with its rule shrunk to 64-element rows: the unrolled power-of-two row, masked
+    rows shorter than the padded block, chunks past the row's end, a strided input; rows with
+    -inf (masked attention), all -inf (NaN, as torch), a NaN, and rows far from zero."""
+    from fusedops.triton import softmax as tsm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tsm, "RELOAD_FWD", {(elt, 64): (chunk, 4)})
+    monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
+    monkeypatch.setattr(tsm, "_fwd_plans", _common.PlanCache())
+    calls = []
+    real = tsm._launch_fwd_reload
+    monkeypatch.setattr(tsm, "_launch_fwd_reload",
+                        lambda g, a, w: calls.append((g, a[5:], w)) or real(g, a, w))
+    torch.manual_seed(n)
+    base = torch.randn(7, 80, device=device, dtype=torch.float64) * 4
+    base[1, ::3] = -float("inf")
+    base[2] = -float("inf")
+    base[3, 5] = float("nan")
+    base[4] += 1e4
+    x = base.to(dtype)
+    for xs in (x[:, :n], x[:, :n].contiguous()):  # row stride 80, then n
+        y = tsm.softmax_forward(xs, dtype)
+        want = torch.softmax(xs.double(), -1)
+        torch.testing.assert_close(y.double(), want.to(dtype).double(), equal_nan=True,
+                                   **tol(dtype, 2))
+    # contiguous rows of 50 start unaligned: the single-block kernel's body + edges, not reload
+    assert calls == [((7,), (64, chunk, 64 if n == 64 else 0), 4)] * (1 if n == 50 else 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -745,3 +745,27 @@ if out:
 print(f"\nbest per point (TB/s; copy {COPY:.2f})")
 for op, dt, N, e, best, tb in summary:
     print(f"{op:7s} {dt:8s} {N:7d} eager {e:5.2f}  best {best:16s} {tb:5.2f} ({tb / COPY:.2f})")
+if "r27" in which:  # round 27 (twelfth session): the softmax forward reload kernel (row read
+    # whole for max and sum, then again from L2 in chunks; ptxas sm_90, Triton 3.6: bf16 32K 59-64
+    # registers on 32 warps, 128 on 16; 16K 55-64 on 16; 64K spills 48 bytes on 32 warps) against
+    # the single-block kernel ("cur" up to 32K, split rows at 64K) and single-block warps;
+    # LayerNorm forward 16-bit 16K reload chunks/warps not measured before; torch.compile.
+    def rs(elt, whole, cfg):
+        return (f"rl{cfg[0] // 1024}Kw{cfg[1]}",
+                lambda: entry(tsm.RELOAD_FWD, (elt, whole), cfg))
+    for dt in (bf, fp16):
+        point("sm_fwd", dt, 16384, [rs(2, 16384, c) for c in (
+            (16384, 16), (4096, 16), (8192, 16), (16384, 32))])
+        with_compile("sm_fwd", dt, 32768, [rs(2, 32768, c) for c in (
+            (32768, 32), (8192, 32), (16384, 32), (4096, 32), (16384, 16))]
+            + [("w32", lambda: override("softmax_fwd", warps=32)),
+               ("w8", lambda: override("softmax_fwd", warps=8))])
+        point("sm_fwd", dt, 65536, [rs(2, 65536, c) for c in ((65536, 32), (16384, 32))])
+    point("sm_fwd", f32, 32768, [rs(4, 32768, c) for c in ((32768, 32), (8192, 32))])
+    point("sm_fwd", f32, 65536, [rs(4, 65536, c) for c in ((65536, 32), (16384, 32))])
+
+    def rf27(N, cfg):
+        return (f"rl{cfg[0] // 1024}Kw{cfg[1]}", lambda: item(tln.RELOAD_FWD, (2, N), cfg))
+    for dt in (bf, fp16):
+        with_compile("ln_fwd", dt, 16384, [rf27(16384, c) for c in (
+            (16384, 16), (4096, 8), (2048, 8), (16384, 32), (8192, 16))])

@@ -12,7 +12,8 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   per row streams it in ``CHUNK``-sized pieces; forward keeps a per-lane online (max, sum) so
   it reads x twice (stats pass + write pass), backward reads y and dy twice. The backward's
   reload variant (``WHOLE``, chosen 16-bit row lengths in ``RELOAD_BWD``) reads the row whole
-  for the dot product and again from L2 for dx.
+  for the dot product and again from L2 for dx; the forward's reload kernel (``RELOAD_FWD``)
+  reads the row whole for its max and sum and again from L2 to write y.
 
 All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
 """
@@ -142,12 +143,39 @@ def _softmax_bwd_single(
 
 
 @triton.jit
-def _piece(ptr, cols, N, EVEN: tl.constexpr, POLICY: tl.constexpr):
+def _piece(ptr, cols, N, EVEN: tl.constexpr, POLICY: tl.constexpr, OTHER: tl.constexpr = 0.0):
     if EVEN > 0:
         v = tl.load(ptr + cols, eviction_policy=POLICY)
     else:
-        v = tl.load(ptr + cols, mask=cols < N, other=0.0, eviction_policy=POLICY)
+        v = tl.load(ptr + cols, mask=cols < N, other=OTHER, eviction_policy=POLICY)
     return v
+
+
+@triton.jit
+def _softmax_fwd_reload(
+    x_ptr, y_ptr, N, stride_x, stride_y, WHOLE: tl.constexpr, CHUNK: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    # One row per program, read twice: whole, in one load (all its bytes in flight at once),
+    # for the max and the sum; then again from L2 in CHUNK pieces to write y, the exponentials
+    # computed again. Nothing is held across the passes, unlike the single-block kernel, which
+    # keeps the row and its exponentials until it writes (one program per SM at 16-bit 32K).
+    # EVEN > 0: N == EVEN (a power of two): no masks. Same arithmetic as _softmax_fwd_single.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    x = _piece(x_row, tl.arange(0, WHOLE), N, EVEN, "evict_last", -float("inf"))
+    row_max = tl.max(x, axis=0).to(tl.float32)
+    inv = 1.0 / tl.sum(tl.exp2((x.to(tl.float32) - row_max) * LOG2E), axis=0)
+    lanes = tl.arange(0, CHUNK)
+    for start in tl.static_range(0, WHOLE, CHUNK):
+        cols = start + lanes
+        xc = _piece(x_row, cols, N, EVEN, "evict_first", -float("inf")).to(tl.float32)
+        y = (tl.exp2((xc - row_max) * LOG2E) * inv).to(y_ptr.dtype.element_ty)
+        if EVEN > 0:
+            tl.store(y_row + cols, y)
+        else:
+            tl.store(y_row + cols, y, mask=cols < N)
 
 
 @triton.jit
@@ -332,6 +360,7 @@ def _softmax_bwd_split(
 
 _launch_fwd_single = Launcher(_softmax_fwd_single)
 _launch_fwd_looped = Launcher(_softmax_fwd_looped)
+_launch_fwd_reload = Launcher(_softmax_fwd_reload)
 _launch_bwd_single = Launcher(_softmax_bwd_single)
 _launch_bwd_looped = Launcher(_softmax_bwd_looped)
 _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
@@ -408,6 +437,17 @@ RELOAD_BWD: dict[tuple[int, ...], tuple[int, ...]] = {
 # 2K-16K level or +0.5%; the 32K first pass in 16K pieces 4.07-4.11 vs 3.26-3.34 masked.
 UNROLL_RELOAD_BWD = True
 RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
+# The forward's reload kernel (_softmax_fwd_reload), aligned rows: (element size, padded row)
+# -> (second-pass chunk, warps); power-of-two rows always unrolled without masks. H200, tune
+# round 27 (twelfth session), TB/s: 16-bit 64K 3.19 vs 3.02-3.06 on split rows (4096 x 4,
+# PREFETCH 3; ptxas sm_90: 64 registers, 48 bytes spilled), float32 32K 4.19 vs 4.06 on the
+# single-block kernel (48 registers). Slower elsewhere: it computes the exponentials twice and
+# runs one 32-warp program per SM, so 16-bit 16K (3.71-3.90 vs 3.95-3.98) and 32K (2.90-3.16
+# vs 3.22-3.24) stay single-block, float32 64K on split rows (3.07 vs 3.42).
+RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (16384, 32), (4, 32768): (8192, 32),
+}
+RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; saves host time)
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -430,6 +470,14 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if M == 0 or N == 0:
         return y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
+    if N > RELOAD_FWD_ABOVE and not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT:
+        whole = next_pow2(N)
+        reload = RELOAD_FWD.get((x.element_size(), whole))
+        if reload:
+            chunk, warps = reload
+            _launch_fwd_reload((M,), (x, y, N, stride, N, whole, chunk, N if N == whole else 0),
+                               warps)
+            return y
     single, block, rows, warps, vec = unaligned_config(N, "softmax_fwd", x.element_size(), vec)
     if single:
         tiles = num_row_tiles(M, rows, vec)
