@@ -209,34 +209,56 @@ def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     return dx, dw, db
 
 
-def _pieces_case(device, dtype, n: int, piece: int):
-    """Inputs of the split rows' second kernels: 7 strided rows of n, the first 3 not written;
-    rows cut into C pieces of L columns as the split kernel cuts them."""
+def _pieces_case(device, dtype, n: int, piece: int, vec: bool):
+    """Inputs of the split rows' second kernels: 7 rows of n, the first 3 not written; rows cut
+    into C pieces of L columns as the split kernel cuts them. ``vec``: contiguous rows read as
+    an aligned body (pieces of L, a multiple of 16) plus edges, VEC = 16 bytes of elements;
+    else strided rows (VEC 0)."""
     from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
 
     torch.manual_seed(n)
     m, row0 = 7, 3
-    x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]  # strided rows
+    v = 16 // torch.empty((), dtype=dtype).element_size() if vec else 0
+    x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]
+    if vec:
+        x = x.contiguous()
+        assert _common.unaligned_vec(n, (n, n), x.element_size(), (x,)) == v
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    return (m, row0, x, dy, w, mean, rstd, *_common.split_pieces(n, piece, 0))
+    return (m, row0, x, dy, w, mean, rstd, v, *_common.split_pieces(n, piece, v))
+
+
+def _piece_columns(r: int, n: int, v: int, C: int, L: int) -> list[list[int]]:
+    """The columns of row r that each of the C pieces of the split kernel owns (VEC = v)."""
+    if not v:
+        return [[c for c in range(p * L, (p + 1) * L) if c < n] for p in range(C)]
+    head = -(r * n) % v
+    body = (n - head) // v * v
+    pieces = [[head + c for c in range(p * L, (p + 1) * L) if c < body] for p in range(C)]
+    pieces[0] += list(range(head)) + list(range(head + body, n))  # piece 0 owns the edges
+    return pieces
+
+
+PIECE_CASES = [(40, 16, False), (37, 8, False), (64, 64, False), (37, 16, True),
+               (99, 32, True), (61, 64, True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n,piece", [(40, 16), (37, 8), (64, 64)])
-def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece):
+@pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
+def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):
     """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
-    row0.. against float64, rows before row0 untouched, pieces past the row's end masked."""
+    row0.. against float64, rows before row0 untouched, pieces past the row's end masked;
+    unaligned rows (vec) as body pieces plus edges, every head 0..VEC-1 among the rows."""
     from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
 
-    m, row0, x, dy, w, mean, rstd, C, L = _pieces_case(device, dtype, n, piece)
+    m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     tln._launch_dx_pieces((m - row0,), (
         dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
-        _common.next_pow2(L), C, _common.next_pow2(C), True, False), 4)
+        _common.next_pow2(L), C, _common.next_pow2(C), True, False, v), 4)
     assert torch.all(dx[:row0] == 7)
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
@@ -244,8 +266,8 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n,piece", [(40, 16), (37, 8), (64, 64)])
-def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, piece):
+@pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
+def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):
     """_ln_bwd_dx_published (dx of the rows over the split kernel's parked scratch, from the
     per-piece statistics it published): rows row0.. against float64, rows before untouched.
     Here the statistics sit in a buffer of their own, so no program has to wait (late_from =
@@ -253,19 +275,21 @@ def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, p
     from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
 
-    m, row0, x, dy, w, mean, rstd, C, L = _pieces_case(device, dtype, n, piece)
+    m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
     wdy = dy.float() * w.float()
-    cols = torch.arange(C * L, device=device).clamp(max=n - 1).view(C, L)
-    keep = (torch.arange(C * L, device=device) < n).view(C, L).float()
-    stats = torch.stack([((xhat * wdy)[:, cols] * keep).sum(-1), (wdy[:, cols] * keep).sum(-1)],
-                        -1).reshape(-1).contiguous()  # (M, C, 2): what the split kernel stores
+    stats = torch.zeros(m, C, 2, device=device)  # what the split kernel stores per piece
+    for r in range(m):
+        for p, cols in enumerate(_piece_columns(r, n, v, C, L)):
+            stats[r, p, 0] = (xhat[r, cols] * wdy[r, cols]).sum()
+            stats[r, p, 1] = wdy[r, cols].sum()
+    stats = stats.reshape(-1)
     done = torch.zeros(1, dtype=torch.int32, device=device)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     grid = (m - row0) * C
     tln._launch_dx_published((grid,), (
         dy, x, w, mean, rstd, dx, stats, done, n, L, dy.stride(0), x.stride(0), n, row0, grid,
-        grid, _common.next_pow2(L), C, _common.next_pow2(C), True, False), 4)
+        grid, _common.next_pow2(L), C, _common.next_pow2(C), True, False, v), 4)
     assert torch.all(dx[:row0] == 7) and done.item() == grid
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())

@@ -115,3 +115,45 @@ def test_unaligned_grid_is_a_multiple_of_pieces_times_vec():
     assert 0 < progs < m * C and progs % (C * 8) == 0
     _layernorm_case(m, n, torch.bfloat16)
 
+
+
+VEC_RULE_16 = {2: ((2048, 8, 1), 0)}  # forces 16-bit rows onto aligned-body pieces
+
+
+@pytest.mark.parametrize("dtype,m,n,rule,want", [
+    (torch.float32, 300, 65537, None, [((8192, 8, 2), 4)]),  # C·VEC programs, rows loop
+    (torch.float32, 2, 6 * 16384 + 5, None, [((8192, 8, 2), 4)]),  # one item per program
+    (torch.float32, 300, 32769, None, [((4096, 4, 2), 0)]),  # no rule: scalar pieces
+    (torch.bfloat16, 300, 65537, None, ["native"]),  # no rule: PyTorch's kernel
+    (torch.bfloat16, 300, 65537, VEC_RULE_16, [((2048, 8, 1), 8)]),
+    (torch.bfloat16, 2, 6 * 16384 + 5, VEC_RULE_16, [((2048, 8, 1), 8)]),
+    (torch.bfloat16, 64, 262145, VEC_RULE_16, [((2048, 8, 1), 8), "native"]),  # no grid fits
+    (torch.float32, 64, 262145, {4: ((2048, 8, 2), 0)},  # no grid fits: scalar pieces
+     [((2048, 8, 2), 4), ((8192, 8, 2), 0)]),
+])
+def test_unaligned_layernorm_backward_paths(monkeypatch, dtype, m, n, rule, want):
+    """Long unaligned rows in the LayerNorm backward: the split kernel on aligned-body pieces
+    plus edges where VEC_SPLIT_BWD has a rule and a grid fits, else scalar pieces (float32) or
+    PyTorch's native kernel (16-bit); values against float64 on every path."""
+    if rule is not None:
+        monkeypatch.setattr(tln, "VEC_SPLIT_BWD", rule)
+    seen = []
+    real_split, real_native = tln._split_backward, tln._native_backward
+    monkeypatch.setattr(tln, "_split_backward",
+                        lambda *a: seen.append(a[10:12]) or real_split(*a))
+    monkeypatch.setattr(tln, "_native_backward",
+                        lambda *a: seen.append("native") or real_native(*a))
+    _layernorm_case(m, n, dtype)
+    assert seen == want
+
+
+def test_unaligned_layernorm_backward_deterministic_mode_is_scalar(monkeypatch):
+    seen = []
+    real = tln._native_backward
+    monkeypatch.setattr(tln, "_native_backward", lambda *a: seen.append(1) or real(*a))
+    torch.use_deterministic_algorithms(True)
+    try:
+        _layernorm_case(16, 65537, torch.bfloat16)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen == [1]

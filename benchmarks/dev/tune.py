@@ -769,3 +769,29 @@ if "r27" in which:  # round 27 (twelfth session): the softmax forward reload ker
     for dt in (bf, fp16):
         with_compile("ln_fwd", dt, 16384, [rf27(16384, c) for c in (
             (16384, 16), (4096, 8), (2048, 8), (16384, 32), (8192, 16))])
+if "r28" in which:  # round 28: LayerNorm backward, unaligned rows (65537) as aligned-body split
+    # pieces plus edges ("cur", VEC_SPLIT_BWD: 2048 x 8) against the previous path ("scalar":
+    # PyTorch's native kernel for 16-bit, scalar split pieces for float32) and other configs
+    # (ptxas sm_90: 2048 x 8 112-117 registers, 4096 x 8 154-175, 8192 x 8 255 + spills).
+    def sb(cfg):
+        return (f"s{cfg[0] // 1024}Kw{cfg[1]}p{cfg[2]}" + (f"c{cfg[3]}" if cfg[3:] else ""),
+                lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg))
+    prev = ("scalar", scalar_unaligned)
+    for dt in (bf, fp16):
+        with_compile("ln_bwd", dt, 65537, [prev] + [sb(c) for c in (
+            (2048, 8, 3), (2048, 8, 0), (2048, 8, 2), (4096, 8, 1, 128), (4096, 4, 1),
+            (8192, 8, 1), (8192, 4, 3))])
+    with_compile("ln_bwd", f32, 65537, [prev] + [sb(c) for c in (
+        (2048, 8, 0), (2048, 8, 1), (4096, 4, 2), (8192, 8, 2), (2048, 4, 2))])
+    for dt in (bf, f32):  # other unaligned lengths on the default rule
+        for N in (16385, 32769):
+            point("ln_bwd", dt, N, [prev])
+if "r29" in which:  # round 29: float32 unaligned rows of other lengths on aligned-body split
+    # pieces (the round-28 rule, 8192 x 8 prefetching after the wait, and 4096 x 4) against
+    # scalar pieces; "cur": VEC_SPLIT_BWD as shipped (bodies of 64K+).
+    def vr(cfg):
+        return (f"v{cfg[0] // 1024}Kw{cfg[1]}p{cfg[2]}",
+                lambda: knobs(tln, VEC_SPLIT_BWD={4: (cfg, 0)}))
+    for N in (16385, 32769, 65537, 131073, 262145):
+        point("ln_bwd", f32, N, [("scalar", scalar_unaligned), vr((8192, 8, 2)),
+                                 vr((4096, 4, 2))])

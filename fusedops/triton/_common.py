@@ -602,11 +602,13 @@ class SplitLauncher:
         With unaligned rows (``vec`` > 0, see :func:`split_piece`) a grid smaller than
         ``items`` is a multiple of ``chunks * vec``: a program's rows are then a multiple of
         ``vec`` apart and share one misalignment (its weight columns stay fixed). Returns 0 if
-        no such grid fits on the device at once."""
+        neither one item per program nor such a grid fits on the device at once."""
         per_sm = self._per_sm(chunks, runtime, consts, num_warps)
+        resident = num_sms(device) * per_sm
         unit = chunks * max(vec, 1)
-        fit = num_sms(device) * per_sm // unit * unit
-        if items <= fit or (not vec and items <= chunks):
+        fit = resident // unit * unit
+        # One item per program whenever all of them fit (items is a multiple of chunks).
+        if items <= resident or (not vec and items <= chunks):
             return items
         return fit if fit else (0 if vec else chunks)
 

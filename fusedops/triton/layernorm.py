@@ -563,12 +563,23 @@ def _ln_bwd_single(
 
 
 @triton.jit
+def _body_at(row64, stride, VEC: tl.constexpr):
+    """Offset of lane 0 of a row in the LayerNorm backward's split kernels: the row's start, or
+    (VEC > 0, rows that start unaligned) its first 16-byte boundary, visibly a multiple of VEC
+    to the compiler, so the body's accesses are 16-byte vectors."""
+    start = row64 * stride
+    if VEC > 0:
+        start = ((start + (VEC - 1)) // VEC) * VEC
+    return start
+
+
+@triton.jit
 def _ln_bwd_split(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, count_ptr,
     N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    PREFETCH: tl.constexpr, PARKED: tl.constexpr,
+    PREFETCH: tl.constexpr, PARKED: tl.constexpr, VEC: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -577,20 +588,39 @@ def _ln_bwd_split(
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
     # PREFETCH: see _common.py. PARKED: dx is written for rows below M_dx only (see
     # _ln_bwd_single); _ln_bwd_dx_published writes the others with the same arithmetic.
+    # VEC > 0 (rows that start unaligned; x, dy and dx share the row stride): lane j is
+    # position chunk·L + j of the row's aligned body, column head + chunk·L + j, and piece 0
+    # also has the row's edges (split_edges). The grid is a multiple of C·VEC (or one item per
+    # program), so all rows of a program share one head: its weight and accumulator columns,
+    # edges included, are fixed.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
-    cols = (pid % C) * L + lanes
-    cmask = (lanes < L) & (cols < N)
+    pos = (pid % C) * L + lanes
     step = num_progs // C
+    if VEC > 0:
+        # weight and partial columns head + pos, from a scalar base (no tensor of columns live
+        # across the row loop: pos is, for the addresses)
+        head, body = split_head(pid // C, N, stride_x, VEC)
+        w_at = w_ptr + head
+        cmask = (lanes < L) & (pos < body)
+        _, emask, ecols = split_edges(pid // C, pid % C, N, stride_x, VEC)
+        if HAS_W:
+            we = tl.load(w_ptr + ecols, mask=emask, other=0.0).to(tl.float32)
+        dwe_acc = tl.zeros([2 * VEC], tl.float32)
+        dbe_acc = tl.zeros([2 * VEC], tl.float32)
+    else:
+        head = 0
+        w_at = w_ptr
+        cmask = (lanes < L) & (pos < N)
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = tl.load(w_at + pos, mask=cmask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK], tl.float32)
     db_acc = tl.zeros([BLOCK], tl.float32)
     if PREFETCH > 0:
         r0 = (pid // C).to(tl.int64)
-        x_next = tl.load(x_ptr + r0 * stride_x + cols, mask=cmask, other=0.0)
-        dy_next = tl.load(dy_ptr + r0 * stride_dy + cols, mask=cmask, other=0.0)
+        x_next = tl.load(x_ptr + _body_at(r0, stride_x, VEC) + pos, mask=cmask, other=0.0)
+        dy_next = tl.load(dy_ptr + _body_at(r0, stride_dy, VEC) + pos, mask=cmask, other=0.0)
     for item in range(pid, num_items, num_progs):
         row = item // C
         row64 = row.to(tl.int64)
@@ -599,59 +629,94 @@ def _ln_bwd_split(
             dy = dy_next.to(tl.float32)
             more = cmask & (item + num_progs < num_items)
             if PREFETCH == 1:
-                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
-                                  other=0.0)
+                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos, mask=more,
+                                 other=0.0)
+                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                  mask=more, other=0.0)
         else:
-            x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask,
+            x = tl.load(x_ptr + _body_at(row64, stride_x, VEC) + pos, mask=cmask,
+                        other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + _body_at(row64, stride_dy, VEC) + pos, mask=cmask,
                          other=0.0).to(tl.float32)
+        if VEC > 0:
+            xe = tl.load(x_ptr + row64 * stride_x + ecols, mask=emask, other=0.0).to(tl.float32)
+            dye = tl.load(dy_ptr + row64 * stride_dy + ecols, mask=emask,
+                          other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
         xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+        if VEC > 0:
+            xhe = tl.where(emask, (xe - mean) * rstd, 0.0)
         # Accumulate before waiting: only xhat and w·dy stay live across the wait.
         if NEED_DW:
             dw_acc += dy * xhat
+            if VEC > 0:
+                dwe_acc += dye * xhe
         if NEED_DB:
             db_acc += dy
+            if VEC > 0:
+                dbe_acc += dye
         if NEED_DX:
             if HAS_W:
                 wdy = dy * w
             else:
                 wdy = dy
-            tl.store(stats_ptr + item * 2, tl.sum(xhat * wdy, axis=0))
-            tl.store(stats_ptr + item * 2 + 1, tl.sum(wdy, axis=0))
+            s1 = tl.sum(xhat * wdy, axis=0)
+            s2 = tl.sum(wdy, axis=0)
+            if VEC > 0:
+                if HAS_W:
+                    wdye = dye * we
+                else:
+                    wdye = dye
+                s1 += tl.sum(xhe * wdye, axis=0)
+                s2 += tl.sum(wdye, axis=0)
+            tl.store(stats_ptr + item * 2, s1)
+            tl.store(stats_ptr + item * 2 + 1, s2)
             publish_row(count_ptr, row)
             if PREFETCH == 3:
-                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
-                                  other=0.0)
+                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                 mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                  mask=more, other=0.0)
             await_row(count_ptr, row, C)
             if PREFETCH == 2:
-                x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more,
-                                  other=0.0)
+                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                 mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                  mask=more, other=0.0)
             base = (row * C + peers) * 2
             ok = peers < C
             c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
                         axis=0) / N
             c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
                                 cache_modifier=".cg"), axis=0) / N
-            dx = (wdy - (xhat * c1 + c2)) * rstd
+            dx = ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty)
+            dx_at = dx_ptr + _body_at(row64, stride_dx, VEC) + pos
             if PARKED:
-                tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
-                         mask=cmask & (row < M_dx))
+                tl.store(dx_at, dx, mask=cmask & (row < M_dx))
             else:
-                tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty),
-                         mask=cmask)
+                tl.store(dx_at, dx, mask=cmask)
+            if VEC > 0:
+                dxe = ((wdye - (xhe * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty)
+                if PARKED:
+                    tl.store(dx_ptr + row64 * stride_dx + ecols, dxe, mask=emask & (row < M_dx))
+                else:
+                    tl.store(dx_ptr + row64 * stride_dx + ecols, dxe, mask=emask)
         elif PREFETCH >= 2:
-            x_next = tl.load(x_ptr + (row64 + step) * stride_x + cols, mask=more, other=0.0)
-            dy_next = tl.load(dy_ptr + (row64 + step) * stride_dy + cols, mask=more, other=0.0)
-    out = part_ptr + (pid // C).to(tl.int64) * N + cols
+            x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos, mask=more,
+                             other=0.0)
+            dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos, mask=more,
+                              other=0.0)
+    out = part_ptr + (pid // C).to(tl.int64) * N
+    db_out = out + (num_progs // C) * N  # < 2^31: partial rows x N
     if NEED_DW:
-        tl.store(out, dw_acc, mask=cmask)
+        tl.store(out + head + pos, dw_acc, mask=cmask)
+        if VEC > 0:
+            tl.store(out + ecols, dwe_acc, mask=emask)
     if NEED_DB:
-        tl.store(out + (num_progs // C) * N, db_acc, mask=cmask)  # < 2^31: partial rows x N
+        tl.store(db_out + head + pos, db_acc, mask=cmask)
+        if VEC > 0:
+            tl.store(db_out + ecols, dbe_acc, mask=emask)
 
 
 @triton.jit
@@ -679,49 +744,74 @@ def _rounded_mul(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
+def _piece_dx(dy_row, x_row, w_ptr, dx_row, cols, cmask, mean, rstd, c1, c2,
+              HAS_W: tl.constexpr, PTX: tl.constexpr):
+    # dx of one piece from its row's combined statistics, as _ln_bwd_split writes it after its
+    # wait (w·dy rounded before the subtraction: there it crosses the wait loop).
+    x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    wdy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
+    xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+    if HAS_W:
+        wdy = _rounded_mul(wdy, tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32),
+                           PTX)
+    dx = (wdy - (xhat * c1 + c2)) * rstd
+    tl.store(dx_row + cols, dx.to(dx_row.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
 def _ln_bwd_dx_pieces(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, N, L, stride_dy, stride_x, stride_dx,
     row0, BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, VEC: tl.constexpr,
 ):
     # dx of row row0 + program id, bit for bit as _ln_bwd_split computes it (same pieces of L
-    # columns, the same BLOCK and warps, so the same per-piece reductions, combined over a
-    # (C_P2,) vector as that kernel combines its peers' sums), but in one program that reads
-    # the row twice: no statistics buffer, no cooperating programs (for the few rows whose dx
-    # cannot hold that kernel's scratch, see _split_backward). In the split kernel w·dy and
-    # the subtraction using it sit on either side of the wait loop, in separate basic blocks,
-    # so they are never contracted into one multiply-add; here they share a block, hence the
-    # explicitly rounded product (PTX, see _rounded_mul).
+    # columns, or of the aligned body plus the edges with VEC > 0, the same BLOCK and warps, so
+    # the same per-piece reductions, combined over a (C_P2,) vector as that kernel combines its
+    # peers' sums), but in one program that reads the row twice: no statistics buffer, no
+    # cooperating programs (for the few rows whose dx cannot hold that kernel's scratch, see
+    # _split_backward). In the split kernel w·dy and the subtraction using it sit on either
+    # side of the wait loop, in separate basic blocks, so they are never contracted into one
+    # multiply-add; here they share a block, hence the explicitly rounded product (PTX, see
+    # _rounded_mul).
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
-    x_row = x_ptr + row64 * stride_x
-    dy_row = dy_ptr + row64 * stride_dy
-    dx_row = dx_ptr + row64 * stride_dx
+    x_row = x_ptr + _body_at(row64, stride_x, VEC)
+    dy_row = dy_ptr + _body_at(row64, stride_dy, VEC)
+    dx_row = dx_ptr + _body_at(row64, stride_dx, VEC)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     mean = tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
+    if VEC > 0:
+        head, limit = split_head(row, N, stride_x, VEC)
+        w_body = w_ptr + head
+    else:
+        limit = N
+        w_body = w_ptr
     s1 = tl.zeros([C_P2], tl.float32)
     s2 = tl.zeros([C_P2], tl.float32)
     for piece in range(C):
-        cols = piece * L + lanes
-        a, b = _piece_sums(dy_row, x_row, w_ptr, cols, (lanes < L) & (cols < N), mean,
-                                 rstd, HAS_W)
+        pos = piece * L + lanes
+        a, b = _piece_sums(dy_row, x_row, w_body, pos, (lanes < L) & (pos < limit), mean, rstd,
+                           HAS_W)
+        if VEC > 0:  # the edges, with piece 0 (every piece adds a sum, as in the split kernel)
+            _, emask, ecols = split_edges(row, piece, N, stride_x, VEC)
+            ea, eb = _piece_sums(dy_ptr + row64 * stride_dy, x_ptr + row64 * stride_x, w_ptr,
+                                 ecols, emask, mean, rstd, HAS_W)
+            a += ea
+            b += eb
         s1 = tl.where(peers == piece, a, s1)
         s2 = tl.where(peers == piece, b, s2)
     c1 = tl.sum(s1, axis=0) / N
     c2 = tl.sum(s2, axis=0) / N
     for piece in range(C):
-        cols = piece * L + lanes
-        cmask = (lanes < L) & (cols < N)
-        x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
-        wdy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
-        xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
-        if HAS_W:
-            wdy = _rounded_mul(wdy, tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32),
-                               PTX)
-        dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+        pos = piece * L + lanes
+        _piece_dx(dy_row, x_row, w_body, dx_row, pos, (lanes < L) & (pos < limit), mean, rstd,
+                  c1, c2, HAS_W, PTX)
+    if VEC > 0:
+        _, emask, ecols = split_edges(row, 0, N, stride_x, VEC)
+        _piece_dx(dy_ptr + row64 * stride_dy, x_ptr + row64 * stride_x, w_ptr,
+                  dx_ptr + row64 * stride_dx, ecols, emask, mean, rstd, c1, c2, HAS_W, PTX)
 
 
 @triton.jit
@@ -729,12 +819,13 @@ def _ln_bwd_dx_published(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, stats_ptr, done_ptr, N, L, stride_dy,
     stride_x, stride_dx, row0, num_progs, late_from,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, VEC: tl.constexpr,
 ):
     # dx of piece pid % C of row row0 + pid // C from the per-piece statistics a parked
     # _ln_bwd_split launch left in dx's storage (see _split_backward), bit for bit as that
     # kernel computes it after its wait: the same (C_P2,) sum of the peers' statistics, and
     # w·dy rounded before the subtraction (there it crosses the wait loop; see _rounded_mul).
+    # VEC > 0: pieces of the aligned body, piece 0 with the edges, as in the split kernel.
     # The statistics lie in the storage of the last pieces: programs from late_from on (whose
     # dx covers them) write only once every program has read what it needs (done_ptr: a
     # zeroed counter there too). The others never wait, so the grid needs no co-residency.
@@ -743,8 +834,7 @@ def _ln_bwd_dx_published(
     row64 = row.to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
-    cols = (pid % C) * L + lanes
-    cmask = (lanes < L) & (cols < N)
+    pos = (pid % C) * L + lanes
     base = (row * C + peers) * 2
     ok = peers < C
     c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
@@ -759,14 +849,20 @@ def _ln_bwd_dx_published(
             seen = tl.atomic_add(done_ptr, 0, sem="acquire")
     mean = tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
-    x = tl.load(x_ptr + row64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-    wdy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
-    xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
-    if HAS_W:
-        wdy = _rounded_mul(wdy, tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32),
-                           PTX)
-    dx = (wdy - (xhat * c1 + c2)) * rstd
-    tl.store(dx_ptr + row64 * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=cmask)
+    if VEC > 0:
+        head, body = split_head(row, N, stride_x, VEC)
+        _piece_dx(dy_ptr + _body_at(row64, stride_dy, VEC), x_ptr + _body_at(row64, stride_x, VEC),
+                  w_ptr + head, dx_ptr + _body_at(row64, stride_dx, VEC), pos,
+                  (lanes < L) & (pos < body), mean, rstd, c1, c2, HAS_W, PTX)
+        _, emask, ecols = split_edges(row, 0, N, stride_x, VEC)
+        emask = emask & (pid % C + ecols * 0 == 0)  # piece 0's (a vector test: the interpreter
+        # rejects a scalar-and-vector mask)
+        _piece_dx(dy_ptr + row64 * stride_dy, x_ptr + row64 * stride_x, w_ptr,
+                  dx_ptr + row64 * stride_dx, ecols, emask, mean, rstd, c1, c2, HAS_W, PTX)
+    else:
+        _piece_dx(dy_ptr + row64 * stride_dy, x_ptr + row64 * stride_x, w_ptr,
+                  dx_ptr + row64 * stride_dx, pos, (lanes < L) & (pos < N), mean, rstd, c1, c2,
+                  HAS_W, PTX)
 
 
 @triton.jit
@@ -887,9 +983,22 @@ def _hold_w(block: int, warps: int) -> bool:
 # None = the measured defaults below; a tuple overrides them (experiments).
 SPLIT_CONFIG: tuple[int, int, int] | None = None
 SPLIT_BWD_CONFIG: tuple | None = None
+# The backward's split kernel on unaligned rows as aligned-body pieces plus the edges (VEC > 0):
+# element size -> (config, shortest body it runs from); elsewhere scalar pieces, or PyTorch's
+# native kernel for 16-bit rows (NATIVE_UNALIGNED_16BIT_BWD). H200, tune round 28 (twelfth
+# session), N = 65537, TB/s: float32 2.53 on 8192 x 8 (4096 x 4: 2.49; 2048 x 8: 1.69-1.95)
+# against 1.92 on scalar pieces. 16-bit rows gained nothing: 1.10 at best (2048 x 8, 112-117
+# registers) against the native kernel's 1.11, 0.99 on 4096 x 8 capped at 128 registers (ptxas
+# sm_90: 128 bytes of spills; the edge tile, its accumulators and the per-program head cost the
+# aligned kernel's last registers), and 16385 / 32769 slower (1.03 / 0.71 vs 1.21 / 1.16); the
+# per-row work (two more block reductions for the edges, the wait) outweighs the vector
+# accesses when a piece moves only 2 bytes per element. A grid of C·VEC programs must fit at
+# once (a program's rows share one misalignment) unless every item gets its own program.
+VEC_SPLIT_BWD: dict[int, tuple[tuple, int]] = {4: ((8192, 8, 2), 65536)}
 
 
-def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | None:
+def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
+                  vec: int = 0) -> tuple | None:
     """(piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
     where the other kernels measured faster (H200, benchmarks/dev/tune.py rounds 4 and 11;
     PREFETCH: see _common.py).
@@ -916,6 +1025,9 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool) -> tuple | No
         if elt_size == 2 and n >= 262144:
             return None
         return (8192, 4, 1) if elt_size == 4 else (8192, 8, 1)
+    if vec:  # unaligned rows as aligned-body pieces plus edges (see VEC_SPLIT_BWD)
+        rule = VEC_SPLIT_BWD.get(elt_size)
+        return rule[0] if rule and body_len(n, vec) >= rule[1] else None
     if elt_size == 2:
         if not aligned:  # scalar accesses (rarely run: see NATIVE_UNALIGNED_16BIT_BWD)
             return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
@@ -1330,7 +1442,10 @@ def layernorm_backward(
     need_part = need_dw or need_db
     parked = get_layernorm_backward() == "low_memory"
     fused = _fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
-    if fused is None and M > 0 and N > 0 and _native_unaligned(x, dy, weight):
+    split = (_split_plan(N, x, dy) if fused is None and M > 0 and N > 0
+             and (need_dx or (need_part and not parked)) else None)
+    if (fused is None and M > 0 and N > 0 and not (split and split[1])
+            and _native_unaligned(x, dy, weight)):
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
     if M == 0 or N == 0:
@@ -1342,12 +1457,15 @@ def layernorm_backward(
     if fused is not None:
         return _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
                                fused, parked)
-    aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
-    cfg = _split_config("bwd", N, x.element_size(), aligned)
-    if (cfg and next_pow2(N) > FUSED_BWD_MAX_BLOCK and split_rows_enabled(dev, N, cfg[0])
-            and (need_dx or need_part)):
+    if split:
         done = _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                               cfg, parked)
+                               *split, parked)
+        if done is None and split[1]:  # no grid of C·VEC programs fits (rows too long)
+            if _native_unaligned(x, dy, weight):
+                return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
+            split = _split_plan(N, x, dy, vec=False)  # the scalar pieces, any grid
+            done = split and _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
+                                             grad_dtypes, *split, parked)
         if done is not None:
             return done
     if need_part and dx is not None:
@@ -1435,11 +1553,28 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     return dx, dw, db
 
 
+def _split_plan(N: int, x: torch.Tensor, dy: torch.Tensor,
+                vec: bool = True) -> tuple[tuple, int] | None:
+    """(config, VEC) of the split-row backward for rows of ``N``, or None where it does not
+    run. VEC > 0: rows that start unaligned (x and dy contiguous, N not a multiple of 16
+    bytes), read as an aligned body cut into pieces plus edges (see unaligned_vec); ``vec``
+    False: scalar accesses instead."""
+    if next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
+        return None
+    vec = vec and unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
+    aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
+    cfg = _split_config("bwd", N, x.element_size(), aligned, vec) if vec else None
+    if cfg is None:  # no rule for aligned-body pieces here: scalar pieces
+        vec, cfg = 0, _split_config("bwd", N, x.element_size(), aligned)
+    return (cfg, vec) if cfg and split_rows_enabled(x.device, N, cfg[0]) else None
+
+
 def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg,
-                    parked: bool):
+                    vec: int, parked: bool):
     """The split-row kernel (long rows): partials, per-row statistics and counters in scratch
     or (``parked``, with a dx) parked in dx (see _park). None if the cooperative launch was
-    refused (the caller then uses the other kernels).
+    refused or no grid fits (the caller then uses the other kernels). ``vec`` > 0: unaligned
+    rows as aligned-body pieces plus edges (dx is then contiguous like x and dy).
 
     Parked: partials, then statistics and counters, at the end of dx's storage. Once the
     partials are summed, the rows over them (from M_dx) get their dx from
@@ -1451,13 +1586,18 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     need_part = need_dw or need_db
     chunk, split_warps, prefetch, *cap = cfg
     launcher = _bwd_split_launcher(cap[0] if cap else None)
-    C, L = split_pieces(N, chunk, 0)
-    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked)
+    C, L = split_pieces(N, chunk, vec)
+    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
+              vec)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev)
+    progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec)
+    if not progs:
+        return None
     progs = max(C, min(progs, _max_partial_rows(x) * C))
+    if vec and progs < M * C:  # a program's rows VEC apart share one misalignment (see kernel)
+        progs = min(M * C, max(C * vec, progs // (C * vec) * (C * vec)))
     # One partial row per group of C programs (a program keeps one chunk of the row).
     part_rows = progs // C
     part_bytes = 8 * part_rows * N if need_part else 0
@@ -1465,7 +1605,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     def dx_pieces(row0: int) -> None:  # dx of rows row0.. with the split kernel's arithmetic
         _launch_dx_pieces((M - row0,), (
             dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, row0,
-            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(),
+            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec,
         ), split_warps)
 
     m_dx = M
@@ -1497,13 +1637,14 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         # The programs whose piece of dx covers the statistics of rows m_dx.. (or what
         # follows them) write last; the last counter, no longer needed, counts the readers.
         row_bytes, first = N * dx.element_size(), offset + part_bytes + 8 * C * m_dx
-        late_from = ((first // row_bytes - m_dx) * C
-                     + first % row_bytes // (L * dx.element_size()))
+        late_from = (first // row_bytes - m_dx) * C
+        if not vec:  # the piece too (with VEC > 0, piece 0 also writes the row's tail edge)
+            late_from += first % row_bytes // (L * dx.element_size())
         n_progs = (M - m_dx) * C
         _launch_dx_published((n_progs,), (
             dy, x, w, mean, rstd, dx, stats, count[M - 1:].zero_(), N, L, dy.stride(0),
             x.stride(0), N, m_dx, n_progs, max(0, late_from),
-            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(),
+            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec,
         ), split_warps)
     return dx, dw, db
 
