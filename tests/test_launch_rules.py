@@ -100,11 +100,11 @@ def test_split_config_rules():
     assert cfg("bwd", 262144, 2, True) == (8192, 8, 3)
     assert cfg("bwd", 8193, 2, False) == (8192, 8, 2)
     assert cfg("bwd", 65537, 2, False) == (8192, 16, 1)
-    # unaligned rows as aligned-body pieces plus edges (VEC > 0): float32 bodies of 64K+
-    # (round 28); None = scalar pieces (16-bit: PyTorch's native kernel, see below)
-    assert tln.VEC_SPLIT_BWD == {4: ((8192, 8, 2), 65536)}
-    assert cfg("bwd", 65537, 4, False, 4) == cfg("bwd", 262145, 4, False, 4) == (8192, 8, 2)
-    assert cfg("bwd", 32769, 4, False, 4) is None
+    # unaligned rows as aligned-body pieces plus edges (VEC > 0): float32 bodies of 16K+
+    # (rounds 28-29); None = scalar pieces (16-bit: PyTorch's native kernel, see below)
+    assert tln.VEC_SPLIT_BWD == {4: ((4096, 4, 2), 16384)}
+    assert cfg("bwd", 16385, 4, False, 4) == cfg("bwd", 262145, 4, False, 4) == (4096, 4, 2)
+    assert cfg("bwd", 8193, 4, False, 4) is None
     assert cfg("bwd", 65537, 2, False, 8) is None
     assert cfg("bwd", 8193, 4, False) == (2048, 4, 2)
     assert cfg("bwd", 32768, 4, True) == (2048, 4, 0)

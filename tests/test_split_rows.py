@@ -121,9 +121,9 @@ VEC_RULE_16 = {2: ((2048, 8, 1), 0)}  # forces 16-bit rows onto aligned-body pie
 
 
 @pytest.mark.parametrize("dtype,m,n,rule,want", [
-    (torch.float32, 300, 65537, None, [((8192, 8, 2), 4)]),  # C·VEC programs, rows loop
-    (torch.float32, 2, 6 * 16384 + 5, None, [((8192, 8, 2), 4)]),  # one item per program
-    (torch.float32, 300, 32769, None, [((4096, 4, 2), 0)]),  # no rule: scalar pieces
+    (torch.float32, 300, 65537, None, [((4096, 4, 2), 4)]),  # C·VEC programs, rows loop
+    (torch.float32, 2, 6 * 16384 + 5, None, [((4096, 4, 2), 4)]),  # one item per program
+    (torch.float32, 300, 65537, {}, [((8192, 8, 2), 0)]),  # no rule: scalar pieces
     (torch.bfloat16, 300, 65537, None, ["native"]),  # no rule: PyTorch's kernel
     (torch.bfloat16, 300, 65537, VEC_RULE_16, [((2048, 8, 1), 8)]),
     (torch.bfloat16, 2, 6 * 16384 + 5, VEC_RULE_16, [((2048, 8, 1), 8)]),

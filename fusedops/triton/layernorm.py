@@ -985,16 +985,18 @@ SPLIT_CONFIG: tuple[int, int, int] | None = None
 SPLIT_BWD_CONFIG: tuple | None = None
 # The backward's split kernel on unaligned rows as aligned-body pieces plus the edges (VEC > 0):
 # element size -> (config, shortest body it runs from); elsewhere scalar pieces, or PyTorch's
-# native kernel for 16-bit rows (NATIVE_UNALIGNED_16BIT_BWD). H200, tune round 28 (twelfth
-# session), N = 65537, TB/s: float32 2.53 on 8192 x 8 (4096 x 4: 2.49; 2048 x 8: 1.69-1.95)
-# against 1.92 on scalar pieces. 16-bit rows gained nothing: 1.10 at best (2048 x 8, 112-117
-# registers) against the native kernel's 1.11, 0.99 on 4096 x 8 capped at 128 registers (ptxas
-# sm_90: 128 bytes of spills; the edge tile, its accumulators and the per-program head cost the
-# aligned kernel's last registers), and 16385 / 32769 slower (1.03 / 0.71 vs 1.21 / 1.16); the
-# per-row work (two more block reductions for the edges, the wait) outweighs the vector
-# accesses when a piece moves only 2 bytes per element. A grid of C·VEC programs must fit at
-# once (a program's rows share one misalignment) unless every item gets its own program.
-VEC_SPLIT_BWD: dict[int, tuple[tuple, int]] = {4: ((8192, 8, 2), 65536)}
+# native kernel for 16-bit rows (NATIVE_UNALIGNED_16BIT_BWD). H200, tune rounds 28-29 (twelfth
+# session), float32, TB/s on 4096 x 4 prefetching after the wait against scalar pieces: 16385
+# 2.81 vs 1.78, 32769 2.81 vs 2.02, 65537 2.51 vs 1.89 (8192 x 8: 2.53), 131073 2.51 vs 1.80,
+# 262145 2.35 vs 1.64 (C·VEC = 260 programs: two per SM on 132 SMs). 16-bit rows gained
+# nothing: 1.10 at best at 65537 (2048 x 8, 112-117 registers) against the native kernel's
+# 1.11, 0.99 on 4096 x 8 capped at 128 registers (ptxas sm_90: 128 bytes of spills; the edge
+# tile, its accumulators and the per-program head cost the aligned kernel's last registers),
+# 16385 / 32769 slower (1.03 / 0.71 vs 1.21 / 1.16): the per-row work (two more block
+# reductions for the edges, the wait) outweighs the vector accesses when a piece moves only 2
+# bytes per element. A grid of C·VEC programs must fit at once (a program's rows share one
+# misalignment) unless every item gets its own program; where none fits, scalar pieces.
+VEC_SPLIT_BWD: dict[int, tuple[tuple, int]] = {4: ((4096, 4, 2), 16384)}
 
 
 def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
