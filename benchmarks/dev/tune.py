@@ -795,3 +795,10 @@ if "r29" in which:  # round 29: float32 unaligned rows of other lengths on align
     for N in (16385, 32769, 65537, 131073, 262145):
         point("ln_bwd", f32, N, [("scalar", scalar_unaligned), vr((8192, 8, 2)),
                                  vr((4096, 4, 2))])
+if "r30" in which:  # round 30: the twelfth session's sweep had LayerNorm backward bf16 256K at
+    # 0.32 of copy (fp16, the same kernel, 0.46; ptxas sm_90: the same 255 registers and
+    # instruction count as before the VEC change): repeats with torch.compile, same process.
+    reps = [(f"rep{i}", nullctx) for i in (2, 3)]
+    for dt in (bf, fp16):
+        with_compile("ln_bwd", dt, 262144, reps)
+        with_compile("ln_bwd", dt, 65537, reps)
