@@ -19,7 +19,8 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
   each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics).
 * Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its
-  chunk's dweight/dbias partials in registers across rows.
+  chunk's dweight/dbias partials in registers across rows; unaligned float32 rows with a body
+  of 16K+ as aligned-body pieces plus edges (``VEC_SPLIT_BWD``).
 * Backward, dx row kernel (single-block or looped) + column-blocked dweight/dbias kernel: where
   those measured faster, on the interpreter, and after a refused split launch.
 * Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: PyTorch's native
