@@ -157,6 +157,27 @@ def _torch_error_far_from_zero(x, n, w, b, want):
     return theirs * (1.25 if x.is_cuda else 1.0)
 
 
+def _check_ln_forward(x, w, b, dtype, far: int):
+    """LayerNorm forward of rows x (the first ``far`` of them far from zero) against float64:
+    y, mean, rstd, and the statistics-free call bitwise equal to it."""
+    from fusedops.triton import layernorm as tln
+
+    n = x.shape[1]
+    x64 = x.double()
+    w64, b64 = (t.double() if t is not None else None for t in (w, b))
+    want = F.layer_norm(x64, (n,), w64, b64)
+    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
+    assert_close_to_ref(y[far:], want[far:], dtype, scale=4)
+    # rows at 1e4: the float32 rounding of the mean itself bounds any kernel; no worse than torch
+    ours = (y[:far].double() - want[:far]).abs().max()
+    assert ours <= _torch_error_far_from_zero(x[:far], n, w, b, want[:far])
+    torch.testing.assert_close(mean.double(), x64.mean(-1), atol=1e-6, rtol=1e-6)
+    var = x64.var(-1, unbiased=False)
+    torch.testing.assert_close(rstd[far:].double(), (var[far:] + 1e-5).rsqrt(), atol=0,
+                               rtol=1e-4)
+    assert torch.equal(tln.layernorm_forward_y(x, w, b, 1e-5, dtype), y)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [64, 50, 40])
 @pytest.mark.parametrize("affine", [True, False])
@@ -187,19 +208,7 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
     x = base.to(dtype)[:, :n]  # row stride 72: not contiguous
     w = torch.randn(n, device=device) if affine else None
     b = torch.randn(n, device=device) if affine else None
-    x64 = x.double()
-    w64, b64 = (t.double() if t is not None else None for t in (w, b))
-    want = F.layer_norm(x64, (n,), w64, b64)
-    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
-    assert_close_to_ref(y[3:], want[3:], dtype, scale=4)
-    # rows at 1e4: the float32 rounding of the mean itself bounds any kernel; no worse than torch
-    ours = (y[:3].double() - want[:3]).abs().max()
-    assert ours <= _torch_error_far_from_zero(x[:3], n, w, b, want[:3])
-    torch.testing.assert_close(mean.double(), x64.mean(-1), atol=1e-6, rtol=1e-6)
-    var = x64.var(-1, unbiased=False)
-    torch.testing.assert_close(rstd[3:].double(), (var[3:] + 1e-5).rsqrt(), atol=0, rtol=1e-4)
-    y_only = tln.layernorm_forward_y(x, w, b, 1e-5, dtype)
-    assert torch.equal(y_only, y)
+    _check_ln_forward(x, w, b, dtype, far=3)
     assert calls == [64, 64]
 
     s = torch.softmax(torch.randn(6, n, device=device, dtype=torch.float64), -1)
@@ -296,17 +305,7 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
     wdt = torch.float32 if affine == "fp32-weight" else dtype
     w = torch.randn(n, device=device, dtype=wdt) if affine != "bias" and affine != "none" else None
     b = torch.randn(n, device=device, dtype=dtype) if affine in ("both", "bias") else None
-    x64 = x.double()
-    w64, b64 = (t.double() if t is not None else None for t in (w, b))
-    want = F.layer_norm(x64, (n,), w64, b64)
-    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
-    assert_close_to_ref(y[4:], want[4:], dtype, scale=4)
-    ours = (y[:4].double() - want[:4]).abs().max()
-    assert ours <= _torch_error_far_from_zero(x[:4], n, w, b, want[:4])
-    torch.testing.assert_close(mean.double(), x64.mean(-1), atol=1e-6, rtol=1e-6)
-    var = x64.var(-1, unbiased=False)
-    torch.testing.assert_close(rstd[4:].double(), (var[4:] + 1e-5).rsqrt(), atol=0, rtol=1e-4)
-    assert torch.equal(tln.layernorm_forward_y(x, w, b, 1e-5, dtype), y)
+    _check_ln_forward(x, w, b, dtype, far=4)
     vec = 16 // elt
     block = _common.next_pow2(n // vec * vec)
     assert calls == [((17,), block, 16, vec)] * 2
