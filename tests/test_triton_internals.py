@@ -219,6 +219,43 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, dtype, n, chunk,
+                                          affine):
+    """_ln_fwd_unrolled (row length a compile-time multiple of the chunk, both passes
+    unrolled): one, three and four chunks per row, rows far from zero (the per-lane shift),
+    strided x, mixed parameter dtypes; a row length that is no multiple of the chunk, or a
+    length without a rule, takes the other kernels."""
+    from fusedops.triton import layernorm as tln
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, n): (chunk, 4), (elt, 40): (16, 4)})
+    calls = []
+    real = tln._launch_fwd_unrolled
+    monkeypatch.setattr(tln, "_launch_fwd_unrolled",
+                        lambda g, a, w: calls.append((a[9], a[10])) or real(g, a, w))
+    torch.manual_seed(n)
+    base = torch.randn(6, 72, device=device, dtype=torch.float64)
+    base[:3] = 1e4 + base[:3] * 1e-2
+    x = base.to(dtype)[:, :n]  # row stride 72: not contiguous
+    w = torch.randn(n, device=device) if affine else None
+    b = torch.randn(n, device=device) if affine else None
+    _check_ln_forward(x, w, b, dtype, far=3)
+    assert calls == [(n, chunk)] * 2
+    # constant rows: mean exact, variance zero (y = bias)
+    c = torch.full((2, n), 3.0, device=device, dtype=dtype)
+    y, mean, rstd = tln.layernorm_forward(c, w, b, 1e-5, dtype)
+    assert torch.equal(mean, torch.full_like(mean, 3.0))
+    torch.testing.assert_close(rstd, torch.full_like(rstd, 1e-5 ** -0.5), atol=0, rtol=1e-6)
+    want = (b.double() if affine else torch.zeros(n, device=device, dtype=torch.float64))
+    assert_close_to_ref(y, want.expand(2, n), dtype)
+    calls.clear()
+    tln.layernorm_forward(base.to(dtype)[:, :40], None, None, 1e-5, dtype)  # 40 % 16 != 0
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [64, 48])  # 48: aligned rows, no power of two
 @pytest.mark.parametrize("cfg", [(16, 4), (16, 4, 32)], ids=["whole", "pieces"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["even", "masked"])

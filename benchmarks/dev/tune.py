@@ -736,15 +736,6 @@ if "ln_bwd_mid" in which:
                     tln, FUSED_BWD_OVERRIDE=(t, p, a)))
                 for t, p, a in ((8192, 1, True), (16384, 1, True), (8192, 2, False),
                                 (16384, 1, False))])
-print(f"tune s {time.time() - t0:.0f}", flush=True)
-out = os.environ.get("OUT")
-if out:
-    with open(os.path.join(out, "tune.json"), "w") as f:
-        json.dump({"device": NAME, "torch": torch.__version__, "triton": triton.__version__,
-                   "copy_tbps": COPY, "records": records}, f, indent=1)
-print(f"\nbest per point (TB/s; copy {COPY:.2f})")
-for op, dt, N, e, best, tb in summary:
-    print(f"{op:7s} {dt:8s} {N:7d} eager {e:5.2f}  best {best:16s} {tb:5.2f} ({tb / COPY:.2f})")
 if "r27" in which:  # round 27 (twelfth session): the softmax forward reload kernel (row read
     # whole for max and sum, then again from L2 in chunks; ptxas sm_90, Triton 3.6: bf16 32K 59-64
     # registers on 32 warps, 128 on 16; 16K 55-64 on 16; 64K spills 48 bytes on 32 warps) against
@@ -802,3 +793,37 @@ if "r30" in which:  # round 30: the twelfth session's sweep had LayerNorm backwa
     for dt in (bf, fp16):
         with_compile("ln_bwd", dt, 262144, reps)
         with_compile("ln_bwd", dt, 65537, reps)
+if "r31" in which:  # round 31 (thirteenth session): LayerNorm forward on _ln_fwd_unrolled (N a
+    # compile-time multiple of the chunk, both passes unrolled, per-lane shifted sums) as
+    # u{chunk}w{warps}, against the shipped kernels ("cur") and torch.compile where it won.
+    def un(elt, N, chunk, warps):
+        return (f"u{chunk // 1024 or chunk / 1024:g}Kw{warps}",
+                lambda: knobs(tln, UNROLLED_FWD={(elt, N): (chunk, warps)}))
+    grid16 = {4096: ((1024, 4), (512, 4), (1024, 8), (2048, 8)),
+              8192: ((1024, 8), (2048, 16), (1024, 4), (2048, 8)),
+              16384: ((2048, 16), (1024, 8), (2048, 8), (4096, 16), (1024, 4), (4096, 32)),
+              32768: ((2048, 16), (4096, 16), (4096, 32), (2048, 8)),
+              65536: ((4096, 16), (2048, 16), (8192, 32))}
+    for dt in (bf, fp16):
+        for N, cfgs in grid16.items():
+            run = with_compile if N in (8192, 16384) else point
+            run("ln_fwd", dt, N, [un(2, N, c, w) for c, w in cfgs])
+    grid32 = {1024: ((256, 1), (512, 2), (1024, 4), (512, 4)),
+              2048: ((512, 2), (1024, 4), (2048, 8)),
+              4096: ((1024, 4), (2048, 8), (512, 4), (1024, 8)),
+              8192: ((1024, 8), (2048, 8), (2048, 16), (1024, 4)),
+              16384: ((2048, 16), (4096, 16), (1024, 8)),
+              32768: ((4096, 16), (2048, 16), (8192, 32)),
+              65536: ((4096, 16), (8192, 32))}
+    for N, cfgs in grid32.items():
+        run = with_compile if N in (1024, 4096, 8192) else point
+        run("ln_fwd", f32, N, [un(4, N, c, w) for c, w in cfgs])
+print(f"tune s {time.time() - t0:.0f}", flush=True)
+out = os.environ.get("OUT")
+if out:
+    with open(os.path.join(out, "tune.json"), "w") as f:
+        json.dump({"device": NAME, "torch": torch.__version__, "triton": triton.__version__,
+                   "copy_tbps": COPY, "records": records}, f, indent=1)
+print(f"\nbest per point (TB/s; copy {COPY:.2f})")
+for op, dt, N, e, best, tb in summary:
+    print(f"{op:7s} {dt:8s} {N:7d} eager {e:5.2f}  best {best:16s} {tb:5.2f} ({tb / COPY:.2f})")
