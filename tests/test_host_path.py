@@ -366,3 +366,38 @@ def test_plans_replay_compiled_kernels(dtype):
         assert seen, "the launch hook did not see the launch"
     _common.set_single_block_limit(None)
     assert not tsm._fwd_plans and not tln._fwd_plans
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
+    """The unrolled LayerNorm forward records plans too: replayed calls give the first call's
+    bits, with and without statistics."""
+    from fusedops.triton import layernorm as tln
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 2048): (512, 4)})
+    _common.set_single_block_limit(None)
+    launched = []
+    real = tln._launch_fwd_unrolled
+
+    class Spy:  # counts launches through Triton; plans keep the real C entry
+        entry = real.entry
+
+        def __call__(self, grid, args, warps):
+            launched.append(1)
+            return real(grid, args, warps)
+    monkeypatch.setattr(tln, "_launch_fwd_unrolled", Spy())
+    x = torch.randn(64, 1536, device="cuda", dtype=dtype)  # 3 chunks of the 2K rule
+    w = torch.randn(1536, device="cuda", dtype=dtype)
+    b = torch.randn(1536, device="cuda", dtype=dtype)
+    for stats in (False, True):
+        ref = tln._forward(x, w, b, 1e-5, dtype, stats)
+        again = tln._forward(x, w, b, 1e-5, dtype, stats)
+        for r, a in zip(ref, again, strict=True):
+            assert (r is None and a is None) or torch.equal(r, a)
+        torch.testing.assert_close(again[0].float(), torch.nn.functional.layer_norm(
+            x.float(), (1536,), w.float(), b.float(), 1e-5), atol=2e-2, rtol=2e-2)
+    assert len(launched) == 2 and len(tln._fwd_plans) == 2
+    _common.set_single_block_limit(None)

@@ -225,16 +225,23 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
                                           affine):
     """_ln_fwd_unrolled (row length a compile-time multiple of the chunk, both passes
     unrolled): one, three and four chunks per row, rows far from zero (the per-lane shift),
-    strided x, mixed parameter dtypes; a row length that is no multiple of the chunk, or a
-    length without a rule, takes the other kernels."""
+    strided x, mixed parameter dtypes; a row length that is no multiple of its rule's chunk
+    takes the other kernels."""
     from fusedops.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, n): (chunk, 4), (elt, 40): (16, 4)})
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): (chunk, 4)})
+    monkeypatch.setattr(tln, "UNROLLED_FWD_ABOVE", 0)
     calls = []
     real = tln._launch_fwd_unrolled
-    monkeypatch.setattr(tln, "_launch_fwd_unrolled",
-                        lambda g, a, w: calls.append((a[9], a[10])) or real(g, a, w))
+
+    class Spy:  # records (N, CHUNK) of each launch; launch plans still get the real entry
+        entry = real.entry
+
+        def __call__(self, grid, args, warps):
+            calls.append((args[10], args[11]))
+            return real(grid, args, warps)
+    monkeypatch.setattr(tln, "_launch_fwd_unrolled", Spy())
     torch.manual_seed(n)
     base = torch.randn(6, 72, device=device, dtype=torch.float64)
     base[:3] = 1e4 + base[:3] * 1e-2
@@ -251,6 +258,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     want = (b.double() if affine else torch.zeros(n, device=device, dtype=torch.float64))
     assert_close_to_ref(y, want.expand(2, n), dtype)
     calls.clear()
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 64): (16, 4)})
     tln.layernorm_forward(base.to(dtype)[:, :40], None, None, 1e-5, dtype)  # 40 % 16 != 0
     assert calls == []
 

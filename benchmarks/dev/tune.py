@@ -146,9 +146,10 @@ def case(op, dt, N, parts=(True, True, True)):
                 rel_err(ref))
     w = torch.randn(N, device=dev, dtype=dt)
     b = torch.randn(N, device=dev, dtype=dt)
-    if op == "ln_fwd":
+    if op in ("ln_fwd", "ln_fwd_y"):  # ln_fwd_y: the inference call (no mean/rstd asked)
         ref = F.layer_norm(x.float(), (N,), w.float(), b.float())
-        return (lambda: tln.layernorm_forward(x, w, b, 1e-5, dt)[0],
+        return ((lambda: tln.layernorm_forward(x, w, b, 1e-5, dt)[0]) if op == "ln_fwd" else
+                (lambda: tln.layernorm_forward_y(x, w, b, 1e-5, dt)),
                 lambda: F.layer_norm(x, (N,), w, b), 2 * M * N * elt, rel_err(ref))
     dy = torch.randn_like(x)
     _, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dt)
@@ -818,6 +819,39 @@ if "r31" in which:  # round 31 (thirteenth session): LayerNorm forward on _ln_fw
     for N, cfgs in grid32.items():
         run = with_compile if N in (1024, 4096, 8192) else point
         run("ln_fwd", f32, N, [un(4, N, c, w) for c, w in cfgs])
+if "r32" in which:  # round 32: round 31's winners and their neighbours, inference calls too
+    # (ln_fwd_y: no statistics asked), and lengths that are multiples of the chunk but no power
+    # of two (the rule of the padded length, N % chunk == 0).
+    def un(elt, N, chunk, warps):
+        return (f"u{chunk // 1024 or chunk / 1024:g}Kw{warps}",
+                lambda: knobs(tln, UNROLLED_FWD={(elt, N): (chunk, warps)}))
+    grid16 = {1024: ((1024, 4), (512, 2), (256, 1), (1024, 8)),
+              2048: ((2048, 8), (1024, 4), (512, 2), (2048, 4)),
+              4096: ((4096, 8), (2048, 4), (1024, 2), (512, 4), (4096, 16)),
+              8192: ((2048, 8), (4096, 8), (4096, 16), (2048, 4), (8192, 16)),
+              16384: ((4096, 16), (4096, 8), (8192, 16), (8192, 32), (2048, 4)),
+              32768: ((8192, 32), (8192, 16), (16384, 32), (4096, 8), (4096, 32)),
+              65536: ((8192, 32), (16384, 32), (8192, 16), (4096, 8))}
+    for dt in (bf, fp16):
+        for N, cfgs in grid16.items():
+            run = with_compile if N in (8192, 16384) and dt == bf else point
+            run("ln_fwd_y", dt, N, [un(2, N, c, w) for c, w in cfgs])
+    grid32 = {1024: ((1024, 4), (512, 4), (1024, 2), (1024, 8)),
+              2048: ((2048, 8), (2048, 4), (1024, 8), (2048, 16)),
+              4096: ((2048, 16), (4096, 16), (4096, 8), (2048, 8), (1024, 16)),
+              8192: ((2048, 16), (4096, 16), (4096, 32), (2048, 32)),
+              16384: ((4096, 32), (8192, 32), (2048, 32), (4096, 16)),
+              32768: ((8192, 32), (16384, 32), (8192, 16), (4096, 32)),
+              65536: ((8192, 32), (16384, 32), (4096, 32))}
+    for N, cfgs in grid32.items():
+        run = with_compile if N == 4096 else point
+        run("ln_fwd_y", f32, N, [un(4, N, c, w) for c, w in cfgs])
+    for dt, N, rule, cfg in ((bf, 12288, 16384, (4096, 16)), (bf, 24576, 32768, (8192, 32)),
+                             (bf, 6144, 8192, (2048, 8)), (f32, 6144, 8192, (2048, 16)),
+                             (f32, 3072, 4096, (1024, 16)), (bf, 5120, 8192, (1024, 8))):
+        point("ln_fwd_y", dt, N, [un(dt.itemsize, rule, *cfg)])
+
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

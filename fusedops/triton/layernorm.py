@@ -257,10 +257,12 @@ def _ln_fwd_reload(
 
 @triton.jit
 def _ln_fwd_unrolled(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stride_x, stride_y, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, stride_x, stride_y, eps,
     N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     STATS: tl.constexpr,
 ):
+    # (M is unused: the grid has one program per row; it leads the scalar arguments so launch
+    # plans replay this kernel like the single-block one.)
     # The looped kernel with the row length a compile-time constant (N a multiple of CHUNK):
     # both passes unroll, so a thread has every chunk's loads in flight at once while holding
     # only its lanes' running sums, and no element needs a mask. This is the structure of
@@ -1319,8 +1321,10 @@ RELOAD_FWD: dict[tuple[int, int], tuple] = {
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
 
 # Aligned rows whose length is a multiple of the chunk, on _ln_fwd_unrolled (N compile-time):
-# (element size, N) -> (chunk, warps). Checked before RELOAD_FWD.
+# (element size, padded row) -> (chunk, warps). Checked before RELOAD_FWD; other rows fall
+# through to it.
 UNROLLED_FWD: dict[tuple[int, int], tuple[int, int]] = {}
+UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
 
 def _stats_buffers(M: int, device: torch.device, with_stats: bool, placeholder: torch.Tensor):
@@ -1342,11 +1346,14 @@ def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chu
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
-def _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps):
+def _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
+                      key):
     mean, rstd = _stats_buffers(M, x.device, with_stats, y)
     if M > 0:
-        _launch_fwd_unrolled((M,), (x, w, b, y, mean, rstd, stride, N, eps, N, chunk, has_w,
-                                    has_b, with_stats), warps)
+        args = (x, w, b, y, mean, rstd, M, stride, N, eps, N, chunk, has_w, has_b, with_stats)
+        _launch_fwd_unrolled((M,), args, warps)
+        if key is not None:
+            _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 6)
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
@@ -1401,12 +1408,12 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    unrolled = (UNROLLED_FWD.get((x.element_size(), N))
-                if UNROLLED_FWD and not vec
+    unrolled = (UNROLLED_FWD.get((x.element_size(), next_pow2(N)))
+                if N > UNROLLED_FWD_ABOVE and not vec
                 and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if unrolled and N % unrolled[0] == 0:
         return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
-                                 *unrolled)
+                                 *unrolled, key)
     reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
               if N > RELOAD_FWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
@@ -1465,7 +1472,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
 
 
 def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
-    """:func:`_forward` from a plan: the single-block launch with this call's tensors."""
+    """:func:`_forward` from a plan: the single-block or unrolled launch with this call's
+    tensors (both take (x, w, b, y, mean, rstd, M, ...))."""
     go, grid, device, tail = plan
     y = torch.empty_like(x, dtype=out_dtype)
     yp = y.data_ptr()
