@@ -205,9 +205,17 @@ NEEDS_KERNELS = pytest.mark.skipif(not _common._interpreting() and not torch.cud
 
 
 def _recording(monkeypatch, mod, name, calls, pick):
+    """Replace launcher ``mod.name`` by one that records ``pick(grid, args, warps)`` per launch
+    (launch plans still get the real launcher's C entry)."""
     real = getattr(mod, name)
-    monkeypatch.setattr(mod, name, lambda grid, args, warps: calls.append(pick(grid, args, warps))
-                        or real(grid, args, warps))
+
+    class Recorder:
+        entry = real.entry
+
+        def __call__(self, grid, args, warps):
+            calls.append(pick(grid, args, warps))
+            return real(grid, args, warps)
+    monkeypatch.setattr(mod, name, Recorder())
 
 
 @NEEDS_KERNELS
@@ -217,6 +225,7 @@ def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch):
     calls = []
     _recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
     monkeypatch.setattr(_common, "_split_state", {"enabled": False})
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {})  # 64K rows have an unrolled rule (below)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = (torch.randn(2, 65536, device=device) * 3 + 100).to(torch.bfloat16)
     w = torch.randn(65536, device=device)
@@ -249,21 +258,64 @@ def test_reload_rules():
 @pytest.mark.parametrize("n", [16384, 12000])
 def test_reload_kernels_take_their_rows(monkeypatch, n):
     """Aligned rows whose padded length has a reload rule run the reload kernels (forward
-    LayerNorm, backward softmax) with the rule's chunk and warps; unaligned rows do not (their
-    forward has its own reload kernel, tested below)."""
+    LayerNorm, backward softmax) with the rule's chunk and warps, unless the forward's unrolled
+    rule takes them (16384: a multiple of its chunk; 12000 is not); unaligned rows do not
+    (their forward has its own reload kernel, tested below)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    fwd, bwd = [], []
+    fwd, bwd, unrolled = [], [], []
     _recording(monkeypatch, tln, "_launch_fwd_reload", fwd, lambda g, a, w: (g, a[10], a[11], w))
+    _recording(monkeypatch, tln, "_launch_fwd_unrolled", unrolled,
+               lambda g, a, w: (g, a[10], a[11], w))
     _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
     x = torch.randn(3, n, device=device).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
-    assert fwd == [((3,), 16384, 4096, 16)]
+    if n == 16384:
+        assert unrolled == [((3,), 16384, 4096, 16)] and fwd == []
+    else:
+        assert fwd == [((3,), 16384, 4096, 16)] and unrolled == []
     assert bwd == [((3,), 4096, 16384, 32)]
     odd = torch.randn(3, n + 1, device=device).to(torch.bfloat16)
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(odd, -1), odd, torch.bfloat16)
-    assert len(fwd) == 1 and len(bwd) == 1
+    assert len(fwd) + len(unrolled) == 1 and len(bwd) == 1
+
+
+def test_unrolled_rules():
+    # Rounds 31-32 (H200): (element size, padded row) -> (chunk, warps) configs, the first whose
+    # chunk divides N taken.
+    assert tln.UNROLLED_FWD == {
+        (2, 1024): ((512, 2),), (2, 2048): ((2048, 4),), (2, 8192): ((2048, 8), (1024, 8)),
+        (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32),), (2, 65536): ((16384, 32),),
+        (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16),),
+        (4, 8192): ((2048, 16),), (4, 65536): ((8192, 32),)}
+    for (_, padded), configs in tln.UNROLLED_FWD.items():
+        assert padded > tln.UNROLLED_FWD_ABOVE  # the host path skips shorter rows' lookup
+        for chunk, warps in configs:
+            assert padded % chunk == 0 and chunk % (32 * warps) == 0
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype,n,want", [
+    (torch.bfloat16, 8192, (8192, 2048, 8)),
+    (torch.bfloat16, 6144, (6144, 2048, 8)),
+    (torch.bfloat16, 5120, (5120, 1024, 8)),  # the second config: 5120 % 2048 != 0
+    (torch.bfloat16, 4608, None),  # no config divides it: the reload kernel
+    (torch.float32, 1024, (1024, 1024, 4)),
+    (torch.bfloat16, 4096, None),  # no rule
+    (torch.bfloat16, 16392, None),  # 32K padded, 16392 % 8192 != 0
+])
+def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    _recording(monkeypatch, tln, "_launch_fwd_unrolled", calls,
+               lambda g, a, w: (a[10], a[11], w))
+    x = torch.randn(2, n, device=device, dtype=dtype)
+    w = torch.randn(n, device=device)
+    y = tln.layernorm_forward_y(x, w, None, 1e-5, dtype)
+    assert calls == ([want] if want else [])
+    ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double())
+    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
 
 
 @NEEDS_KERNELS

@@ -230,7 +230,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     from fusedops.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): (chunk, 4)})
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
     monkeypatch.setattr(tln, "UNROLLED_FWD_ABOVE", 0)
     calls = []
     real = tln._launch_fwd_unrolled
@@ -258,7 +258,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     want = (b.double() if affine else torch.zeros(n, device=device, dtype=torch.float64))
     assert_close_to_ref(y, want.expand(2, n), dtype)
     calls.clear()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 64): (16, 4)})
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
     tln.layernorm_forward(base.to(dtype)[:, :40], None, None, 1e-5, dtype)  # 40 % 16 != 0
     assert calls == []
 

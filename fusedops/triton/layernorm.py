@@ -281,19 +281,24 @@ def _ln_fwd_unrolled(
         s1 += d
         s2 += d * d
     per_lane: tl.constexpr = N // CHUNK
-    avg = k + s1 / per_lane
     m2 = tl.maximum(s2 - s1 * s1 / per_lane, 0.0)
-    x0 = tl.load(x_row).to(tl.float32)  # combined about the row's first element, as elsewhere
-    mean = x0 + tl.sum(avg - x0, axis=0) / CHUNK
-    dev = avg - mean
+    # Everything about the row's first element x0: the lanes' means and the row's mean as
+    # offsets from it, and y from (x - x0) - offset, so a row far from zero (1e4 + small
+    # spread) never rounds its mean to x's magnitude before normalising (GPU, float32 rows at
+    # 1e4: y's error 0.054 with the mean formed first, above torch's 0.048).
+    x0 = tl.load(x_row).to(tl.float32)
+    lane_off = (k - x0) + s1 / per_lane
+    off = tl.sum(lane_off, axis=0) / CHUNK
+    dev = lane_off - off
     var = (tl.sum(m2, axis=0) + per_lane * tl.sum(dev * dev, axis=0)) / N
     rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
     if STATS:
-        tl.store(mean_ptr + row, mean)
+        tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
     for start in tl.static_range(0, N, CHUNK):
         cols = start + lanes
-        y = (tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32) - mean) * rstd
+        x = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
+        y = ((x - x0) - off) * rstd
         if HAS_W:
             y = y * tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
         if HAS_B:
@@ -1320,10 +1325,23 @@ RELOAD_FWD: dict[tuple[int, int], tuple] = {
 }
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
 
-# Aligned rows whose length is a multiple of the chunk, on _ln_fwd_unrolled (N compile-time):
-# (element size, padded row) -> (chunk, warps). Checked before RELOAD_FWD; other rows fall
-# through to it.
-UNROLLED_FWD: dict[tuple[int, int], tuple[int, int]] = {}
+# Aligned rows on _ln_fwd_unrolled (N compile-time): (element size, padded row) -> (chunk,
+# warps) configs, the first whose chunk divides N taken; other rows fall through to RELOAD_FWD
+# and the kernels below it. H200, tune rounds 31-32 (TB/s, inference calls; "was": the kernels
+# these rows ran before; torch.compile in the same run):
+#   16-bit  1K 4.15-4.17 was 3.91-3.99 | 2K 4.14-4.15 was 4.00-4.02 | 8K 4.05-4.07 was 3.81-3.98
+#   (compile 3.62) | 16K 4.04-4.10 was 3.76-3.86 (compile 3.95-3.99) | 32K 3.81-3.90 was 3.51 |
+#   64K 3.10-3.14 was 2.30-2.31 | bf16 5120 on 1K chunks 4.11 was 2.77, 6144 4.08 was 3.22,
+#   12288 3.91 was 3.07, 24576 3.84 was 3.18.
+#   float32 1K 4.22-4.23 was 4.05 (compile 4.18) | 2K 4.22-4.23 was 4.08 | 4K 4.24 was 4.08-4.16
+#   (compile 4.24-4.25) | 8K 4.19-4.21 was 4.05 (compile 4.22) | 64K 3.05-3.08 was 2.94-2.99 |
+#   6144 4.18 was 4.06. 16-bit 4K and float32 16K-32K measured level or slower: not listed.
+UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 1024): ((512, 2),), (2, 2048): ((2048, 4),), (2, 8192): ((2048, 8), (1024, 8)),
+    (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32),), (2, 65536): ((16384, 32),),
+    (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16),),
+    (4, 8192): ((2048, 16),), (4, 65536): ((8192, 32),),
+}
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
 
@@ -1408,12 +1426,13 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    unrolled = (UNROLLED_FWD.get((x.element_size(), next_pow2(N)))
-                if N > UNROLLED_FWD_ABOVE and not vec
-                and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if unrolled and N % unrolled[0] == 0:
-        return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
-                                 *unrolled, key)
+    configs = (UNROLLED_FWD.get((x.element_size(), next_pow2(N)), ())
+               if N > UNROLLED_FWD_ABOVE and not vec
+               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else ())
+    for chunk, warps in configs:
+        if N % chunk == 0:
+            return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
+                                     chunk, warps, key)
     reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
               if N > RELOAD_FWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
