@@ -852,6 +852,28 @@ if "r32" in which:  # round 32: round 31's winners and their neighbours, inferen
         point("ln_fwd_y", dt, N, [un(dt.itemsize, rule, *cfg)])
 
 
+if "r33" in which:  # round 33: the round 31-32 rules ("cur") against the kernels before them
+    # ("old": no unrolled rules), with and without statistics, at every power-of-two length
+    # 1K-64K; neighbours where rounds 31-32 disagreed; lengths that are no power of two.
+    old = ("old", lambda: knobs(tln, UNROLLED_FWD={}))
+
+    def un(elt, N, *cfgs):
+        return ("u" + "+".join(f"{c // 1024 or c / 1024:g}Kw{w}" for c, w in cfgs),
+                lambda: knobs(tln, UNROLLED_FWD={(elt, N): cfgs}))
+    extra = {(2, 4096): [un(2, 4096, (4096, 8))], (2, 65536): [un(2, 65536, (8192, 16))],
+             (4, 16384): [un(4, 16384, (4096, 32))], (4, 65536): [un(4, 65536, (16384, 32))]}
+    for dt in (bf, fp16, f32):
+        for N in (1024, 2048, 4096, 8192, 16384, 32768, 65536):
+            for op in ("ln_fwd", "ln_fwd_y"):
+                point(op, dt, N, [old] + extra.get((dt.itemsize, N), []))
+    for dt in (bf, f32):
+        for N in (1536, 2560, 3072, 5120, 6144, 7168, 12288, 20480):
+            p2 = 1 << (N - 1).bit_length()
+            point("ln_fwd_y", dt, N, [old, un(dt.itemsize, p2, (512, 4)),
+                                      un(dt.itemsize, p2, (1024, 8)),
+                                      un(dt.itemsize, p2, (1024, 4))])
+
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:
