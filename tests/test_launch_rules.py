@@ -285,14 +285,17 @@ def test_unrolled_rules():
     # Rounds 31-32 (H200): (element size, padded row) -> (chunk, warps) configs, the first whose
     # chunk divides N taken.
     assert tln.UNROLLED_FWD == {
-        (2, 1024): ((512, 2),), (2, 2048): ((2048, 4),), (2, 8192): ((2048, 8), (1024, 8)),
-        (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32),), (2, 65536): ((16384, 32),),
-        (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16),),
-        (4, 8192): ((2048, 16),), (4, 65536): ((8192, 32),)}
+        (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
+        (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
+        (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
+        (2, 65536): ((16384, 32),),
+        (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),),
+        (4, 4096): ((4096, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
+        (4, 65536): ((16384, 32),)}
     for (_, padded), configs in tln.UNROLLED_FWD.items():
         assert padded > tln.UNROLLED_FWD_ABOVE  # the host path skips shorter rows' lookup
         for chunk, warps in configs:
-            assert padded % chunk == 0 and chunk % (32 * warps) == 0
+            assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
 
 
 @NEEDS_KERNELS
@@ -302,8 +305,11 @@ def test_unrolled_rules():
     (torch.bfloat16, 5120, (5120, 1024, 8)),  # the second config: 5120 % 2048 != 0
     (torch.bfloat16, 4608, None),  # no config divides it: the reload kernel
     (torch.float32, 1024, (1024, 1024, 4)),
-    (torch.bfloat16, 4096, None),  # no rule
-    (torch.bfloat16, 16392, None),  # 32K padded, 16392 % 8192 != 0
+    (torch.bfloat16, 4096, None),  # (4096, 0): the reload kernel
+    (torch.bfloat16, 3072, (3072, 1024, 4)),  # ... and below it the next configs
+    (torch.bfloat16, 2560, (2560, 512, 4)),
+    (torch.bfloat16, 16640, None),  # 32K padded, 16640 % 1024 != 0
+    (torch.float32, 16384, None),  # no rule
 ])
 def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
     device = "cuda" if torch.cuda.is_available() else "cpu"

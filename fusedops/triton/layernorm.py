@@ -1326,21 +1326,27 @@ RELOAD_FWD: dict[tuple[int, int], tuple] = {
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
 
 # Aligned rows on _ln_fwd_unrolled (N compile-time): (element size, padded row) -> (chunk,
-# warps) configs, the first whose chunk divides N taken; other rows fall through to RELOAD_FWD
-# and the kernels below it. H200, tune rounds 31-32 (TB/s, inference calls; "was": the kernels
-# these rows ran before; torch.compile in the same run):
-#   16-bit  1K 4.15-4.17 was 3.91-3.99 | 2K 4.14-4.15 was 4.00-4.02 | 8K 4.05-4.07 was 3.81-3.98
-#   (compile 3.62) | 16K 4.04-4.10 was 3.76-3.86 (compile 3.95-3.99) | 32K 3.81-3.90 was 3.51 |
-#   64K 3.10-3.14 was 2.30-2.31 | bf16 5120 on 1K chunks 4.11 was 2.77, 6144 4.08 was 3.22,
-#   12288 3.91 was 3.07, 24576 3.84 was 3.18.
-#   float32 1K 4.22-4.23 was 4.05 (compile 4.18) | 2K 4.22-4.23 was 4.08 | 4K 4.24 was 4.08-4.16
-#   (compile 4.24-4.25) | 8K 4.19-4.21 was 4.05 (compile 4.22) | 64K 3.05-3.08 was 2.94-2.99 |
-#   6144 4.18 was 4.06. 16-bit 4K and float32 16K-32K measured level or slower: not listed.
+# warps) configs, the first whose chunk divides N taken; warps 0 sends those rows to the other
+# kernels (RELOAD_FWD and below), as do rows no chunk divides. H200, tune rounds 31-33 (TB/s;
+# "was": the kernels these rows ran before, same run; compile: torch.compile, same run):
+#   16-bit  1K 4.08-4.17 was 3.91-4.03 | 2K 3.85-4.17 was 3.66-4.06 | 8K 3.91-4.07 was
+#   3.81-3.98 (compile 3.62) | 16K 4.04-4.10 was 3.76-3.88 (compile 3.95-3.99) | 32K 3.76-3.90
+#   was 3.51-3.57 | 64K 3.10-3.20 was 2.30-2.34. 4K: level (4096 x 8 slower with statistics).
+#   bf16, other lengths: 1536 on 512 x 4 3.81 was 3.52, 2560 4.10 was 2.94, 3072 on 1K x 4 4.11
+#   was 3.40, 5120 on 1K x 8 4.10-4.13 was 2.77, 6144 4.08 was 3.24, 7168 4.01 was 3.60, 12288
+#   3.91-3.93 was 3.07, 20480 on 1K x 8 3.03 was 2.77, 24576 3.84 was 3.18.
+#   float32 1K 4.22-4.25 was 4.05-4.07 (compile 4.18) | 2K 4.11-4.24 was 4.08-4.09 | 4K 3.91-4.24
+#   was 4.08-4.16 (compile 4.24-4.25) | 8K 4.19-4.21 was 4.04-4.05 (compile 4.22) | 64K on 16K
+#   x 32 3.07-3.13 was 2.94-2.99 (8K x 32: 2.71-3.08) | 2560 on 512 x 4 3.88 was 3.50, 3072 on
+#   1K x 8 4.14 was 3.88, 5120 4.06 was 3.26, 6144 4.20 was 3.68, 7168 3.81 was 3.93 (the one
+#   length measured slower). 16K-32K: level or slower, no rule.
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
-    (2, 1024): ((512, 2),), (2, 2048): ((2048, 4),), (2, 8192): ((2048, 8), (1024, 8)),
-    (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32),), (2, 65536): ((16384, 32),),
-    (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16),),
-    (4, 8192): ((2048, 16),), (4, 65536): ((8192, 32),),
+    (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
+    (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
+    (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
+    (2, 65536): ((16384, 32),),
+    (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16), (1024, 8), (512, 4)),
+    (4, 8192): ((2048, 16), (1024, 8)), (4, 65536): ((16384, 32),),
 }
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
@@ -1431,6 +1437,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
                and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else ())
     for chunk, warps in configs:
         if N % chunk == 0:
+            if not warps:
+                break
             return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
                                      chunk, warps, key)
     reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
