@@ -874,6 +874,24 @@ if "r33" in which:  # round 33: the round 31-32 rules ("cur") against the kernel
                                       un(dt.itemsize, p2, (1024, 4))])
 
 
+if "r34" in which:  # round 34: the sweep after rounds 31-33 had float32 4K on (4096, 16) at
+    # 3.91 (rounds 32-33: 4.24, 4.20, 3.91): every candidate twice, with compile; LayerNorm
+    # backward bf16 8K (an unchanged kernel at 2.43, 3.48 the sweep before) repeated; 16-bit
+    # 65537 backward on the dx row kernel + column kernel (Inductor's split of that work) against
+    # PyTorch's native kernel ("cur").
+    def u4k(*cfgs):
+        return ("u" + "+".join(f"{c // 1024}Kw{w}" for c, w in cfgs),
+                lambda: knobs(tln, UNROLLED_FWD={(4, 4096): cfgs}))
+    cands = [u4k((4096, 0)), u4k((2048, 16)), u4k((4096, 16)), u4k((1024, 16)), u4k((2048, 8))]
+    for op in ("ln_fwd_y", "ln_fwd", "ln_fwd_y"):
+        point(op, f32, 4096, cands)
+    with_compile("ln_fwd", f32, 4096, [])
+    with_compile("ln_bwd", bf, 8192, [("rep", nullctx)])
+    cols = ("cols", lambda: stack(nosplit(), knobs(tln, NATIVE_UNALIGNED_16BIT_BWD=False)))
+    for dt in (bf, fp16):
+        with_compile("ln_bwd", dt, 65537, [cols])
+
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:
