@@ -1327,7 +1327,7 @@ RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves
 
 # Aligned rows on _ln_fwd_unrolled (N compile-time): (element size, padded row) -> (chunk,
 # warps) configs, the first whose chunk divides N taken; warps 0 sends those rows to the other
-# kernels (RELOAD_FWD and below), as do rows no chunk divides. H200, tune rounds 31-33 (TB/s;
+# kernels (RELOAD_FWD and below), as do rows no chunk divides. H200, tune rounds 31-34 (TB/s;
 # "was": the kernels these rows ran before, same run; compile: torch.compile, same run):
 #   16-bit  1K 4.08-4.17 was 3.91-4.03 | 2K 3.85-4.17 was 3.66-4.06 | 8K 3.91-4.07 was
 #   3.81-3.98 (compile 3.62) | 16K 4.04-4.10 was 3.76-3.88 (compile 3.95-3.99) | 32K 3.76-3.90
@@ -1335,18 +1335,20 @@ RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves
 #   bf16, other lengths: 1536 on 512 x 4 3.81 was 3.52, 2560 4.10 was 2.94, 3072 on 1K x 4 4.11
 #   was 3.40, 5120 on 1K x 8 4.10-4.13 was 2.77, 6144 4.08 was 3.24, 7168 4.01 was 3.60, 12288
 #   3.91-3.93 was 3.07, 20480 on 1K x 8 3.03 was 2.77, 24576 3.84 was 3.18.
-#   float32 1K 4.22-4.25 was 4.05-4.07 (compile 4.18) | 2K 4.11-4.24 was 4.08-4.09 | 4K 3.91-4.24
-#   was 4.08-4.16 (compile 4.24-4.25) | 8K 4.19-4.21 was 4.04-4.05 (compile 4.22) | 64K on 16K
-#   x 32 3.07-3.13 was 2.94-2.99 (8K x 32: 2.71-3.08) | 2560 on 512 x 4 3.88 was 3.50, 3072 on
-#   1K x 8 4.14 was 3.88, 5120 4.06 was 3.26, 6144 4.20 was 3.68, 7168 3.81 was 3.93 (the one
-#   length measured slower). 16K-32K: level or slower, no rule.
+#   float32 1K 4.22-4.25 was 4.05-4.07 (compile 4.18) | 2K 4.11-4.24 was 4.08-4.09 | 4K on 2K x
+#   16 4.16-4.21 was 4.06-4.16 (compile 4.23-4.25; the whole row in one 4096 x 16 chunk: 4.18
+#   with statistics, 3.86-3.91 without, round 34) | 8K 4.19-4.21 was 4.04-4.05 (compile 4.22) |
+#   64K on 16K x 32 3.07-3.13 was 2.94-2.99 (8K x 32: 2.71-3.08) | 2560 on 512 x 4 3.88 was
+#   3.50, 3072 on 1K x 8 4.14 was 3.88, 5120 4.06 was 3.26, 6144 4.20 was 3.68, 7168 3.81 was
+#   3.93 (the one length measured slower). 16K-32K: level or slower, no rule.
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
     (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
     (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
     (2, 65536): ((16384, 32),),
-    (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16), (1024, 8), (512, 4)),
-    (4, 8192): ((2048, 16), (1024, 8)), (4, 65536): ((16384, 32),),
+    (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),),
+    (4, 4096): ((2048, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
+    (4, 65536): ((16384, 32),),
 }
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
