@@ -10,6 +10,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   merged with Chan's formula; one read, one write.
 * Forward, looped: pass 1 streams the row keeping per-lane shifted sums, merged across lanes
   with Chan's formula; pass 2 normalises and writes.
+* Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``): the row
+  length compile-time, pass 1 streams it in unrolled chunks keeping per-lane shifted sums,
+  pass 2 re-reads it from L2 and writes y; statistics as offsets from the row's first element.
 * Forward, reload (chosen row lengths, ``RELOAD_FWD``): the row read whole in one load for the
   statistics, then again from L2 in chunks to write y; nothing held across the two.
 * Forward, reload for unaligned 16-bit rows (N = 2^k + 1, ``RELOAD_VEC_FWD``, large calls): the
