@@ -326,6 +326,49 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
+def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n, chunk):
+    """_softmax_fwd_unrolled (row length a compile-time multiple of the chunk, three unrolled
+    passes): one, three and four chunks, strided and contiguous rows with -inf (masked
+    attention), all -inf (NaN, as torch), a NaN, +inf (NaN, as torch) and rows far from zero;
+    a length no config divides takes the other kernels."""
+    from fusedops.triton import softmax as tsm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
+    monkeypatch.setattr(tsm, "UNROLLED_FWD_ABOVE", 0)
+    monkeypatch.setattr(tsm, "_fwd_plans", _common.PlanCache())
+    calls = []
+    real = tsm._launch_fwd_unrolled
+
+    class Spy:  # records (N, CHUNK, warps); launch plans still get the real C entry
+        entry = real.entry
+
+        def __call__(self, grid, args, warps):
+            calls.append((args[5], args[6], warps))
+            return real(grid, args, warps)
+    monkeypatch.setattr(tsm, "_launch_fwd_unrolled", Spy())
+    torch.manual_seed(n)
+    base = torch.randn(8, 80, device=device, dtype=torch.float64) * 4
+    base[1, ::3] = -float("inf")
+    base[2] = -float("inf")
+    base[3, 5] = float("nan")
+    base[4] += 1e4
+    base[5, 7] = float("inf")
+    x = base.to(dtype)
+    for xs in (x[:, :n], x[:, :n].contiguous()):  # row stride 80, then n
+        y = tsm.softmax_forward(xs, dtype)
+        want = torch.softmax(xs.double(), -1)
+        torch.testing.assert_close(y.double(), want.to(dtype).double(), equal_nan=True,
+                                   **tol(dtype, 2))
+    assert calls == [(n, chunk, 4)] * 2
+    calls.clear()
+    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
+    tsm.softmax_forward(x[:, :40], dtype)  # 40 % 16 != 0
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
 def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_backend, device,

@@ -892,6 +892,28 @@ if "r34" in which:  # round 34: the sweep after rounds 31-33 had float32 4K on (
         with_compile("ln_bwd", dt, 65537, [cols])
 
 
+if "r35" in which:  # round 35: softmax forward on _softmax_fwd_unrolled (three unrolled passes:
+    # per-lane maxima, the sum of exponentials from L2, y from L2) as u{chunk}Kw{warps}, against
+    # the shipped kernels ("cur": single-block to 32K, reload at 16-bit 64K / float32 32K, split
+    # rows at float32 64K).
+    def us(elt, N, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tsm, UNROLLED_FWD={(elt, N): ((chunk, warps),)}))
+    g16 = {4096: ((2048, 8), (4096, 16), (1024, 4)),
+           8192: ((2048, 8), (4096, 16), (1024, 4)),
+           16384: ((4096, 16), (2048, 8), (4096, 8), (8192, 16)),
+           32768: ((4096, 16), (8192, 16), (8192, 32), (4096, 8), (2048, 8)),
+           65536: ((8192, 32), (8192, 16), (4096, 16), (16384, 32))}
+    for dt in (bf, fp16):
+        for N, cfgs in g16.items():
+            point("sm_fwd", dt, N, [us(2, N, c, w) for c, w in cfgs])
+    g32 = {16384: ((4096, 16), (2048, 16), (2048, 8)),
+           32768: ((4096, 16), (8192, 32), (2048, 8)),
+           65536: ((8192, 32), (4096, 16), (16384, 32))}
+    for N, cfgs in g32.items():
+        point("sm_fwd", f32, N, [us(4, N, c, w) for c, w in cfgs])
+
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

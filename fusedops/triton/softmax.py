@@ -179,6 +179,36 @@ def _softmax_fwd_reload(
 
 
 @triton.jit
+def _softmax_fwd_unrolled(
+    x_ptr, y_ptr, M, stride_x, stride_y, N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # Three unrolled passes over a row whose length is a compile-time multiple of CHUNK (M is
+    # unused: it leads the scalars so launch plans replay this kernel like the single-block
+    # one). Pass 1 keeps only per-lane maxima, so every chunk's loads are in flight at once;
+    # passes 2 (the sum of exponentials) and 3 (y) re-read the row from L2. Two exponentials per
+    # element, as in the reload kernel, but nothing of the row is held across a reduction, so
+    # programs stay small (the reload kernel runs one 32-warp program per SM at 16-bit 32K).
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    lanes = tl.arange(0, CHUNK)
+    m = tl.load(x_row + lanes, eviction_policy="evict_last").to(tl.float32)
+    for start in tl.static_range(CHUNK, N, CHUNK):
+        m = tl.maximum(m, tl.load(x_row + start + lanes,
+                                  eviction_policy="evict_last").to(tl.float32))
+    row_max = tl.max(m, axis=0)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for start in tl.static_range(0, N, CHUNK):
+        xc = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32)
+        acc += tl.exp2((xc - row_max) * LOG2E)
+    inv = 1.0 / tl.sum(acc, axis=0)
+    for start in tl.static_range(0, N, CHUNK):
+        cols = start + lanes
+        xc = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
+        tl.store(y_row + cols, (tl.exp2((xc - row_max) * LOG2E) * inv).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _softmax_bwd_looped(
     y_ptr, dy_ptr, dx_ptr, N, stride_y, stride_dy, stride_dx, CHUNK: tl.constexpr,
     WHOLE: tl.constexpr, FIRST: tl.constexpr, EVEN: tl.constexpr,
@@ -361,6 +391,7 @@ def _softmax_bwd_split(
 _launch_fwd_single = Launcher(_softmax_fwd_single)
 _launch_fwd_looped = Launcher(_softmax_fwd_looped)
 _launch_fwd_reload = Launcher(_softmax_fwd_reload)
+_launch_fwd_unrolled = Launcher(_softmax_fwd_unrolled)
 _launch_bwd_single = Launcher(_softmax_bwd_single)
 _launch_bwd_looped = Launcher(_softmax_bwd_looped)
 _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
@@ -448,6 +479,10 @@ RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 65536): (16384, 32), (4, 32768): (8192, 32),
 }
 RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; saves host time)
+# Aligned rows on _softmax_fwd_unrolled (N compile-time): (element size, padded row) ->
+# (chunk, warps) configs, the first whose chunk divides N taken. Checked before RELOAD_FWD.
+UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -470,6 +505,18 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if M == 0 or N == 0:
         return y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
+    configs = (UNROLLED_FWD.get((x.element_size(), next_pow2(N)), ())
+               if N > UNROLLED_FWD_ABOVE and not vec
+               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else ())
+    for chunk, warps in configs:
+        if N % chunk == 0:
+            if not warps:
+                break
+            args = (x, y, M, stride, N, N, chunk)
+            _launch_fwd_unrolled((M,), args, warps)
+            if key is not None:
+                _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 2)
+            return y
     if N > RELOAD_FWD_ABOVE and not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT:
         whole = next_pow2(N)
         reload = RELOAD_FWD.get((x.element_size(), whole))
