@@ -405,3 +405,19 @@ def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
             x.float(), (1536,), w.float(), b.float(), 1e-5), atol=2e-2, rtol=2e-2)
     assert len(launched) == 2 and len(tln._fwd_plans) == 2
     _common.set_single_block_limit(None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+def test_unrolled_softmax_plans_replay(monkeypatch):
+    """The unrolled softmax forward records plans: a replayed call gives the first call's bits."""
+    from fusedops.triton import softmax as tsm
+
+    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(2, 2048): ((512, 4),)})
+    _common.set_single_block_limit(None)
+    x = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)  # 3 chunks
+    first = tsm.softmax_forward(x, torch.bfloat16)
+    assert len(tsm._fwd_plans) == 1
+    assert torch.equal(tsm.softmax_forward(x, torch.bfloat16), first)
+    torch.testing.assert_close(first.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
+    _common.set_single_block_limit(None)

@@ -298,6 +298,37 @@ def test_unrolled_rules():
             assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
 
 
+def test_softmax_unrolled_rules():
+    # Round 35 (H200): the softmax forward's (element size, padded row) -> (chunk, warps).
+    assert tsm.UNROLLED_FWD == {
+        (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
+        (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),)}
+    for (_, padded), configs in tsm.UNROLLED_FWD.items():
+        assert padded > tsm.UNROLLED_FWD_ABOVE
+        for chunk, warps in configs:
+            assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype,n,want", [
+    (torch.bfloat16, 16384, (16384, 2048, 8)),
+    (torch.bfloat16, 12288, (12288, 2048, 8)),
+    (torch.float16, 65536, (65536, 8192, 16)),
+    (torch.float32, 16384, (16384, 4096, 16)),
+    (torch.bfloat16, 32768, None),  # no rule: single-block
+    (torch.bfloat16, 13000, None),  # 13000 % 2048 != 0
+    (torch.float32, 65536, None),  # no rule
+])
+def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    _recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
+    x = torch.randn(2, n, device=device, dtype=dtype)
+    y = tsm.softmax_forward(x, dtype)
+    assert calls == ([want] if want else [])
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-6, rtol=0.02)
+
+
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype,n,want", [
     (torch.bfloat16, 8192, (8192, 2048, 8)),
@@ -336,6 +367,7 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, want):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     calls = []
     _recording(monkeypatch, tsm, "_launch_fwd_reload", calls, lambda g, a, w: (g, *a[5:], w))
+    monkeypatch.setattr(tsm, "UNROLLED_FWD", {})  # 64K rows have an unrolled rule (above)
     x = torch.randn(3, n, device=device, dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
     assert calls == ([((3,), *want)] if want else [])

@@ -480,8 +480,16 @@ RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
 }
 RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; saves host time)
 # Aligned rows on _softmax_fwd_unrolled (N compile-time): (element size, padded row) ->
-# (chunk, warps) configs, the first whose chunk divides N taken. Checked before RELOAD_FWD.
-UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+# (chunk, warps) configs, the first whose chunk divides N taken (warps 0: the other kernels).
+# Checked before RELOAD_FWD. H200, tune round 35 (thirteenth session), TB/s bf16 / fp16 against
+# the kernels these rows ran before: 4K 4.18 / 4.16 vs 4.00 / 4.00, 8K 4.14 / 4.16 vs 4.01 /
+# 3.99, 16K 4.14 / 4.12 vs 3.88 / 3.91 (single-block), 64K on 8K x 16 3.45 / 3.45 vs 3.19 /
+# 3.19 (reload); float32 16K 4.22 vs 4.07. Level or slower: 16-bit 32K (2.81-3.19 vs 3.20-3.24
+# single-block), float32 32K (3.60-4.16 vs 4.17 reload) and 64K (2.92-3.09 vs 3.35 split rows).
+UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
+    (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),),
+}
 UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
 
 
