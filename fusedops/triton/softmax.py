@@ -13,7 +13,9 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   it reads x twice (stats pass + write pass), backward reads y and dy twice. The backward's
   reload variant (``WHOLE``, chosen 16-bit row lengths in ``RELOAD_BWD``) reads the row whole
   for the dot product and again from L2 for dx; the forward's reload kernel (``RELOAD_FWD``)
-  reads the row whole for its max and sum and again from L2 to write y.
+  reads the row whole for its max and sum and again from L2 to write y. The forward's unrolled
+  kernel (``UNROLLED_FWD``: aligned rows a multiple of a rule's chunk, N compile-time) streams
+  the row for per-lane maxima, then re-reads it from L2 for the sum and again to write y.
 
 All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
 """
