@@ -157,6 +157,17 @@ def _torch_error_far_from_zero(x, n, w, b, want):
     return theirs * (1.25 if x.is_cuda else 1.0)
 
 
+def _ln_rows_far_and_near(n: int, device, dtype, affine: bool):
+    """Six rows of n columns at row stride 72 (not contiguous), the first three far from zero
+    (1e4 + small spread), and float32 weight/bias (or None): (x, w, b)."""
+    torch.manual_seed(n)
+    base = torch.randn(6, 72, device=device, dtype=torch.float64)
+    base[:3] = 1e4 + base[:3] * 1e-2
+    w = torch.randn(n, device=device) if affine else None
+    b = torch.randn(n, device=device) if affine else None
+    return base.to(dtype)[:, :n], w, b
+
+
 def _check_ln_forward(x, w, b, dtype, far: int):
     """LayerNorm forward of rows x (the first ``far`` of them far from zero) against float64:
     y, mean, rstd, and the statistics-free call bitwise equal to it."""
@@ -202,12 +213,7 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
     real = tln._launch_fwd_reload
     monkeypatch.setattr(tln, "_launch_fwd_reload",
                         lambda g, a, w: calls.append(a[10]) or real(g, a, w))
-    torch.manual_seed(n)
-    base = torch.randn(6, 72, device=device, dtype=torch.float64)
-    base[:3] = 1e4 + base[:3] * 1e-2
-    x = base.to(dtype)[:, :n]  # row stride 72: not contiguous
-    w = torch.randn(n, device=device) if affine else None
-    b = torch.randn(n, device=device) if affine else None
+    x, w, b = _ln_rows_far_and_near(n, device, dtype, affine)
     _check_ln_forward(x, w, b, dtype, far=3)
     assert calls == [64, 64]
 
@@ -242,12 +248,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
             calls.append((args[10], args[11]))
             return real(grid, args, warps)
     monkeypatch.setattr(tln, "_launch_fwd_unrolled", Spy())
-    torch.manual_seed(n)
-    base = torch.randn(6, 72, device=device, dtype=torch.float64)
-    base[:3] = 1e4 + base[:3] * 1e-2
-    x = base.to(dtype)[:, :n]  # row stride 72: not contiguous
-    w = torch.randn(n, device=device) if affine else None
-    b = torch.randn(n, device=device) if affine else None
+    x, w, b = _ln_rows_far_and_near(n, device, dtype, affine)
     _check_ln_forward(x, w, b, dtype, far=3)
     assert calls == [(n, chunk)] * 2
     # constant rows: mean exact, variance zero (y = bias)
@@ -259,7 +260,8 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     assert_close_to_ref(y, want.expand(2, n), dtype)
     calls.clear()
     monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
-    tln.layernorm_forward(base.to(dtype)[:, :40], None, None, 1e-5, dtype)  # 40 % 16 != 0
+    tln.layernorm_forward(torch.randn(6, 40, device=device, dtype=dtype), None, None, 1e-5,
+                          dtype)  # 40 % 16 != 0
     assert calls == []
 
 

@@ -790,3 +790,17 @@ def unaligned_config(n: int, kind: str, elt_size: int, vec: int) -> tuple[int, i
     elif kind == "ln_bwd":
         warps = 4  # bf16 4097: 2.68 vs 2.13 TB/s at 8 warps; float32 2049: 4.02 vs 3.85
     return single, block, rows, warps, vec
+
+
+def unrolled_config(table: dict, elt_size: int, n: int, above: int,
+                    vec: int) -> tuple[int, int] | None:
+    """(chunk, warps) of an unrolled-kernel rule ``table`` ((element size, padded row) ->
+    configs) for aligned rows of ``n`` elements: the first config whose chunk divides ``n``;
+    None for rows of at most ``above`` elements, unaligned rows (``vec``), changed block limits,
+    rows no chunk divides, and configs with 0 warps (rows left to the other kernels)."""
+    if n <= above or vec or single_block_limit() != DEFAULT_SINGLE_BLOCK_LIMIT:
+        return None
+    for chunk, warps in table.get((elt_size, next_pow2(n)), ()):
+        if n % chunk == 0:
+            return (chunk, warps) if warps else None
+    return None

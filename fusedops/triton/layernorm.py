@@ -70,6 +70,7 @@ from fusedops.triton._common import (
     tile_rows,
     unaligned_config,
     unaligned_vec,
+    unrolled_config,
 )
 
 
@@ -1437,15 +1438,10 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    configs = (UNROLLED_FWD.get((x.element_size(), next_pow2(N)), ())
-               if N > UNROLLED_FWD_ABOVE and not vec
-               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else ())
-    for chunk, warps in configs:
-        if N % chunk == 0:
-            if not warps:
-                break
-            return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
-                                     chunk, warps, key)
+    unrolled = unrolled_config(UNROLLED_FWD, x.element_size(), N, UNROLLED_FWD_ABOVE, vec)
+    if unrolled:
+        return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
+                                 *unrolled, key)
     reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
               if N > RELOAD_FWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)

@@ -49,6 +49,7 @@ from fusedops.triton._common import (
     tile_rows,
     unaligned_config,
     unaligned_vec,
+    unrolled_config,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -515,18 +516,14 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if M == 0 or N == 0:
         return y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    configs = (UNROLLED_FWD.get((x.element_size(), next_pow2(N)), ())
-               if N > UNROLLED_FWD_ABOVE and not vec
-               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else ())
-    for chunk, warps in configs:
-        if N % chunk == 0:
-            if not warps:
-                break
-            args = (x, y, M, stride, N, N, chunk)
-            _launch_fwd_unrolled((M,), args, warps)
-            if key is not None:
-                _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 2)
-            return y
+    unrolled = unrolled_config(UNROLLED_FWD, x.element_size(), N, UNROLLED_FWD_ABOVE, vec)
+    if unrolled:
+        chunk, warps = unrolled
+        args = (x, y, M, stride, N, N, chunk)
+        _launch_fwd_unrolled((M,), args, warps)
+        if key is not None:
+            _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 2)
+        return y
     if N > RELOAD_FWD_ABOVE and not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT:
         whole = next_pow2(N)
         reload = RELOAD_FWD.get((x.element_size(), whole))
