@@ -293,6 +293,28 @@ def test_softmax_backward_reload_variants(monkeypatch, triton_backend, device, d
     assert calls == [(16, whole, cfg[2] if whole == 0 else 16, 64 if unroll and n == 64 else 0)]
 
 
+def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tensor:
+    """Softmax forward of ``rows`` rows (at least 6) of 80 columns cut to ``n``, strided then
+    contiguous, against float64 torch: rows with -inf (masked attention), all -inf (NaN, as
+    torch), a NaN, far from zero, a +inf (NaN, as torch). Returns the (rows, 80) input."""
+    from fusedops.triton import softmax as tsm
+
+    torch.manual_seed(n)
+    base = torch.randn(rows, 80, device=device, dtype=torch.float64) * 4
+    base[1, ::3] = -float("inf")
+    base[2] = -float("inf")
+    base[3, 5] = float("nan")
+    base[4] += 1e4
+    base[5, 7] = float("inf")
+    x = base.to(dtype)
+    for xs in (x[:, :n], x[:, :n].contiguous()):  # row stride 80, then n
+        y = tsm.softmax_forward(xs, dtype)
+        want = torch.softmax(xs.double(), -1)
+        torch.testing.assert_close(y.double(), want.to(dtype).double(), equal_nan=True,
+                                   **tol(dtype, 2))
+    return x
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [64, 48, 50])  # a power of two (EVEN), 48 and 50 masked
 @pytest.mark.parametrize("chunk", [16, 64])
@@ -300,7 +322,7 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
     """The softmax forward reload kernel (row read whole for max and sum, then again in chunks
     to write y) with its rule shrunk to 64-element rows: the unrolled power-of-two row, masked
     rows shorter than the padded block, chunks past the row's end, a strided input; rows with
-    -inf (masked attention), all -inf (NaN, as torch), a NaN, and rows far from zero."""
+    -inf (masked attention), all -inf (NaN, as torch), a NaN, a +inf, rows far from zero."""
     from fusedops.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
@@ -311,18 +333,7 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
     real = tsm._launch_fwd_reload
     monkeypatch.setattr(tsm, "_launch_fwd_reload",
                         lambda g, a, w: calls.append((g, a[5:], w)) or real(g, a, w))
-    torch.manual_seed(n)
-    base = torch.randn(7, 80, device=device, dtype=torch.float64) * 4
-    base[1, ::3] = -float("inf")
-    base[2] = -float("inf")
-    base[3, 5] = float("nan")
-    base[4] += 1e4
-    x = base.to(dtype)
-    for xs in (x[:, :n], x[:, :n].contiguous()):  # row stride 80, then n
-        y = tsm.softmax_forward(xs, dtype)
-        want = torch.softmax(xs.double(), -1)
-        torch.testing.assert_close(y.double(), want.to(dtype).double(), equal_nan=True,
-                                   **tol(dtype, 2))
+    _check_softmax_special_rows(7, n, device, dtype)
     # contiguous rows of 50 start unaligned: the single-block kernel's body + edges, not reload
     assert calls == [((7,), (64, chunk, 64 if n == 64 else 0), 4)] * (1 if n == 50 else 2)
 
@@ -350,19 +361,7 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
             calls.append((args[5], args[6], warps))
             return real(grid, args, warps)
     monkeypatch.setattr(tsm, "_launch_fwd_unrolled", Spy())
-    torch.manual_seed(n)
-    base = torch.randn(8, 80, device=device, dtype=torch.float64) * 4
-    base[1, ::3] = -float("inf")
-    base[2] = -float("inf")
-    base[3, 5] = float("nan")
-    base[4] += 1e4
-    base[5, 7] = float("inf")
-    x = base.to(dtype)
-    for xs in (x[:, :n], x[:, :n].contiguous()):  # row stride 80, then n
-        y = tsm.softmax_forward(xs, dtype)
-        want = torch.softmax(xs.double(), -1)
-        torch.testing.assert_close(y.double(), want.to(dtype).double(), equal_nan=True,
-                                   **tol(dtype, 2))
+    x = _check_softmax_special_rows(8, n, device, dtype)
     assert calls == [(n, chunk, 4)] * 2
     calls.clear()
     monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
