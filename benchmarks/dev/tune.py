@@ -913,6 +913,25 @@ if "r35" in which:  # round 35: softmax forward on _softmax_fwd_unrolled (three 
     for N, cfgs in g32.items():
         point("sm_fwd", f32, N, [us(4, N, c, w) for c, w in cfgs])
 
+if "r36" in which:  # round 36: the fused LayerNorm backward's RELOAD variant (dweight/dbias
+    # accumulated at the loads, dx's pass re-reading x and dy from L2; 1-row tiles at 8 bf16
+    # elements per thread need 64 registers on sm_90 against the shipped tiles' 113-128) as
+    # r{tile}p{programs per SM}w{warps}, against the shipped tiles ("cur"); compile.
+    def rb(elt, N, tile, per_sm, warps):
+        return (f"r{tile // 1024 or 0.5}Kp{per_sm}w{warps}",
+                lambda: knobs(tln, RELOAD_BWD={(elt, N): (tile, per_sm, warps, True)}))
+    g16 = {512: ((512, 16, 2), (1024, 8, 4), (2048, 4, 8), (512, 8, 2)),
+           1024: ((1024, 8, 4), (1024, 4, 8), (2048, 4, 8), (2048, 2, 16)),
+           2048: ((2048, 4, 8), (2048, 2, 16), (4096, 2, 16)),
+           4096: ((4096, 2, 16), (4096, 1, 16), (4096, 2, 8), (8192, 1, 32)),
+           8192: ((8192, 1, 32), (8192, 1, 16), (8192, 2, 16))}
+    for dt in (bf, fp16):
+        for N, cfgs in g16.items():
+            point("ln_bwd", dt, N, [rb(2, N, *c) for c in cfgs])
+    for N, cfgs in {4096: ((4096, 2, 16), (4096, 1, 16)),
+                    8192: ((8192, 1, 32), (8192, 1, 16), (8192, 2, 16))}.items():
+        point("ln_bwd", f32, N, [rb(4, N, *c) for c in cfgs])
+
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
