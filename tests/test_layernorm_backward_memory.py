@@ -199,7 +199,7 @@ def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     first launch for every row."""
     M, N = x.shape
     plan = tln._fused_plan(M, N, x, dy)
-    vec, block, rows, warps, acc_1d, tiles, progs, *_ = plan
+    vec, block, rows, warps, acc_1d, tiles, progs = plan
     dx = torch.empty_like(x)
     part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
     tln._launch_bwd_single((progs,), (

@@ -41,7 +41,7 @@ def inputs(dtype, N):
 def fused_variants(x, dy, w, mean, rstd, dx):
     M, N = x.shape
     plan = tln._fused_plan(M, N, x, dy)
-    vec, block, rows, warps, acc_1d, tiles, progs, *_ = plan
+    vec, block, rows, warps, acc_1d, tiles, progs = plan
     part = torch.empty((2, progs, N), dtype=torch.float32, device="cuda")
     m_dx = tln._park(dx, 8 * progs * N, rows * max(vec, 1))[0]
 

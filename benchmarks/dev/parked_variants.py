@@ -105,7 +105,7 @@ def main():
         rstd = torch.rsqrt(x.float().var(1, unbiased=False) + 1e-5)
         dx = torch.empty_like(x)
         plan = tln._fused_plan(M, N, x, dy)
-        vec, block, rows, warps, acc_1d, tiles, progs, *_ = plan
+        vec, block, rows, warps, acc_1d, tiles, progs = plan
         part = torch.empty((2, progs, N), dtype=torch.float32, device="cuda")
         count = torch.zeros(1, dtype=torch.int32, device="cuda")
         m_dx = tln._park(dx, 8 * progs * N, rows * max(vec, 1))[0]

@@ -913,7 +913,8 @@ if "r35" in which:  # round 35: softmax forward on _softmax_fwd_unrolled (three 
     for N, cfgs in g32.items():
         point("sm_fwd", f32, N, [us(4, N, c, w) for c, w in cfgs])
 
-if "r36" in which:  # round 36: the fused LayerNorm backward's RELOAD variant (dweight/dbias
+if "r36" in which:  # round 36 (runs on e3bb6a5 only: the variant was removed after it): the
+    # fused LayerNorm backward's RELOAD variant (dweight/dbias
     # accumulated at the loads, dx's pass re-reading x and dy from L2; 1-row tiles at 8 bf16
     # elements per thread need 64 registers on sm_90 against the shipped tiles' 113-128) as
     # r{tile}p{programs per SM}w{warps}, against the shipped tiles ("cur"); compile.

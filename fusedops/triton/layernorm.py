@@ -483,29 +483,12 @@ def _over_rows(acc, ACC_1D: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(dw_acc, db_acc, dy, xhat, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-                ACC_1D: tl.constexpr):
-    if ACC_1D:
-        if NEED_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if NEED_DB:
-            db_acc += tl.sum(dy, axis=0)
-    else:
-        if NEED_DW:
-            dw_acc += dy * xhat
-        if NEED_DB:
-            db_acc += dy
-    return dw_acc, db_acc
-
-
-@triton.jit
 def _ln_bwd_single(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs, first_tile, M_dx,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
-    RELOAD: tl.constexpr = False,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -559,8 +542,6 @@ def _ln_bwd_single(
             dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if RELOAD:
-            dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB, ACC_1D)
         if NEED_DX:
             if HAS_W:
                 if not HOLD_W:
@@ -581,16 +562,6 @@ def _ln_bwd_single(
                 c2 += tl.sum(wdye, axis=1)
             c1 = c1 / N
             c2 = c2 / N
-            if RELOAD:  # another cache policy than the first loads: not merged with them
-                x = tl.load(x_ptr + offs_x, mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-                dy = tl.load(dy_ptr + offs_dy, mask=mask, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                if HAS_W:
-                    wdy = dy * w
-                else:
-                    wdy = dy
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
             dx_mask = mask
@@ -602,10 +573,24 @@ def _ln_bwd_single(
                 if PARKED:
                     e_mask = e_mask & (rows < M_dx)[:, None]
                 tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
-        if not RELOAD:
-            dw_acc, db_acc = _accumulate(dw_acc, db_acc, dy, xhat, NEED_DW, NEED_DB, ACC_1D)
-        if VEC > 0:
-            dwe_acc, dbe_acc = _accumulate(dwe_acc, dbe_acc, dye, xhe, NEED_DW, NEED_DB, ACC_1D)
+        if ACC_1D:
+            if NEED_DW:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+                if VEC > 0:
+                    dwe_acc += tl.sum(dye * xhe, axis=0)
+            if NEED_DB:
+                db_acc += tl.sum(dy, axis=0)
+                if VEC > 0:
+                    dbe_acc += tl.sum(dye, axis=0)
+        else:
+            if NEED_DW:
+                dw_acc += dy * xhat
+                if VEC > 0:
+                    dwe_acc += dye * xhe
+            if NEED_DB:
+                db_acc += dy
+                if VEC > 0:
+                    dbe_acc += dye
     out = part_ptr + pid.to(tl.int64) * N
     dw_row = _over_rows(dw_acc, ACC_1D)
     db_row = _over_rows(db_acc, ACC_1D)
@@ -1194,7 +1179,6 @@ def _fused_bwd_config(block: int, body: bool = False,
 # (H200, round 13: 4097 bf16 0.56 vs 1.49); on one-row tiles (round 16, H100) it is level at
 # 2049 and ahead from 4097.
 FUSED_BWD_UNALIGNED_MIN_BLOCK = 2048
-RELOAD_BWD: dict = {}  # experiment (tune round 36): {(elt, block): (tile, per_sm, warps, acc_1d)}
 
 
 def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
@@ -1211,19 +1195,14 @@ def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
         block = next_pow2(body_len(N, v))
         if block > min(FUSED_BWD_MAX_BLOCK, single_block_limit()):
             continue
-        reload = None if v else RELOAD_BWD.get((x.element_size(), block))
-        if reload is None:
-            rows, warps, per_sm, acc_1d = _fused_bwd_config(block, v > 0, x.element_size())
-        else:
-            tile, per_sm, warps, acc_1d = reload
-            rows = max(tile, block) // block
+        rows, warps, per_sm, acc_1d = _fused_bwd_config(block, v > 0, x.element_size())
         tiles = num_row_tiles(M, rows, v)
         progs = max(1, min(tiles, num_sms(x.device) * per_sm, _max_partial_rows(x)))
         if v and progs < tiles:
             progs = progs // v * v
             if not progs:
                 continue
-        return v, block, rows, warps, acc_1d, tiles, progs, per_sm, reload is not None
+        return v, block, rows, warps, acc_1d, tiles, progs
     return None
 
 
@@ -1638,14 +1617,14 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
                     parked: bool):
     """The fused kernel (rows up to 8K): dx, and dweight/dbias from per-program partials, in
     float32 scratch or (``parked``, the low_memory mode, with a dx) parked in dx (see _park)."""
-    vec, block, rows, warps, acc_1d, tiles, progs, per_sm, reload = plan
+    vec, block, rows, warps, acc_1d, tiles, progs = plan
     M, N = x.shape
     need_dx = dx is not None
     strides = (dy.stride(0), x.stride(0), N)
     def dx_only(first: int, grid: int) -> None:  # the parked variant's dx of tiles first..
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
-            block, rows, has_w, True, False, False, vec, True, acc_1d, True, reload,
+            block, rows, has_w, True, False, False, vec, True, acc_1d, True,
         ), warps)
 
     m_dx = M
@@ -1662,12 +1641,13 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
-        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, reload,
+        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked,
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
         first = m_dx // rows  # a multiple of vec: m_dx is a multiple of rows * vec
         left = tiles - first
+        per_sm = _fused_bwd_config(block, vec > 0, x.element_size())[2]
         tail = max(1, min(left, num_sms(x.device) * per_sm))
         if vec and tail < left:
             tail = max(vec, tail // vec * vec)
