@@ -933,6 +933,18 @@ if "r36" in which:  # round 36 (runs on e3bb6a5 only: the variant was removed af
                     8192: ((8192, 1, 32), (8192, 1, 16), (8192, 2, 16))}.items():
         point("ln_bwd", f32, N, [rb(4, N, *c) for c in cfgs])
 
+if "r37" in which:  # round 37: the fused LayerNorm backward with fewer instructions per element
+    # (ptxas sm_90, bf16 4K tiles: 976 -> 944 instructions without the mask on xhat, 10 -> 7
+    # barriers with one paired reduction for both row sums; 8K: 976 -> 872), as lean{bits}:
+    # 1 paired reduction, 2 no mask on xhat, 4 dx by FMA, against "cur" (LEAN_BWD = 0).
+    def lean(bits):
+        return (f"lean{bits}", lambda: knobs(tln, LEAN_BWD=bits))
+    for dt in (bf, fp16):
+        for N in (512, 1024, 2048, 4096, 8192, 768, 8193):
+            point("ln_bwd", dt, N, [lean(b) for b in (1, 2, 3, 7)])
+    for N in (1024, 4096, 8192):
+        point("ln_bwd", f32, N, [lean(b) for b in (2, 3)])
+
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")

@@ -483,12 +483,18 @@ def _over_rows(acc, ACC_1D: tl.constexpr):
 
 
 @triton.jit
+def _add_pairs(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
+@triton.jit
 def _ln_bwd_single(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs, first_tile, M_dx,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
+    LEAN: tl.constexpr = 0,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -541,7 +547,10 @@ def _ln_bwd_single(
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if LEAN & 2:
+            xhat = (x - mean[:, None]) * rstd[:, None]
+        else:
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if NEED_DX:
             if HAS_W:
                 if not HOLD_W:
@@ -551,8 +560,11 @@ def _ln_bwd_single(
                 wdy = dy * w
             else:
                 wdy = dy
-            c1 = tl.sum(xhat * wdy, axis=1)
-            c2 = tl.sum(wdy, axis=1)
+            if LEAN & 1:
+                c1, c2 = tl.reduce((xhat * wdy, wdy), 1, _add_pairs)
+            else:
+                c1 = tl.sum(xhat * wdy, axis=1)
+                c2 = tl.sum(wdy, axis=1)
             if VEC > 0:
                 if HAS_W:
                     wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
@@ -562,7 +574,10 @@ def _ln_bwd_single(
                 c2 += tl.sum(wdye, axis=1)
             c1 = c1 / N
             c2 = c2 / N
-            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if LEAN & 4:
+                dx = wdy * rstd[:, None] - (xhat * (c1 * rstd)[:, None] + (c2 * rstd)[:, None])
+            else:
+                dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
             dx_mask = mask
             if PARKED:  # (offsets from row_body(..., M_dx, ...) cost 9-25% on unaligned rows)
@@ -1179,6 +1194,7 @@ def _fused_bwd_config(block: int, body: bool = False,
 # (H200, round 13: 4097 bf16 0.56 vs 1.49); on one-row tiles (round 16, H100) it is level at
 # 2049 and ahead from 4097.
 FUSED_BWD_UNALIGNED_MIN_BLOCK = 2048
+LEAN_BWD = 0  # experiment: bits 1 one paired reduction, 2 no mask on xhat, 4 dx by FMA
 
 
 def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
@@ -1624,7 +1640,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     def dx_only(first: int, grid: int) -> None:  # the parked variant's dx of tiles first..
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
-            block, rows, has_w, True, False, False, vec, True, acc_1d, True,
+            block, rows, has_w, True, False, False, vec, True, acc_1d, True, LEAN_BWD,
         ), warps)
 
     m_dx = M
@@ -1641,7 +1657,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
-        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked,
+        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, LEAN_BWD,
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
