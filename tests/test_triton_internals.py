@@ -147,6 +147,42 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
         torch.testing.assert_close(a.double(), e, atol=2e-2 * m ** 0.5, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
+@pytest.mark.parametrize("n", [64, 48])
+def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, paired, n):
+    """The fused backward's two row sums as one paired reduction or two (the rule picks paired
+    for aligned 16-bit rows up to 4K; tune rounds 37-38), on full and padded rows (48 of a
+    64-lane block: masked lanes carry dy = 0 and no select) and with a NaN row: dx, dweight,
+    dbias against float64; the NaN row's dx NaN, every other row finite, dweight NaN, dbias
+    finite."""
+    from fusedops.triton import layernorm as tln
+
+    assert tln._paired_sums(2, 0, 4096) and not tln._paired_sums(2, 0, 8192)
+    assert not tln._paired_sums(4, 0, 1024) and not tln._paired_sums(2, 8, 1024)
+    monkeypatch.setattr(tln, "_paired_sums", lambda elt, vec, block: paired)
+    torch.manual_seed(n)
+    m = 37  # not a multiple of the rows per tile: masked rows in the last tile
+    x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
+    dy = torch.randn(m, n, device=device).to(dtype)
+    w = torch.randn(n, device=device).to(dtype)
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, dtype)
+    plan = tln._fused_plan(m, n, x, dy)
+    assert plan is not None and plan[0] == 0
+    dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    r = [t.detach().double().requires_grad_(True) for t in (x, w)]
+    want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1]), r, dy.double())
+    assert_close_to_ref(dx, want[0], dtype, scale=4)
+    torch.testing.assert_close(dw.double(), want[1], atol=2e-2 * m ** 0.5, rtol=2e-2)
+    torch.testing.assert_close(db.double(), dy.double().sum(0), atol=1e-3 * m, rtol=1e-3)
+    x_nan = x.clone()
+    x_nan[5, 7] = float("nan")
+    _, mean, rstd = tln.layernorm_forward(x_nan, w, None, 1e-5, dtype)
+    dx, dw, db = tln.layernorm_backward(dy, x_nan, w, mean, rstd, True, True, True)
+    assert torch.isnan(dx[5]).all() and torch.isfinite(dx[torch.arange(m) != 5]).all()
+    assert torch.isnan(dw).all() and torch.isfinite(db).all()
+
+
 def _torch_error_far_from_zero(x, n, w, b, want):
     """PyTorch's own LayerNorm error on rows far from zero (mean 1e4, small spread), the bound
     for ours: the float32 rounding of the mean limits any kernel, while a cancelling variance

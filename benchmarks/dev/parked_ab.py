@@ -48,7 +48,7 @@ def fused_variants(x, dy, w, mean, rstd, dx):
     def launch(parked, first, mdx):
         args = (dy, x, w, mean, rstd, dx, part, M, N, dy.stride(0), x.stride(0), N, tiles,
                 progs, first, mdx, block, rows, True, True, True, True, vec, True, acc_1d,
-                parked)
+                parked, tln._paired_sums(x.element_size(), vec, block))
         return tln._launch_bwd_single.kernel[(progs,)](*args, num_warps=warps)
 
     info = dict(plan=list(plan), m_dx=m_dx)

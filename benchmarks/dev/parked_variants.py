@@ -112,18 +112,19 @@ def main():
         head = (dy, x, w, mean, rstd, dx, part, M, N, dy.stride(0), x.stride(0), N, tiles,
                 progs, 0, m_dx)
         consts = (block, rows, True, True, True, True, vec, True, acc_1d)
+        paired = tln._paired_sums(x.element_size(), vec, block)
         fns = {}
 
         def shipped(parked):
             return lambda: tln._launch_bwd_single.kernel[(progs,)](
-                *head, *consts, parked, num_warps=warps)
+                *head, *consts, parked, paired, num_warps=warps)
         fns["default"] = shipped(False)
         fns["shipped_parked"] = shipped(True)
         coop = min(progs, torch.cuda.get_device_properties(0).multi_processor_count
                    * max(1, 65536 // (128 * 32 * warps)))  # 128 registers (ncu, all of these)
         coop_head = head[:13] + (coop,) + head[14:]
         fns["default_coop_grid"] = lambda: tln._launch_bwd_single.kernel[(coop,)](
-            *coop_head, *consts, False, num_warps=warps)
+            *coop_head, *consts, False, paired, num_warps=warps)
         for name in VARIANTS:
             k = getattr(lnvariants, f"_v_{name}")
             args = coop_head if name == "barrier" else head

@@ -945,6 +945,18 @@ if "r37" in which:  # round 37: the fused LayerNorm backward with fewer instruct
     for N in (1024, 4096, 8192):
         point("ln_bwd", f32, N, [lean(b) for b in (2, 3)])
 
+if "r38" in which:  # round 38: the round-37 rules shipped ("cur": no mask on xhat everywhere,
+    # paired row sums for aligned 16-bit rows) against the separate reductions ("sep"), the
+    # fused kernel and the dx-only launch (weight and bias frozen: "ln_bwdx")
+    sep = ("sep", lambda: knobs(tln, PAIRED_SUMS=False))
+    for dt in (bf, fp16):
+        for N in (512, 768, 1024, 2048, 4096, 8192, 8193, 5120):
+            point("ln_bwd", dt, N, [sep])
+    for N in (768, 1024, 4096):
+        point("ln_bwd", bf, N, [sep], parts=(True, False, False))
+    for N in (1024, 4096, 8192):
+        point("ln_bwd", f32, N, [])
+
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")

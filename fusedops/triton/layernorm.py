@@ -494,7 +494,7 @@ def _ln_bwd_single(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
-    LEAN: tl.constexpr = 0,
+    PAIRED: tl.constexpr,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -547,10 +547,11 @@ def _ln_bwd_single(
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
-        if LEAN & 2:
-            xhat = (x - mean[:, None]) * rstd[:, None]
-        else:
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        # No tl.where on the masked lanes: there dy is 0 (and rows past M have mean = rstd = 0),
+        # so they add nothing to any sum unless xhat is not finite, which it then also is on
+        # the row's own lanes (a NaN row either way). One select per element less (tune round
+        # 37, bf16 768: 2.15 -> 2.58 TB/s).
+        xhat = (x - mean[:, None]) * rstd[:, None]
         if NEED_DX:
             if HAS_W:
                 if not HOLD_W:
@@ -560,7 +561,7 @@ def _ln_bwd_single(
                 wdy = dy * w
             else:
                 wdy = dy
-            if LEAN & 1:
+            if PAIRED:  # both row sums in one cross-warp exchange (one barrier pair less)
                 c1, c2 = tl.reduce((xhat * wdy, wdy), 1, _add_pairs)
             else:
                 c1 = tl.sum(xhat * wdy, axis=1)
@@ -574,10 +575,7 @@ def _ln_bwd_single(
                 c2 += tl.sum(wdye, axis=1)
             c1 = c1 / N
             c2 = c2 / N
-            if LEAN & 4:
-                dx = wdy * rstd[:, None] - (xhat * (c1 * rstd)[:, None] + (c2 * rstd)[:, None])
-            else:
-                dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             offs_dx, _ = row_body(rows, head, M, N, stride_dx, BLOCK_N, VEC)
             dx_mask = mask
             if PARKED:  # (offsets from row_body(..., M_dx, ...) cost 9-25% on unaligned rows)
@@ -1194,7 +1192,19 @@ def _fused_bwd_config(block: int, body: bool = False,
 # (H200, round 13: 4097 bf16 0.56 vs 1.49); on one-row tiles (round 16, H100) it is level at
 # 2049 and ahead from 4097.
 FUSED_BWD_UNALIGNED_MIN_BLOCK = 2048
-LEAN_BWD = 0  # experiment: bits 1 one paired reduction, 2 no mask on xhat, 4 dx by FMA
+
+
+def _paired_sums(elt_size: int, vec: int, block: int) -> bool:
+    """Whether the fused backward forms its two row sums in one paired reduction (PAIRED):
+    aligned 16-bit rows of blocks up to 4K. Tune rounds 37-38 (H200, TB/s, separate ->
+    paired): bf16 4K 3.42 -> 3.65, 2K 3.06 -> 3.19, 1K 3.06 -> 3.16, 768 2.59 -> 2.70 (fp16
+    alike); where both operands live at once cost registers it is slower: 5120 (8K blocks)
+    2.74 -> 2.45, float32 8K 3.83 -> 3.44, 16-bit 8193 bodies 1.83 -> 1.69 (8192: 3.51 -> 3.58,
+    within noise, left separate with its padded neighbours)."""
+    return PAIRED_SUMS and elt_size == 2 and vec == 0 and block <= 4096
+
+
+PAIRED_SUMS = True  # off: the separate reductions (benchmarks/dev/tune.py)
 
 
 def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
@@ -1636,11 +1646,12 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     vec, block, rows, warps, acc_1d, tiles, progs = plan
     M, N = x.shape
     need_dx = dx is not None
+    paired = _paired_sums(x.element_size(), vec, block)
     strides = (dy.stride(0), x.stride(0), N)
     def dx_only(first: int, grid: int) -> None:  # the parked variant's dx of tiles first..
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
-            block, rows, has_w, True, False, False, vec, True, acc_1d, True, LEAN_BWD,
+            block, rows, has_w, True, False, False, vec, True, acc_1d, True, paired,
         ), warps)
 
     m_dx = M
@@ -1657,7 +1668,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
-        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, LEAN_BWD,
+        block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, paired,
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
@@ -1783,6 +1794,7 @@ def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
             block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True, False,
+            _paired_sums(x.element_size(), vec, block),
         ), warps)
     else:
         _launch_dx_looped((M,), (
