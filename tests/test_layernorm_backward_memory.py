@@ -259,7 +259,7 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     tln._launch_dx_pieces((m - row0,), (
         dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
-        _common.next_pow2(L), C, _common.next_pow2(C), True, False, v), 4)
+        _common.next_pow2(L), C, _common.next_pow2(C), True, False, v, tln.SPLIT_PAIRED), 4)
     assert torch.all(dx[:row0] == 7)
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())

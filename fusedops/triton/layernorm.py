@@ -488,6 +488,15 @@ def _add_pairs(a1, b1, a2, b2):
 
 
 @triton.jit
+def _row_sums(a, b, axis: tl.constexpr, PAIRED: tl.constexpr):
+    """(sum(a), sum(b)) over ``axis``: one paired reduction (one cross-warp exchange) or two."""
+    if PAIRED:
+        return tl.reduce((a, b), axis, _add_pairs)
+    else:
+        return tl.sum(a, axis=axis), tl.sum(b, axis=axis)
+
+
+@triton.jit
 def _ln_bwd_single(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
     M, N, stride_dy, stride_x, stride_dx, num_tiles, num_progs, first_tile, M_dx,
@@ -561,11 +570,7 @@ def _ln_bwd_single(
                 wdy = dy * w
             else:
                 wdy = dy
-            if PAIRED:  # both row sums in one cross-warp exchange (one barrier pair less)
-                c1, c2 = tl.reduce((xhat * wdy, wdy), 1, _add_pairs)
-            else:
-                c1 = tl.sum(xhat * wdy, axis=1)
-                c2 = tl.sum(wdy, axis=1)
+            c1, c2 = _row_sums(xhat * wdy, wdy, 1, PAIRED)
             if VEC > 0:
                 if HAS_W:
                     wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
@@ -648,7 +653,7 @@ def _ln_bwd_split(
     N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    PREFETCH: tl.constexpr, PARKED: tl.constexpr, VEC: tl.constexpr,
+    PREFETCH: tl.constexpr, PARKED: tl.constexpr, VEC: tl.constexpr, PAIRED: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -713,7 +718,7 @@ def _ln_bwd_split(
                           other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
-        xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+        xhat = (x - mean) * rstd  # no select: masked lanes have dy = 0 (see _ln_bwd_single)
         if VEC > 0:
             xhe = tl.where(emask, (xe - mean) * rstd, 0.0)
         # Accumulate before waiting: only xhat and w·dy stay live across the wait.
@@ -730,8 +735,7 @@ def _ln_bwd_split(
                 wdy = dy * w
             else:
                 wdy = dy
-            s1 = tl.sum(xhat * wdy, axis=0)
-            s2 = tl.sum(wdy, axis=0)
+            s1, s2 = _row_sums(xhat * wdy, wdy, 0, PAIRED)
             if VEC > 0:
                 if HAS_W:
                     wdye = dye * we
@@ -789,16 +793,17 @@ def _ln_bwd_split(
 
 
 @triton.jit
-def _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W: tl.constexpr):
+def _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W: tl.constexpr,
+                PAIRED: tl.constexpr):
     # One piece of a row's statistics as _ln_bwd_split computes them: sum(xhat·w·dy), sum(w·dy).
     x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
     dy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
-    xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+    xhat = (x - mean) * rstd
     if HAS_W:
         wdy = dy * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     else:
         wdy = dy
-    return tl.sum(xhat * wdy, axis=0), tl.sum(wdy, axis=0)
+    return _row_sums(xhat * wdy, wdy, 0, PAIRED)
 
 
 @triton.jit
@@ -831,7 +836,7 @@ def _piece_dx(dy_row, x_row, w_ptr, dx_row, cols, cmask, mean, rstd, c1, c2,
 def _ln_bwd_dx_pieces(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, N, L, stride_dy, stride_x, stride_dx,
     row0, BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    PTX: tl.constexpr, VEC: tl.constexpr,
+    PTX: tl.constexpr, VEC: tl.constexpr, PAIRED: tl.constexpr,
 ):
     # dx of row row0 + program id, bit for bit as _ln_bwd_split computes it (same pieces of L
     # columns, or of the aligned body plus the edges with VEC > 0, the same BLOCK and warps, so
@@ -862,11 +867,11 @@ def _ln_bwd_dx_pieces(
     for piece in range(C):
         pos = piece * L + lanes
         a, b = _piece_sums(dy_row, x_row, w_body, pos, (lanes < L) & (pos < limit), mean, rstd,
-                           HAS_W)
+                           HAS_W, PAIRED)
         if VEC > 0:  # the edges, with piece 0 (every piece adds a sum, as in the split kernel)
             _, emask, ecols = split_edges(row, piece, N, stride_x, VEC)
             ea, eb = _piece_sums(dy_ptr + row64 * stride_dy, x_ptr + row64 * stride_x, w_ptr,
-                                 ecols, emask, mean, rstd, HAS_W)
+                                 ecols, emask, mean, rstd, HAS_W, PAIRED)
             a += ea
             b += eb
         s1 = tl.where(peers == piece, a, s1)
@@ -1205,6 +1210,7 @@ def _paired_sums(elt_size: int, vec: int, block: int) -> bool:
 
 
 PAIRED_SUMS = True  # off: the separate reductions (benchmarks/dev/tune.py)
+SPLIT_PAIRED = False  # experiment: the split-row backward's piece sums paired
 
 
 def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
@@ -1716,8 +1722,9 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     chunk, split_warps, prefetch, *cap = cfg
     launcher = _bwd_split_launcher(cap[0] if cap else None)
     C, L = split_pieces(N, chunk, vec)
+    paired = SPLIT_PAIRED
     consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
-              vec)
+              vec, paired)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
@@ -1734,7 +1741,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     def dx_pieces(row0: int) -> None:  # dx of rows row0.. with the split kernel's arithmetic
         _launch_dx_pieces((M - row0,), (
             dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, row0,
-            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec,
+            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec, paired,
         ), split_warps)
 
     m_dx = M
