@@ -960,7 +960,8 @@ if "r38" in which:  # round 38: the round-37 rules shipped ("cur": no mask on xh
 if "r39" in which:  # round 39: the split-row LayerNorm backward without the select on xhat (both
     # variants) and with its piece sums paired ("paired", SPLIT_PAIRED) or not ("cur"); sweep
     # s14 had the kernel with the select: 16-bit 32K 2.18, 64K 2.11, float32 16K-64K 3.02-3.10
-    paired = ("paired", lambda: knobs(tln, SPLIT_PAIRED=True))
+    paired = ("paired", lambda: knobs(tln, SPLIT_PAIRED=True))  # (now the default: "sep"
+    # would be knobs(tln, SPLIT_PAIRED=False))
     for dt in (bf, fp16):
         for N in (32768, 65536, 131072, 262144):
             point("ln_bwd", dt, N, [paired])
