@@ -20,7 +20,8 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   misalignment (``_shift_weights``), so every per-column load is a 16-byte vector.
 * Backward, fused (rows up to 8K, and unaligned rows with a 2K-8K body): persistent programs write
   dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
-  each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics).
+  each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics). The two row
+  sums in one paired reduction where it measured faster (``_paired_sums``).
 * Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its
   chunk's dweight/dbias partials in registers across rows; unaligned float32 rows with a body
   of 16K+ as aligned-body pieces plus edges (``VEC_SPLIT_BWD``).
