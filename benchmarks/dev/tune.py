@@ -933,8 +933,9 @@ if "r36" in which:  # round 36 (runs on e3bb6a5 only: the variant was removed af
                     8192: ((8192, 1, 32), (8192, 1, 16), (8192, 2, 16))}.items():
         point("ln_bwd", f32, N, [rb(4, N, *c) for c in cfgs])
 
-if "r37" in which:  # round 37: the fused LayerNorm backward with fewer instructions per element
-    # (ptxas sm_90, bf16 4K tiles: 976 -> 944 instructions without the mask on xhat, 10 -> 7
+if "r37" in which:  # round 37 (runs on 5c6baec only: LEAN_BWD became PAIRED_SUMS and the
+    # unconditional no-select in 61ed9d7): the fused LayerNorm backward with fewer instructions
+    # per element (ptxas sm_90, bf16 4K tiles: 976 -> 944 instructions without the mask on xhat, 10 -> 7
     # barriers with one paired reduction for both row sums; 8K: 976 -> 872), as lean{bits}:
     # 1 paired reduction, 2 no mask on xhat, 4 dx by FMA, against "cur" (LEAN_BWD = 0).
     def lean(bits):
