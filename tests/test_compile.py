@@ -499,13 +499,16 @@ def test_gpu_long_rows(n, dtype):
 @pytest.mark.parametrize("n", [8193, 65537])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_layernorm_unaligned_16bit_rows(n, dtype):
-    """16-bit rows of 2^k + 1 with weights in the input dtype take PyTorch's native backward
-    (fusedops/triton/layernorm.py: NATIVE_UNALIGNED_16BIT_BWD); with float32 weights, the
-    split-row kernels. Both must match the float64 oracle, and the fused forward must stay ours."""
+    """16-bit rows of 2^k + 1: 8193 on the fused kernel's aligned-body variant, 65537 (too long
+    for it) on dx pieces + the column kernel (fusedops/triton/layernorm.py: DX_PIECES_BWD),
+    whatever the weights' dtype. Both must match the float64 oracle, and the fused forward must
+    stay ours. Where the rows' starts rule out vector accesses, PyTorch's native backward would
+    run (weights in x's dtype; NATIVE_UNALIGNED_16BIT_BWD)."""
     from fusedops.triton import layernorm as tln
 
     torch.manual_seed(n)
     x = _cuda(40, n, dtype=dtype, scale=2)
+    assert (tln._dx_pieces_plan(n, x, x) is not None) == (n > tln.FUSED_BWD_MAX_BLOCK)
     assert tln._native_unaligned(x, x, _cuda(n, dtype=dtype))
     assert not tln._native_unaligned(x, x, _cuda(n))
     _gpu_check_layernorm(x, n, _cuda(n, dtype=dtype), _cuda(n, dtype=dtype))

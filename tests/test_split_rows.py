@@ -81,12 +81,14 @@ def test_layernorm_split(monkeypatch, shape, dtype, prefetch, cap):
     monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG",
                         (8192, 8, prefetch) if cap is None else (4096, 8, prefetch, cap))
     monkeypatch.setattr(tln, "NATIVE_UNALIGNED_16BIT_BWD", False)
+    monkeypatch.setattr(tln, "DX_PIECES_BWD", None)
     _layernorm_case(*shape, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_defaults(dtype):
-    """The measured configs as shipped (also the native LayerNorm backward where it applies)."""
+    """The measured configs as shipped (16-bit 65537 LayerNorm backward: dx pieces + column
+    kernel, see DX_PIECES_BWD)."""
     for m, n in [(300, 65537), (64, 131072), (40, 65536)]:
         _softmax_case(m, n, dtype)
         _layernorm_case(m, n, dtype)
@@ -124,7 +126,8 @@ VEC_RULE_16 = {2: ((2048, 8, 1), 0)}  # forces 16-bit rows onto aligned-body pie
     (torch.float32, 300, 65537, None, [((4096, 4, 2), 4)]),  # C·VEC programs, rows loop
     (torch.float32, 2, 6 * 16384 + 5, None, [((4096, 4, 2), 4)]),  # one item per program
     (torch.float32, 300, 65537, {}, [((8192, 8, 2), 0)]),  # no rule: scalar pieces
-    (torch.bfloat16, 300, 65537, None, ["native"]),  # no rule: PyTorch's kernel
+    (torch.bfloat16, 300, 65537, None, ["pieces"]),  # dx pieces + column kernel
+    (torch.bfloat16, 300, 65537, {}, ["native"]),  # neither: PyTorch's kernel
     (torch.bfloat16, 300, 65537, VEC_RULE_16, [((2048, 8, 1), 8)]),
     (torch.bfloat16, 2, 6 * 16384 + 5, VEC_RULE_16, [((2048, 8, 1), 8)]),
     (torch.bfloat16, 64, 262145, VEC_RULE_16, [((2048, 8, 1), 8), "native"]),  # no grid fits
@@ -132,17 +135,23 @@ VEC_RULE_16 = {2: ((2048, 8, 1), 0)}  # forces 16-bit rows onto aligned-body pie
      [((2048, 8, 2), 4), ((8192, 8, 2), 0)]),
 ])
 def test_unaligned_layernorm_backward_paths(monkeypatch, dtype, m, n, rule, want):
-    """Long unaligned rows in the LayerNorm backward: the split kernel on aligned-body pieces
-    plus edges where VEC_SPLIT_BWD has a rule and a grid fits, else scalar pieces (float32) or
-    PyTorch's native kernel (16-bit); values against float64 on every path."""
+    """Long unaligned rows in the LayerNorm backward: 16-bit rows on dx pieces + the column
+    kernel (DX_PIECES_BWD; off in the cases with a rule, ``{}`` or not); else the split kernel
+    on aligned-body pieces plus edges where VEC_SPLIT_BWD has a rule and a grid fits, else
+    scalar pieces (float32) or PyTorch's native kernel (16-bit); values against float64 on
+    every path."""
     if rule is not None:
         monkeypatch.setattr(tln, "VEC_SPLIT_BWD", rule)
+        monkeypatch.setattr(tln, "DX_PIECES_BWD", None)
     seen = []
     real_split, real_native = tln._split_backward, tln._native_backward
+    real_cols = tln._columns_first_backward
     monkeypatch.setattr(tln, "_split_backward",
                         lambda *a: seen.append(a[10:12]) or real_split(*a))
     monkeypatch.setattr(tln, "_native_backward",
                         lambda *a: seen.append("native") or real_native(*a))
+    monkeypatch.setattr(tln, "_columns_first_backward", lambda *a: seen.append(
+        "pieces" if len(a) > 10 and a[10] else "columns") or real_cols(*a))
     _layernorm_case(m, n, dtype)
     assert seen == want
 

@@ -183,6 +183,56 @@ def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, pai
     assert torch.isnan(dw).all() and torch.isfinite(db).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [67, 41])  # unaligned 16-bit rows (not a multiple of 8)
+@pytest.mark.parametrize("mode", ["low_memory", "fast"])
+def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device, dtype, n, mode):
+    """Long unaligned 16-bit rows (here: longer than a 32-column fused block) take dx from
+    _ln_bwd_dx_pieces on their aligned bodies (pieces of 16, so several per row, plus the
+    edges) and dweight/dbias from the column kernel (DX_PIECES_BWD): rows of every
+    misalignment against float64, with and without weight, for each gradient subset; a NaN row
+    stays in its row (dx) and dweight; a dy with its own row stride takes the other path."""
+    from fusedops.triton import layernorm as tln
+
+    monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 32)
+    monkeypatch.setattr(tln, "DX_PIECES_BWD", (16, 1))
+    torch.manual_seed(n)
+    m = 11
+    x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
+    dy = torch.randn(m, n, device=device).to(dtype)
+    w = torch.randn(n, device=device).to(dtype)
+    assert tln._dx_pieces_plan(n, x, dy)[1:3] == (16, 8)
+    assert tln._dx_pieces_plan(n, x.float(), dy.float()) is None
+    _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, dtype)
+    r = [t.detach().double().requires_grad_(True) for t in (x, w)]
+    want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1]), r, dy.double())
+    want_nw = torch.autograd.grad(F.layer_norm(r[0], (n,)), r[0], dy.double())[0]
+    with fusedops.layernorm_backward_mode(mode):
+        for parts in [(True, True, True), (True, False, False), (True, False, True)]:
+            dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, *parts)
+            assert_close_to_ref(dx, want[0], dtype, scale=4)
+            assert (dw is None) != parts[1] and (db is None) != parts[2]
+            if dw is not None:
+                torch.testing.assert_close(dw.double(), want[1], atol=2e-2 * m ** 0.5, rtol=2e-2)
+            if db is not None:
+                torch.testing.assert_close(db.double(), dy.double().sum(0), atol=1e-3 * m,
+                                           rtol=1e-3)
+        dx, _, _ = tln.layernorm_backward(dy, x, None, mean, rstd, True, False, False)
+        assert_close_to_ref(dx, want_nw, dtype, scale=4)
+        wide = torch.zeros(m, n + 5, device=device, dtype=dtype)
+        wide[:, :n] = dy
+        assert tln._dx_pieces_plan(n, x, wide[:, :n]) is None
+        dx, dw, _ = tln.layernorm_backward(wide[:, :n], x, w, mean, rstd, True, True, False)
+        assert_close_to_ref(dx, want[0], dtype, scale=4)
+        torch.testing.assert_close(dw.double(), want[1], atol=2e-2 * m ** 0.5, rtol=2e-2)
+        x_nan = x.clone()
+        x_nan[5, 7] = float("nan")
+        _, mean, rstd = tln.layernorm_forward(x_nan, w, None, 1e-5, dtype)
+        dx, dw, db = tln.layernorm_backward(dy, x_nan, w, mean, rstd, True, True, True)
+    assert torch.isnan(dx[5]).all() and torch.isfinite(dx[torch.arange(m) != 5]).all()
+    assert torch.isnan(dw).all() and torch.isfinite(db).all()
+
+
 def _torch_error_far_from_zero(x, n, w, b, want):
     """PyTorch's own LayerNorm error on rows far from zero (mean 1e4, small spread), the bound
     for ours: the float32 rounding of the mean limits any kernel, while a cancelling variance

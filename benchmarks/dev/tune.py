@@ -447,7 +447,9 @@ if "r23" in which:  # round 23: the round-22 rules as "cur" against what they re
                                     ("s4w8p1", lambda: knobs(tln, SPLIT_BWD_CONFIG=(4096, 8, 1)))])
         point("ln_fwd", dt, 65536, [("s8w8p1", lambda: knobs(tln, SPLIT_CONFIG=(8192, 8, 1)))])
 def with_compile(op, dt, N, variants):
-    """point(), then torch.compile of the same op timed in the same run ("compile" records)."""
+    """point(), then torch.compile of the same op timed in the same run ("compile" records).
+    Not for "ln_bwd": dynamo falls back to eager on its autograd.grad call (those records are
+    eager; the sweep's compile provider compiles the forward and backward instead)."""
     point(op, dt, N, variants)
     records.append(dict(op=op, dtype=str(dt).split(".")[-1], N=N, variant="compile",
                         tbps=compiled_tbps(op, dt, N), frac_copy=None, eager_tbps=None,
@@ -968,6 +970,34 @@ if "r39" in which:  # round 39: the split-row LayerNorm backward without the sel
             point("ln_bwd", dt, N, [paired])
     for N in (8193, 16384, 32768, 65536, 65537, 131072):
         point("ln_bwd", f32, N, [paired])
+
+if "r40" in which:  # round 40 (fifteenth session): long 16-bit rows as a dx row kernel plus the
+    # column kernel. Unaligned rows (2^k + 1): dx on the aligned bodies (_ln_bwd_dx_pieces) and
+    # the (128, 64) x 16-warp column tile ("cur", DX_PIECES_BWD) against PyTorch's native
+    # backward ("native"), other dx pieces (p{piece}Kw{warps}) and column tiles
+    # (c{cols}x{rows}w{warps}p{programs per SM}); compile. Aligned 16-bit 16K-64K: the split
+    # kernel ("cur") against dx row kernel + column kernel ("cols", split rows off).
+    # (Ran with the first rule, pieces of (4096, 4) below 131072 and (8192, 8) from there, as
+    # "cur"; "compile" here is eager: dynamo falls back on autograd.grad; the sweep's compile
+    # provider compiles forward and backward.)
+    native = ("native", lambda: knobs(tln, DX_PIECES_BWD=None))
+
+    def dxp(chunk, warps):
+        return (f"p{chunk // 1024}Kw{warps}", lambda: knobs(tln, DX_PIECES_BWD=(chunk, warps)))
+
+    def ct(tile, warps, per_sm, *ctx):
+        return (f"c{tile[0]}x{tile[1]}w{warps}p{per_sm}", lambda: stack(*[c() for c in ctx], knobs(
+            tln, COLUMN_TILE=tile, COLUMN_WARPS=warps, COLUMN_PER_SM=per_sm)))
+    tiles = [ct((64, 64), 16, 2), ct((64, 128), 16, 2), ct((128, 64), 16, 4),
+             ct((256, 32), 8, 8)]
+    for dt in (bf, fp16):
+        with_compile("ln_bwd", dt, 65537, [native, dxp(8192, 8), dxp(2048, 4)] + tiles)
+    for N in (16385, 32769, 131073):
+        with_compile("ln_bwd", bf, N, [native, dxp(8192, 8), dxp(4096, 8)])
+    for dt in (bf, fp16):
+        for N in (16384, 32768, 65536):
+            point("ln_bwd", dt, N, [("cols", nosplit), ct((64, 64), 16, 2, nosplit),
+                                    ct((64, 128), 16, 2, nosplit), ct((128, 64), 16, 4, nosplit)])
 
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)

@@ -25,10 +25,12 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
 * Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its
   chunk's dweight/dbias partials in registers across rows; unaligned float32 rows with a body
   of 16K+ as aligned-body pieces plus edges (``VEC_SPLIT_BWD``).
-* Backward, dx row kernel (single-block or looped) + column-blocked dweight/dbias kernel: where
-  those measured faster, on the interpreter, and after a refused split launch.
-* Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: PyTorch's native
-  kernel (see ``NATIVE_UNALIGNED_16BIT_BWD``).
+* Backward, dx row kernel (single-block or looped) + column-blocked dweight/dbias kernel: on
+  the interpreter and after a refused split launch.
+* Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: the column
+  kernel, then dx from ``_ln_bwd_dx_pieces`` on the rows' aligned bodies plus edges (one program
+  per row, the row read twice; see ``DX_PIECES_BWD``); where the rows' starts rule out vector
+  accesses, PyTorch's native kernel (``NATIVE_UNALIGNED_16BIT_BWD``).
 * Backward, ``low_memory`` mode (the default, ``fusedops.set_layernorm_backward``): the same
   kernels with their scratch parked at the end of dx's storage (see ``_park``), the dx of those
   rows written by a second launch; the column path computes dweight/dbias before dx: no
@@ -982,7 +984,7 @@ def _ln_bwd_dx_looped(
 def _ln_bwd_dwdb_columns(
     dy_ptr, x_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr, M, N, stride_dy, stride_x,
     rows_per_split, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, ONE_STRIDE: tl.constexpr,
 ):
     col_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -998,15 +1000,19 @@ def _ln_bwd_dwdb_columns(
         row_mask = rows < row_end
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
-        dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
+        # With unaligned rows every access is a scalar one with its own 64-bit address: one
+        # offset for both tensors where their strides agree halves that arithmetic (H200, bf16
+        # N = 65537: 2.1x faster together with the tile below).
+        dy_offs = rows64[:, None] * stride_dy + cols[None, :]
+        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
         if NEED_DW:
-            x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+            x_offs = dy_offs if ONE_STRIDE else rows64[:, None] * stride_x + cols[None, :]
+            x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            dw_acc += dy * xhat
+            # no select on xhat: masked lanes have dy = 0, and a non-finite xhat there lies in
+            # a column past N (never stored) or a row whose own columns are NaN already
+            dw_acc += dy * ((x - mean[:, None]) * rstd[:, None])
         if NEED_DB:
             db_acc += dy
     # float32 partials, or (one split) dweight/dbias themselves in the parameters' dtypes
@@ -1119,11 +1125,36 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
 
 
 # 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
-# long for the fused single kernel: every Triton kernel here then reads and writes with scalar
-# 2-byte accesses, and the best of them (the split backward) measured 1.01 TB/s against
-# PyTorch's native backward's 1.23 at N = 8193 (bf16, H200). Those calls run PyTorch's native
-# CUDA kernel instead (same math: fp32 statistics from our forward, fp32 accumulation).
+# long for the fused single kernel, that cannot take DX_PIECES_BWD (below: strides differing
+# between x and dy, unaligned base pointers, deterministic mode): every Triton kernel here then
+# reads and writes with scalar 2-byte accesses, and the best of them (the split backward)
+# measured 1.01 TB/s against PyTorch's native backward's 1.23 at N = 8193 (bf16, H200). Those
+# calls run PyTorch's native CUDA kernel instead (same math: fp32 statistics from our forward,
+# fp32 accumulation).
 NATIVE_UNALIGNED_16BIT_BWD = True
+
+# 16-bit rows not a multiple of 8 and too long for the fused kernel, whose starts allow vector
+# accesses (see unaligned_vec): dx from _ln_bwd_dx_pieces, one program per row reading its
+# aligned body plus edges twice (the second time from L2) in pieces of (piece, warps), then the
+# column kernel for dweight/dbias (x and dy read again: 5 passes, but every dx access a 16-byte
+# vector). H200, TB/s of the op's 3·M·N·2 bytes against PyTorch's native backward (the sweep's
+# torch.compile: 1.21 at 65537): benchmarks/dev/cols_path.py, bf16 16385 1.63 vs 1.21, 65537
+# 1.46 vs 1.11, 131073 1.41 vs 0.84; tune round 40, pieces (4096, 8) / (4096, 4) / (8192, 8):
+# 16385 1.59 / 1.56 / 1.38, 32769 1.49 / 1.48 / 1.46, 131073 1.40 / - / 1.38, 65537 (2048, 4)
+# 1.45, (4096, 4) 1.43, (8192, 8) 1.42. None: off (the paths below).
+DX_PIECES_BWD: tuple[int, int] | None = (4096, 8)
+
+
+def _dx_pieces_plan(N: int, x: torch.Tensor, dy: torch.Tensor) -> tuple | None:
+    """(C, L, VEC, warps) of the dx-pieces backward (DX_PIECES_BWD) for rows of ``N``, or None
+    where it does not run."""
+    if DX_PIECES_BWD is None or x.element_size() != 2 or next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
+        return None
+    vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), 2, (dy, x))
+    if not vec:
+        return None
+    piece, warps = DX_PIECES_BWD
+    return (*split_pieces(N, piece, vec), vec, warps)
 
 
 def _native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -1242,8 +1273,13 @@ def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
     return None
 
 
-COLUMN_TILE = (256, 32)  # (columns, rows) per iteration of the dweight/dbias kernel
-COLUMN_WARPS = 8
+# The dweight/dbias column kernel: (columns, rows) per iteration, warps, programs per SM.
+# H200 (benchmarks/dev/cols_path.py, 2026-11-22; bf16, us for dweight + dbias): N = 65537
+# 187 on (128, 64) x 16 warps, one program per column block, vs 622 on the earlier (256, 32) x 8
+# at eight programs per SM; N = 16384 140 on (64, 64) x 16 at two per SM vs 167.
+COLUMN_TILE = (128, 64)
+COLUMN_WARPS = 16
+COLUMN_PER_SM = 2
 
 _launch_fwd_single = Launcher(_ln_fwd_single)
 # Single-block forward launches, per (shape, dtypes, device, eps, with_stats): see _forward.
@@ -1580,6 +1616,10 @@ def layernorm_backward(
     need_part = need_dw or need_db
     parked = get_layernorm_backward() == "low_memory"
     fused = _fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
+    pieces = _dx_pieces_plan(N, x, dy) if fused is None and need_dx and M > 0 else None
+    if pieces is not None:  # long unaligned 16-bit rows: dx on aligned bodies + column kernel
+        return _columns_first_backward(dy, x, w, has_w, mean, rstd, torch.empty_like(x),
+                                       need_dw, need_db, grad_dtypes, pieces)
     split = (_split_plan(N, x, dy) if fused is None and M > 0 and N > 0
              and (need_dx or (need_part and not parked)) else None)
     if (fused is None and M > 0 and N > 0 and not (split and split[1])
@@ -1816,12 +1856,12 @@ def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
 
 def _column_splits(M: int, N: int, dev: torch.device,
                    max_splits: int | None = None) -> tuple[int, int, int]:
-    """(column blocks, row splits, rows per split) of the dweight/dbias column kernel: about
-    eight programs per SM in total, each owning a (row-split, column-block) tile; at most
-    ``max_splits`` splits."""
+    """(column blocks, row splits, rows per split) of the dweight/dbias column kernel: the
+    fewest row splits giving COLUMN_PER_SM programs per SM, each owning a (row-split,
+    column-block) tile (one split: no partials to sum); at most ``max_splits`` splits."""
     block_c, block_r = COLUMN_TILE
     col_blocks = cdiv(N, block_c)
-    splits = max(1, min(cdiv(M, block_r), 8 * num_sms(dev) // col_blocks + 1))
+    splits = max(1, min(cdiv(M, block_r), cdiv(COLUMN_PER_SM * num_sms(dev), col_blocks)))
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
     rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
@@ -1829,12 +1869,20 @@ def _column_splits(M: int, N: int, dev: torch.device,
 
 
 def _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
-                            grad_dtypes=None):
+                            grad_dtypes=None, pieces: tuple | None = None):
     """dx, dweight, dbias with no scratch beyond the outputs (the dx row kernel's path, both
     modes): dweight/dbias from :func:`_column_backward` first, then the dx row kernel writes dx
-    (one stream: in order). 5 passes over memory."""
+    (one stream: in order), or with ``pieces`` (see _dx_pieces_plan) _ln_bwd_dx_pieces on the
+    rows' aligned bodies. 5 passes over memory."""
     dw, db = _column_backward(dy, x, mean, rstd, dx, need_dw, need_db, grad_dtypes)
-    if dx is not None:
+    if dx is not None and pieces is not None:
+        M, N = x.shape
+        C, L, vec, warps = pieces
+        _launch_dx_pieces((M,), (
+            dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, 0,
+            next_pow2(L), C, next_pow2(C), has_w, False, vec, SPLIT_PAIRED,
+        ), warps)
+    elif dx is not None:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
     return dx, dw, db
 
@@ -1864,7 +1912,7 @@ def _column_backward(dy, x, mean, rstd, dx, need_dw: bool, need_db: bool, grad_d
                                                         db if need_db else dw)
     _launch_dwdb_columns((col_blocks, splits), (
         dy, x, mean, rstd, *outs, M, N, dy.stride(0), x.stride(0),
-        rows_per_split, *COLUMN_TILE, need_dw, need_db,
+        rows_per_split, *COLUMN_TILE, need_dw, need_db, dy.stride(0) == x.stride(0),
     ), COLUMN_WARPS)
     if part is not None:
         _reduce_partials(part, need_dw, need_db, out=(dw, db))
