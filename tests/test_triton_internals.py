@@ -487,6 +487,37 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,chunk", [(67, 16), (73, 16), (99, 32)], ids=str)
+@pytest.mark.parametrize("affine", ["both", "weight", "none", "fp32-weight"])
+def test_unrolled_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_backend, device,
+                                                            dtype, n, chunk, affine):
+    """_ln_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements in
+    unrolled chunks, a partial last chunk masked (99/32, and 67/16 in bfloat16), the head and
+    the up to 2·VEC - 1 tail elements in the edge tile) with its rule shrunk to 64/128-element
+    bodies: 17 rows cover every head 0..VEC-1; rows far from zero check the statistics' shift."""
+    from fusedops.triton import layernorm as tln
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tln, "UNROLLED_VEC_FWD", {(elt, 64): (chunk, 1), (elt, 128): (chunk, 2)})
+    monkeypatch.setattr(tln, "RELOAD_VEC_FWD", {})
+    monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 0)
+    calls = []
+    real = tln._launch_fwd_unrolled_vec
+    monkeypatch.setattr(tln, "_launch_fwd_unrolled_vec",
+                        lambda g, a, w: calls.append((g, a[10], a[11], a[12])) or real(g, a, w))
+    torch.manual_seed(n)
+    base = torch.randn(17, n, device=device, dtype=torch.float64)
+    base[:4] = 1e4 + base[:4] * 1e-2
+    x = base.to(dtype)
+    wdt = torch.float32 if affine == "fp32-weight" else dtype
+    w = torch.randn(n, device=device, dtype=wdt) if affine != "none" else None
+    b = torch.randn(n, device=device, dtype=dtype) if affine == "both" else None
+    _check_ln_forward(x, w, b, dtype, far=4)
+    vec = 16 // elt
+    assert calls == [((17,), n, (n // vec - 1) * vec, chunk)] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_shifted_weights(triton_backend, device, dtype):
     """Row h of the shifted copies is the weight from column h on, zero-padded to a multiple of
     16 elements; weight and bias of one dtype share one allocation, otherwise each has its own;

@@ -999,6 +999,27 @@ if "r40" in which:  # round 40 (fifteenth session): long 16-bit rows as a dx row
             point("ln_bwd", dt, N, [("cols", nosplit), ct((64, 64), 16, 2, nosplit),
                                     ct((64, 128), 16, 2, nosplit), ct((128, 64), 16, 4, nosplit)])
 
+if "r41" in which:  # round 41: LayerNorm forward of unaligned long rows on _ln_fwd_unrolled_vec
+    # (UNROLLED_VEC_FWD; "cur": (16384, 32) at 64K bodies) as u{chunk}Kw{warps}, against the
+    # split-row kernel on aligned-body pieces ("split": no rule); aligned 16-bit 128K/256K rows
+    # on _ln_fwd_unrolled against their split kernel ("cur").
+    def uv(elt, body, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tln, UNROLLED_VEC_FWD={(elt, body): (chunk, warps)}))
+    split = ("split", lambda: knobs(tln, UNROLLED_VEC_FWD={}))
+    for dt, elt in ((bf, 2), (fp16, 2), (f32, 4)):
+        point("ln_fwd", dt, 65537, [split] + [uv(elt, 65536, c, w) for c, w in (
+            (8192, 32), (8192, 16), (4096, 16), (16384, 16), (2048, 8))])
+    for N in (131073, 262145):
+        point("ln_fwd", bf, N, [uv(2, N - 1, c, w) for c, w in ((16384, 32), (8192, 32),
+                                                                 (8192, 16))])
+
+    def ua(N, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tln, UNROLLED_FWD={**tln.UNROLLED_FWD, (2, N): ((chunk, warps),)}))
+    for N in (131072, 262144):
+        point("ln_fwd", bf, N, [ua(N, c, w) for c, w in ((16384, 32), (8192, 32), (8192, 16))])
+
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")

@@ -314,6 +314,86 @@ def _ln_fwd_unrolled(
 
 
 @triton.jit
+def _ln_fwd_unrolled_vec(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, stride, eps, w_ld,
+    N: tl.constexpr, BODY: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, STATS: tl.constexpr, VEC: tl.constexpr,
+):
+    # _ln_fwd_unrolled for rows that start unaligned (N not a multiple of VEC, e.g. 2^k + 1;
+    # M unused, as there). Every row's first BODY = (N // VEC - 1)·VEC elements from its first
+    # 16-byte boundary are read as vectors in unrolled chunks (the same count for every row,
+    # whatever its misalignment, so only a last partial chunk needs a mask); the rest, the head
+    # before the boundary (< VEC) and the tail after the body (< 2·VEC), in one 4·VEC-lane edge
+    # tile. Weight and bias for the body from the shifted copies of _shift_weights (row
+    # ``head``), so those loads are vectors too.
+    row = tl.program_id(0)
+    start = row.to(tl.int64) * stride
+    first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
+    head = (first - start).to(tl.int32)
+    x_body = x_ptr + first
+    y_body = y_ptr + first
+    j = tl.arange(0, 4 * VEC)
+    ecol = tl.where(j < VEC, j, head + BODY + (j - VEC))
+    emask = tl.where(j < VEC, j < head, ecol < N)
+    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+    x0 = tl.load(x_ptr + start).to(tl.float32)
+    lanes = tl.arange(0, CHUNK)
+    # Per-lane sums about the lane's first element k, merged with Chan's formula (as in
+    # _ln_fwd_unrolled); each edge element joins as a lane of its own.
+    k = tl.load(x_body + lanes, eviction_policy="evict_last").to(tl.float32)
+    s1 = tl.zeros([CHUNK], tl.float32)
+    s2 = tl.zeros([CHUNK], tl.float32)
+    for c0 in tl.static_range(CHUNK, BODY, CHUNK):
+        c = c0 + lanes
+        if c0 + CHUNK <= BODY:
+            d = tl.load(x_body + c, eviction_policy="evict_last").to(tl.float32) - k
+        else:
+            d = tl.load(x_body + c, mask=c < BODY, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            d = tl.where(c < BODY, d - k, 0.0)
+        s1 += d
+        s2 += d * d
+    cnt = ((BODY - lanes + CHUNK - 1) // CHUNK).to(tl.float32)  # >= 1: BODY >= CHUNK
+    m2 = tl.maximum(s2 - s1 * s1 / cnt, 0.0)
+    lane_off = (k - x0) + s1 / cnt
+    de = tl.where(emask, xe - x0, 0.0)
+    off = (tl.sum(cnt * lane_off, axis=0) + tl.sum(de, axis=0)) / N
+    dev = lane_off - off
+    dve = tl.where(emask, de - off, 0.0)
+    var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0) + tl.sum(dve * dve, axis=0)) / N
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    if STATS:
+        tl.store(mean_ptr + row, x0 + off)
+        tl.store(rstd_ptr + row, rstd)
+    ye = dve * rstd
+    if HAS_W:  # row 0 of the shifted copies is the weight itself
+        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    if HAS_B:
+        ye = ye + tl.load(b_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    w_at = head * w_ld
+    for c0 in tl.static_range(0, BODY, CHUNK):
+        c = c0 + lanes
+        m = c < BODY
+        if c0 + CHUNK <= BODY:
+            x = tl.load(x_body + c, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(x_body + c, mask=m, other=0.0, eviction_policy="evict_first").to(
+                tl.float32)
+        y = ((x - x0) - off) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + w_at + c, mask=m, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + w_at + c, mask=m, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+        if c0 + CHUNK <= BODY:
+            tl.store(y_body + c, y.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_body + c, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _ln_fwd_reload_vec(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride, eps, w_ld,
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -1289,6 +1369,7 @@ _launch_fwd_looped = Launcher(_ln_fwd_looped)
 _launch_fwd_reload = Launcher(_ln_fwd_reload)
 _launch_fwd_unrolled = Launcher(_ln_fwd_unrolled)
 _launch_fwd_reload_vec = Launcher(_ln_fwd_reload_vec)
+_launch_fwd_unrolled_vec = Launcher(_ln_fwd_unrolled_vec)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
@@ -1478,7 +1559,10 @@ RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
 RELOAD_VEC_MIN_ELEMS = 1 << 24
 
 
-def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, warps):
+def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, warps,
+                        unrolled: bool = False):
+    """Unaligned rows (VEC > 0) on _ln_fwd_reload_vec or (``unrolled``) _ln_fwd_unrolled_vec,
+    with weight and bias from per-misalignment shifted copies."""
     has_w, has_b = weight is not None, bias is not None
     w = b = y  # placeholders, never read (HAS_W/HAS_B are constexpr)
     w_ld = N
@@ -1486,11 +1570,23 @@ def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, w
         ws, bs, w_ld = _shifted_weights(weight, bias, vec, N)
         w, b = (ws if has_w else y), (bs if has_b else y)
     mean, rstd = _stats_buffers(M, x.device, with_stats, y)
-    if M > 0:
+    if M > 0 and unrolled:
+        _launch_fwd_unrolled_vec((M,), (x, w, b, y, mean, rstd, M, N, eps, w_ld, N,
+                                        (N // vec - 1) * vec, chunk, has_w, has_b, with_stats,
+                                        vec), warps)
+    elif M > 0:
         _launch_fwd_reload_vec((M,), (x, w, b, y, mean, rstd, N, N, eps, w_ld,
                                       next_pow2(body_len(N, vec)), chunk, has_w, has_b,
                                       with_stats, vec), warps)
     return (y, mean, rstd) if with_stats else (y, None, None)
+
+
+# Unaligned rows (VEC > 0) with longer bodies on _ln_fwd_unrolled_vec (N compile-time, like
+# UNROLLED_FWD): (element size, padded body) -> (chunk, warps), for calls of at least
+# RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. Measured: see tune round 41.
+UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (16384, 32), (4, 65536): (16384, 32),
+}
 
 
 def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
@@ -1526,6 +1622,12 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
         return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *reload)
+    unrolled = (UNROLLED_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
+                if vec and M * N >= RELOAD_VEC_MIN_ELEMS
+                and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if unrolled and (N // vec - 1) * vec >= unrolled[0]:
+        return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *unrolled,
+                                   unrolled=True)
     single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
     if (not with_stats and x.element_size() == 2 and block >= 8192
             and M * N > STATS_FREE_16BIT_MAX):
