@@ -288,7 +288,7 @@ def test_unrolled_rules():
         (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
         (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
         (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
-        (2, 65536): ((16384, 32),),
+        (2, 65536): ((16384, 32),), (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),
         (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),),
         (4, 4096): ((2048, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
         (4, 65536): ((16384, 32),)}
@@ -296,6 +296,11 @@ def test_unrolled_rules():
         assert padded > tln.UNROLLED_FWD_ABOVE  # the host path skips shorter rows' lookup
         for chunk, warps in configs:
             assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
+    # Round 41: unaligned rows, (element size, padded body) -> (chunk, warps)
+    assert tln.UNROLLED_VEC_FWD == {(2, 65536): (8192, 32), (4, 65536): (16384, 32),
+                                    (2, 131072): (16384, 32), (2, 262144): (8192, 32)}
+    for (_, padded), (chunk, warps) in tln.UNROLLED_VEC_FWD.items():
+        assert padded % chunk == 0 and chunk % (32 * warps) == 0
 
 
 def test_softmax_unrolled_rules():

@@ -456,6 +456,29 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [67, 73, 79])
+def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend, device, dtype,
+                                                     n):
+    """_softmax_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements
+    in unrolled 16-element chunks, a partial last chunk masked where 16 does not divide it,
+    the head and tail in the edge tile) with its rule shrunk to 64-element bodies: 17
+    contiguous rows cover every head 0..VEC-1, with -inf, all -inf, NaN, +inf and far rows
+    (_check_softmax_special_rows); the strided pass (row stride 80) takes the other kernels."""
+    from fusedops.triton import softmax as tsm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(tsm, "UNROLLED_VEC_FWD", {(elt, 64): (16, 1), (elt, 128): (16, 1)})
+    monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
+    calls = []
+    real = tsm._launch_fwd_unrolled_vec
+    monkeypatch.setattr(tsm, "_launch_fwd_unrolled_vec",
+                        lambda g, a, w: calls.append((g, a[4], a[5], a[6])) or real(g, a, w))
+    _check_softmax_special_rows(17, n, device, dtype)
+    vec = 16 // elt
+    assert calls == [((17,), n, (n // vec - 1) * vec, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
 def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_backend, device,

@@ -1020,6 +1020,41 @@ if "r41" in which:  # round 41: LayerNorm forward of unaligned long rows on _ln_
     for N in (131072, 262144):
         point("ln_fwd", bf, N, [ua(N, c, w) for c, w in ((16384, 32), (8192, 32), (8192, 16))])
 
+if "r42" in which:  # round 42: softmax forward of unaligned long rows on
+    # _softmax_fwd_unrolled_vec (UNROLLED_VEC_FWD; "cur": (8192, 16) at 64K bodies) as
+    # u{chunk}Kw{warps}, against the split-row kernel on aligned-body pieces ("split");
+    # aligned 128K/256K rows on _softmax_fwd_unrolled, and float32 LayerNorm forward rows of
+    # 128K/256K on _ln_fwd_unrolled(_vec), against the shipped kernels ("cur").
+    def sv(elt, body, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tsm, UNROLLED_VEC_FWD={(elt, body): (chunk, warps)}))
+    split = ("split", lambda: knobs(tsm, UNROLLED_VEC_FWD={}))
+    cfgs = ((8192, 32), (16384, 32), (4096, 16), (16384, 16))
+    for dt, elt in ((bf, 2), (fp16, 2), (f32, 4)):
+        point("sm_fwd", dt, 65537, [split] + [sv(elt, 65536, c, w) for c, w in cfgs])
+    for N in (131073, 262145):
+        point("sm_fwd", bf, N, [sv(2, N - 1, c, w) for c, w in ((8192, 16), (16384, 32),
+                                                                 (8192, 32))])
+
+    def sa(elt, N, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}", lambda: knobs(
+            tsm, UNROLLED_FWD={**tsm.UNROLLED_FWD, (elt, N): ((chunk, warps),)}))
+    for dt, elt in ((bf, 2), (f32, 4)):
+        for N in (131072, 262144):
+            point("sm_fwd", dt, N, [sa(elt, N, c, w) for c, w in ((8192, 16), (16384, 32),
+                                                                   (8192, 32))])
+
+    def la(N, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}", lambda: knobs(
+            tln, UNROLLED_FWD={**tln.UNROLLED_FWD, (4, N): ((chunk, warps),)}))
+
+    def lv(body, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tln, UNROLLED_VEC_FWD={(4, body): (chunk, warps)}))
+    for N in (131072, 262144):
+        point("ln_fwd", f32, N, [la(N, c, w) for c, w in ((16384, 32), (8192, 32))])
+        point("ln_fwd", f32, N + 1, [lv(N, c, w) for c, w in ((16384, 32), (8192, 32))])
+
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")

@@ -1498,11 +1498,13 @@ RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves
 #   64K on 16K x 32 3.07-3.13 was 2.94-2.99 (8K x 32: 2.71-3.08) | 2560 on 512 x 4 3.88 was
 #   3.50, 3072 on 1K x 8 4.14 was 3.88, 5120 4.06 was 3.26, 6144 4.20 was 3.68, 7168 3.81 was
 #   3.93 (the one length measured slower). 16K-32K: level or slower, no rule.
+#   Round 41: bf16 128K on 16K x 32 2.98 was 2.23 (split rows; 8K x 32 2.56), 256K 2.66 was
+#   2.36 (8K x 16 2.48).
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
     (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
     (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
-    (2, 65536): ((16384, 32),),
+    (2, 65536): ((16384, 32),), (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),
     (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),),
     (4, 4096): ((2048, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
     (4, 65536): ((16384, 32),),
@@ -1583,9 +1585,13 @@ def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, w
 
 # Unaligned rows (VEC > 0) with longer bodies on _ln_fwd_unrolled_vec (N compile-time, like
 # UNROLLED_FWD): (element size, padded body) -> (chunk, warps), for calls of at least
-# RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. Measured: see tune round 41.
+# RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. H200, tune round 41, TB/s against
+# the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.89 / 2.97 vs 1.64 / 1.66
+# (8192 x 16: 2.54 / 2.73, 16384 x 32: 2.79 / 2.82), float32 65537 2.99 vs 2.05 (8192 x 32:
+# 2.69), bf16 131073 2.63 vs 1.14 (8192 x 32: 2.24), 262145 2.17 vs 1.81 (16384 x 32: 2.15).
 UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
-    (2, 65536): (16384, 32), (4, 65536): (16384, 32),
+    (2, 65536): (8192, 32), (4, 65536): (16384, 32), (2, 131072): (16384, 32),
+    (2, 262144): (8192, 32),
 }
 
 
