@@ -298,7 +298,8 @@ def test_unrolled_rules():
             assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
     # Round 41: unaligned rows, (element size, padded body) -> (chunk, warps)
     assert tln.UNROLLED_VEC_FWD == {(2, 65536): (8192, 32), (4, 65536): (16384, 32),
-                                    (2, 131072): (16384, 32), (2, 262144): (8192, 32)}
+                                    (2, 131072): (16384, 32), (2, 262144): (8192, 32),
+                                    (4, 131072): (8192, 32), (4, 262144): (8192, 32)}
     for (_, padded), (chunk, warps) in tln.UNROLLED_VEC_FWD.items():
         assert padded % chunk == 0 and chunk % (32 * warps) == 0
 
@@ -308,6 +309,7 @@ def test_softmax_unrolled_rules():
     assert tsm.UNROLLED_FWD == {
         (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
         (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),)}
+    assert tsm.UNROLLED_VEC_FWD == {(2, 65536): (8192, 16)}  # round 42: unaligned rows
     for (_, padded), configs in tsm.UNROLLED_FWD.items():
         assert padded > tsm.UNROLLED_FWD_ABOVE
         for chunk, warps in configs:

@@ -1588,10 +1588,12 @@ def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, w
 # RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. H200, tune round 41, TB/s against
 # the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.89 / 2.97 vs 1.64 / 1.66
 # (8192 x 16: 2.54 / 2.73, 16384 x 32: 2.79 / 2.82), float32 65537 2.99 vs 2.05 (8192 x 32:
-# 2.69), bf16 131073 2.63 vs 1.14 (8192 x 32: 2.24), 262145 2.17 vs 1.81 (16384 x 32: 2.15).
+# 2.69), bf16 131073 2.63 vs 1.14 (8192 x 32: 2.24), 262145 2.17 vs 1.81 (16384 x 32: 2.15);
+# round 42: float32 131073 2.36 vs 1.83 (16384 x 32: 2.35), 262145 2.30 vs 2.08 (2.24).
+# (Aligned float32 128K / 256K stay on split rows: 2.84 / 2.72 vs 2.50-2.68 unrolled.)
 UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 65536): (8192, 32), (4, 65536): (16384, 32), (2, 131072): (16384, 32),
-    (2, 262144): (8192, 32),
+    (2, 262144): (8192, 32), (4, 131072): (8192, 32), (4, 262144): (8192, 32),
 }
 
 

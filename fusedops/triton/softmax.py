@@ -554,11 +554,12 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
 }
 UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
 # Unaligned rows (VEC > 0) on _softmax_fwd_unrolled_vec: (element size, padded body) ->
-# (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. Measured: tune
-# round 42.
-UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
-    (2, 65536): (8192, 16), (4, 65536): (8192, 16),
-}
+# (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, tune round
+# 42, TB/s against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
+# vs 2.21 / 2.21 (16384 x 16: 2.90 / 2.95, 8192 x 32: 2.72 / 3.17). Slower: float32 65537
+# (2.53-2.73 vs 2.90), and 128K+ rows (16-bit 131073 / 262145 0.58-1.00 vs 2.07 / 2.04; the
+# aligned kernel alike at 128K / 256K: 0.42-1.10 vs 2.78-3.33).
+UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 16)}
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
