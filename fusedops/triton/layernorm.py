@@ -17,7 +17,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   statistics, then again from L2 in chunks to write y; nothing held across the two.
 * Forward, reload for unaligned 16-bit rows (N = 2^k + 1, ``RELOAD_VEC_FWD``, large calls): the
   same on the row's aligned body plus its edges; weight and bias from copies shifted per row
-  misalignment (``_shift_weights``), so every per-column load is a 16-byte vector.
+  misalignment (``_shift_weights``), so every per-column load is a 16-byte vector. Longer
+  bodies (64K+, ``UNROLLED_VEC_FWD``): the unrolled kernel's structure on the aligned body
+  (``_ln_fwd_unrolled_vec``), with the same shifted copies.
 * Backward, fused (rows up to 8K, and unaligned rows with a 2K-8K body): persistent programs write
   dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
   each; ``_sum_partials`` adds them in a fixed order (deterministic: no atomics). The two row

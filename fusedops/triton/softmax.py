@@ -15,7 +15,10 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   for the dot product and again from L2 for dx; the forward's reload kernel (``RELOAD_FWD``)
   reads the row whole for its max and sum and again from L2 to write y. The forward's unrolled
   kernel (``UNROLLED_FWD``: aligned rows a multiple of a rule's chunk, N compile-time) streams
-  the row for per-lane maxima, then re-reads it from L2 for the sum and again to write y.
+  the row for per-lane maxima, then re-reads it from L2 for the sum and again to write y;
+  ``_softmax_fwd_unrolled_vec`` (``UNROLLED_VEC_FWD``) does the same for unaligned rows (N not a
+  multiple of the vector width, e.g. 2^k + 1) on each row's aligned body, the few elements
+  before and after it in an edge tile.
 
 All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
 """
