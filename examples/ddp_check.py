@@ -20,6 +20,7 @@ call to fusedops (the patch did not take); or, on a fused backend, no call ran o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -127,6 +128,10 @@ def train(args: argparse.Namespace, rank: int, device: torch.device, patched: bo
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(WORLD_SIZE)]
     dist.all_gather(gathered, flat)
+    # Free DDP's reducer (it holds the process group and gloo's threads) now, not at interpreter
+    # exit, where an unjoined thread aborts the process.
+    del ddp, opt
+    gc.collect()
     return {
         "losses": losses,
         "in_sync": all(torch.equal(gathered[0], t) for t in gathered[1:]),
@@ -157,8 +162,10 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> Non
                 "max_param_diff": diff,
                 "fused_backend": _backend_name(args, device),
             }
-            with open(out_path, "w") as f:
+            with open(out_path + ".tmp", "w") as f:
                 json.dump(result, f)
+            os.replace(out_path + ".tmp", out_path)  # complete or absent, never half-written
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -203,6 +210,27 @@ def evaluate(result: dict, args: argparse.Namespace) -> tuple[bool, list[str]]:
     return not problems, lines
 
 
+def run_workers(args: argparse.Namespace, out_path: str) -> str | None:
+    """Spawn the ranks; None when rank 0's result is in ``out_path``, else what went wrong.
+
+    A worker killed by a signal *after* rank 0 wrote its result is reported and tolerated:
+    rank 0 writes only after the last collective (the parameter all-gather), which every rank
+    must have joined, so all training and every check had completed; what died was
+    torch.distributed's teardown (gloo's threads have aborted a rank at exit, rarely, in CI).
+    """
+    try:
+        mp.spawn(worker, args=(args, free_port(), out_path), nprocs=WORLD_SIZE, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name and os.path.exists(out_path):
+            print(f"note: {exc} during teardown, after every rank finished training "
+                  "(rank 0's result is complete); the check goes on", flush=True)
+            return None
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a worker raised: report it as a failure
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < WORLD_SIZE:
@@ -215,10 +243,9 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rank0.json")
-        try:
-            mp.spawn(worker, args=(args, free_port(), out_path), nprocs=WORLD_SIZE, join=True)
-        except Exception as exc:  # a worker raised: report it as a failure
-            print(f"FAIL: a worker failed: {type(exc).__name__}: {exc}")
+        failure = run_workers(args, out_path)
+        if failure:
+            print(f"FAIL: a worker failed: {failure}")
             return 1
         with open(out_path) as f:
             result = json.load(f)

@@ -97,6 +97,28 @@ def test_ddp_check_reports_failures():
         check.parse_args(["--backend", "nccl", "--device", "cpu"])
 
 
+def test_ddp_check_teardown_crash(tmp_path, monkeypatch):
+    """A rank killed by a signal after rank 0 wrote its result (torch.distributed's teardown)
+    is tolerated and reported; before that, and any exception, is a failure."""
+    check = _load_script()
+    args = check.parse_args(["--steps", "1"])
+    out_path = str(tmp_path / "rank0.json")
+
+    def killed(*a, **k):
+        raise check.mp.ProcessExitedException("process 1 terminated with signal SIGABRT",
+                                               error_index=1, error_pid=1, exit_code=-6,
+                                               signal_name="SIGABRT")
+    monkeypatch.setattr(check.mp, "spawn", killed)
+    assert "SIGABRT" in check.run_workers(args, out_path)  # no result yet: a failure
+    (tmp_path / "rank0.json").write_text("{}")
+    assert check.run_workers(args, out_path) is None
+
+    def raised(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(check.mp, "spawn", raised)
+    assert "boom" in check.run_workers(args, out_path)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
