@@ -316,6 +316,43 @@ def test_softmax_unrolled_rules():
             assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
 
 
+def test_softmax_unrolled_backward_rules():
+    # Round 43 (H200): aligned (element size, padded row) -> configs; unaligned (element size,
+    # padded body) -> (chunk, warps). float32 and aligned 16-bit 128K/256K stay on split rows.
+    assert tsm.UNROLLED_BWD == {(2, 65536): ((16384, 32),)}
+    assert tsm.UNROLLED_VEC_BWD == {(2, 65536): (8192, 32), (2, 131072): (16384, 32),
+                                    (2, 262144): (8192, 16)}
+    for (_, padded), configs in tsm.UNROLLED_BWD.items():
+        assert padded > tsm.RELOAD_BWD_ABOVE
+        for chunk, warps in configs:
+            assert padded % chunk == 0 and chunk % (32 * warps) == 0
+    for (_, padded), (chunk, warps) in tsm.UNROLLED_VEC_BWD.items():
+        assert padded > tsm.RELOAD_BWD_ABOVE and padded % chunk == 0
+        assert chunk % (32 * warps) == 0
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype,n,want", [
+    (torch.bfloat16, 65536, (65536, 65536, 16384, 0, 32)),
+    (torch.float16, 65537, (65537, 65528, 8192, 8, 32)),
+    (torch.bfloat16, 131073, (131073, 131064, 16384, 8, 32)),
+    (torch.bfloat16, 131072, None),  # aligned 128K: split rows
+    (torch.float32, 65537, None),  # float32: split rows
+    (torch.bfloat16, 32768, None),  # the reload kernel
+])
+def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n, want):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = []
+    _recording(monkeypatch, tsm, "_launch_bwd_unrolled", calls, lambda g, a, w: (g, *a[5:], w))
+    y = torch.softmax(torch.randn(2, n, device=device), -1).to(dtype)
+    dy = torch.randn(2, n, device=device, dtype=dtype)
+    dx = tsm.softmax_backward(y, dy, dtype)
+    assert calls == ([((2,), *want)] if want else [])
+    yf, dyf = y.float(), dy.float()
+    want_dx = yf * (dyf - (yf * dyf).sum(-1, keepdim=True))
+    torch.testing.assert_close(dx.float(), want_dx, atol=1e-6, rtol=0.02)
+
+
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype,n,want", [
     (torch.bfloat16, 16384, (16384, 2048, 8)),

@@ -562,3 +562,42 @@ def test_shifted_weights(triton_backend, device, dtype):
                 want = torch.zeros(ld, dtype=src.dtype, device=device)
                 want[:n - h] = src[h:]
                 assert torch.equal(got[h], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [64, 48, 67, 73, 79])
+def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n):
+    """_softmax_bwd_unrolled with its rules shrunk to 64-element rows in 16-element chunks:
+    aligned rows (64: four full chunks; 48: three) with a strided and an expanded (row stride 0)
+    dy; unaligned rows (67, 73, 79: 17 rows cover every head 0..VEC-1, a partial last chunk
+    where 16 does not divide the body, head and tail in the edge tile) with a contiguous dy, and
+    with a strided dy, which takes the other kernels; rows with NaN and inf gradients."""
+    from fusedops.triton import softmax as tsm
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    vec = 16 // elt
+    monkeypatch.setattr(tsm, "UNROLLED_BWD", {(elt, 64): ((16, 4),)})
+    monkeypatch.setattr(tsm, "UNROLLED_VEC_BWD", {(elt, 64): (16, 2), (elt, 128): (16, 1)})
+    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
+    calls = []
+    real = tsm._launch_bwd_unrolled
+    monkeypatch.setattr(tsm, "_launch_bwd_unrolled",
+                        lambda g, a, w: calls.append((g, a[5], a[6], a[7], a[8])) or real(g, a, w))
+    torch.manual_seed(n)
+    rows = 17
+    s = torch.softmax(torch.randn(rows, n, device=device, dtype=torch.float64) * 3, -1)
+    g = torch.randn(rows, 2 * n, device=device, dtype=torch.float64)
+    g[2, 5] = float("nan")
+    g[3, n - 1] = float("inf")  # the last column: in the tail of every unaligned row
+    s_, g = s.to(dtype), g.to(dtype)
+    aligned = n % vec == 0
+    dys = [g[:, :n].contiguous(), g[:, :n]] + ([g[:1, :n].expand(rows, n)] if aligned else [])
+    for dy in dys:
+        dx = tsm.softmax_backward(s_, dy, dtype)
+        sd, gd = s_.double(), dy.double()
+        want = sd * (gd - (sd * gd).sum(-1, keepdim=True))
+        torch.testing.assert_close(dx.double(), want.to(dtype).double(), equal_nan=True,
+                                   **tol(dtype, 4))
+    body = n if aligned else (n // vec - 1) * vec
+    launched = ((rows,), n, body, 16, 0 if aligned else vec)
+    assert calls == [launched] * (3 if aligned else 1)

@@ -13,7 +13,8 @@ never launched, so a new kernel variant without a case here is noticed.
 
 Variants: softmax forward/backward single-block (aligned rows and, as an aligned body
 plus element-wise edges, unaligned ones), looped (single-block limit shrunk to 256), the
-backward's reload variant (16-bit N = 4000), split-row (N = 2 x 16384 and 6 x 16384 + 5, M = 3);
+backward's reload variant (16-bit N = 4000), the unrolled forwards and backward (16-bit N =
+4096, 65536, 65537), split-row (N = 2 x 16384 and 6 x 16384 + 5, M = 3);
 LayerNorm forward single/looped/reload (N = 12000)/split-row, the fused backward with
 per-program dweight/dbias partials, the dx row kernel (single/looped) with the column
 dweight/dbias kernel (FUSED_BWD_MAX_BLOCK = 0 forces it at short rows), the partial-sum kernel,
@@ -171,6 +172,11 @@ def softmax_cases(dtype: torch.dtype) -> None:
     # 16-bit rows of 4K: the backward's reload variant (row read whole, then again in chunks)
     softmax_case(f"softmax reload N=4000 {t}", randn(3, 4000, dtype=dtype, seed=9),
                  randn(3, 4000, dtype=dtype, seed=10))
+    # Unrolled kernels (16-bit rules): aligned 4K rows forward; 65537 (unaligned, a 64K body)
+    # forward and backward; 64K aligned backward. float32 rows of these take other kernels.
+    for n in (4096, 65536, 65537):
+        softmax_case(f"softmax unrolled N={n} {t}", randn(2, n, dtype=dtype, seed=11),
+                     randn(2, n, dtype=dtype, seed=12))
     for n in (2 * 16384, 6 * 16384 + 5):
         softmax_case(f"softmax split N={n} {t}", randn(3, n, dtype=dtype, seed=7),
                      randn(3, n, dtype=dtype, seed=8))

@@ -1056,6 +1056,26 @@ if "r42" in which:  # round 42: softmax forward of unaligned long rows on
         point("ln_fwd", f32, N + 1, [lv(N, c, w) for c, w in ((16384, 32), (8192, 32))])
 
 
+if "r43" in which:  # round 43: the softmax backward on _softmax_bwd_unrolled, unaligned rows
+    # (UNROLLED_VEC_BWD, u{chunk}Kw{warps}) and aligned rows (UNROLLED_BWD), against the
+    # shipped kernels ("cur": split rows above 32K).
+    cfgs = ((8192, 16), (16384, 32), (8192, 32), (4096, 16), (16384, 16))
+
+    def bv(elt, body, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tsm, UNROLLED_VEC_BWD={(elt, body): (chunk, warps)}))
+
+    def ba(elt, N, chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tsm, UNROLLED_BWD={(elt, N): ((chunk, warps),)}))
+    for dt, elt in ((bf, 2), (fp16, 2), (f32, 4)):
+        point("sm_bwd", dt, 65537, [bv(elt, 65536, c, w) for c, w in cfgs])
+    for dt, elt in ((bf, 2), (f32, 4)):
+        point("sm_bwd", dt, 65536, [ba(elt, 65536, c, w) for c, w in cfgs])
+    for N in (131072, 262144):
+        point("sm_bwd", bf, N, [ba(2, N, c, w) for c, w in cfgs[:3]])
+        point("sm_bwd", bf, N + 1, [bv(2, N, c, w) for c, w in cfgs[:3]])
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

@@ -325,6 +325,65 @@ def _softmax_bwd_looped(
 
 
 @triton.jit
+def _softmax_bwd_unrolled(
+    y_ptr, dy_ptr, dx_ptr, M, stride_dy, N: tl.constexpr, BODY: tl.constexpr,
+    CHUNK: tl.constexpr, VEC: tl.constexpr,
+):
+    # Two unrolled passes over a row (y and dx contiguous, row stride N; M unused): the dot
+    # product keeps only per-lane partial sums, so every chunk's loads can be in flight at
+    # once, then dx re-reads y and dy from L2. VEC = 0: aligned rows, BODY = N. VEC > 0: rows
+    # that start unaligned (dy shares the stride N): each row's first BODY = (N // VEC - 1)·VEC
+    # elements from its first 16-byte boundary as vectors (the same count for every
+    # misalignment), the head (< VEC) and tail (< 2·VEC) in one 4·VEC-lane edge tile, loaded
+    # once and kept (the layout of _softmax_fwd_unrolled_vec).
+    row = tl.program_id(0).to(tl.int64)
+    start = row * N
+    if VEC > 0:
+        first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
+        head = (first - start).to(tl.int32)
+        j = tl.arange(0, 4 * VEC)
+        ecol = tl.where(j < VEC, j, head + BODY + (j - VEC))
+        emask = tl.where(j < VEC, j < head, ecol < N)
+        ye = tl.load(y_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+        dye = tl.load(dy_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+        y_body = y_ptr + first
+        dy_body = dy_ptr + first
+        dx_body = dx_ptr + first
+    else:
+        y_body = y_ptr + start
+        dy_body = dy_ptr + row * stride_dy
+        dx_body = dx_ptr + start
+    lanes = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for c0 in tl.static_range(0, BODY, CHUNK):
+        c = c0 + lanes
+        if c0 + CHUNK <= BODY:
+            y = tl.load(y_body + c, eviction_policy="evict_last")
+            dy = tl.load(dy_body + c, eviction_policy="evict_last")
+        else:
+            y = tl.load(y_body + c, mask=c < BODY, other=0.0, eviction_policy="evict_last")
+            dy = tl.load(dy_body + c, mask=c < BODY, other=0.0, eviction_policy="evict_last")
+        acc += y.to(tl.float32) * dy.to(tl.float32)
+    dot = tl.sum(acc, axis=0)
+    if VEC > 0:
+        dot += tl.sum(ye * dye, axis=0)
+        tl.store(dx_ptr + start + ecol, (ye * (dye - dot)).to(dx_ptr.dtype.element_ty),
+                 mask=emask)
+    for c0 in tl.static_range(0, BODY, CHUNK):
+        c = c0 + lanes
+        if c0 + CHUNK <= BODY:
+            y = tl.load(y_body + c, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_body + c, eviction_policy="evict_first").to(tl.float32)
+            tl.store(dx_body + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty))
+        else:
+            y = tl.load(y_body + c, mask=c < BODY, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_body + c, mask=c < BODY, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)
+            tl.store(dx_body + c, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=c < BODY)
+
+
+@triton.jit
 def _softmax_fwd_split(
     x_ptr, y_ptr, stats_ptr, count_ptr, N, L, stride, stride_y, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
@@ -459,6 +518,7 @@ _launch_fwd_unrolled = Launcher(_softmax_fwd_unrolled)
 _launch_fwd_unrolled_vec = Launcher(_softmax_fwd_unrolled_vec)
 _launch_bwd_single = Launcher(_softmax_bwd_single)
 _launch_bwd_looped = Launcher(_softmax_bwd_looped)
+_launch_bwd_unrolled = Launcher(_softmax_bwd_unrolled)
 _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
 _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
 _fwd_plans = PlanCache()  # single-block forward launches, per (shape, dtype, out dtype, device)
@@ -565,6 +625,20 @@ UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
 UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 16)}
 
 
+# The backward on _softmax_bwd_unrolled: aligned rows (element size, padded row) -> (chunk,
+# warps) configs, the first whose chunk divides N; unaligned rows (VEC > 0) by (element size,
+# padded body) -> (chunk, warps), rows longer than RELOAD_BWD_ABOVE whose body holds a chunk.
+# H200, tune round 43 (sixteenth session), TB/s against split rows ("cur"): bf16 / fp16 65537
+# 3.60 / 3.64 on 8192 x 32 vs 2.48 / 2.51 (16384 x 32: 3.43 / 3.56); bf16 131073 2.77 on
+# 16384 x 32 vs 1.86; 262145 2.16 on 8192 x 16 vs 1.76; aligned bf16 64K 3.76 on 16384 x 32 vs
+# 3.52. Slower: float32 (65536 / 65537 2.78-3.08 vs 3.84 / 3.58) and aligned 16-bit 128K / 256K
+# (2.29-2.90 vs 3.42 / 3.30), which stay on split rows.
+UNROLLED_BWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(2, 65536): ((16384, 32),)}
+UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (8192, 32), (2, 131072): (16384, 32), (2, 262144): (8192, 16),
+}
+
+
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Row softmax. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride, or a
     contiguous tensor of any rank >= 1 (rows along the last dim).
@@ -624,6 +698,15 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return y
 
 
+def _unrolled_bwd_config(N: int, vec: int, elt_size: int) -> tuple[int, int] | None:
+    """(chunk, warps) of UNROLLED_BWD / UNROLLED_VEC_BWD for rows of N, or None."""
+    if not vec:
+        return unrolled_config(UNROLLED_BWD, elt_size, N, RELOAD_BWD_ABOVE, 0)
+    cfg = (UNROLLED_VEC_BWD.get((elt_size, next_pow2(body_len(N, vec))))
+           if single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    return cfg if cfg and (N // vec - 1) * vec >= cfg[0] else None
+
+
 def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """dx = y * (dy - sum(dy * y)) per row. y: (M, N) contiguous; dy: (M, N) unit column
     stride, any row stride (0 for expanded gradients). Returns contiguous (M, N) of ``out_dtype``.
@@ -633,6 +716,14 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     if M == 0 or N == 0:
         return dx
     vec = unaligned_vec(N, (N, dy.stride(0)), y.element_size(), (y, dy, dx))
+    if N > RELOAD_BWD_ABOVE and (UNROLLED_BWD or UNROLLED_VEC_BWD):
+        unrolled = _unrolled_bwd_config(N, vec, y.element_size())
+        if unrolled:
+            chunk, warps = unrolled
+            body = (N // vec - 1) * vec if vec else N
+            _launch_bwd_unrolled((M,), (y, dy, dx, M, dy.stride(0), N, body, chunk, vec),
+                                 warps)
+            return dx
     reload = (RELOAD_BWD.get((y.element_size(), next_pow2(N)))
               if N > RELOAD_BWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
