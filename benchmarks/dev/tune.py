@@ -1076,6 +1076,32 @@ if "r43" in which:  # round 43: the softmax backward on _softmax_bwd_unrolled, u
         point("sm_bwd", bf, N, [ba(2, N, c, w) for c, w in cfgs[:3]])
         point("sm_bwd", bf, N + 1, [bv(2, N, c, w) for c, w in cfgs[:3]])
 
+if "r44" in which:  # round 44: 16-bit softmax backward at 32K (Liger 2-3% ahead of the reload
+    # kernel, "cur", in sweeps s15/s16): _softmax_bwd_unrolled configs, the single-block kernel
+    # (no reload rule), and Liger's kernel itself when importable.
+    def b32(chunk, warps):
+        return (f"u{chunk // 1024}Kw{warps}",
+                lambda: knobs(tsm, UNROLLED_BWD={(2, 32768): ((chunk, warps),)}))
+    single = ("single", lambda: knobs(tsm, RELOAD_BWD={k: v for k, v in tsm.RELOAD_BWD.items()
+                                                       if k != (2, 32768)}))
+    def single_w(warps):  # the single-block kernel on `warps` warps (Liger: 32)
+        return (f"single_w{warps}", lambda: stack(single[1](), override("softmax_bwd",
+                                                                        warps=warps)))
+    for dt in (bf, fp16):
+        point("sm_bwd", dt, 32768, [single, single_w(16), single_w(32)] + [b32(c, w) for c, w in (
+            (8192, 16), (16384, 32), (4096, 8), (32768, 32), (8192, 32))])
+        try:
+            from liger_kernel.ops.softmax import LigerSoftmaxFunction
+            x = torch.randn(TOTAL // 32768, 32768, device=dev, dtype=dt, requires_grad=True)
+            y = LigerSoftmaxFunction.apply(x)
+            dy = torch.randn_like(y)
+            ms = bench(lambda: torch.autograd.grad(y, x, dy, retain_graph=True))
+            print(f"liger sm_bwd {dt} 32768: {3 * x.numel() * 2 / ms / 1e9:.2f} TB/s", flush=True)
+            records.append(dict(op="sm_bwd", dtype=str(dt).split(".")[-1], N=32768,
+                                variant="liger", tbps=3 * x.numel() * 2 / ms / 1e9))
+        except Exception as exc:  # noqa: BLE001
+            print(f"liger unavailable: {type(exc).__name__}: {exc}", flush=True)
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:
