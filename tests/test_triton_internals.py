@@ -601,39 +601,3 @@ def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n
     body = n if aligned else (n // vec - 1) * vec
     launched = ((rows,), n, body, 16, 0 if aligned else vec)
     assert calls == [launched] * (3 if aligned else 1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n", [64, 48, 16])  # four, three and one 16-element chunks
-def test_softmax_forward_twopass(monkeypatch, triton_backend, device, dtype, n):
-    """_softmax_fwd_twopass with its rule shrunk to 16-element chunks: the one-pass sum about
-    each lane's first value (rows of small spread, rows far from zero) and the extra pass for
-    rows it cannot take (a leading -inf, a spread above the limit within a lane, +inf), with
-    -inf, all -inf and NaN rows (_check_softmax_special_rows), strided and contiguous."""
-    from fusedops.triton import softmax as tsm
-
-    elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "TWOPASS_FWD", {(elt, 64): ((16, 4),), (elt, 16): ((16, 1),)})
-    monkeypatch.setattr(tsm, "UNROLLED_FWD_ABOVE", 0)
-    calls = []
-    real = tsm._launch_fwd_twopass
-
-    class Spy:  # records (grid, N, CHUNK, warps); launch plans still get the real entry
-        entry = real.entry
-
-        def __call__(self, grid, args, warps):
-            calls.append((grid, args[5], args[6], warps))
-            return real(grid, args, warps)
-    monkeypatch.setattr(tsm, "_launch_fwd_twopass", Spy())
-    _check_softmax_special_rows(8, n, device, dtype)
-    chunk_warps = (16, 4) if n > 16 else (16, 1)
-    assert calls == [((8,), n, *chunk_warps)] * 2
-    # spreads around the limit (60): 50 stays on the one-pass sum, 200 takes the extra pass;
-    # the largest value last, so the lane's reference is far below it
-    x = torch.zeros(3, n, device=device, dtype=torch.float64)
-    x[0, -1], x[1, -1], x[2, -1] = 50.0, 200.0, -200.0
-    x[:, : n // 2] = torch.randn(3, n // 2, device=device, dtype=torch.float64)
-    y = tsm.softmax_forward(x.to(dtype), dtype)
-    want = torch.softmax(x.to(dtype).double(), -1)
-    torch.testing.assert_close(y.double(), want.to(dtype).double(), **tol(dtype, 2))
-    assert torch.isfinite(y).all()

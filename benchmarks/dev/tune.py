@@ -1102,21 +1102,6 @@ if "r44" in which:  # round 44: 16-bit softmax backward at 32K (Liger 2-3% ahead
         except Exception as exc:  # noqa: BLE001
             print(f"liger unavailable: {type(exc).__name__}: {exc}", flush=True)
 
-if "r45" in which:  # round 45: the softmax forward on _softmax_fwd_twopass (TWOPASS_FWD;
-    # t{chunk}Kw{warps}) against the shipped kernels ("cur": single-block at 16-bit 32K, unrolled
-    # at 16-bit 64K, split rows at float32 64K); "far": the same row shifted by a spread that
-    # sends every row through the extra pass (its cost when it happens).
-    cfgs = ((8192, 16), (4096, 8), (8192, 32), (16384, 32), (2048, 8), (4096, 16))
-
-    def tp(elt, N, chunk, warps):
-        return (f"t{chunk // 1024}Kw{warps}",
-                lambda: knobs(tsm, TWOPASS_FWD={(elt, N): ((chunk, warps),)}))
-    for dt, elt, N in ((bf, 2, 32768), (fp16, 2, 32768), (bf, 2, 65536), (fp16, 2, 65536),
-                       (f32, 4, 65536), (bf, 2, 131072)):
-        point("sm_fwd", dt, N, [tp(elt, N, c, w) for c, w in cfgs])
-    with knobs(tsm, TWOPASS_LIMIT=-1.0):  # every row through the extra pass
-        point("sm_fwd", bf, 32768, [(f"far_{n}", v) for n, v in [tp(2, 32768, 8192, 16)]])
-
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

@@ -216,48 +216,6 @@ def _softmax_fwd_unrolled(
 
 
 @triton.jit
-def _softmax_fwd_twopass(
-    x_ptr, y_ptr, M, stride_x, stride_y, N: tl.constexpr, CHUNK: tl.constexpr,
-    LIMIT: tl.constexpr,
-):
-    # Two unrolled passes over a row whose length is a compile-time multiple of CHUNK (M unused,
-    # as in _softmax_fwd_unrolled). Pass 1 keeps, per lane, the running max and the sum of
-    # exponentials about a fixed reference, the lane's first value (made finite): one
-    # exponential per element and no rescaling; pass 2 re-reads the row from L2 to write y.
-    # The sums stay finite while no value of a lane exceeds its reference by more than LIMIT;
-    # a row where one does (a spread above LIMIT within a lane, a leading -inf such as left
-    # padding, a +inf) takes one more pass for the sum about the row's max, so the result never
-    # depends on the data's range. Differences are taken before scaling by log2(e), as in the
-    # other kernels, so large values lose no bits.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    y_row = y_ptr + row * stride_y
-    lanes = tl.arange(0, CHUNK)
-    m = tl.load(x_row + lanes, eviction_policy="evict_last").to(tl.float32)
-    ref = tl.maximum(m, -3.0e38)  # a -inf lane gets a finite reference (NaN stays NaN)
-    acc = tl.exp2((m - ref) * LOG2E)
-    for start in tl.static_range(CHUNK, N, CHUNK):
-        xc = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32)
-        m = tl.maximum(m, xc)
-        acc += tl.exp2((xc - ref) * LOG2E)
-    row_max = tl.max(m, axis=0)
-    if tl.max(m - ref, axis=0) <= LIMIT:
-        total = tl.sum(acc * tl.exp2((ref - row_max) * LOG2E), axis=0)
-    else:
-        acc = tl.zeros([CHUNK], tl.float32)
-        for start in tl.static_range(0, N, CHUNK):
-            xc = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32)
-            acc += tl.exp2((xc - row_max) * LOG2E)
-        total = tl.sum(acc, axis=0)
-    inv = 1.0 / total
-    for start in tl.static_range(0, N, CHUNK):
-        cols = start + lanes
-        xc = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
-        tl.store(y_row + cols, (tl.exp2((xc - row_max) * LOG2E) * inv).to(
-            y_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _softmax_fwd_unrolled_vec(
     x_ptr, y_ptr, M, stride, N: tl.constexpr, BODY: tl.constexpr, CHUNK: tl.constexpr,
     VEC: tl.constexpr,
@@ -558,7 +516,6 @@ _launch_fwd_looped = Launcher(_softmax_fwd_looped)
 _launch_fwd_reload = Launcher(_softmax_fwd_reload)
 _launch_fwd_unrolled = Launcher(_softmax_fwd_unrolled)
 _launch_fwd_unrolled_vec = Launcher(_softmax_fwd_unrolled_vec)
-_launch_fwd_twopass = Launcher(_softmax_fwd_twopass)
 _launch_bwd_single = Launcher(_softmax_bwd_single)
 _launch_bwd_looped = Launcher(_softmax_bwd_looped)
 _launch_bwd_unrolled = Launcher(_softmax_bwd_unrolled)
@@ -659,10 +616,6 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),),
 }
 UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
-# Aligned rows on _softmax_fwd_twopass: (element size, padded row) -> (chunk, warps) configs as
-# UNROLLED_FWD's, checked before it. Empty until measured (tune round 45).
-TWOPASS_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
-TWOPASS_LIMIT = 60.0  # natural units: every term of a lane's sum stays below e^60
 # Unaligned rows (VEC > 0) on _softmax_fwd_unrolled_vec: (element size, padded body) ->
 # (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, tune round
 # 42, TB/s against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
@@ -706,15 +659,6 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if M == 0 or N == 0:
         return y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    twopass = (unrolled_config(TWOPASS_FWD, x.element_size(), N, UNROLLED_FWD_ABOVE, vec)
-               if TWOPASS_FWD else None)
-    if twopass:
-        chunk, warps = twopass
-        args = (x, y, M, stride, N, N, chunk, TWOPASS_LIMIT)
-        _launch_fwd_twopass((M,), args, warps)
-        if key is not None:
-            _fwd_plans.add(key, _launch_fwd_twopass, (M,), args, warps, 2)
-        return y
     unrolled = unrolled_config(UNROLLED_FWD, x.element_size(), N, UNROLLED_FWD_ABOVE, vec)
     if unrolled:
         chunk, warps = unrolled
