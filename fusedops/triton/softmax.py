@@ -18,7 +18,9 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   the row for per-lane maxima, then re-reads it from L2 for the sum and again to write y;
   ``_softmax_fwd_unrolled_vec`` (``UNROLLED_VEC_FWD``) does the same for unaligned rows (N not a
   multiple of the vector width, e.g. 2^k + 1) on each row's aligned body, the few elements
-  before and after it in an edge tile.
+  before and after it in an edge tile. The backward's unrolled kernel (``UNROLLED_BWD``,
+  ``UNROLLED_VEC_BWD``: long 16-bit rows, aligned or not) streams y and dy for per-lane partial
+  dot products, then re-reads both from L2 to write dx.
 
 All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
 """
