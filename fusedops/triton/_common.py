@@ -717,6 +717,23 @@ def row_body(rows, head, M, N, stride, BLOCK_N: tl.constexpr, VEC: tl.constexpr)
 
 
 @triton.jit
+def unrolled_edges(start, N, BODY: tl.constexpr, VEC: tl.constexpr):
+    """``(first, head, ecol, emask)`` of an unaligned row read as a fixed-length body plus an
+    edge tile (the unrolled kernels for rows that start unaligned). ``start``: the row's first
+    element offset (int64); ``first``: its first 16-byte boundary, where BODY = (N // VEC - 1)
+    ·VEC body elements start (a multiple of VEC, visibly to the compiler); ``head = first -
+    start`` (< VEC). The 4·VEC-lane edge tile holds the rest: lanes < VEC the head before
+    ``first``, the others the tail after the body (< 2·VEC elements); ``ecol`` are its columns
+    relative to ``start``, ``emask`` which lanes hold one."""
+    first = ((start + (VEC - 1)) // VEC) * VEC
+    head = (first - start).to(tl.int32)
+    j = tl.arange(0, 4 * VEC)
+    ecol = tl.where(j < VEC, j, head + BODY + (j - VEC))
+    emask = tl.where(j < VEC, j < head, ecol < N)
+    return first, head, ecol, emask
+
+
+@triton.jit
 def row_edges(rows, head, M, N, stride, VEC: tl.constexpr):
     """The elements of rows ``rows`` outside their aligned bodies (see :func:`row_body`):
     ``(offs, mask, col)``, offsets and mask of a [ROWS, 2·VEC] tile (lanes < VEC: the head,

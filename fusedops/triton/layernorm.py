@@ -76,6 +76,7 @@ from fusedops.triton._common import (
     unaligned_config,
     unaligned_vec,
     unrolled_config,
+    unrolled_edges,
 )
 
 
@@ -330,13 +331,9 @@ def _ln_fwd_unrolled_vec(
     # ``head``), so those loads are vectors too.
     row = tl.program_id(0)
     start = row.to(tl.int64) * stride
-    first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
-    head = (first - start).to(tl.int32)
+    first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
     x_body = x_ptr + first
     y_body = y_ptr + first
-    j = tl.arange(0, 4 * VEC)
-    ecol = tl.where(j < VEC, j, head + BODY + (j - VEC))
-    emask = tl.where(j < VEC, j < head, ecol < N)
     xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
     x0 = tl.load(x_ptr + start).to(tl.float32)
     lanes = tl.arange(0, CHUNK)

@@ -56,6 +56,7 @@ from fusedops.triton._common import (
     unaligned_config,
     unaligned_vec,
     unrolled_config,
+    unrolled_edges,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -230,13 +231,9 @@ def _softmax_fwd_unrolled_vec(
     # one 4·VEC-lane edge tile, loaded once and kept.
     row = tl.program_id(0)
     start = row.to(tl.int64) * stride
-    first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
-    head = (first - start).to(tl.int32)
+    first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
     x_body = x_ptr + first
     y_body = y_ptr + first
-    j = tl.arange(0, 4 * VEC)
-    ecol = tl.where(j < VEC, j, head + BODY + (j - VEC))
-    emask = tl.where(j < VEC, j < head, ecol < N)
     xe = tl.load(x_ptr + start + ecol, mask=emask, other=float("-inf")).to(tl.float32)
     lanes = tl.arange(0, CHUNK)
     m = tl.load(x_body + lanes, eviction_policy="evict_last").to(tl.float32)
@@ -341,11 +338,7 @@ def _softmax_bwd_unrolled(
     row = tl.program_id(0).to(tl.int64)
     start = row * N
     if VEC > 0:
-        first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
-        head = (first - start).to(tl.int32)
-        j = tl.arange(0, 4 * VEC)
-        ecol = tl.where(j < VEC, j, head + BODY + (j - VEC))
-        emask = tl.where(j < VEC, j < head, ecol < N)
+        first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
         ye = tl.load(y_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
         dye = tl.load(dy_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
         y_body = y_ptr + first
