@@ -578,7 +578,7 @@ def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n
     vec = 16 // elt
     monkeypatch.setattr(tsm, "UNROLLED_BWD", {(elt, 64): ((16, 4),)})
     monkeypatch.setattr(tsm, "UNROLLED_VEC_BWD", {(elt, 64): (16, 2), (elt, 128): (16, 1)})
-    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
+    monkeypatch.setattr(tsm, "UNROLLED_BWD_ABOVE", 0)
     calls = []
     real = tsm._launch_bwd_unrolled
     monkeypatch.setattr(tsm, "_launch_bwd_unrolled",

@@ -622,13 +622,14 @@ UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 1
 
 # The backward on _softmax_bwd_unrolled: aligned rows (element size, padded row) -> (chunk,
 # warps) configs, the first whose chunk divides N; unaligned rows (VEC > 0) by (element size,
-# padded body) -> (chunk, warps), rows longer than RELOAD_BWD_ABOVE whose body holds a chunk.
+# padded body) -> (chunk, warps), rows longer than UNROLLED_BWD_ABOVE whose body holds a chunk.
 # H200, tune round 43 (sixteenth session), TB/s against split rows ("cur"): bf16 / fp16 65537
 # 3.60 / 3.64 on 8192 x 32 vs 2.48 / 2.51 (16384 x 32: 3.43 / 3.56); bf16 131073 2.77 on
 # 16384 x 32 vs 1.86; 262145 2.16 on 8192 x 16 vs 1.76; aligned bf16 64K 3.76 on 16384 x 32 vs
 # 3.52. Slower: float32 (65536 / 65537 2.78-3.08 vs 3.84 / 3.58) and aligned 16-bit 128K / 256K
 # (2.29-2.90 vs 3.42 / 3.30), which stay on split rows.
 UNROLLED_BWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(2, 65536): ((16384, 32),)}
+UNROLLED_BWD_ABOVE = 32768  # shorter rows skip the lookup (no rule below 64K; saves host time)
 UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 65536): (8192, 32), (2, 131072): (16384, 32), (2, 262144): (8192, 16),
 }
@@ -696,7 +697,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 def _unrolled_bwd_config(N: int, vec: int, elt_size: int) -> tuple[int, int] | None:
     """(chunk, warps) of UNROLLED_BWD / UNROLLED_VEC_BWD for rows of N, or None."""
     if not vec:
-        return unrolled_config(UNROLLED_BWD, elt_size, N, RELOAD_BWD_ABOVE, 0)
+        return unrolled_config(UNROLLED_BWD, elt_size, N, UNROLLED_BWD_ABOVE, 0)
     cfg = (UNROLLED_VEC_BWD.get((elt_size, next_pow2(body_len(N, vec))))
            if single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     return cfg if cfg and (N // vec - 1) * vec >= cfg[0] else None
@@ -711,7 +712,7 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     if M == 0 or N == 0:
         return dx
     vec = unaligned_vec(N, (N, dy.stride(0)), y.element_size(), (y, dy, dx))
-    if N > RELOAD_BWD_ABOVE and (UNROLLED_BWD or UNROLLED_VEC_BWD):
+    if N > UNROLLED_BWD_ABOVE:
         unrolled = _unrolled_bwd_config(N, vec, y.element_size())
         if unrolled:
             chunk, warps = unrolled
