@@ -610,10 +610,6 @@ def _ln_bwd_single(
         if VEC > 0:
             w = tl.load(w_ptr + pid_head + cols, mask=cols < pid_body,
                         other=0.0).to(tl.float32)[None, :]
-            # The edge columns are the program's too: their weights, once.
-            je = tl.arange(0, 2 * VEC)[None, :]
-            we_col = tl.where(je < VEC, je, pid_head + pid_body + (je - VEC))
-            we = tl.load(w_ptr + we_col, mask=we_col < N, other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if ACC_1D:
@@ -658,9 +654,7 @@ def _ln_bwd_single(
                 wdy = dy
             c1, c2 = _row_sums(xhat * wdy, wdy, 1, PAIRED)
             if VEC > 0:
-                if HAS_W and HOLD_W:
-                    wdye = dye * we
-                elif HAS_W:
+                if HAS_W:
                     wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
                 else:
                     wdye = dye
