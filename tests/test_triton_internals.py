@@ -478,6 +478,19 @@ def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend
     assert calls == [((17,), n, (n // vec - 1) * vec, 16)]
 
 
+def _unaligned_rows_and_affine(n: int, device, dtype, affine: str):
+    """(x, weight, bias) for the unaligned-row forward tests: 17 rows of ``n`` (every head
+    0..VEC-1), the first 4 far from zero (mean 1e4, spread 1e-2: the statistics' shift);
+    ``affine`` in both / weight / bias / none / fp32-weight (a float32 weight, no bias)."""
+    torch.manual_seed(n)
+    base = torch.randn(17, n, device=device, dtype=torch.float64)
+    base[:4] = 1e4 + base[:4] * 1e-2
+    wdt = torch.float32 if affine == "fp32-weight" else dtype
+    w = torch.randn(n, device=device, dtype=wdt) if affine not in ("bias", "none") else None
+    b = torch.randn(n, device=device, dtype=dtype) if affine in ("both", "bias") else None
+    return base.to(dtype), w, b
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
@@ -496,14 +509,7 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
     real = tln._launch_fwd_reload_vec
     monkeypatch.setattr(tln, "_launch_fwd_reload_vec",
                         lambda g, a, w: calls.append((g, a[10], a[11], a[15])) or real(g, a, w))
-    torch.manual_seed(n)
-    base = torch.randn(17, n, device=device, dtype=torch.float64)
-    base[:4] = 1e4 + base[:4] * 1e-2
-    x = base.to(dtype)
-    wdt = torch.float32 if affine == "fp32-weight" else dtype
-    w = torch.randn(n, device=device, dtype=wdt) if affine != "bias" and affine != "none" else None
-    b = torch.randn(n, device=device, dtype=dtype) if affine in ("both", "bias") else None
-    _check_ln_forward(x, w, b, dtype, far=4)
+    _check_ln_forward(*_unaligned_rows_and_affine(n, device, dtype, affine), dtype, far=4)
     vec = 16 // elt
     block = _common.next_pow2(n // vec * vec)
     assert calls == [((17,), block, 16, vec)] * 2
@@ -528,14 +534,7 @@ def test_unrolled_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_
     real = tln._launch_fwd_unrolled_vec
     monkeypatch.setattr(tln, "_launch_fwd_unrolled_vec",
                         lambda g, a, w: calls.append((g, a[10], a[11], a[12])) or real(g, a, w))
-    torch.manual_seed(n)
-    base = torch.randn(17, n, device=device, dtype=torch.float64)
-    base[:4] = 1e4 + base[:4] * 1e-2
-    x = base.to(dtype)
-    wdt = torch.float32 if affine == "fp32-weight" else dtype
-    w = torch.randn(n, device=device, dtype=wdt) if affine != "none" else None
-    b = torch.randn(n, device=device, dtype=dtype) if affine == "both" else None
-    _check_ln_forward(x, w, b, dtype, far=4)
+    _check_ln_forward(*_unaligned_rows_and_affine(n, device, dtype, affine), dtype, far=4)
     vec = 16 // elt
     assert calls == [((17,), n, (n // vec - 1) * vec, chunk)] * 2
 
