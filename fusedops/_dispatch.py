@@ -30,6 +30,8 @@ from types import ModuleType
 
 import torch
 
+from fusedops import _replay
+
 BACKENDS = ("triton", "metal", "reference")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,6 +62,7 @@ def set_backend(name: str | None) -> None:
     global _forced
     _forced = _check_name(name)
     _cache.clear()
+    _replay.clear()  # runners were registered by the backends chosen before
 
 
 def get_backend() -> str | None:
@@ -162,6 +165,20 @@ def record(op: str, backend: ModuleType) -> None:
     """Count one call of ``op`` on a fused backend while counting is enabled."""
     if _counts is not None and backend.NAME != "reference":
         _counts[op] += 1
+
+
+_is_compiling = torch.compiler.is_compiling
+# Autocast on for any device type (one call); where this torch lacks it, CUDA's flag.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda"))
+
+
+def plain_eager() -> bool:
+    """Whether a call may take a replay runner (``fusedops._replay``) as far as global state
+    goes: not traced by torch.compile (Dynamo must see the normal path), no autocast (it changes
+    the output dtype), fused-call counting off (``count_fused_calls`` counts on the normal path).
+    Whether the call needs gradients is the caller's check."""
+    return _counts is None and not _is_compiling() and not _any_autocast()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fusedops import _dispatch, reference
+from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_layernorm_args, normalize_shape
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
@@ -117,6 +117,14 @@ def fused_layernorm(
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). Mean and rstd are
         computed and saved in float32.
     """
+    if x.__class__ is torch.Tensor and eps.__class__ is float and _dispatch.plain_eager():
+        # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
+        run = _replay.LAYERNORM.get((x.shape, x.dtype, x.get_device(), eps))
+        if run is not None and _is_last_dim(normalized_shape, x) and (
+                not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)):
+            y = run(x, weight, bias)
+            if y is not None:
+                return y
     shape = normalize_shape(normalized_shape)
     check_layernorm_args(x, shape, weight, bias, eps)
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
@@ -132,6 +140,25 @@ def fused_layernorm(
     ):
         return LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)
     return _forward_inference(x, len(shape), n, weight, bias, eps, out_dtype)
+
+
+def _is_last_dim(normalized_shape: object, x: torch.Tensor) -> bool:
+    """Whether ``normalized_shape`` is an int or a 1-tuple (or Size) of an int equal to x's
+    last dim: the replay tables' LayerNorm (over the last dim)."""
+    cls = normalized_shape.__class__
+    if cls is int:
+        n = normalized_shape
+    elif (cls is tuple or cls is torch.Size) and len(normalized_shape) == 1:
+        n = normalized_shape[0]
+    else:
+        return False
+    return n.__class__ is int and n == x.shape[-1]
+
+
+def _needs_grad(x: torch.Tensor, weight: object, bias: object) -> bool:
+    # getattr: the parameters are not checked yet (a runner declines anything but tensors).
+    return (x.requires_grad or getattr(weight, "requires_grad", False)
+            or getattr(bias, "requires_grad", False))
 
 
 def _forward_inference(x, dims: int, n: int, weight, bias, eps: float, out_dtype):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedops import _dispatch, reference
+from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
@@ -99,6 +99,14 @@ def fused_softmax(
         Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast).
         Accumulation is float32 for every dtype.
     """
+    if dtype is None and dim == -1 and dim.__class__ is int and x.__class__ is torch.Tensor \
+            and _dispatch.plain_eager():
+        # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
+        run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
+        if run is not None and (not x.requires_grad or not torch.is_grad_enabled()):
+            y = run(x)
+            if y is not None:
+                return y
     check_float_tensor(x, "x")
     dim = normalize_dim(dim, x.dim())
     dtype = check_float_dtype(dtype)

@@ -287,6 +287,8 @@ def _direct_entry(compiled):
         # This C entry takes a pointer argument as a Python int as it is, where a tensor costs
         # a data_ptr() call and a cuPointerGetAttribute check (PlanCache relies on it).
         go.raw_pointers = True
+        # For replay runners, which call the entry themselves (one Python frame less).
+        go.c_entry = (launch, function, coop, pdl, metadata)
         return go
 
     def go(grid, stream, args):
@@ -313,12 +315,20 @@ class PlanCache(dict):
 
     MAX_PLANS = 4096  # distinct call signatures kept; a workload cycling through more restarts
 
-    def __init__(self) -> None:
+    def __init__(self, replay: dict | None = None, runner=None) -> None:
+        """``runner(key, plan)``, if given, returns ``(signature, run)`` to register in the
+        ``fusedops._replay`` table ``replay`` for a new plan, or None."""
         super().__init__()
+        self.replay, self.runner = replay, runner
         _config_caches.append(self)
 
     def cache_clear(self) -> None:
         self.clear()
+
+    def clear(self) -> None:
+        super().clear()
+        if self.replay is not None:
+            self.replay.clear()  # runners replay plans: they go with them
 
     def add(self, key, launcher: Launcher, grid: tuple, args: tuple, num_warps: int,
             n_tensors: int) -> None:
@@ -329,7 +339,10 @@ class PlanCache(dict):
             return  # no direct C entry (other Triton versions, interpreter): no plans
         if len(self) >= self.MAX_PLANS:
             self.clear()
-        self[key] = (go, grid, args[0].get_device(), args[n_tensors:])
+        plan = self[key] = (go, grid, args[0].get_device(), args[n_tensors:])
+        made = self.runner(key, plan) if self.runner is not None and len(grid) == 1 else None
+        if made is not None:
+            self.replay[made[0]] = made[1]
 
 
 def hooks_registered() -> bool:

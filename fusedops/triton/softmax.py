@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedops import _replay
 from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
@@ -516,7 +517,29 @@ _launch_bwd_looped = Launcher(_softmax_bwd_looped)
 _launch_bwd_unrolled = Launcher(_softmax_bwd_unrolled)
 _launch_fwd_split = SplitLauncher(_softmax_fwd_split)
 _launch_bwd_split = SplitLauncher(_softmax_bwd_split)
-_fwd_plans = PlanCache()  # single-block forward launches, per (shape, dtype, out dtype, device)
+
+
+def _replay_runner(key: tuple, plan: tuple):
+    """The ``fusedops._replay.SOFTMAX`` entry for a new forward plan (out dtype = x's dtype)."""
+    shape, dtype, out_dtype, device = key
+    if out_dtype is not dtype:
+        return None
+    (launch, function, coop, pdl, metadata), (g,), tail = plan[0].c_entry, plan[1], plan[3]
+
+    def run(x: torch.Tensor) -> torch.Tensor | None:
+        p = x.data_ptr()
+        if p & 15 or not x.is_contiguous() or not x.is_cuda or hooks_registered():
+            return None
+        y = torch.empty_like(x)
+        launch(g, 1, 1, current_stream(device), function, coop, pdl, None, None, metadata, None,
+               None, None, p, y.data_ptr(), *tail)
+        return y
+    return (shape, dtype, device), run
+
+
+# Single-block forward launches, per (shape, dtype, out dtype, device); those with out dtype =
+# dtype are also replayed from the ops layer (fusedops._replay).
+_fwd_plans = PlanCache(_replay.SOFTMAX, _replay_runner)
 
 
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether

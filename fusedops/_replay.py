@@ -1,0 +1,36 @@
+"""Replay tables: the shortest host path for small inference calls seen before.
+
+A kernel that runs for a few microseconds is bound by host time (docs/performance.md, "Small
+shapes"), and most of that time goes to argument checks, dispatch and launch rules that give
+the same answer every time a model calls an op with the same shapes. After a backend has run a
+call through the normal path and recorded a launch plan for it (``fusedops.triton``'s
+``PlanCache``), it registers here a *runner* under a signature the ops layer computes in a few
+hundred nanoseconds. The next call with that signature goes straight to the runner.
+
+* ``SOFTMAX``: ``(x.shape, x.dtype, x.get_device())`` -> ``run(x) -> y or None``: softmax over
+  the last dim of ``x``, ``y`` in ``x.dtype``.
+* ``LAYERNORM``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``run(x, weight, bias) -> y or
+  None``: LayerNorm over the last dim of ``x`` (``eps`` a float), ``y`` in ``x.dtype``.
+
+The ops consult a table only for plain eager inference calls (``fusedops._dispatch.plain_eager``,
+no gradient needed, arguments of the exact types the signature assumes). A runner re-checks what
+its signature does not fix (``x`` contiguous at a 16-byte aligned CUDA address, the parameters'
+types, dtypes, shapes, devices and layouts, Triton launch hooks) and returns None when it cannot
+run the call as the registering call ran, which then takes the normal path: a replay never
+changes a result, and never turns an error into a result.
+
+Tables are cleared whenever the choice of backend or the launch rules change
+(``fusedops.set_backend``, ``fusedops.triton.set_single_block_limit``) and when a backend drops
+its plans.
+"""
+
+from __future__ import annotations
+
+SOFTMAX: dict = {}
+LAYERNORM: dict = {}
+
+
+def clear() -> None:
+    """Drop every runner (the next call of each signature takes the normal path)."""
+    SOFTMAX.clear()
+    LAYERNORM.clear()
