@@ -1102,17 +1102,6 @@ if "r44" in which:  # round 44: 16-bit softmax backward at 32K (Liger 2-3% ahead
         except Exception as exc:  # noqa: BLE001
             print(f"liger unavailable: {type(exc).__name__}: {exc}", flush=True)
 
-if "r46" in which:  # round 46: the fused LayerNorm backward's unaligned-row edges as aligned
-    # vectors with the edge weights held per program (EDGE_VECTORS, "cur") against row_edges'
-    # scalar tile ("scalar"), alternated twice in one process (a machine-level slow state of
-    # this kernel was seen in s16); aligned 8192 as the control (same kernel either way).
-    def ev(on):
-        return ("ev" if on else "scalar"), lambda: knobs(tln, EDGE_VECTORS=on)
-    for dt in (bf, fp16, f32):
-        for N in (8193, 4097, 2049, 1025, 16385):
-            point("ln_bwd", dt, N, [ev(False), ev(True), ev(False)])
-    point("ln_bwd", bf, 8192, [ev(False), ev(True)])
-
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

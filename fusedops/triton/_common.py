@@ -759,41 +759,6 @@ def row_edges(rows, head, M, N, stride, VEC: tl.constexpr):
     return offs, mask, col
 
 
-@triton.jit
-def edge_vector_columns(head, N, VEC: tl.constexpr):
-    """``(col, ok)``, both (2·VEC,): the columns of :func:`load_edge_vectors`' lanes for rows
-    whose aligned body starts at column ``head``, and which of them lie in the row. Lane 2k is
-    column head - VEC + k (the vector that ends where the body starts), lane 2k + 1 column
-    head + body + k (the vector that starts where it ends)."""
-    lane = tl.arange(0, 2 * VEC)
-    k = lane // 2
-    col = tl.where(lane % 2 == 0, head - VEC + k, head + ((N - head) // VEC) * VEC + k)
-    return col, (col >= 0) & (col < N)
-
-
-@triton.jit
-def load_edge_vectors(ptr, rows, head, M, N, stride, VEC: tl.constexpr):
-    """The elements of rows ``rows`` outside their aligned bodies (:func:`row_body`) read as two
-    aligned VEC-element vectors per row, each loaded whole or not at all: a (ROWS, 2·VEC)
-    float32 tile in :func:`edge_vector_columns`' lane order. :func:`row_edges`' tile takes one
-    scalar load per lane instead (and on Triton 3.6 every thread of the program issues them).
-    Lanes outside the row hold what shares their 16 bytes (a neighbouring row's elements, or
-    bytes past the tensor's last row within its last 16-byte segment): callers must mask them
-    with ``ok`` before any arithmetic. Needs 16-byte aligned ``ptr`` and row strides as
-    :func:`row_body`."""
-    j = tl.arange(0, VEC)[None, :]
-    first = (((rows.to(tl.int64) * stride) + (VEC - 1)) // VEC) * VEC
-    body = ((N - head) // VEC) * VEC
-    # One mask per row (the whole vector or nothing). The vector's condition is a per-row
-    # tensor, not a scalar: the interpreter cannot mask with a scalar-and-tensor combination.
-    row_ok = rows < M
-    h_rows = (row_ok & (tl.zeros_like(rows) + head > 0))[:, None]
-    t_rows = (row_ok & (tl.zeros_like(rows) + head + body < N))[:, None]
-    h = tl.load(ptr + (first[:, None] - VEC + j), mask=h_rows, other=0.0)
-    t = tl.load(ptr + (first[:, None] + body + j), mask=t_rows, other=0.0)
-    return tl.reshape(tl.join(h, t), (rows.shape[0], 2 * VEC)).to(tl.float32)
-
-
 # FUSEDOPS_ROW_BODY=0 turns the body/edge split off (scalar access for unaligned rows), for
 # measurements against it.
 _BODY = {"enabled": __import__("os").environ.get("FUSEDOPS_ROW_BODY", "1") != "0"}

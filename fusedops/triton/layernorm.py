@@ -57,10 +57,8 @@ from fusedops.triton._common import (
     body_len,
     cdiv,
     current_stream,
-    edge_vector_columns,
     grid_size,
     hooks_registered,
-    load_edge_vectors,
     next_pow2,
     num_row_tiles,
     num_sms,
@@ -588,7 +586,7 @@ def _ln_bwd_single(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
-    PAIRED: tl.constexpr, EDGE_VECTORS: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -600,9 +598,6 @@ def _ln_bwd_single(
     # PARKED (see _park): tiles first_tile.. are processed and dx is written for rows below
     # M_dx only (the rows from M_dx on hold the parked partials until a second launch writes
     # their dx); first_tile is a multiple of VEC, so a program's misalignment holds.
-    # EDGE_VECTORS (VEC > 0): the edges as two aligned vectors per row (load_edge_vectors), and
-    # with HOLD_W their weights loaded once per program (its tiles share one misalignment);
-    # otherwise row_edges' scalar tile with the weights loaded per tile.
     pid = tl.program_id(0)
     if PARKED:
         start = first_tile + pid
@@ -618,9 +613,6 @@ def _ln_bwd_single(
                         other=0.0).to(tl.float32)[None, :]
         else:
             w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if VEC > 0 and EDGE_VECTORS:
-            pe_col, pe_ok = edge_vector_columns(pid_head, N, VEC)
-            we = tl.load(w_ptr + pe_col, mask=pe_ok, other=0.0).to(tl.float32)[None, :]
     if ACC_1D:
         dw_acc = tl.zeros([BLOCK_N], tl.float32)
         db_acc = tl.zeros([BLOCK_N], tl.float32)
@@ -643,20 +635,9 @@ def _ln_bwd_single(
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         if VEC > 0:  # unaligned rows: edges loaded with the body
-            if EDGE_VECTORS:
-                e_col, e_ok = edge_vector_columns(head, N, VEC)
-                e_col, e_ok = e_col[None, :], e_ok[None, :]
-                e_mask = row_mask[:, None] & e_ok
-                e_offs = rows.to(tl.int64)[:, None] * stride_x + e_col
-                xe = tl.where(e_mask, load_edge_vectors(x_ptr, rows, head, M, N, stride_x, VEC),
-                              0.0)
-                dye = tl.where(e_mask,
-                               load_edge_vectors(dy_ptr, rows, head, M, N, stride_x, VEC), 0.0)
-            else:
-                e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
-                e_ok = e_col < N
-                xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
-                dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
         # No tl.where on the masked lanes: there dy is 0 (and rows past M have mean = rstd = 0),
         # so they add nothing to any sum unless xhat is not finite, which it then also is on
@@ -674,10 +655,8 @@ def _ln_bwd_single(
                 wdy = dy
             c1, c2 = _row_sums(xhat * wdy, wdy, 1, PAIRED)
             if VEC > 0:
-                if HAS_W and HOLD_W and EDGE_VECTORS:
-                    wdye = dye * we
-                elif HAS_W:
-                    wdye = dye * tl.load(w_ptr + e_col, mask=e_ok, other=0.0).to(tl.float32)
+                if HAS_W:
+                    wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
                 else:
                     wdye = dye
                 c1 += tl.sum(xhe * wdye, axis=1)
@@ -723,12 +702,9 @@ def _ln_bwd_single(
         # (columns [0, head) and [head + body, N)) from the edge accumulators.
         body_cols = pid_head + cols
         body_ok = cols < pid_body
-        if EDGE_VECTORS:
-            e_cols, e_ok = edge_vector_columns(pid_head, N, VEC)
-        else:
-            j = tl.arange(0, 2 * VEC)
-            e_cols = tl.where(j < VEC, j, pid_head + pid_body + (j - VEC))
-            e_ok = tl.where(j < VEC, j < pid_head, e_cols < N)
+        j = tl.arange(0, 2 * VEC)
+        e_cols = tl.where(j < VEC, j, pid_head + pid_body + (j - VEC))
+        e_ok = tl.where(j < VEC, j < pid_head, e_cols < N)
     else:
         body_cols = cols
         body_ok = cols < N
@@ -1442,14 +1418,6 @@ _launch_fwd_reload_vec = Launcher(_ln_fwd_reload_vec)
 _launch_fwd_unrolled_vec = Launcher(_ln_fwd_unrolled_vec)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
 _launch_bwd_single = Launcher(_ln_bwd_single)
-
-# _ln_bwd_single's edges of unaligned rows as aligned vectors (see the kernel); pending a
-# same-process measurement against the scalar edge tile.
-EDGE_VECTORS = True
-
-
-def _edge_vectors(vec: int) -> bool:
-    return bool(vec) and EDGE_VECTORS
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
 _launch_dx_pieces = Launcher(_ln_bwd_dx_pieces)
@@ -1890,7 +1858,6 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
             block, rows, has_w, True, False, False, vec, True, acc_1d, True, paired,
-            _edge_vectors(vec),
         ), warps)
 
     m_dx = M
@@ -1908,7 +1875,6 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
         block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, paired,
-        _edge_vectors(vec),
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
@@ -2035,7 +2001,7 @@ def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
             block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True, False,
-            _paired_sums(x.element_size(), vec, block), _edge_vectors(vec),
+            _paired_sums(x.element_size(), vec, block),
         ), warps)
     else:
         _launch_dx_looped((M,), (
