@@ -1,7 +1,7 @@
 """Where the host time of one small fused call goes (CUDA only).
 
 Times, per call, back-to-back loops of: torch's own op, the allocation alone, the full
-fusedops call, the backend function, our Launcher alone (buffers preallocated), Triton's compiled
+fusedops call (with replay runners, with launch plans only, with neither), the backend function, our Launcher alone (buffers preallocated), Triton's compiled
 runner (``compiled[grid](*args)``) and Triton's JIT launch (``kernel[grid](*args)``), so the
 difference between neighbouring rows is the cost of one layer. Prints a table; ``--json`` writes
 the numbers.
@@ -20,7 +20,7 @@ import time
 import torch
 
 import fusedops
-from fusedops import _dispatch
+from fusedops import _dispatch, _replay
 from fusedops.triton import _common
 from fusedops.triton import layernorm as tln
 from fusedops.triton import softmax as tsm
@@ -57,13 +57,29 @@ def no_plans():
         tsm._fwd_plans, tln._fwd_plans = saved
 
 
+@contextlib.contextmanager
+def no_replay():
+    """Plans kept, replay runners off (the host path before fusedops._replay)."""
+    saved = tsm._fwd_plans.runner, tln._fwd_plans.runner
+    tsm._fwd_plans.runner = tln._fwd_plans.runner = None
+    _replay.clear()
+    try:
+        yield
+    finally:
+        tsm._fwd_plans.runner, tln._fwd_plans.runner = saved
+        _common.set_single_block_limit(None)  # plans made meanwhile have no runner: drop them
+
+
 def with_and_without_plans(name: str, fn) -> dict[str, float]:
-    """``fn`` timed with launch plans, without, and with again (the host drifts)."""
+    """``fn`` timed with replay runners and launch plans, with plans only, without either, and
+    with both again (the host drifts)."""
     a = per_call_us(fn)
-    with no_plans():
-        b = per_call_us(fn)
+    with no_replay():
+        r = per_call_us(fn)
+        with no_plans():
+            b = per_call_us(fn)
     c = per_call_us(fn)
-    return {name: min(a, c), name + " (no plans)": b}
+    return {name: min(a, c), name + " (no replay)": r, name + " (no replay, no plans)": b}
 
 
 def softmax_rows(x: torch.Tensor) -> dict[str, float]:

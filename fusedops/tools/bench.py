@@ -707,7 +707,10 @@ def measure_host_latency(device: str, providers: Sequence[str] | None = None,
                          calls: int = 2000, repeats: int = 7, warmup: int = 200) -> list[dict]:
     """Wall time per call (µs) of small ops: ``calls`` back-to-back calls after a warm-up,
     synchronising once at the end; the median over ``repeats`` runs is reported with the best.
-    The compile provider is left out (its guards are a separate story)."""
+    The providers of one case take turns run by run, so a host that drifts during the
+    measurement (seen on the lent machines: torch's own call 7-10 µs from one minute to the
+    next) moves every provider's runs alike. The compile provider is left out (its guards are
+    a separate story)."""
     table = all_providers()
     names = [p for p in (providers or PROVIDER_NAMES) if p != "compile"]
     if "torch" not in names:
@@ -722,7 +725,7 @@ def measure_host_latency(device: str, providers: Sequence[str] | None = None,
         b = torch.zeros(n, device=device, dtype=tdtype)
         for op in ops:
             fam = family(op)
-            case: list[dict] = []
+            case: list[tuple[dict, Callable, list[float]]] = []
             for name in names:
                 prov = table[name]
                 rec = {"op": op, "dtype": dtype, "shape": list(shape), "provider": name,
@@ -730,28 +733,36 @@ def measure_host_latency(device: str, providers: Sequence[str] | None = None,
                        "delta_vs_torch_us": None, "error": None}
                 if prov.unavailable_reason(device) is not None:
                     continue
+                out.append(rec)
                 try:
                     fn = prov.make(fam)
                     rec["backend"] = prov.backend(x)
                     with torch.no_grad():
                         for _ in range(warmup):
                             fn(x, w, b)
-                        synchronize(device)
-                        runs = []
-                        for _ in range(repeats):
+                    synchronize(device)
+                    case.append((rec, fn, []))
+                except Exception as exc:
+                    rec["error"] = _short_error(exc)
+            for _ in range(repeats):
+                for rec, fn, runs in case:
+                    if rec["error"] is not None:
+                        continue
+                    try:
+                        with torch.no_grad():
                             t0 = time.perf_counter()
                             for _ in range(calls):
                                 fn(x, w, b)
                             synchronize(device)
-                            runs.append((time.perf_counter() - t0) / calls * 1e6)
+                        runs.append((time.perf_counter() - t0) / calls * 1e6)
+                    except Exception as exc:
+                        rec["error"] = _short_error(exc)
+            for rec, _, runs in case:
+                if rec["error"] is None and runs:
                     rec["us_per_call"] = statistics.median(runs)
                     rec["us_min"] = min(runs)
-                except Exception as exc:
-                    rec["error"] = _short_error(exc)
-                out.append(rec)
-                case.append(rec)
-            base = next((r["us_per_call"] for r in case if r["provider"] == "torch"), None)
-            for r in case:
+            base = next((r["us_per_call"] for r, _, _ in case if r["provider"] == "torch"), None)
+            for r, _, _ in case:
                 if base is not None and r["us_per_call"] is not None:
                     r["delta_vs_torch_us"] = r["us_per_call"] - base
         del x, w, b
