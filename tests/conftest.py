@@ -145,3 +145,18 @@ def _tensors_on_device(request):
         yield
     finally:
         torch.set_default_device(None)  # None also pops torch's default-device mode
+
+
+@pytest.fixture
+def fake_stream(monkeypatch):
+    """The Triton forwards' plan and replay paths with a stand-in stream (("stream", device))
+    and no launch hooks; their plans are dropped afterwards."""
+    from fusedops.triton import layernorm as tln
+    from fusedops.triton import softmax as tsm
+
+    for mod in (tsm, tln):
+        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
+        monkeypatch.setattr(mod, "hooks_registered", lambda: False)
+    yield
+    tsm._fwd_plans.clear()
+    tln._fwd_plans.clear()

@@ -223,19 +223,6 @@ class _Recorder:
         self.calls.append((grid, stream, args))
 
 
-@pytest.fixture
-def fake_stream(monkeypatch):
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import softmax as tsm
-
-    for mod in (tsm, tln):
-        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
-        monkeypatch.setattr(mod, "hooks_registered", lambda: False)
-    yield
-    tsm._fwd_plans.clear()
-    tln._fwd_plans.clear()
-
-
 def test_softmax_plan_replays_the_recorded_launch(fake_stream, monkeypatch):
     """A call whose plan exists allocates its output and launches the plan's kernel with the
     tensors' addresses first, then the recorded tail; calls the plan's key cannot describe

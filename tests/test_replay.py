@@ -236,18 +236,9 @@ class _FakeLauncher:
 
 
 @pytest.fixture
-def as_cuda(monkeypatch):
+def as_cuda(monkeypatch, fake_stream):
     """CPU tensors pass the runners' CUDA checks; streams and hooks are stand-ins."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import softmax as tsm
-
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    for mod in (tsm, tln):
-        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
-        monkeypatch.setattr(mod, "hooks_registered", lambda: False)
-    yield
-    tsm._fwd_plans.clear()
-    tln._fwd_plans.clear()
 
 
 def _launch_head(grid: int, device: int) -> tuple:

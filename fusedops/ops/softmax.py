@@ -99,7 +99,7 @@ def fused_softmax(
         Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast).
         Accumulation is float32 for every dtype.
     """
-    if dtype is None and dim == -1 and dim.__class__ is int and x.__class__ is torch.Tensor \
+    if dtype is None and dim.__class__ is int and dim == -1 and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
