@@ -119,8 +119,9 @@ def fused_layernorm(
     """
     if x.__class__ is torch.Tensor and eps.__class__ is float and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
-        run = _replay.LAYERNORM.get((x.shape, x.dtype, x.get_device(), eps))
-        if run is not None and _is_last_dim(normalized_shape, x) and (
+        shape = x.shape
+        run = _replay.LAYERNORM.get((shape, x.dtype, x.get_device(), eps))
+        if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
                 not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)):
             y = run(x, weight, bias)
             if y is not None:
@@ -142,9 +143,9 @@ def fused_layernorm(
     return _forward_inference(x, len(shape), n, weight, bias, eps, out_dtype)
 
 
-def _is_last_dim(normalized_shape: object, x: torch.Tensor) -> bool:
-    """Whether ``normalized_shape`` is an int or a 1-tuple (or Size) of an int equal to x's
-    last dim: the replay tables' LayerNorm (over the last dim)."""
+def _is_last_dim(normalized_shape: object, last: int) -> bool:
+    """Whether ``normalized_shape`` is an int or a 1-tuple (or Size) of an int equal to
+    ``last``, x's last dim: the replay tables' LayerNorm (over the last dim)."""
     cls = normalized_shape.__class__
     if cls is int:
         n = normalized_shape
@@ -152,7 +153,7 @@ def _is_last_dim(normalized_shape: object, x: torch.Tensor) -> bool:
         n = normalized_shape[0]
     else:
         return False
-    return n.__class__ is int and n == x.shape[-1]
+    return n.__class__ is int and n == last
 
 
 def _needs_grad(x: torch.Tensor, weight: object, bias: object) -> bool:
