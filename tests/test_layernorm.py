@@ -542,3 +542,18 @@ def test_inference_paths_match(backend):
     y_grad = fused_layernorm(x, 33, w, b)
     assert y_grad.grad_fn is not None
     assert torch.equal(y_nograd, y_plain) and torch.equal(y_grad.detach(), y_plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("n", [768, 1024, 2048, 4096, 4097, 8192, 8193])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_backward_pipelined(triton_backend, monkeypatch, n, dtype, stages):
+    """The fused backward with its tile loop pipelined by Triton (FUSED_BWD_STAGES): enough
+    rows that every program loops over several tiles, aligned and unaligned rows."""
+    from fusedops.triton import layernorm as tln
+
+    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", stages)
+    torch.manual_seed(n + stages)
+    x = (torch.randn(3 * 132 * 4 + 5, n) * 2 + 0.5).to(dtype)
+    check(x, n, *make_params(n, dtype, seed=n), grad_scale=8.0)

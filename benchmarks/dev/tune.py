@@ -1102,6 +1102,50 @@ if "r44" in which:  # round 44: 16-bit softmax backward at 32K (Liger 2-3% ahead
         except Exception as exc:  # noqa: BLE001
             print(f"liger unavailable: {type(exc).__name__}: {exc}", flush=True)
 
+if "r47" in which:  # round 47: the LayerNorm backward's row loops software-pipelined by
+    # Triton (tl.range num_stages S: loads into shared memory S - 1 rows ahead; the split
+    # kernel's publish and wait in inline PTX, see publish_sums), with and without RELOAD (x
+    # and dy loaded again after the wait instead of kept in registers across it).
+    def sp(cfg):
+        chunk, warps, pf, cap, reload, stages = cfg
+        name = (f"s{chunk // 1024}w{warps}p{pf}{f'm{cap}' if cap else ''}"
+                f"{'R' if reload else ''}S{stages}")
+        return (name, lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg))
+    cfgs = ((4096, 8, 0, None, False, 3), (4096, 8, 0, None, True, 3),
+            (4096, 8, 0, None, True, 2), (2048, 4, 0, None, True, 3),
+            (2048, 4, 0, None, False, 3), (2048, 8, 0, None, True, 3),
+            (8192, 16, 0, None, True, 3))
+    for N in (16384, 32768, 65536, 131072, 262144):
+        point("ln_bwd", bf, N, [sp(c) for c in cfgs])
+    for N in (16384, 65536, 262144):
+        point("ln_bwd", f32, N, [sp(c) for c in cfgs[:2] + cfgs[3:5]])
+    for dt in (bf, f32):
+        for N in (1024, 2048, 4096, 8192):
+            point("ln_bwd", dt, N, [(f"S{k}", lambda k=k: knobs(tln, FUSED_BWD_STAGES=k))
+                                    for k in (2, 3)])
+
+if "r47b" in which:  # round 47b: the fused backward's S3 at 16-bit 1K/2K again, three times
+    for _ in range(3):
+        for N in (1024, 2048):
+            point("ln_bwd", bf, N, [("S3", lambda: knobs(tln, FUSED_BWD_STAGES=3))])
+
+if "r48" in which:  # round 48: the split backward's publish and wait in inline PTX without
+    # pipelining (one block-wide barrier less per row: Nsight Compute on the shipped kernel,
+    # bf16 32K, H100: 44% of the stall cycles at CTA barriers); the fused backward pipelined
+    # (S3) over the 16-bit blocks up to 4K and float32 1K/2K.
+    def asm(cfg):
+        return ("asm", lambda: knobs(tln, SPLIT_BWD_CONFIG=(*cfg, False, 1, True)))
+    for dt, N in ((bf, 16384), (bf, 32768), (bf, 65536), (bf, 131072), (bf, 262144),
+                  (f32, 16384), (f32, 65536)):
+        cfg = tln._split_config("bwd", N, torch.empty(0, dtype=dt).element_size(), True)
+        cfg = (*cfg, None) if len(cfg) == 3 else cfg
+        point("ln_bwd", dt, N, [asm(cfg)])
+    for dt in (bf, fp16):
+        for N in (256, 512, 768, 1024, 2048, 4096):
+            point("ln_bwd", dt, N, [("S3", lambda: knobs(tln, FUSED_BWD_STAGES=3))])
+    for N in (256, 1024, 2048):
+        point("ln_bwd", f32, N, [("S3", lambda: knobs(tln, FUSED_BWD_STAGES=3))])
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

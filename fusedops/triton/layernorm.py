@@ -53,16 +53,19 @@ from fusedops.triton._common import (
     PlanCache,
     SplitLauncher,
     _interpreting,
+    await_count,
     await_row,
     body_len,
     cdiv,
     current_stream,
     grid_size,
     hooks_registered,
+    load_published,
     next_pow2,
     num_row_tiles,
     num_sms,
     publish_row,
+    publish_sums,
     row_body,
     row_config,
     row_edges,
@@ -586,7 +589,7 @@ def _ln_bwd_single(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -625,7 +628,7 @@ def _ln_bwd_single(
         if VEC > 0:
             dwe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
             dbe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
-    for tile in range(start, num_tiles, num_progs):
+    for tile in tl.range(start, num_tiles, num_progs, num_stages=STAGES):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
         offs_x, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
@@ -737,6 +740,7 @@ def _ln_bwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     PREFETCH: tl.constexpr, PARKED: tl.constexpr, VEC: tl.constexpr, PAIRED: tl.constexpr,
+    RELOAD: tl.constexpr = False, STAGES: tl.constexpr = 1, SYNC_ASM: tl.constexpr = False,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -750,6 +754,10 @@ def _ln_bwd_split(
     # also has the row's edges (split_edges). The grid is a multiple of C·VEC (or one item per
     # program), so all rows of a program share one head: its weight and accumulator columns,
     # edges included, are fixed.
+    # RELOAD: the piece's x and dy are loaded again after the wait (from L2: this program read
+    # them moments before) instead of xhat and w·dy staying in registers across it, so more
+    # programs fit on an SM; w·dy is then rounded before the subtraction (_rounded_mul), as
+    # when it crosses the wait, so dx has the same bits either way.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -778,7 +786,7 @@ def _ln_bwd_split(
         r0 = (pid // C).to(tl.int64)
         x_next = tl.load(x_ptr + _body_at(r0, stride_x, VEC) + pos, mask=cmask, other=0.0)
         dy_next = tl.load(dy_ptr + _body_at(r0, stride_dy, VEC) + pos, mask=cmask, other=0.0)
-    for item in range(pid, num_items, num_progs):
+    for item in tl.range(pid, num_items, num_progs, num_stages=STAGES):
         row = item // C
         row64 = row.to(tl.int64)
         if PREFETCH > 0:
@@ -826,26 +834,42 @@ def _ln_bwd_split(
                     wdye = dye
                 s1 += tl.sum(xhe * wdye, axis=0)
                 s2 += tl.sum(wdye, axis=0)
-            tl.store(stats_ptr + item * 2, s1)
-            tl.store(stats_ptr + item * 2 + 1, s2)
-            publish_row(count_ptr, row)
+            if STAGES > 1 or SYNC_ASM:  # see publish_sums
+                publish_sums(stats_ptr + item * 2, s1, s2, count_ptr + row)
+            else:
+                tl.store(stats_ptr + item * 2, s1)
+                tl.store(stats_ptr + item * 2 + 1, s2)
+                publish_row(count_ptr, row)
             if PREFETCH == 3:
-                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                 mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                  mask=more, other=0.0)
-            await_row(count_ptr, row, C)
-            if PREFETCH == 2:
                 x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
                                  mask=more, other=0.0)
                 dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
                                   mask=more, other=0.0)
             base = (row * C + peers) * 2
             ok = peers < C
-            c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
-                        axis=0) / N
-            c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
-                                cache_modifier=".cg"), axis=0) / N
+            if STAGES > 1 or SYNC_ASM:
+                await_count(count_ptr + row, C)
+                c1 = tl.sum(load_published(stats_ptr, base, ok), axis=0) / N
+                c2 = tl.sum(load_published(stats_ptr, base + 1, ok), axis=0) / N
+            else:
+                await_row(count_ptr, row, C)
+                if PREFETCH == 2:
+                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                     mask=more, other=0.0)
+                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                      mask=more, other=0.0)
+                c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0) / N
+                c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0) / N
+            if RELOAD:
+                x = tl.load(x_ptr + _body_at(row64, stride_x, VEC) + pos, mask=cmask,
+                            other=0.0).to(tl.float32)
+                wdy = tl.load(dy_ptr + _body_at(row64, stride_dy, VEC) + pos, mask=cmask,
+                              other=0.0).to(tl.float32)
+                xhat = (x - mean) * rstd
+                if HAS_W:
+                    wdy = _rounded_mul(wdy, w, True)
             dx = ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty)
             dx_at = dx_ptr + _body_at(row64, stride_dx, VEC) + pos
             if PARKED:
@@ -1263,6 +1287,9 @@ def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
 # _split_config says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy
 # read twice: 5 passes).
 FUSED_BWD_MAX_BLOCK = 8192
+# Pipelining depth of the fused backward's tile loop (num_stages; see publish_sums in
+# _common.py): 1 = not pipelined.
+FUSED_BWD_STAGES = 1
 # Overrides for experiments (benchmarks/dev/tune.py): (tile elements, programs per SM, ACC_1D).
 FUSED_BWD_OVERRIDE: tuple[int, int, bool] | None = None
 
@@ -1858,6 +1885,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
             block, rows, has_w, True, False, False, vec, True, acc_1d, True, paired,
+            FUSED_BWD_STAGES,
         ), warps)
 
     m_dx = M
@@ -1875,6 +1903,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
         block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, paired,
+        FUSED_BWD_STAGES,
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
@@ -1919,12 +1948,13 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
-    chunk, split_warps, prefetch, *cap = cfg
-    launcher = _bwd_split_launcher(cap[0] if cap else None)
+    chunk, split_warps, prefetch, *extra = cfg
+    cap, reload, stages, sync_asm = (*extra, None, False, 1, False)[:4]
+    launcher = _bwd_split_launcher(cap)
     C, L = split_pieces(N, chunk, vec)
     paired = SPLIT_PAIRED
     consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
-              vec, paired)
+              vec, paired, bool(reload), stages, bool(sync_asm))
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
