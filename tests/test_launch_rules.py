@@ -121,6 +121,31 @@ def test_split_config_rules():
     assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows
 
 
+def test_fused_backward_stages_rule(monkeypatch):
+    """Pipelined tile loop (three stages) for aligned 16-bit blocks of 1K and 2K only; the
+    launch passes it (STAGES, the kernel's last argument), also to the parked dx launch."""
+    stages = tln._fused_bwd_stages
+    assert stages(1024, 2, (768, 768, 768)) == stages(2048, 2, (2048, 2048, 2048)) == 3
+    assert stages(512, 2, (512,) * 3) == stages(4096, 2, (4096,) * 3) == 1
+    assert stages(1024, 4, (1024,) * 3) == 1  # float32
+    assert stages(2048, 2, (1500,) * 3) == 1  # unaligned rows
+    assert stages(2048, 2, (2048, 2048, 1500)) == 1
+    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", 2)
+    assert stages(4096, 4, (4096,) * 3) == 2
+    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", None)
+    seen = []
+    real = tln._launch_bwd_single
+    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: seen.append(
+        args[-1]) or real(grid, args, warps))
+    for n, want in ((768, 3), (4096, 1)):
+        x = torch.randn(16, n, dtype=torch.bfloat16)
+        w = torch.randn(n, dtype=torch.bfloat16)
+        _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+        seen.clear()
+        tln.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
+        assert seen and set(seen) == {want}, n  # (a parked dx launch follows in low_memory)
+
+
 def test_split_config_overrides(monkeypatch):
     monkeypatch.setattr(tln, "SPLIT_CONFIG", (1024, 2, 0))
     monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (512, 4, 2))

@@ -544,13 +544,15 @@ def test_inference_paths_match(backend):
     assert torch.equal(y_nograd, y_plain) and torch.equal(y_grad.detach(), y_plain)
 
 
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("n", [768, 1024, 2048, 4096, 4097, 8192, 8193])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("n", [768, 1024, 1500, 2048])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_backward_pipelined(triton_backend, monkeypatch, n, dtype, stages):
-    """The fused backward with its tile loop pipelined by Triton (FUSED_BWD_STAGES): enough
-    rows that every program loops over several tiles, aligned and unaligned rows."""
+    """The fused backward with its tile loop pipelined by Triton (three stages, as shipped for
+    aligned 16-bit blocks of 1K-2K; forced here on every dtype and on unaligned rows too) and
+    not: enough rows that every program loops over several tiles."""
     from fusedops.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "FUSED_BWD_STAGES", stages)

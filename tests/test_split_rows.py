@@ -87,19 +87,6 @@ def test_layernorm_split(monkeypatch, shape, dtype, prefetch, cap):
     _layernorm_case(*shape, dtype)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("reload", [False, True], ids=["held", "reload"])
-@pytest.mark.parametrize("stages", [2, 3])
-def test_layernorm_split_pipelined(monkeypatch, shape, dtype, reload, stages):
-    """The split backward with its row loop pipelined by Triton (publish and wait in inline
-    PTX, see publish_sums), x and dy held across the wait or loaded again after it."""
-    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (4096, 8, 0, None, reload, stages))
-    monkeypatch.setattr(tln, "NATIVE_UNALIGNED_16BIT_BWD", False)
-    monkeypatch.setattr(tln, "DX_PIECES_BWD", None)
-    _layernorm_case(*shape, dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_defaults(dtype):
     """The measured configs as shipped (16-bit 65537 LayerNorm backward: dx pieces + column

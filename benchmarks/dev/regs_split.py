@@ -1,6 +1,7 @@
 """Developer probe (no GPU needed): registers and spills of the split-row LayerNorm backward
-(``_ln_bwd_split``) compiled for sm_90 by the local Triton, per (piece, warps, PREFETCH, cap,
-RELOAD), and the programs of that size an H100/H200 SM holds by registers (65536 per SM).
+(``_ln_bwd_split``) compiled for sm_90 by the local Triton, per (piece, warps, PREFETCH, cap),
+and the programs of that size an H100/H200 SM holds by registers (65536 per SM). (Commit
+cbb0941 also compiled RELOAD and pipelined variants, since removed; tune round 47.)
 
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/dev/regs_split.py   # the lent machine's Triton
 """
@@ -23,12 +24,12 @@ POINTERS = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "mean_ptr": "
             "count_ptr": "*i32"}
 
 
-def compiled(n: int, chunk: int, warps: int, prefetch: int, cap: int | None, reload: bool):
+def compiled(n: int, chunk: int, warps: int, prefetch: int, cap: int | None):
     fn = tln._ln_bwd_split
     C, L = tln.split_pieces(n, chunk, 0)
     consts = dict(BLOCK=tln.next_pow2(L), C=C, C_P2=tln.next_pow2(C), HAS_W=True,
                   NEED_DX=True, NEED_DW=True, NEED_DB=True, PREFETCH=prefetch, PARKED=False,
-                  VEC=0, PAIRED=True, RELOAD=reload)
+                  VEC=0, PAIRED=True)
     names = fn.arg_names
     sig = {a: POINTERS.get(a, "constexpr" if a in consts else "i32") for a in names}
     aligned = list(POINTERS) + ["N", "L", "stride_dy", "stride_x", "stride_dx"]
@@ -59,16 +60,13 @@ def main() -> None:
     print(f"Triton {triton.__version__}, sm_90, bf16 rows of 16384")
     for chunk, warps, prefetch, cap in ((4096, 8, 1, 128), (4096, 8, 1, None), (4096, 8, 0, None),
                                         (2048, 4, 1, None), (2048, 4, 0, None),
-                                        (4096, 8, 0, 96), (4096, 8, 1, 96), (2048, 8, 1, None)):
-        for reload in (False, True):
-            k = compiled(16384, chunk, warps, prefetch, cap, reload)
-            regs, spills = resources(k)
-            per_sm = 65536 // (max(regs, 1) * warps * 32)
-            print(f"piece {chunk:5d} warps {warps:2d} prefetch {prefetch} cap {cap!s:4s} "
-                  f"reload {reload!s:5s}: {regs:3d} registers, {spills:3d} B stack, "
-                  f"{per_sm} programs/SM, {per_sm * warps * 32 * chunk // (warps * 32)} "
-                  f"elements/SM")
-
+                                        (4096, 8, 0, 96), (2048, 8, 1, None)):
+        regs, stack = resources(compiled(16384, chunk, warps, prefetch, cap))
+        per_warp = -(-regs * 32 // 256) * 256  # allocated per warp in units of 256
+        per_sm = min(65536 // (per_warp * warps), 64 // warps)
+        print(f"piece {chunk:5d} warps {warps:2d} prefetch {prefetch} cap {cap!s:4s}: "
+              f"{regs:3d} registers, {stack:3d} B stack, {per_sm} programs/SM, "
+              f"{per_sm * chunk} elements/SM")
 
 if __name__ == "__main__":
     main()

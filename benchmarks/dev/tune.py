@@ -1105,7 +1105,9 @@ if "r44" in which:  # round 44: 16-bit softmax backward at 32K (Liger 2-3% ahead
 if "r47" in which:  # round 47: the LayerNorm backward's row loops software-pipelined by
     # Triton (tl.range num_stages S: loads into shared memory S - 1 rows ahead; the split
     # kernel's publish and wait in inline PTX, see publish_sums), with and without RELOAD (x
-    # and dy loaded again after the wait instead of kept in registers across it).
+    # and dy loaded again after the wait instead of kept in registers across it). Ran on
+    # commit cbb0941; the split kernel's RELOAD/STAGES knobs were removed after it (slower),
+    # so its variants here now run the shipped kernel.
     def sp(cfg):
         chunk, warps, pf, cap, reload, stages = cfg
         name = (f"s{chunk // 1024}w{warps}p{pf}{f'm{cap}' if cap else ''}"
@@ -1132,7 +1134,9 @@ if "r47b" in which:  # round 47b: the fused backward's S3 at 16-bit 1K/2K again,
 if "r48" in which:  # round 48: the split backward's publish and wait in inline PTX without
     # pipelining (one block-wide barrier less per row: Nsight Compute on the shipped kernel,
     # bf16 32K, H100: 44% of the stall cycles at CTA barriers); the fused backward pipelined
-    # (S3) over the 16-bit blocks up to 4K and float32 1K/2K.
+    # (S3) over the 16-bit blocks up to 4K and float32 1K/2K. Ran on commit cbb0941 (the
+    # "asm" knob, SYNC_ASM, was removed after it: no gain; its float32 64K variant was wrong:
+    # PREFETCH 2 was not wired into the asm path).
     def asm(cfg):
         return ("asm", lambda: knobs(tln, SPLIT_BWD_CONFIG=(*cfg, False, 1, True)))
     for dt, N in ((bf, 16384), (bf, 32768), (bf, 65536), (bf, 131072), (bf, 262144),

@@ -538,58 +538,6 @@ def await_row(count_ptr, row, C: tl.constexpr):
         seen = tl.atomic_add(count_ptr + row, 0, sem="acquire")
 
 
-# Row loops written with tl.range(..., num_stages=S > 1) have their loads software-pipelined
-# by Triton (asynchronous copies into shared memory, S - 1 rows ahead), so a program's loads in
-# flight no longer need registers. Triton pipelines only loops without a nested loop or a
-# block-wide barrier, which publish_row and await_row contain; these three do the same work in
-# inline PTX instead: the stores and the release from one thread (a release orders that
-# thread's own earlier stores, so no barrier is needed), the wait as a loop inside the asm.
-
-
-@triton.jit
-def publish_sums(stats_at, s1, s2, count_at):
-    """Store two float32 partial sums at ``stats_at[0:2]`` and count this program's arrival
-    at ``count_at`` (release), all from thread 0 (every thread holds the sums)."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .b32 t;
-        mov.u32 t, %tid.x;
-        setp.eq.u32 p, t, 0;
-        @p st.global.f32 [$1], $2;
-        @p st.global.f32 [$1+4], $3;
-        @p red.release.gpu.global.add.u32 [$4], 1;
-        mov.u32 $0, 0;
-        }""", "=r,l,f,f,l",
-        [stats_at.to(tl.int64), s1, s2, count_at.to(tl.int64)], dtype=tl.int32, is_pure=False,
-        pack=1)
-
-
-@triton.jit
-def await_count(count_at, C: tl.constexpr):
-    """Wait (acquire, every thread) until the counter at ``count_at`` reaches C."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        WAIT:
-        ld.acquire.gpu.global.u32 $0, [$1];
-        setp.lt.s32 p, $0, $2;
-        @p bra WAIT;
-        }""", "=r,l,r",
-        [count_at.to(tl.int64), tl.full([], C, tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)
-
-
-@triton.jit
-def load_published(base, offs, mask):
-    """Published float32 values ``base[offs]`` (read from L2, after await_count; masked lanes
-    0): inline asm, so the pipeliner never issues them ahead of the wait."""
-    v = tl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l",
-                                  [(base + tl.where(mask, offs, 0)).to(tl.int64)],
-                                  dtype=tl.float32, is_pure=False, pack=1)
-    return tl.where(mask, v, 0.0)
-
-
 @triton.jit
 def split_piece(row, chunk, L, N, stride, BLOCK: tl.constexpr, VEC: tl.constexpr,
                 FULL: tl.constexpr = False):
@@ -701,11 +649,10 @@ class SplitLauncher:
                     per_sm = max(1, min(65536 // (per_warp * num_warps),
                                         2048 // (32 * num_warps)))
                 shared = int(getattr(compiled.metadata, "shared", 0) or 0)
-                if shared:  # pipelined loads (num_stages > 1) keep rows in shared memory
-                    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-                    per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 0
-                    # the driver reserves 1 KiB per resident block
-                    per_sm = max(1, min(per_sm, per_sm_smem // (shared + 1024)))
+                props = torch.cuda.get_device_properties(torch.cuda.current_device())
+                smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 0
+                if shared and smem:  # the driver reserves 1 KiB per resident block
+                    per_sm = max(1, min(per_sm, smem // (shared + 1024)))
             except Exception:  # noqa: BLE001 - an unknown Triton API: one program per SM
                 per_sm = 1
             self.blocks_per_sm[key] = per_sm

@@ -53,19 +53,16 @@ from fusedops.triton._common import (
     PlanCache,
     SplitLauncher,
     _interpreting,
-    await_count,
     await_row,
     body_len,
     cdiv,
     current_stream,
     grid_size,
     hooks_registered,
-    load_published,
     next_pow2,
     num_row_tiles,
     num_sms,
     publish_row,
-    publish_sums,
     row_body,
     row_config,
     row_edges,
@@ -628,6 +625,8 @@ def _ln_bwd_single(
         if VEC > 0:
             dwe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
             dbe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
+    # STAGES > 1: Triton software-pipelines the tile loop (the next tiles' loads are copied
+    # into shared memory asynchronously while this one is reduced; see _fused_bwd_stages).
     for tile in tl.range(start, num_tiles, num_progs, num_stages=STAGES):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
@@ -740,7 +739,6 @@ def _ln_bwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     PREFETCH: tl.constexpr, PARKED: tl.constexpr, VEC: tl.constexpr, PAIRED: tl.constexpr,
-    RELOAD: tl.constexpr = False, STAGES: tl.constexpr = 1, SYNC_ASM: tl.constexpr = False,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -754,10 +752,6 @@ def _ln_bwd_split(
     # also has the row's edges (split_edges). The grid is a multiple of C·VEC (or one item per
     # program), so all rows of a program share one head: its weight and accumulator columns,
     # edges included, are fixed.
-    # RELOAD: the piece's x and dy are loaded again after the wait (from L2: this program read
-    # them moments before) instead of xhat and w·dy staying in registers across it, so more
-    # programs fit on an SM; w·dy is then rounded before the subtraction (_rounded_mul), as
-    # when it crosses the wait, so dx has the same bits either way.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -786,7 +780,7 @@ def _ln_bwd_split(
         r0 = (pid // C).to(tl.int64)
         x_next = tl.load(x_ptr + _body_at(r0, stride_x, VEC) + pos, mask=cmask, other=0.0)
         dy_next = tl.load(dy_ptr + _body_at(r0, stride_dy, VEC) + pos, mask=cmask, other=0.0)
-    for item in tl.range(pid, num_items, num_progs, num_stages=STAGES):
+    for item in range(pid, num_items, num_progs):
         row = item // C
         row64 = row.to(tl.int64)
         if PREFETCH > 0:
@@ -834,42 +828,26 @@ def _ln_bwd_split(
                     wdye = dye
                 s1 += tl.sum(xhe * wdye, axis=0)
                 s2 += tl.sum(wdye, axis=0)
-            if STAGES > 1 or SYNC_ASM:  # see publish_sums
-                publish_sums(stats_ptr + item * 2, s1, s2, count_ptr + row)
-            else:
-                tl.store(stats_ptr + item * 2, s1)
-                tl.store(stats_ptr + item * 2 + 1, s2)
-                publish_row(count_ptr, row)
+            tl.store(stats_ptr + item * 2, s1)
+            tl.store(stats_ptr + item * 2 + 1, s2)
+            publish_row(count_ptr, row)
             if PREFETCH == 3:
+                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                 mask=more, other=0.0)
+                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                  mask=more, other=0.0)
+            await_row(count_ptr, row, C)
+            if PREFETCH == 2:
                 x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
                                  mask=more, other=0.0)
                 dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
                                   mask=more, other=0.0)
             base = (row * C + peers) * 2
             ok = peers < C
-            if STAGES > 1 or SYNC_ASM:
-                await_count(count_ptr + row, C)
-                c1 = tl.sum(load_published(stats_ptr, base, ok), axis=0) / N
-                c2 = tl.sum(load_published(stats_ptr, base + 1, ok), axis=0) / N
-            else:
-                await_row(count_ptr, row, C)
-                if PREFETCH == 2:
-                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                     mask=more, other=0.0)
-                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                      mask=more, other=0.0)
-                c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0,
-                                    cache_modifier=".cg"), axis=0) / N
-                c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
-                                    cache_modifier=".cg"), axis=0) / N
-            if RELOAD:
-                x = tl.load(x_ptr + _body_at(row64, stride_x, VEC) + pos, mask=cmask,
-                            other=0.0).to(tl.float32)
-                wdy = tl.load(dy_ptr + _body_at(row64, stride_dy, VEC) + pos, mask=cmask,
-                              other=0.0).to(tl.float32)
-                xhat = (x - mean) * rstd
-                if HAS_W:
-                    wdy = _rounded_mul(wdy, w, True)
+            c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
+                        axis=0) / N
+            c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
+                                cache_modifier=".cg"), axis=0) / N
             dx = ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty)
             dx_at = dx_ptr + _body_at(row64, stride_dx, VEC) + pos
             if PARKED:
@@ -1287,9 +1265,6 @@ def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
 # _split_config says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy
 # read twice: 5 passes).
 FUSED_BWD_MAX_BLOCK = 8192
-# Pipelining depth of the fused backward's tile loop (num_stages; see publish_sums in
-# _common.py): 1 = not pipelined.
-FUSED_BWD_STAGES = 1
 # Overrides for experiments (benchmarks/dev/tune.py): (tile elements, programs per SM, ACC_1D).
 FUSED_BWD_OVERRIDE: tuple[int, int, bool] | None = None
 
@@ -1349,6 +1324,23 @@ def _paired_sums(elt_size: int, vec: int, block: int) -> bool:
 
 
 PAIRED_SUMS = True  # off: the separate reductions (benchmarks/dev/tune.py)
+
+# The fused backward's tile loop pipelined by Triton (num_stages) for these padded blocks of
+# 16-bit rows whose starts are 16-byte aligned. H100, TB/s (tune rounds 47b/48: shipped ->
+# three stages, the same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.66-2.69 (four
+# runs), 2K 2.59-2.60 -> 2.69-2.72, fp16 alike; slower at 256/512 (2.69 -> 2.61) and 4K (2.78
+# -> 2.72), level on float32 (whose 4K+ tiles also do not fit shared memory three deep).
+PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({1024, 2048})
+FUSED_BWD_STAGES: int | None = None  # override for experiments (benchmarks/dev/tune.py)
+
+
+def _fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> int:
+    """num_stages of the fused backward's tile loop (1: not pipelined) for padded rows of
+    ``block`` elements of ``elt_size`` bytes with these row strides (PIPELINED_BWD_BLOCKS)."""
+    if FUSED_BWD_STAGES is not None:
+        return FUSED_BWD_STAGES
+    aligned = all(s % 8 == 0 for s in strides)
+    return 3 if elt_size == 2 and aligned and block in PIPELINED_BWD_BLOCKS else 1
 # The split-row backward's two piece sums in one paired reduction. Tune round 39 (H200, TB/s,
 # separate -> paired): float32 16K 3.16 -> 3.23, 64K 3.11 -> 3.15, bf16 32K 2.24 -> 2.30; the
 # rest within 1% either way.
@@ -1881,11 +1873,11 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     need_dx = dx is not None
     paired = _paired_sums(x.element_size(), vec, block)
     strides = (dy.stride(0), x.stride(0), N)
+    stages = _fused_bwd_stages(block, x.element_size(), strides)
     def dx_only(first: int, grid: int) -> None:  # the parked variant's dx of tiles first..
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
-            block, rows, has_w, True, False, False, vec, True, acc_1d, True, paired,
-            FUSED_BWD_STAGES,
+            block, rows, has_w, True, False, False, vec, True, acc_1d, True, paired, stages,
         ), warps)
 
     m_dx = M
@@ -1903,7 +1895,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     _launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx if need_dx else x, part, M, N, *strides, tiles, progs, 0, m_dx,
         block, rows, has_w, need_dx, need_dw, need_db, vec, True, acc_1d, parked, paired,
-        FUSED_BWD_STAGES,
+        stages,
     ), warps)
     dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
@@ -1948,13 +1940,12 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
-    chunk, split_warps, prefetch, *extra = cfg
-    cap, reload, stages, sync_asm = (*extra, None, False, 1, False)[:4]
-    launcher = _bwd_split_launcher(cap)
+    chunk, split_warps, prefetch, *cap = cfg
+    launcher = _bwd_split_launcher(cap[0] if cap else None)
     C, L = split_pieces(N, chunk, vec)
     paired = SPLIT_PAIRED
     consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
-              vec, paired, bool(reload), stages, bool(sync_asm))
+              vec, paired)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
