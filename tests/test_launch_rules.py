@@ -121,7 +121,7 @@ def test_split_config_rules():
     assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows
 
 
-def test_fused_backward_stages_rule(monkeypatch):
+def test_fused_backward_stages_rule(monkeypatch, device):
     """Pipelined tile loop (three stages) for aligned 16-bit blocks of 1K and 2K only; the
     launch passes it (STAGES, the kernel's last argument), also to the parked dx launch."""
     stages = tln._fused_bwd_stages
@@ -138,8 +138,8 @@ def test_fused_backward_stages_rule(monkeypatch):
     monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: seen.append(
         args[-1]) or real(grid, args, warps))
     for n, want in ((768, 3), (4096, 1)):
-        x = torch.randn(16, n, dtype=torch.bfloat16)
-        w = torch.randn(n, dtype=torch.bfloat16)
+        x = torch.randn(16, n, dtype=torch.bfloat16, device=device)
+        w = torch.randn(n, dtype=torch.bfloat16, device=device)
         _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
         seen.clear()
         tln.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)

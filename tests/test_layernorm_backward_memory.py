@@ -205,7 +205,8 @@ def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     tln._launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx, part, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
         block, rows, True, True, True, True, vec, True, acc_1d, True,
-        tln._paired_sums(x.element_size(), vec, block)), warps)
+        tln._paired_sums(x.element_size(), vec, block),
+        tln._fused_bwd_stages(block, x.element_size(), (dy.stride(0), x.stride(0), N))), warps)
     dw, db = tln._reduce_partials(part, True, True, dtypes=(dtype, dtype))
     return dx, dw, db
 

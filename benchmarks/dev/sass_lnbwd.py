@@ -32,7 +32,7 @@ def sass(block: int, rows: int, vec: int, warps: int) -> str:
     fn = tln._ln_bwd_single
     names = fn.arg_names
     consts = dict(BLOCK_N=block, ROWS=rows, HAS_W=True, NEED_DX=True, NEED_DW=True,
-                  NEED_DB=True, VEC=vec, HOLD_W=True, ACC_1D=True, PARKED=True, PAIRED=False)
+                  NEED_DB=True, VEC=vec, HOLD_W=True, ACC_1D=True, PARKED=True, PAIRED=False, STAGES=1)
     sig = {n: POINTERS.get(n, "constexpr" if n in consts else "i32") for n in names}
     aligned = list(POINTERS) + ([] if vec else ["stride_dy", "stride_x", "stride_dx", "N"])
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}

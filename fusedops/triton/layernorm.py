@@ -586,7 +586,7 @@ def _ln_bwd_single(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, VEC: tl.constexpr,
     HOLD_W: tl.constexpr, ACC_1D: tl.constexpr, PARKED: tl.constexpr,
-    PAIRED: tl.constexpr, STAGES: tl.constexpr = 1,
+    PAIRED: tl.constexpr, STAGES: tl.constexpr,
 ):
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
@@ -2022,7 +2022,7 @@ def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
         _launch_bwd_single((progs,), (
             dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
             block, rows, has_w, True, False, False, vec, _hold_w(block, warps), True, False,
-            _paired_sums(x.element_size(), vec, block),
+            _paired_sums(x.element_size(), vec, block), 1,
         ), warps)
     else:
         _launch_dx_looped((M,), (
