@@ -1327,8 +1327,8 @@ PAIRED_SUMS = True  # off: the separate reductions (benchmarks/dev/tune.py)
 
 # The fused backward's tile loop pipelined by Triton (num_stages) for these padded blocks of
 # 16-bit rows whose starts are 16-byte aligned. H100, TB/s (tune rounds 47b/48: shipped ->
-# three stages, the same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.66-2.69 (four
-# runs), 2K 2.59-2.60 -> 2.69-2.72, fp16 alike; slower at 256/512 (2.69 -> 2.61) and 4K (2.78
+# three stages, the same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.65-2.69 (five
+# runs), 2K 2.58-2.60 -> 2.69-2.72, fp16 alike; slower at 256/512 (2.69 -> 2.61) and 4K (2.78
 # -> 2.72), level on float32 (whose 4K+ tiles also do not fit shared memory three deep).
 PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({1024, 2048})
 FUSED_BWD_STAGES: int | None = None  # override for experiments (benchmarks/dev/tune.py)
