@@ -544,7 +544,6 @@ def test_inference_paths_match(backend):
     assert torch.equal(y_nograd, y_plain) and torch.equal(y_grad.detach(), y_plain)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("n", [768, 1024, 1500, 2048])

@@ -1341,6 +1341,8 @@ def _fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> in
         return FUSED_BWD_STAGES
     aligned = all(s % 8 == 0 for s in strides)
     return 3 if elt_size == 2 and aligned and block in PIPELINED_BWD_BLOCKS else 1
+
+
 # The split-row backward's two piece sums in one paired reduction. Tune round 39 (H200, TB/s,
 # separate -> paired): float32 16K 3.16 -> 3.23, 64K 3.11 -> 3.15, bf16 32K 2.24 -> 2.30; the
 # rest within 1% either way.
