@@ -329,6 +329,29 @@ def test_unrolled_rules():
         assert padded % chunk == 0 and chunk % (32 * warps) == 0
 
 
+def test_unrolled_rules_per_gpu(monkeypatch):
+    # Round 50 (H100): 16-bit 4K and 8K entries replaced where the device name says H100.
+    assert tln.UNROLLED_FWD_GPU == {"H100": {(2, 4096): ((2048, 8), (1024, 4), (512, 4)),
+                                             (2, 8192): ((2048, 16), (1024, 8))}}
+    for rules in tln.UNROLLED_FWD_GPU.values():
+        for (_, padded), configs in rules.items():
+            for chunk, warps in configs:
+                assert padded % chunk == 0 and chunk % (32 * warps) == 0
+    monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    table = tln._unrolled_fwd_rules(0)
+    assert table[(2, 8192)] == ((2048, 16), (1024, 8))
+    assert table[(2, 4096)] == ((2048, 8), (1024, 4), (512, 4))
+    assert {k: v for k, v in table.items() if k not in ((2, 4096), (2, 8192))} == {
+        k: v for k, v in tln.UNROLLED_FWD.items() if k not in ((2, 4096), (2, 8192))}
+    assert tln.UNROLLED_FWD[(2, 8192)] == ((2048, 8), (1024, 8))  # the shared table unchanged
+    monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H200")
+    assert tln._unrolled_fwd_rules(0) is tln.UNROLLED_FWD
+    assert tln._unrolled_fwd_rules(-1) is tln.UNROLLED_FWD  # CPU tensors: no device name
+    monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H100 PCIe")
+    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
+    assert tln._unrolled_fwd_rules(0) is tln.UNROLLED_FWD
+
+
 def test_softmax_unrolled_rules():
     # Round 35 (H200): the softmax forward's (element size, padded row) -> (chunk, warps).
     assert tsm.UNROLLED_FWD == {
@@ -413,6 +436,7 @@ def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
     (torch.float32, 16384, None),  # no rule
 ])
 def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
+    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})  # the shared table (per-GPU: below)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     calls = []
     _recording(monkeypatch, tln, "_launch_fwd_unrolled", calls,

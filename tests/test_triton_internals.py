@@ -310,6 +310,25 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
     assert_close_to_ref(dx, s_ * (g_ - (s_ * g_).sum(-1, keepdim=True)), dtype, scale=4)
 
 
+@pytest.mark.parametrize("n,chunk,warps", [(8192, 2048, 16), (4096, 2048, 8)])
+def test_unrolled_forward_h100_configs(monkeypatch, triton_backend, device, n, chunk, warps):
+    """The H100's 16-bit rules (UNROLLED_FWD_GPU) at their own shapes: 2048-element chunks on
+    16 and 8 warps, checked against float64."""
+    from fusedops.triton import layernorm as tln
+
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(2, n): ((chunk, warps),)})
+    calls = []
+    real = tln._launch_fwd_unrolled
+    monkeypatch.setattr(tln, "_launch_fwd_unrolled",
+                        lambda g, a, w: calls.append((a[10], a[11], w)) or real(g, a, w))
+    torch.manual_seed(n)
+    base = torch.randn(4, n + 8, device=device, dtype=torch.float64)  # strided rows
+    base[:2] = 1e4 + base[:2] * 1e-2
+    w, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    _check_ln_forward(base.to(torch.bfloat16)[:, :n], w, b, torch.bfloat16, far=2)
+    assert calls and set(calls) == {(n, chunk, warps)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
 @pytest.mark.parametrize("affine", [True, False])

@@ -46,6 +46,8 @@ del src, dst
 
 @contextlib.contextmanager
 def knobs(mod, **values):
+    if mod is tln and "UNROLLED_FWD" in values:  # a variant's rule, not a per-GPU replacement
+        values.setdefault("UNROLLED_FWD_GPU", {})
     old = {k: getattr(mod, k) for k in values}
     for k, v in values.items():
         setattr(mod, k, v)
@@ -1149,6 +1151,39 @@ if "r48" in which:  # round 48: the split backward's publish and wait in inline 
             point("ln_bwd", dt, N, [("S3", lambda: knobs(tln, FUSED_BWD_STAGES=3))])
     for N in (256, 1024, 2048):
         point("ln_bwd", f32, N, [("S3", lambda: knobs(tln, FUSED_BWD_STAGES=3))])
+
+if "r49" in which:  # round 49 (nineteenth session): the split backward on one-warp programs
+    # (a row piece reduced by warp shuffles alone: no CTA barrier, the 44% of stall cycles
+    # Nsight Compute found in round 48's kernel) and two-warp ones; local ptxas sm_90 (Triton
+    # 3.6, bf16): 512 x 1 125-135 registers, 15-16 programs per SM (8192 elements per SM in
+    # flight, as 4096 x 8 at 128); 1024 x 1 232-244 (8 per SM); 1024 x 2 157-163 (6 per SM).
+    def s1(cfg):
+        chunk, warps, pf, *cap = cfg
+        name = f"s{chunk}w{warps}p{pf}{f'm{cap[0]}' if cap else ''}"
+        return (name, lambda: knobs(tln, SPLIT_BWD_CONFIG=cfg))
+    small = ((512, 1, 0), (512, 1, 1), (512, 1, 1, 128), (1024, 1, 0, 128), (1024, 2, 1),
+             (2048, 4, 1, 128))
+    # (split_rows_enabled needs the C pieces of a row <= the SM count: 512 x 1 runs to 64K)
+    for N in (16384, 32768, 65536):
+        point("ln_bwd", bf, N, [s1(c) for c in small])
+    for N in (16384, 32768, 65536):
+        point("ln_bwd", f32, N, [s1(c) for c in ((512, 1, 0), (512, 1, 1), (1024, 2, 1),
+                                                 (1024, 4, 1))])
+
+if "r50" in which:  # round 50: the H100's LayerNorm forward at 16-bit 8K, 3% behind
+    # torch.compile in the s17 and s18 sweeps (the rule (2048, 8) was tuned on the H200, where it
+    # led compile by 8-12%): round 31's grid on the H100, compile in the same run; 4K too (Liger
+    # 1-2% ahead in s18).
+    def un(elt, N, chunk, warps):
+        return (f"u{chunk // 1024 or chunk / 1024:g}Kw{warps}",
+                lambda: knobs(tln, UNROLLED_FWD={**tln.UNROLLED_FWD, (elt, N): ((chunk, warps),)}))
+    for _ in range(2):
+        for dt in (bf, fp16):
+            with_compile("ln_fwd_y", dt, 8192, [un(2, 8192, c, w) for c, w in (
+                (1024, 8), (2048, 16), (1024, 4), (2048, 8), (4096, 16), (8192, 32), (512, 4),
+                (4096, 8))])
+        with_compile("ln_fwd_y", bf, 4096, [un(2, 4096, c, w) for c, w in (
+            (4096, 0), (1024, 4), (512, 4), (2048, 8), (1024, 8), (2048, 4))])
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")

@@ -46,6 +46,12 @@ def config_cache(fn):
 
 
 @functools.cache
+def device_name(index: int) -> str:
+    """The name of CUDA device ``index`` (per-GPU launch rules match parts of it)."""
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on ``device`` (a small constant for CPU/interpreter runs)."""
     if device.type == "cuda":

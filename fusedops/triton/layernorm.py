@@ -57,6 +57,7 @@ from fusedops.triton._common import (
     body_len,
     cdiv,
     current_stream,
+    device_name,
     grid_size,
     hooks_registered,
     next_pow2,
@@ -1578,6 +1579,27 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
 }
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
+# Entries of UNROLLED_FWD replaced on GPUs whose name contains the key. H100 (tune round 50,
+# 2026-11-25, inference calls, TB/s, torch.compile in the same run), where the H200's rules
+# were 2-3% behind compile (8K) and Liger (4K) in the s17 and s18 sweeps: 16-bit 8K on
+# 2048 x 16 2.93-2.96 vs 2.85-2.88 on 2048 x 8 (compile 2.95-2.96), 4K on 2048 x 8 2.94 vs
+# 2.88-2.89 on the reload kernel. (The H200 measured the other way: 8K 2048 x 16 3.72-3.84 vs
+# 2048 x 8 4.06-4.07, 4K 2048 x 8 3.86 vs 4.02-4.04; rounds 31-32.)
+UNROLLED_FWD_GPU: dict[str, dict[tuple[int, int], tuple[tuple[int, int], ...]]] = {
+    "H100": {(2, 4096): ((2048, 8), (1024, 4), (512, 4)), (2, 8192): ((2048, 16), (1024, 8))},
+}
+
+
+def _unrolled_fwd_rules(device_index: int) -> dict:
+    """UNROLLED_FWD with the entries UNROLLED_FWD_GPU replaces on CUDA device ``device_index``
+    (-1, the CPU: the table as is). Read per call, so tests and tuning can change either."""
+    if device_index >= 0 and UNROLLED_FWD_GPU:
+        name = device_name(device_index)
+        for part, rules in UNROLLED_FWD_GPU.items():
+            if part in name:
+                return {**UNROLLED_FWD, **rules}
+    return UNROLLED_FWD
+
 
 def _stats_buffers(M: int, device: torch.device, with_stats: bool, placeholder: torch.Tensor):
     """(mean, rstd) float32 (M,) buffers, or the placeholder twice (never written without
@@ -1681,7 +1703,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    unrolled = unrolled_config(UNROLLED_FWD, x.element_size(), N, UNROLLED_FWD_ABOVE, vec)
+    unrolled = unrolled_config(_unrolled_fwd_rules(x.get_device()), x.element_size(), N,
+                               UNROLLED_FWD_ABOVE, vec)
     if unrolled:
         return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
                                  *unrolled, key)
