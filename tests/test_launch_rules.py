@@ -164,6 +164,10 @@ def test_fused_backward_config():
     assert tln._fused_bwd_config(2048) == (2, 8, 2, True)
     assert tln._fused_bwd_config(4096) == (4, 16, 1, True)  # 16K-element tiles from 4K
     assert tln._fused_bwd_config(8192) == (2, 16, 1, True)
+    # float32 rows of 4K-8K: 8K-element tiles (round 51), aligned or not
+    assert tln._fused_bwd_config(8192, False, 4) == (1, 16, 1, True)
+    assert tln._fused_bwd_config(4096, False, 4) == (2, 16, 1, True)
+    assert tln._fused_bwd_config(2048, False, 4) == (2, 8, 2, True)
     # the body variant of unaligned rows: one row per tile (multi-row tiles spill), two programs
     # per SM; float32 bodies of 4K+ on 8K-element tiles, one program per SM
     assert tln._fused_bwd_config(8192, True, 2) == (1, 16, 2, True)

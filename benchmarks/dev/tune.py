@@ -1185,6 +1185,17 @@ if "r50" in which:  # round 50: the H100's LayerNorm forward at 16-bit 8K, 3% be
         with_compile("ln_fwd_y", bf, 4096, [un(2, 4096, c, w) for c, w in (
             (4096, 0), (1024, 4), (512, 4), (2048, 8), (1024, 8), (2048, 4))])
 
+if "r51" in which:  # round 51: float32 LayerNorm backward at 8K, 2% behind Liger in the H100
+    # sweeps s17/s18 (2.72-2.73 vs 2.76-2.78 TB/s) while the unaligned 8193 ran 2.82-2.83 on
+    # one-row 8K tiles (the body variant's rule): the aligned fused kernel's tile (tile, programs
+    # per SM, ACC_1D) for float32 4K/8K.
+    def fo(cfg):
+        return (f"t{cfg[0] // 1024}Kp{cfg[1]}", lambda: knobs(tln, FUSED_BWD_OVERRIDE=cfg))
+    for _ in range(2):
+        for N in (8192, 4096):
+            point("ln_bwd", f32, N, [fo(c) for c in ((8192, 1, True), (16384, 1, True),
+                                                      (8192, 2, True), (4096, 2, True))])
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:

@@ -1291,12 +1291,16 @@ def _fused_bwd_config(block: int, body: bool = False,
     multi-row tiles (ptxas sm_90: 208 bytes at an 8K body on 2 rows, 656 at 4K on 4 rows): one
     row per tile, two programs per SM, except float32 bodies of 4K+ on 8K-element tiles (tune
     round 16 on H100, TB/s vs the shipped multi-row tiles: 8193 bf16 1.75 vs 1.08, float32 2.81
-    vs 1.86; 4097 float32 2.81 vs 2.51, 16-bit 1.42 vs 0.83-1.44; 2049 within 3%)."""
+    vs 1.86; 4097 float32 2.81 vs 2.51, 16-bit 1.42 vs 0.83-1.44; 2049 within 3%).
+    Aligned float32 rows of 4K-8K take the same 8K-element tiles (round 51, H100, two runs:
+    8K 2.85-2.86 vs 2.72-2.73 on 16K-element tiles, Liger 2.76-2.78 in the sweeps; 4K 2.87 vs
+    2.83-2.84)."""
     if FUSED_BWD_OVERRIDE is not None:
         tile, per_sm, acc_1d = FUSED_BWD_OVERRIDE
+    elif elt_size == 4 and block >= 4096:
+        tile, per_sm, acc_1d = 8192, 1, True
     elif body:
-        tile, per_sm, acc_1d = ((8192, 1, True) if elt_size == 4 and block >= 4096
-                                else (block, 2, True))
+        tile, per_sm, acc_1d = block, 2, True
     elif block == 512 and elt_size == 2:  # round 18: bf16 3.15 vs 2.96, fp16 3.20 vs 3.02
         tile, per_sm, acc_1d = 2048, 4, False
     elif block <= 2048:
