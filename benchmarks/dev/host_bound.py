@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import fusedops
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_spread import spread  # noqa: E402
 
 
 def providers():
@@ -35,17 +39,8 @@ def providers():
 
 
 def head_start_times(fn, flush, calls=60):
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(calls)]
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~100 ms at 1.98 GHz: the host enqueues everything meanwhile
-    for s, e in ev:
-        flush.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in ev)
+    # ~100 ms of GPU sleep at 1.98 GHz: the host enqueues every call meanwhile
+    return sorted(spread(fn, flush, calls, head_start=200_000_000))
 
 
 def main() -> None:

@@ -37,11 +37,16 @@ def shape_case(dt: torch.dtype, n: int):
     }
 
 
-def spread(fn, flush: torch.Tensor) -> list[float]:
+def spread(fn, flush: torch.Tensor, calls: int = CALLS, head_start: int = 0) -> list[float]:
+    """CUDA-event times (ms) of ``calls`` single calls, each after an L2 flush; ``head_start``
+    > 0: all of them enqueued behind a GPU sleep of that many cycles (the host runs ahead)."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(CALLS)]
+          for _ in range(calls)]
     for _ in range(5):
         fn()
+    if head_start:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(head_start)
     for s, e in ev:
         flush.zero_()
         s.record()
