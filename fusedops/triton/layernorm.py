@@ -1888,9 +1888,8 @@ def _park(dx: torch.Tensor, nbytes: int, group: int) -> tuple[int, int] | None:
 def _parked(dx: torch.Tensor, offset: int, shape: tuple[int, ...],
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A ``shape`` tensor of ``dtype`` over dx's storage from byte ``offset``."""
-    elt = torch.empty((), dtype=dtype).element_size()
     return torch.empty((0,), dtype=dtype, device=dx.device).set_(
-        dx.untyped_storage(), offset // elt, shape)
+        dx.untyped_storage(), offset // dtype.itemsize, shape)
 
 
 def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, plan,
