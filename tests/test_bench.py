@@ -129,6 +129,8 @@ def test_tiny_sweep_records(tiny_result):
         assert set(rec["speedup"]) == others
     fo = [x for x in recs if x["provider"] == "fusedops"]
     assert {x["backend"] for x in fo} == {"reference"}  # CPU tensors use the reference path
+    # the GPU-ahead time is a CUDA measurement: backward records carry None here
+    assert all(x["ms_gpu"] is None for x in recs if x["op"].endswith("_bwd"))
 
 
 def test_tiny_sweep_speedups_consistent(tiny_result):
@@ -383,6 +385,24 @@ def test_format_short_table_and_targets():
     assert "host cost per call" in text and "+1.5" in text
 
 
+def test_host_bound_points_reported():
+    res = _synthetic()
+    assert bench_report.host_bound(res) == []  # no GPU-ahead times recorded
+    bwd = next(r for r in res["records"] if r["op"] == "layernorm_bwd")
+    bwd["ms_gpu"] = bwd["ms"] / 1.2  # do_bench 20% above the GPU's own time
+    ok = next(r for r in res["records"] if r["op"] == "softmax_fwd")
+    ok["ms_gpu"] = ok["ms"] / 1.05  # within HOST_BOUND: not reported
+    bound = bench_report.host_bound(res)
+    assert len(bound) == 1 and bound[0].startswith("layernorm_bwd")
+    text = bench_report.format_targets(res)
+    assert "host-bound" in text and "layernorm_bwd" in text.split("host-bound")[1]
+
+
+def test_gpu_ahead_is_cuda_only():
+    timer = bench.Timer("cpu", 1, 1)
+    assert timer.gpu_ahead(lambda: None) is None
+
+
 def test_slug_and_stem():
     assert bench_report.slug("NVIDIA H200") == "h200"
     assert bench_report.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
@@ -436,6 +456,8 @@ def test_tiny_sweep_cuda():
     assert len(recs) == 4 * 2 * 3
     for rec in recs:
         assert rec["status"] == "ok", rec
+        if rec["op"].endswith("_bwd"):
+            assert rec["ms_gpu"] > 0
     assert {x["backend"] for x in recs if x["provider"] == "fusedops"} == {"triton"}
 
 

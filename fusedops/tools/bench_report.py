@@ -15,8 +15,8 @@ from fusedops.tools.bench_providers import PROVIDER_NAMES
 
 CSV_FIELDS = (
     "op", "dtype", "M", "N", "provider", "backend", "status", "ok", "max_err",
-    "ms", "ms_p20", "ms_p80", "bytes", "flops", "tbps", "gflops", "copy_tbps", "frac_copy",
-    "frac_peak", "compile_s", "first_call_s", "fwd_mode", "error",
+    "ms", "ms_p20", "ms_p80", "ms_gpu", "bytes", "flops", "tbps", "gflops", "copy_tbps",
+    "frac_copy", "frac_peak", "compile_s", "first_call_s", "fwd_mode", "error",
 )
 # Targets of docs/performance.md (fraction of the same run's copy bandwidth).
 TARGET_MID = (1024, 65536, 0.90)  # N range (inclusive) and fraction
@@ -309,6 +309,23 @@ def targets_summary(result: dict) -> dict[str, Any]:
     return out
 
 
+# A backward record whose do_bench median exceeds the GPU's own time (Timer.gpu_ahead) by more
+# than this fraction was timed partly waiting for the host.
+HOST_BOUND = 0.10
+
+
+def host_bound(result: dict) -> list[str]:
+    """The timed records (every provider) whose do_bench median is more than HOST_BOUND above
+    their GPU-ahead time: ``"op dtype N provider: ms vs ms_gpu"``."""
+    out = []
+    for r in result.get("records", []):
+        ms, gpu = r.get("ms"), r.get("ms_gpu")
+        if ms and gpu and ms > (1 + HOST_BOUND) * gpu:
+            out.append(f"{r['op']} {r['dtype']} N={format_size(r['N'])} {r['provider']}: "
+                       f"{ms:.3f} vs {gpu:.3f} ms")
+    return out
+
+
 def format_targets(result: dict) -> str:
     t = targets_summary(result)
     lines = [
@@ -321,6 +338,13 @@ def format_targets(result: dict) -> str:
         shown = t["losses"][:8]
         more = len(t["losses"]) - len(shown)
         lines.append("  losses: " + "; ".join(shown) + (f"; +{more} more" if more else ""))
+    bound = host_bound(result)
+    if bound:
+        shown = bound[:8]
+        more = len(bound) - len(shown)
+        lines.append(f"  host-bound (do_bench median > {1 + HOST_BOUND:.2f} x the GPU-ahead "
+                     f"time): {len(bound)}: " + "; ".join(shown)
+                     + (f"; +{more} more" if more else ""))
     if result.get("truncated"):
         lines.append(f"  truncated: {len(result.get('skipped', []))} points skipped (time budget)")
     return "\n".join(lines)
