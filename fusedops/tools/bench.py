@@ -15,7 +15,9 @@ What it measures (see ``benchmarks/README.md`` and ``docs/performance.md``):
   before it is timed, and mismatches are marked in the results.
 
 Timing: ``triton.testing.do_bench`` medians (and 20/80% quantiles) on CUDA; on MPS and CPU a
-``time.perf_counter`` loop that synchronises after every call.
+``time.perf_counter`` loop that synchronises after every call. CUDA backward records also carry
+``ms_gpu``, the GPU's own time with the host far ahead (:meth:`Timer.gpu_ahead`); the report
+lists records whose ``do_bench`` median was partly spent waiting for the host.
 """
 
 from __future__ import annotations
