@@ -403,6 +403,18 @@ def test_gpu_ahead_is_cuda_only():
     assert timer.gpu_ahead(lambda: None) is None
 
 
+def test_gpu_ahead_failure_keeps_the_record(monkeypatch):
+    def boom(self, fn):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(bench.Timer, "gpu_ahead", boom)
+    r = bench.run_sweep(ops="layernorm_bwd", dtypes="fp32", sizes=[64], providers="fusedops",
+                        device="cpu", total=2**8, warmup_ms=0.1, rep_ms=0.2,
+                        host_latency=False, progress=False)
+    rec = r["records"][0]
+    assert rec["status"] == "ok" and rec["ms"] > 0
+    assert rec["ms_gpu"] is None and "out of memory" in rec["ms_gpu_error"]
+
+
 def test_slug_and_stem():
     assert bench_report.slug("NVIDIA H200") == "h200"
     assert bench_report.slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"

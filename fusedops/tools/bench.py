@@ -694,7 +694,11 @@ def _run_provider(point: _Point, provider: Provider, ops: Sequence[str], dtype_n
                         return torch.autograd.grad(y, inputs, dy, retain_graph=True)
 
                     ms, lo, hi = timer(run_bwd)
-                    rec["ms_gpu"] = timer.gpu_ahead(run_bwd)
+                    try:  # an extra measurement: its failure must not cost the record
+                        rec["ms_gpu"] = timer.gpu_ahead(run_bwd)
+                    except Exception as exc:
+                        rec["ms_gpu"] = None
+                        rec["ms_gpu_error"] = _short_error(exc)
                     del y, run_bwd
                 first = first_bwd + (first if provider.compiles and not train_compiled else 0.0)
                 train_compiled = True
