@@ -342,18 +342,18 @@ def test_unrolled_rules_per_gpu(monkeypatch):
             for chunk, warps in configs:
                 assert padded % chunk == 0 and chunk % (32 * warps) == 0
     monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H100 80GB HBM3")
-    table = tln._unrolled_fwd_rules(0)
-    assert table[(2, 8192)] == ((2048, 16), (1024, 8))
-    assert table[(2, 4096)] == ((2048, 8), (1024, 4), (512, 4))
-    assert {k: v for k, v in table.items() if k not in ((2, 4096), (2, 8192))} == {
-        k: v for k, v in tln.UNROLLED_FWD.items() if k not in ((2, 4096), (2, 8192))}
+    assert tln._unrolled_fwd_table(0, (2, 8192))[(2, 8192)] == ((2048, 16), (1024, 8))
+    assert tln._unrolled_fwd_table(0, (2, 4096))[(2, 4096)] == ((2048, 8), (1024, 4), (512, 4))
+    for key in tln.UNROLLED_FWD:  # every other entry: the shared table
+        if key not in ((2, 4096), (2, 8192)):
+            assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
     assert tln.UNROLLED_FWD[(2, 8192)] == ((2048, 8), (1024, 8))  # the shared table unchanged
     monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H200")
-    assert tln._unrolled_fwd_rules(0) is tln.UNROLLED_FWD
-    assert tln._unrolled_fwd_rules(-1) is tln.UNROLLED_FWD  # CPU tensors: no device name
+    assert tln._unrolled_fwd_table(0, (2, 8192)) is tln.UNROLLED_FWD
+    assert tln._unrolled_fwd_table(-1, (2, 8192)) is tln.UNROLLED_FWD  # CPU: no device name
     monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H100 PCIe")
     monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
-    assert tln._unrolled_fwd_rules(0) is tln.UNROLLED_FWD
+    assert tln._unrolled_fwd_table(0, (2, 8192)) is tln.UNROLLED_FWD
 
 
 def test_softmax_unrolled_rules():

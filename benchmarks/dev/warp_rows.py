@@ -49,56 +49,49 @@ def _publish_warp(slot_at, s1, s2, count_at):
         is_pure=False, pack=1)
 
 
+# Butterfly sum of ($0, $1) over a warp's 32 lanes (offsets 16, 8, 4, 2, 1).
+_BUTTERFLY = "".join(f"""
+        shfl.sync.bfly.b32 u, $0, {k}, 31, -1;
+        shfl.sync.bfly.b32 v, $1, {k}, 31, -1;
+        add.f32 $0, $0, u;
+        add.f32 $1, $1, v;""" for k in (16, 8, 4, 2, 1))
+
+
+# The wait and peer sums of _await_sums, in PTX.
+_AWAIT_ASM = tl.constexpr("""{
+            .reg .pred p;
+            .reg .b32 t, k;
+            .reg .b64 a;
+            .reg .f32 u, v;
+            WAIT:
+            ld.acquire.gpu.global.u32 t, [$2];
+            setp.lt.u32 p, t, $3;
+            @p bra WAIT;
+            mov.f32 $0, 0f00000000;
+            mov.f32 $1, 0f00000000;
+            mov.u32 k, %laneid;
+            LOOP:
+            setp.ge.u32 p, k, $3;
+            @p bra DONE;
+            mul.wide.u32 a, k, 8;
+            add.u64 a, a, $4;
+            ld.global.cg.v2.f32 {u, v}, [a];
+            add.f32 $0, $0, u;
+            add.f32 $1, $1, v;
+            add.u32 k, k, 32;
+            bra LOOP;
+            DONE:
+            """ + _BUTTERFLY + """
+            }""")
+
+
 @triton.jit
 def _await_sums(count_at, target, slots_at, dep):
     """Wait (acquire) until count_at reaches ``target``, then the sums of the ``target``
     published (s1, s2) pairs at slots_at: lane k adds pairs k, k + 32, ..., then butterfly
     shuffles (the same order in every warp and program: all pieces of a row agree bitwise)."""
     return tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .b32 t, k;
-        .reg .b64 a;
-        .reg .f32 u, v;
-        WAIT:
-        ld.acquire.gpu.global.u32 t, [$2];
-        setp.lt.u32 p, t, $3;
-        @p bra WAIT;
-        mov.f32 $0, 0f00000000;
-        mov.f32 $1, 0f00000000;
-        mov.u32 k, %laneid;
-        LOOP:
-        setp.ge.u32 p, k, $3;
-        @p bra DONE;
-        mul.wide.u32 a, k, 8;
-        add.u64 a, a, $4;
-        ld.global.cg.v2.f32 {u, v}, [a];
-        add.f32 $0, $0, u;
-        add.f32 $1, $1, v;
-        add.u32 k, k, 32;
-        bra LOOP;
-        DONE:
-        shfl.sync.bfly.b32 u, $0, 16, 31, -1;
-        shfl.sync.bfly.b32 v, $1, 16, 31, -1;
-        add.f32 $0, $0, u;
-        add.f32 $1, $1, v;
-        shfl.sync.bfly.b32 u, $0, 8, 31, -1;
-        shfl.sync.bfly.b32 v, $1, 8, 31, -1;
-        add.f32 $0, $0, u;
-        add.f32 $1, $1, v;
-        shfl.sync.bfly.b32 u, $0, 4, 31, -1;
-        shfl.sync.bfly.b32 v, $1, 4, 31, -1;
-        add.f32 $0, $0, u;
-        add.f32 $1, $1, v;
-        shfl.sync.bfly.b32 u, $0, 2, 31, -1;
-        shfl.sync.bfly.b32 v, $1, 2, 31, -1;
-        add.f32 $0, $0, u;
-        add.f32 $1, $1, v;
-        shfl.sync.bfly.b32 u, $0, 1, 31, -1;
-        shfl.sync.bfly.b32 v, $1, 1, 31, -1;
-        add.f32 $0, $0, u;
-        add.f32 $1, $1, v;
-        }""", "=f,=f,l,r,l,f",
+        _AWAIT_ASM, "=f,=f,l,r,l,f",
         [count_at.to(tl.int64), target, slots_at.to(tl.int64), dep],
         dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
 

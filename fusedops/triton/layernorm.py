@@ -1594,14 +1594,16 @@ UNROLLED_FWD_GPU: dict[str, dict[tuple[int, int], tuple[tuple[int, int], ...]]] 
 }
 
 
-def _unrolled_fwd_rules(device_index: int) -> dict:
-    """UNROLLED_FWD with the entries UNROLLED_FWD_GPU replaces on CUDA device ``device_index``
-    (-1, the CPU: the table as is). Read per call, so tests and tuning can change either."""
+def _unrolled_fwd_table(device_index: int, key: tuple[int, int]) -> dict:
+    """The rule table to read ``key`` ((element size, padded row)) from on CUDA device
+    ``device_index`` (-1: the CPU): a matching GPU's UNROLLED_FWD_GPU rules where they hold
+    ``key``, else UNROLLED_FWD. No table is built per call; both are read per call, so tests
+    and tuning can change either."""
     if device_index >= 0 and UNROLLED_FWD_GPU:
         name = device_name(device_index)
         for part, rules in UNROLLED_FWD_GPU.items():
-            if part in name:
-                return {**UNROLLED_FWD, **rules}
+            if key in rules and part in name:
+                return rules
     return UNROLLED_FWD
 
 
@@ -1707,8 +1709,9 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    unrolled = unrolled_config(_unrolled_fwd_rules(x.get_device()), x.element_size(), N,
-                               UNROLLED_FWD_ABOVE, vec)
+    elt = x.element_size()
+    unrolled = unrolled_config(_unrolled_fwd_table(x.get_device(), (elt, next_pow2(N))), elt,
+                               N, UNROLLED_FWD_ABOVE, vec)
     if unrolled:
         return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
                                  *unrolled, key)
