@@ -24,18 +24,24 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import fusedops
+from fusedops.triton import layernorm as tln
+
+BWD_PLANS = tln.BWD_PLANS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch_spread import spread  # noqa: E402
 
 
 def providers():
+    """name -> (forward, LayerNorm backward replay plans on): "fusedops-noplan" is the
+    backward through the launch rules on every call (the code before the twentieth session)."""
     def fused(x, w, b):
         return fusedops.fused_layernorm(x, (x.shape[-1],), w, b, 1e-5)
 
     def native(x, w, b):
         return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
-    return {"fusedops": fused, "torch": native}
+    return {"fusedops": (fused, True), "fusedops-noplan": (fused, False),
+            "torch": (native, True)}
 
 
 def head_start_times(fn, flush, calls=60):
@@ -46,15 +52,17 @@ def head_start_times(fn, flush, calls=60):
 def main() -> None:
     flush = torch.empty(1 << 26, dtype=torch.int32, device="cuda")
     out, lines = [], []
-    for dt, n in ((torch.bfloat16, 8192), (torch.float16, 16384), (torch.bfloat16, 32768),
-                  (torch.bfloat16, 1024)):
+    for dt, n in ((torch.bfloat16, 1024), (torch.bfloat16, 4096), (torch.bfloat16, 8192),
+                  (torch.float16, 16384), (torch.bfloat16, 32768), (torch.bfloat16, 65536),
+                  (torch.float32, 8192), (torch.float32, 65537)):
         m = (1 << 27) // n
         x = torch.randn(m, n, device="cuda", dtype=dt, requires_grad=True)
         w = torch.randn(n, device="cuda", dtype=dt, requires_grad=True)
         b = torch.randn(n, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=dt)
-        for name, op in providers().items():
+        for name, (op, plans) in providers().items():
             y = op(x, w, b)
+            tln.BWD_PLANS = plans and BWD_PLANS
 
             def fn(y=y):
                 return torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
@@ -74,7 +82,7 @@ def main() -> None:
                                                                hs[len(hs) // 2],
                                                                hs[4 * len(hs) // 5]])
             out.append(rec)
-            line = (f"{str(dt)[6:]:8s} {n:6d} {name:8s} host {host_us:6.1f} us | do_bench "
+            line = (f"{str(dt)[6:]:8s} {n:6d} {name:15s} host {host_us:6.1f} us | do_bench "
                     + " ".join(f"{a:.3f}({b_:.3f}-{c:.3f})" for a, b_, c in bench)
                     + " | head start {:.3f}({:.3f}-{:.3f})".format(
                         rec["head_start_p20_p50_p80"][1], rec["head_start_p20_p50_p80"][0],

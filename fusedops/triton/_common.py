@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -186,7 +187,10 @@ class Launcher:
     def __call__(self, grid: tuple[int, ...], args: tuple, num_warps: int):
         """Launch; returns Triton's compiled kernel object (or None on the direct path)."""
         if not self.direct:
-            return self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            if _recorded is not None:
+                _recorded.append((self, grid, args, num_warps))
+            return compiled
         try:
             key = self.key(num_warps, args)
         except Exception:  # first call, or other argument kinds than the generated key's
@@ -196,10 +200,14 @@ class Launcher:
         entry = self.compiled.get(key)
         if entry is not None and not hooks_registered():
             entry(grid, current_stream(key[0]), args)
+            if _recorded is not None:
+                _recorded.append((self, grid, args, num_warps))
             return None
         compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
         if entry is None:
             self._remember(key, compiled)
+        if _recorded is not None:
+            _recorded.append((self, grid, args, num_warps))
         return compiled
 
     def entry(self, args: tuple, num_warps: int):
@@ -349,6 +357,112 @@ class PlanCache(dict):
         made = self.runner(key, plan) if self.runner is not None and len(grid) == 1 else None
         if made is not None:
             self.replay[made[0]] = made[1]
+
+
+# ------------------------------------------------------------------ recorded launch sequences
+# A call whose results come from kernel launches alone (its outputs allocated, scratch parked
+# inside them) can be replayed from its launches: the same grids and scalar arguments, the
+# pointers moved to the new call's tensors. The LayerNorm backward does this (three to five
+# launches and their planning cost 35-105 µs of Python per call on the dev machine, about four
+# times that on the lent GPU hosts, as much as the kernels' GPU time at 2^27 elements).
+
+_recorded: list | None = None  # the LaunchRecord being filled (record_launches), or None
+
+
+class LaunchRecord(list):
+    """``(launcher, grid, args, num_warps)`` of each launch made while recording, in order.
+    ``replayable`` is set (:func:`mark_replayable`) by a code path whose results come from these
+    launches alone: anything else (torch operations, a fallback) leaves it False."""
+
+    replayable = False
+
+
+@contextlib.contextmanager
+def record_launches():
+    """``with record_launches() as record:`` collects the :class:`Launcher` launches made in the
+    block (after each launch returns: a launch that raised is not in it)."""
+    global _recorded
+    outer, _recorded = _recorded, LaunchRecord()
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+def mark_replayable() -> None:
+    """Called by a code path whose results come from its launches alone (see LaunchRecord)."""
+    if _recorded is not None:
+        _recorded.replayable = True
+
+
+class SequencePlans(dict):
+    """Replay runners per call signature; cleared with the launch-config caches (see
+    :func:`set_single_block_limit`) and when the split-row kernels are disabled. A value of
+    False marks a signature whose calls cannot be replayed (not recorded again)."""
+
+    MAX_PLANS = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        _config_caches.append(self)
+
+    def cache_clear(self) -> None:
+        self.clear()
+
+    def put(self, key, plan) -> None:
+        if len(self) >= self.MAX_PLANS:
+            self.clear()
+        self[key] = plan
+
+
+def sequence_steps(record: LaunchRecord, tensors: tuple, n_inputs: int) -> tuple | None:
+    """Replay steps ``(go, grid, slots, tail)`` for ``record``, or None where it cannot be
+    replayed. ``tensors``: the call's inputs (the first ``n_inputs``) then its outputs, None
+    where absent. Every tensor argument of a launch must be one of the inputs or outputs itself
+    or lie inside an output's storage (scratch parked there); it becomes a slot ``(index, byte
+    offset)``, so the replay passes ``pointer[index] + offset``. Tensor arguments must come
+    before all others (true of every kernel here), and each launch needs a direct C entry that
+    takes raw pointers (Triton 3.6, see :func:`_direct_entry`). Inputs sharing an address are
+    refused: a later call of the same signature need not share it."""
+    if not record.replayable:
+        return None
+    ptrs = [None if t is None else t.data_ptr() for t in tensors]
+    given = [p for p in ptrs[:n_inputs] if p is not None]
+    if len(set(given)) != len(given) or any(
+            p in given for p in ptrs[n_inputs:] if p is not None):
+        return None
+    ends = [None if t is None else p + t.untyped_storage().nbytes() - t.storage_offset()
+            * t.element_size() for t, p in zip(tensors, ptrs, strict=True)]
+    steps = []
+    for launcher, grid, args, num_warps in record:
+        go = launcher.entry(args, num_warps)
+        if go is None or not getattr(go, "raw_pointers", False):
+            return None
+        slots = []
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                break
+            slot = next((i for i, t in enumerate(tensors) if t is a), None)
+            if slot is not None:
+                slots.append((slot, 0))
+                continue
+            p = a.data_ptr()
+            slot = next((i for i in range(n_inputs, len(tensors))
+                         if ptrs[i] is not None and ptrs[i] <= p < ends[i]), None)
+            if slot is None:
+                return None
+            slots.append((slot, p - ptrs[slot]))
+        tail = args[len(slots):]
+        if any(isinstance(a, torch.Tensor) for a in tail):
+            return None
+        steps.append((go, grid, tuple(slots), tuple(tail)))
+    return tuple(steps)
+
+
+def run_steps(steps: tuple, ptrs: tuple, stream: int) -> None:
+    """Launch replay ``steps`` (see :func:`sequence_steps`) with the call's tensor addresses."""
+    for go, grid, slots, tail in steps:
+        go(grid, stream, (*[ptrs[i] + off for i, off in slots], *tail))
 
 
 def hooks_registered() -> bool:
@@ -525,6 +639,8 @@ def disable_split_rows(reason: str) -> None:
 
     if _split_state["enabled"]:
         _split_state["enabled"] = False
+        for cache in _config_caches:  # replay plans may hold split launches
+            cache.cache_clear()
         warnings.warn(f"fusedops: split-row kernels disabled ({reason}); using looped kernels",
                       RuntimeWarning, stacklevel=3)
 
@@ -682,6 +798,23 @@ class SplitLauncher:
                 disable_split_rows(f"{type(exc).__name__}: {exc}")
             return 0
         return progs
+
+
+@triton.jit
+def _zero_i32(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
+
+
+_launch_zero = Launcher(_zero_i32)
+
+
+def zero_counters(t: torch.Tensor) -> torch.Tensor:
+    """Zero a contiguous int32 tensor (the split kernels' row counters) with a launch rather
+    than ``zero_()``, so that a recorded call (:func:`record_launches`) replays it."""
+    n = t.numel()
+    _launch_zero((cdiv(n, 1024),), (t, n, 1024), 4)
+    return t
 
 
 # --------------------------------------------------------------------------- unaligned rows

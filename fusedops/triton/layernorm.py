@@ -51,6 +51,7 @@ from fusedops.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
     PlanCache,
+    SequencePlans,
     SplitLauncher,
     _interpreting,
     await_row,
@@ -60,14 +61,18 @@ from fusedops.triton._common import (
     device_name,
     grid_size,
     hooks_registered,
+    mark_replayable,
     next_pow2,
     num_row_tiles,
     num_sms,
     publish_row,
+    record_launches,
     row_body,
     row_config,
     row_edges,
     rows_and_output,
+    run_steps,
+    sequence_steps,
     single_block_limit,
     split_edges,
     split_head,
@@ -79,6 +84,7 @@ from fusedops.triton._common import (
     unaligned_vec,
     unrolled_config,
     unrolled_edges,
+    zero_counters,
 )
 
 
@@ -1450,6 +1456,9 @@ _launch_dx_pieces = Launcher(_ln_bwd_dx_pieces)
 _launch_dx_published = Launcher(_ln_bwd_dx_published)
 _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
+# Backward replay plans (see layernorm_backward): only where launches can take the direct path
+# (not under the interpreter; the plans themselves also need Triton 3.6's raw-pointer entries).
+BWD_PLANS = _launch_sum.direct
 _capped_bwd_split: dict[int, SplitLauncher] = {}  # by register cap (see _split_config)
 
 
@@ -1796,6 +1805,13 @@ def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
     return y, mean, rstd
 
 
+# Backward replay plans (see _common.record_launches), per call signature: everything the
+# launch rules read (shapes, strides, dtypes, 16-byte alignment of every pointer, the gradients
+# needed, the mode, the device). The fused and split-row paths of the low_memory mode (their
+# scratch parked in dx) replay: dx, dweight and dbias allocated, then the recorded launches.
+_bwd_plans = SequencePlans()
+
+
 def layernorm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -1815,7 +1831,59 @@ def layernorm_backward(
     in the weight's dtype where PyTorch's native kernel runs (see NATIVE_UNALIGNED_16BIT_BWD).
     ``grad_dtypes``: (weight, bias) dtypes; the ``low_memory`` mode returns dweight/dbias in
     them (cast before dx overwrites the float32 sums kept in its storage).
+
+    A call whose signature ran before through launches alone is replayed from them (the same
+    launches, bitwise the same results, without the launch rules' host time).
     """
+    if not BWD_PLANS:
+        return _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
+    key = (*x.shape, x.stride(0), dy.stride(0), x.dtype, dy.dtype, x.data_ptr() & 15,
+           dy.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15,
+           None if weight is None else (weight.dtype, weight.data_ptr() & 15),
+           need_dx, need_dw, need_db, grad_dtypes, get_layernorm_backward(), x.get_device())
+    plan = _bwd_plans.get(key)
+    if plan and not hooks_registered():
+        return plan(dy, x, weight, mean, rstd)
+    if plan is False:
+        return _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
+    with record_launches() as record:
+        out = _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
+    _bwd_plans.put(key, _backward_runner(record, (dy, x, weight, mean, rstd), out) or False)
+    return out
+
+
+def _backward_runner(record, inputs: tuple, out: tuple):
+    """``run(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)`` replaying ``record`` (the
+    launches of the call that produced ``out``), or None where it cannot be replayed."""
+    if any(t is not None and not t.is_contiguous() for t in out):
+        return None
+    steps = sequence_steps(record, (*inputs, *out), len(inputs))
+    if steps is None:
+        return None
+    metas = tuple(None if t is None else (t.shape, t.dtype) for t in out)
+    (dx_meta, dw_meta, db_meta), index = metas, inputs[1].get_device()
+
+    def run(dy, x, weight, mean, rstd):
+        dev = x.device
+        dx = dw = db = None
+        if dx_meta is not None:
+            dx = torch.empty(dx_meta[0], dtype=dx_meta[1], device=dev)
+        if dw_meta is not None:
+            dw = torch.empty(dw_meta[0], dtype=dw_meta[1], device=dev)
+        if db_meta is not None:
+            db = torch.empty(db_meta[0], dtype=db_meta[1], device=dev)
+        run_steps(steps, (
+            dy.data_ptr(), x.data_ptr(), 0 if weight is None else weight.data_ptr(),
+            mean.data_ptr(), rstd.data_ptr(), 0 if dx is None else dx.data_ptr(),
+            0 if dw is None else dw.data_ptr(), 0 if db is None else db.data_ptr(),
+        ), current_stream(index))
+        return dx, dw, db
+
+    return run
+
+
+def _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes):
+    """:func:`layernorm_backward` through the launch rules."""
     M, N = x.shape
     dev = x.device
     has_w = weight is not None
@@ -1838,6 +1906,7 @@ def layernorm_backward(
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
     if parked and dx is None and need_part:  # nothing to park in: the column kernel straight
         # into dweight/dbias (no scratch; slow for many rows)
+        mark_replayable()
         return (None, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes))
     if fused is not None:
         return _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
@@ -1861,6 +1930,7 @@ def layernorm_backward(
     # without dx, dweight/dbias from the column kernel into float32 scratch.
     if need_dx:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
+    mark_replayable()  # (scratch of the column kernel, if any, is refused by sequence_steps)
     return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes,
                                   scratch=True))
 
@@ -1937,6 +2007,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         if vec and tail < left:
             tail = max(vec, tail // vec * vec)
         dx_only(first, tail)
+    mark_replayable()
     return dx, dw, db
 
 
@@ -2007,7 +2078,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         m_dx, offset = place
         part = _parked(dx, offset, (2, part_rows, N)) if need_part else mean
         stats = _parked(dx, offset + part_bytes, (2 * M * C,))
-        count = _parked(dx, offset + part_bytes + stats_bytes, (M,), torch.int32).zero_()
+        count = zero_counters(_parked(dx, offset + part_bytes + stats_bytes, (M,), torch.int32))
     else:  # scratch (without dx the kernel exchanges no statistics: placeholders)
         part = (torch.empty((2, part_rows, N), dtype=torch.float32, device=dev)
                 if need_part else mean)
@@ -2030,10 +2101,11 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
             late_from += first % row_bytes // (L * dx.element_size())
         n_progs = (M - m_dx) * C
         _launch_dx_published((n_progs,), (
-            dy, x, w, mean, rstd, dx, stats, count[M - 1:].zero_(), N, L, dy.stride(0),
+            dy, x, w, mean, rstd, dx, stats, zero_counters(count[M - 1:]), N, L, dy.stride(0),
             x.stride(0), N, m_dx, n_progs, max(0, late_from),
             next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec,
         ), split_warps)
+    mark_replayable()
     return dx, dw, db
 
 
@@ -2092,6 +2164,7 @@ def _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need
         ), warps)
     elif dx is not None:
         _dx_rows(dy, x, w, has_w, mean, rstd, dx)
+    mark_replayable()
     return dx, dw, db
 
 

@@ -1,0 +1,250 @@
+"""LayerNorm backward replay plans (fusedops.triton.layernorm.layernorm_backward): a call whose
+signature ran before through launches alone replays those launches with the new call's tensors.
+
+Under the interpreter the plans are built with a recording C entry and compared launch by launch
+with the normal path (same grids, same scalars, every pointer at the same place relative to the
+call's inputs and outputs). With a GPU, replayed calls of every backward path are compared bit
+for bit with the normal path on compiled kernels (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import INTERPRETING, assert_close_to_ref
+
+import fusedops
+from fusedops.triton import _common
+from fusedops.triton import layernorm as tln
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _no_plans():
+    tln._bwd_plans.clear()
+    yield
+    tln._bwd_plans.clear()
+
+
+def _inputs(M, N, dtype, weight=True, device=None):
+    g = torch.Generator().manual_seed(M * 7 + N)
+    x = (torch.randn(M, N, generator=g) * 2 + 0.3).to(dtype)
+    dy = torch.randn(M, N, generator=g).to(dtype)
+    w = (1 + 0.5 * torch.randn(N, generator=g)).to(dtype) if weight else None
+    xf = x.double()
+    mean = xf.mean(1)
+    rstd = torch.rsqrt(xf.var(1, unbiased=False) + 1e-5)
+    out = [dy, x, w, mean.float(), rstd.float()]
+    return [None if t is None else t.to(device or "cpu") for t in out]
+
+
+def _backward(inputs, need=(True, True, True), grad_dtypes=None):
+    dy, x, w, mean, rstd = inputs
+    return tln.layernorm_backward(dy, x, w, mean, rstd, *need, grad_dtypes=grad_dtypes)
+
+
+def _where(bases, p):
+    """(base index, byte offset) of address ``p`` inside one of ``bases``' storages."""
+    for i, t in enumerate(bases):
+        if t is not None and t.data_ptr() <= p < t.data_ptr() + t.untyped_storage().nbytes():
+            return i, p - t.data_ptr()
+    raise AssertionError(f"address {p:#x} outside the call's tensors")
+
+
+def _relative(args, n, bases):
+    """The first ``n`` arguments (tensors or addresses) as (base, offset), the rest as given."""
+    return tuple(_where(bases, a.data_ptr() if isinstance(a, torch.Tensor) else a)
+                 for a in args[:n]) + tuple(args[n:])
+
+
+@pytest.fixture
+def recording_entries(monkeypatch):
+    """Plans on (as with Triton 3.6's C entries), each entry recording its calls in ``log``."""
+    log = []
+
+    def entry(self, args, num_warps):
+        def go(grid, stream, raw):
+            log.append(("replay", grid, raw))
+        go.raw_pointers = True
+        return go
+
+    real_call = _common.Launcher.__call__
+
+    def spy(self, grid, args, num_warps):
+        log.append(("normal", grid, args))
+        return real_call(self, grid, args, num_warps)
+
+    monkeypatch.setattr(tln, "BWD_PLANS", True)
+    monkeypatch.setattr(_common.Launcher, "entry", entry)
+    monkeypatch.setattr(_common.Launcher, "__call__", spy)
+    monkeypatch.setattr(tln, "current_stream", lambda device: ("stream", device))
+    monkeypatch.setattr(tln, "hooks_registered", lambda: False)
+    return log
+
+
+pytestmark_interp = pytest.mark.skipif(
+    not INTERPRETING, reason="CPU tensors need the Triton interpreter (the gpu tests cover this)")
+
+
+@pytestmark_interp
+@pytest.mark.parametrize("case", [
+    dict(M=37, N=64, dtype=BF16),
+    dict(M=37, N=64, dtype=F32, weight=False),
+    dict(M=300, N=48, dtype=F32, need=(True, False, False)),
+    dict(M=300, N=48, dtype=BF16, need=(True, True, False), grad_dtypes=(BF16, BF16)),
+    dict(M=90, N=65, dtype=BF16, body_from=16),  # unaligned rows: aligned body + edges
+    dict(M=64, N=64, dtype=BF16, need=(False, True, True)),  # no dx: the column kernel
+    dict(M=70, N=64, dtype=F32, max_block=32),  # column kernel (partials in dx), then dx rows
+], ids=str)
+def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case):
+    """The second call of a signature launches exactly what the first launched (grids, scalars,
+    every pointer at the same place relative to the call's tensors) and allocates outputs like
+    the first call's; the first call's results are right."""
+    case = dict(case)
+    if "body_from" in case:
+        monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", case.pop("body_from"))
+    if "max_block" in case:
+        monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", case.pop("max_block"))
+    need = case.pop("need", (True, True, True))
+    grad_dtypes = case.pop("grad_dtypes", None)
+    inputs = _inputs(case.pop("M"), case.pop("N"), case.pop("dtype"), **case)
+    log = recording_entries
+    first = _backward(inputs, need, grad_dtypes)
+    normal = [e for e in log if e[0] == "normal"]
+    assert normal and len(normal) == len(log)
+    assert len(tln._bwd_plans) == 1 and next(iter(tln._bwd_plans.values()))
+    log.clear()
+    second = _backward(inputs, need, grad_dtypes)
+    assert [e[0] for e in log] == ["replay"] * len(normal)
+    for a, b in zip(first, second, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+            assert b.is_contiguous() and a.data_ptr() != b.data_ptr()
+    bases1, bases2 = (*inputs, *first), (*inputs, *second)
+    for (_, grid1, args1), (_, grid2, raw2) in zip(normal, log, strict=True):
+        assert grid1 == grid2
+        n = sum(isinstance(a, torch.Tensor) for a in args1)
+        assert _relative(args1, n, bases1) == _relative(raw2, n, bases2)
+    # the normal path's results against float64
+    dy, x, w, mean, rstd = inputs
+    ref_x = x.double().requires_grad_()
+    ref_w = None if w is None else w.double().requires_grad_()
+    y = torch.nn.functional.layer_norm(ref_x, (x.shape[1],), ref_w, None, 1e-5)
+    want = torch.autograd.grad(y, [t for t in (ref_x, ref_w) if t is not None], dy.double())
+    if need[0]:
+        assert_close_to_ref(first[0], want[0], x.dtype, 4.0)
+    if need[1] and w is not None:
+        assert_close_to_ref(first[1].float(), want[1], x.dtype, 16.0)
+
+
+@pytestmark_interp
+@pytest.mark.parametrize("case", ["fast mode", "few rows", "hooks", "shared input"])
+def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
+    """Paths whose results do not come from launches alone into the outputs (scratch of the
+    fast mode, the column kernel's fallbacks, inputs sharing an address) record no plan (a
+    False entry: not recorded again); with a launch hook registered the normal path runs."""
+    log = recording_entries
+    inputs = _inputs(2 if case == "few rows" else 64, 64, BF16)
+    need = (True, True, True)
+    if case == "shared input":
+        inputs[0] = inputs[1]
+    mode = "fast" if case == "fast mode" else "low_memory"
+    with fusedops.layernorm_backward_mode(mode):
+        first = _backward(inputs, need)
+        if case == "hooks":
+            monkeypatch.setattr(tln, "hooks_registered", lambda: True)
+        log.clear()
+        second = _backward(inputs, need)
+    assert log and all(e[0] == "normal" for e in log)
+    (plan,) = tln._bwd_plans.values()
+    assert plan if case == "hooks" else plan is False
+    for a, b in zip(first, second, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+def test_plans_cleared_with_the_launch_rules():
+    """Plans go when the launch rules change (set_single_block_limit) or the split-row kernels
+    are disabled."""
+    tln._bwd_plans.put(("k",), lambda *a: None)
+    _common.set_single_block_limit(None)
+    assert not tln._bwd_plans
+    tln._bwd_plans.put(("k",), lambda *a: None)
+    state = dict(_common._split_state)
+    _common._split_state["enabled"] = True
+    try:
+        with pytest.warns(RuntimeWarning, match="split-row kernels disabled"):
+            _common.disable_split_rows("test")
+        assert not tln._bwd_plans
+    finally:
+        _common._split_state.update(state)
+
+
+# ------------------------------------------------------------------ end to end on the GPU
+
+GPU_CASES = [  # (M, N, dtype, weight, need): every backward path that replays
+    (4096, 1024, BF16, True, (True, True, True)),     # fused, aligned
+    (3000, 768, F32, False, (True, True, True)),      # fused, no weight
+    (1000, 8193, BF16, True, (True, True, True)),     # fused, unaligned body
+    (512, 4096, F32, True, (True, True, False)),      # fused float32 tiles
+    (256, 16384, BF16, True, (True, True, True)),     # split rows
+    (200, 65537, torch.float16, True, (True, True, True)),  # split, unaligned pieces
+    (128, 32768, F32, True, (True, False, False)),    # split, dx only
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,dtype,weight,need", GPU_CASES, ids=str)
+def test_gpu_replayed_backward_is_bitwise_the_normal_path(M, N, dtype, weight, need):
+    """Where the C entries allow plans (Triton 3.6), the second call replays and gives the
+    first call's bits; on a side stream too; and with plans dropped, the normal path again."""
+    inputs = _inputs(M, N, dtype, weight, device="cuda")
+    first = _backward(inputs, need, (dtype, dtype))
+    if tln.BWD_PLANS and triton_has_c_entries():
+        assert len(tln._bwd_plans) == 1 and next(iter(tln._bwd_plans.values()))
+    second = _backward(inputs, need, (dtype, dtype))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        third = _backward(inputs, need, (dtype, dtype))
+    torch.cuda.current_stream().wait_stream(s)
+    tln._bwd_plans.clear()
+    fourth = _backward(inputs, need, (dtype, dtype))
+    for outs in (second, third, fourth):
+        for a, b in zip(first, outs, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b)
+    dy, x, w, mean, rstd = inputs
+    ref_x = x.double().requires_grad_()
+    y = torch.nn.functional.layer_norm(ref_x, (N,), None if w is None else w.double(), None,
+                                       1e-5)
+    (want,) = torch.autograd.grad(y, ref_x, dy.double())
+    assert_close_to_ref(first[0], want, dtype, 8.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+def test_gpu_autograd_backward_replays():
+    """Through fused_layernorm and autograd: repeated backward calls give the same gradients,
+    and the signature holds a plan."""
+    x = torch.randn(2048, 2048, device="cuda", dtype=BF16, requires_grad=True)
+    w = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
+    b = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
+    y = fusedops.fused_layernorm(x, 2048, w, b)
+    dy = torch.randn_like(y)
+    grads = [torch.autograd.grad(y, (x, w, b), dy, retain_graph=True) for _ in range(3)]
+    for g in grads[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(grads[0], g, strict=True))
+    if tln.BWD_PLANS and triton_has_c_entries():
+        assert any(tln._bwd_plans.values())
+
+
+def triton_has_c_entries() -> bool:
+    import triton
+
+    return triton.__version__.startswith(_common._C_ENTRY_VERSIONS)
