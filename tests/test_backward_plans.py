@@ -39,7 +39,8 @@ def _inputs(M, N, dtype, weight=True, device=None):
     return [None if t is None else t.to(device or "cpu") for t in out]
 
 
-def _backward(inputs, need=(True, True, True), grad_dtypes=None):
+def _backward(inputs, need=(True, True, True), grad_dtypes=(None, None)):
+    """The backend call as the eager autograd path makes it (grad_dtypes given)."""
     dy, x, w, mean, rstd = inputs
     return tln.layernorm_backward(dy, x, w, mean, rstd, *need, grad_dtypes=grad_dtypes)
 
@@ -107,7 +108,7 @@ def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case
     if "max_block" in case:
         monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", case.pop("max_block"))
     need = case.pop("need", (True, True, True))
-    grad_dtypes = case.pop("grad_dtypes", None)
+    grad_dtypes = case.pop("grad_dtypes", (None, None))
     inputs = _inputs(case.pop("M"), case.pop("N"), case.pop("dtype"), **case)
     log = recording_entries
     first = _backward(inputs, need, grad_dtypes)
@@ -140,26 +141,31 @@ def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case
 
 
 @pytestmark_interp
-@pytest.mark.parametrize("case", ["fast mode", "few rows", "hooks", "shared input"])
+@pytest.mark.parametrize("case", ["fast mode", "few rows", "hooks", "shared input", "compiled"])
 def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
     """Paths whose results do not come from launches alone into the outputs (scratch of the
     fast mode, the column kernel's fallbacks, inputs sharing an address) record no plan (a
-    False entry: not recorded again); with a launch hook registered the normal path runs."""
+    False entry: not recorded again); with a launch hook registered the normal path runs;
+    calls without grad_dtypes (torch.compile's custom op) neither make nor use plans."""
     log = recording_entries
     inputs = _inputs(2 if case == "few rows" else 64, 64, BF16)
     need = (True, True, True)
     if case == "shared input":
         inputs[0] = inputs[1]
     mode = "fast" if case == "fast mode" else "low_memory"
+    grad_dtypes = None if case == "compiled" else (None, None)  # as torch.compile's custom op
     with fusedops.layernorm_backward_mode(mode):
-        first = _backward(inputs, need)
+        first = _backward(inputs, need, grad_dtypes)
         if case == "hooks":
             monkeypatch.setattr(tln, "hooks_registered", lambda: True)
         log.clear()
-        second = _backward(inputs, need)
+        second = _backward(inputs, need, grad_dtypes)
     assert log and all(e[0] == "normal" for e in log)
-    (plan,) = tln._bwd_plans.values()
-    assert plan if case == "hooks" else plan is False
+    if case == "compiled":
+        assert not tln._bwd_plans
+    else:
+        (plan,) = tln._bwd_plans.values()
+        assert plan if case == "hooks" else plan is False
     for a, b in zip(first, second, strict=True):
         assert (a is None) == (b is None)
         if a is not None:

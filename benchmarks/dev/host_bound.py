@@ -9,6 +9,9 @@ events count the wait. Per shape and provider this measures: the host time per b
 with every call enqueued behind a 100 ms GPU sleep (the host then runs far ahead: GPU time
 only, no starvation).
 
+Providers: fusedops, fusedops with the LayerNorm backward's replay plans off ("noplan", the
+path before the twentieth session), torch.
+
     OUT=dir python benchmarks/dev/host_bound.py
 """
 

@@ -65,6 +65,7 @@ def layernorm_backward(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # No grad_dtypes: the Triton backend then makes no replay plans (see its docstring).
     dx, dw, db = _dispatch.backend_for(x).layernorm_backward(
         dy, x, weight, mean, rstd, need_dx, need_dw, need_db
     )

@@ -363,8 +363,8 @@ class PlanCache(dict):
 # A call whose results come from kernel launches alone (its outputs allocated, scratch parked
 # inside them) can be replayed from its launches: the same grids and scalar arguments, the
 # pointers moved to the new call's tensors. The LayerNorm backward does this (three to five
-# launches and their planning cost 35-105 µs of Python per call on the dev machine, about four
-# times that on the lent GPU hosts, as much as the kernels' GPU time at 2^27 elements).
+# launches and their planning cost 40-110 µs of Python per call on the dev machine, several
+# times that on the lent GPU hosts: as much as the kernels' GPU time at 2^27 elements).
 
 _recorded: list | None = None  # the LaunchRecord being filled (record_launches), or None
 
@@ -419,11 +419,11 @@ def sequence_steps(record: LaunchRecord, tensors: tuple, n_inputs: int) -> tuple
     """Replay steps ``(go, grid, slots, tail)`` for ``record``, or None where it cannot be
     replayed. ``tensors``: the call's inputs (the first ``n_inputs``) then its outputs, None
     where absent. Every tensor argument of a launch must be one of the inputs or outputs itself
-    or lie inside an output's storage (scratch parked there); it becomes a slot ``(index, byte
-    offset)``, so the replay passes ``pointer[index] + offset``. Tensor arguments must come
-    before all others (true of every kernel here), and each launch needs a direct C entry that
-    takes raw pointers (Triton 3.6, see :func:`_direct_entry`). Inputs sharing an address are
-    refused: a later call of the same signature need not share it."""
+    or lie inside an output (scratch parked there; outputs must be contiguous); it becomes a
+    slot ``(index, byte offset)``, so the replay passes ``pointer[index] + offset``. Tensor
+    arguments must come before all others (true of every kernel here), and each launch needs a
+    direct C entry that takes raw pointers (Triton 3.6, see :func:`_direct_entry`). Inputs
+    sharing an address are refused: a later call of the same signature need not share it."""
     if not record.replayable:
         return None
     ptrs = [None if t is None else t.data_ptr() for t in tensors]
@@ -431,8 +431,11 @@ def sequence_steps(record: LaunchRecord, tensors: tuple, n_inputs: int) -> tuple
     if len(set(given)) != len(given) or any(
             p in given for p in ptrs[n_inputs:] if p is not None):
         return None
-    ends = [None if t is None else p + t.untyped_storage().nbytes() - t.storage_offset()
-            * t.element_size() for t, p in zip(tensors, ptrs, strict=True)]
+    # Outputs are new contiguous tensors: their extent is their size. (No untyped_storage() on
+    # the inputs: a storage object made for a tensor of a CUDA-graph pool confuses the liveness
+    # accounting of torch.compile's CUDA graph trees.)
+    ends = [None if t is None or i < n_inputs else p + t.numel() * t.element_size()
+            for i, (t, p) in enumerate(zip(tensors, ptrs, strict=True))]
     steps = []
     for launcher, grid, args, num_warps in record:
         go = launcher.entry(args, num_warps)

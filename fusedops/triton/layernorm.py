@@ -48,6 +48,7 @@ import triton.language as tl
 from fusedops import _replay
 from fusedops._settings import get_layernorm_backward
 from fusedops.triton._common import (
+    _BODY,
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
     PlanCache,
@@ -1458,7 +1459,8 @@ _launch_dwdb_columns = Launcher(_ln_bwd_dwdb_columns)
 _launch_sum = Launcher(_sum_partials)
 # Backward replay plans (see layernorm_backward): only where launches can take the direct path
 # (not under the interpreter; the plans themselves also need Triton 3.6's raw-pointer entries).
-BWD_PLANS = _launch_sum.direct
+# FUSEDOPS_BWD_PLANS=0 turns them off.
+BWD_PLANS = _launch_sum.direct and __import__("os").environ.get("FUSEDOPS_BWD_PLANS", "1") != "0"
 _capped_bwd_split: dict[int, SplitLauncher] = {}  # by register cap (see _split_config)
 
 
@@ -1807,8 +1809,9 @@ def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
 
 # Backward replay plans (see _common.record_launches), per call signature: everything the
 # launch rules read (shapes, strides, dtypes, 16-byte alignment of every pointer, the gradients
-# needed, the mode, the device). The fused and split-row paths of the low_memory mode (their
-# scratch parked in dx) replay: dx, dweight and dbias allocated, then the recorded launches.
+# needed, the mode, the device, torch's deterministic-algorithms flag, the row-body switch).
+# Paths whose results come from launches alone into dx, dweight and dbias (scratch parked in
+# dx: the low_memory mode) replay: the outputs allocated, then the recorded launches.
 _bwd_plans = SequencePlans()
 
 
@@ -1833,14 +1836,20 @@ def layernorm_backward(
     them (cast before dx overwrites the float32 sums kept in its storage).
 
     A call whose signature ran before through launches alone is replayed from them (the same
-    launches, bitwise the same results, without the launch rules' host time).
+    launches, bitwise the same results, without the launch rules' host time). Only calls that
+    give ``grad_dtypes`` (the eager autograd path) make and use plans: torch.compile's custom op
+    (fusedops.ops._library) does not, because with a cold Triton cache, recording a plan inside
+    the first warm-up of ``mode="reduce-overhead"`` made its CUDA graph trees report the
+    forward's saved statistics as missing from their memory pool (H100, Triton 3.6, torch
+    2.11; not understood; compiled graphs gain little from plans, CUDA graphs nothing).
     """
-    if not BWD_PLANS:
+    if not BWD_PLANS or grad_dtypes is None:
         return _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
     key = (*x.shape, x.stride(0), dy.stride(0), x.dtype, dy.dtype, x.data_ptr() & 15,
            dy.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15,
            None if weight is None else (weight.dtype, weight.data_ptr() & 15),
-           need_dx, need_dw, need_db, grad_dtypes, get_layernorm_backward(), x.get_device())
+           need_dx, need_dw, need_db, grad_dtypes, get_layernorm_backward(), x.get_device(),
+           torch.are_deterministic_algorithms_enabled(), _BODY["enabled"])
     plan = _bwd_plans.get(key)
     if plan and not hooks_registered():
         return plan(dy, x, weight, mean, rstd)
