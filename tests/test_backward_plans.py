@@ -254,3 +254,39 @@ def triton_has_c_entries() -> bool:
     import triton
 
     return triton.__version__.startswith(_common._C_ENTRY_VERSIONS)
+
+
+def test_recordings_are_per_thread():
+    """Two threads recording at once (the autograd engine runs CUDA backward functions on one
+    worker thread per device) each get their own launches only, and nested recordings in one
+    thread restore the outer one."""
+    import threading
+
+    device = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
+    tensors = [torch.ones(40, dtype=torch.int32, device=device) for _ in range(2)]
+    both_recording = threading.Barrier(2)
+    records = [None, None]
+
+    def work(i):
+        with _common.record_launches() as record:
+            both_recording.wait()
+            _common.zero_counters(tensors[i])
+            _common.mark_replayable()
+            both_recording.wait()
+        records[i] = record
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, record in enumerate(records):
+        assert record.replayable and len(record) == 1 and record[0][2][0] is tensors[i]
+        assert not tensors[i].any()
+    assert not _common._recording
+    with _common.record_launches() as outer:
+        with _common.record_launches() as inner:
+            _common.zero_counters(tensors[0])
+        _common.zero_counters(tensors[1])
+    assert len(inner) == 1 and len(outer) == 1 and outer[0][2][0] is tensors[1]
+    assert not _common._recording

@@ -21,8 +21,8 @@ import fusedops.triton.layernorm as L
 
 
 def _stub_launch(self, grid, args, num_warps):
-    if C._recorded is not None:
-        C._recorded.append((self, grid, args, num_warps))
+    if C._recording:
+        C._record(self, grid, args, num_warps)
 
 
 def _entry(self, args, num_warps):

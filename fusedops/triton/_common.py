@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -188,8 +189,8 @@ class Launcher:
         """Launch; returns Triton's compiled kernel object (or None on the direct path)."""
         if not self.direct:
             compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
-            if _recorded is not None:
-                _recorded.append((self, grid, args, num_warps))
+            if _recording:
+                _record(self, grid, args, num_warps)
             return compiled
         try:
             key = self.key(num_warps, args)
@@ -200,14 +201,14 @@ class Launcher:
         entry = self.compiled.get(key)
         if entry is not None and not hooks_registered():
             entry(grid, current_stream(key[0]), args)
-            if _recorded is not None:
-                _recorded.append((self, grid, args, num_warps))
+            if _recording:
+                _record(self, grid, args, num_warps)
             return None
         compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
         if entry is None:
             self._remember(key, compiled)
-        if _recorded is not None:
-            _recorded.append((self, grid, args, num_warps))
+        if _recording:
+            _record(self, grid, args, num_warps)
         return compiled
 
     def entry(self, args: tuple, num_warps: int):
@@ -366,7 +367,10 @@ class PlanCache(dict):
 # launches and their planning cost 40-110 µs of Python per call on the dev machine, several
 # times that on the lent GPU hosts: as much as the kernels' GPU time at 2^27 elements).
 
-_recorded: list | None = None  # the LaunchRecord being filled (record_launches), or None
+# The LaunchRecord being filled per thread (record_launches): the autograd engine runs CUDA
+# backward functions on one worker thread per device, so two recordings can overlap, and each
+# must see its own thread's launches only. Empty (the usual case): one falsy check per launch.
+_recording: dict = {}
 
 
 class LaunchRecord(list):
@@ -377,22 +381,33 @@ class LaunchRecord(list):
     replayable = False
 
 
+def _record(launcher, grid, args, num_warps) -> None:
+    record = _recording.get(threading.get_ident())
+    if record is not None:
+        record.append((launcher, grid, args, num_warps))
+
+
 @contextlib.contextmanager
 def record_launches():
-    """``with record_launches() as record:`` collects the :class:`Launcher` launches made in the
-    block (after each launch returns: a launch that raised is not in it)."""
-    global _recorded
-    outer, _recorded = _recorded, LaunchRecord()
+    """``with record_launches() as record:`` collects the :class:`Launcher` launches this thread
+    makes in the block (after each launch returns: a launch that raised is not in it)."""
+    me = threading.get_ident()
+    outer = _recording.get(me)
+    record = _recording[me] = LaunchRecord()
     try:
-        yield _recorded
+        yield record
     finally:
-        _recorded = outer
+        if outer is None:
+            del _recording[me]
+        else:
+            _recording[me] = outer
 
 
 def mark_replayable() -> None:
     """Called by a code path whose results come from its launches alone (see LaunchRecord)."""
-    if _recorded is not None:
-        _recorded.replayable = True
+    record = _recording.get(threading.get_ident()) if _recording else None
+    if record is not None:
+        record.replayable = True
 
 
 class SequencePlans(dict):
