@@ -624,13 +624,14 @@ def _ln_bwd_single(
     if ACC_1D:
         dw_acc = tl.zeros([BLOCK_N], tl.float32)
         db_acc = tl.zeros([BLOCK_N], tl.float32)
-        if VEC > 0:
-            dwe_acc = tl.zeros([2 * VEC], tl.float32)
-            dbe_acc = tl.zeros([2 * VEC], tl.float32)
     else:
         dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
         db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        if VEC > 0:
+    if VEC > 0:
+        if ACC_1D or ROWS == 1:
+            dwe_acc = tl.zeros([2 * VEC], tl.float32)
+            dbe_acc = tl.zeros([2 * VEC], tl.float32)
+        else:
             dwe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
             dbe_acc = tl.zeros([ROWS, 2 * VEC], tl.float32)
     # STAGES > 1: Triton software-pipelines the tile loop (the next tiles' loads are copied
@@ -645,10 +646,24 @@ def _ln_bwd_single(
         mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         if VEC > 0:  # unaligned rows: edges loaded with the body
-            e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
+            if ROWS == 1:
+                # One row: a 1-D edge tile with its own statistics. As a [1, 2·VEC] slice of
+                # the body's layout, Triton 3.6 gave every thread 8 of its elements (26 scalar
+                # loads per thread per row; docs/performance.md, sixteenth and twentieth sessions).
+                e_row = tile
+                j = tl.arange(0, 2 * VEC)
+                e_col = tl.where(j < VEC, j, head + ((N - head) // VEC) * VEC + (j - VEC))
+                e_mask = row_mask & tl.where(j < VEC, j < head, e_col < N)
+                e_offs = e_row.to(tl.int64) * stride_x + e_col
+                e_mean = tl.sum(mean, axis=0)  # the one row's, as scalars
+                e_rstd = tl.sum(rstd, axis=0)
+            else:
+                e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
+                e_mean = mean[:, None]
+                e_rstd = rstd[:, None]
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             dye = tl.load(dy_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
-            xhe = tl.where(e_mask, (xe - mean[:, None]) * rstd[:, None], 0.0)
+            xhe = tl.where(e_mask, (xe - e_mean) * e_rstd, 0.0)
         # No tl.where on the masked lanes: there dy is 0 (and rows past M have mean = rstd = 0),
         # so they add nothing to any sum unless xhat is not finite, which it then also is on
         # the row's own lanes (a NaN row either way). One select per element less (tune round
@@ -669,8 +684,12 @@ def _ln_bwd_single(
                     wdye = dye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
                 else:
                     wdye = dye
-                c1 += tl.sum(xhe * wdye, axis=1)
-                c2 += tl.sum(wdye, axis=1)
+                if ROWS == 1:
+                    c1 += tl.sum(xhe * wdye, axis=0)
+                    c2 += tl.sum(wdye, axis=0)
+                else:
+                    c1 += tl.sum(xhe * wdye, axis=1)
+                    c2 += tl.sum(wdye, axis=1)
             c1 = c1 / N
             c2 = c2 / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
@@ -680,34 +699,42 @@ def _ln_bwd_single(
                 dx_mask = mask & (rows < M_dx)[:, None]
             tl.store(dx_ptr + offs_dx, dx.to(dx_ptr.dtype.element_ty), mask=dx_mask)
             if VEC > 0:
-                dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * rstd[:, None]
-                if PARKED:
-                    e_mask = e_mask & (rows < M_dx)[:, None]
+                if ROWS == 1:
+                    dxe = (wdye - (xhe * tl.sum(c1, axis=0) + tl.sum(c2, axis=0))) * e_rstd
+                    if PARKED:
+                        e_mask = e_mask & (rows < M_dx)
+                else:
+                    dxe = (wdye - (xhe * c1[:, None] + c2[:, None])) * e_rstd
+                    if PARKED:
+                        e_mask = e_mask & (rows < M_dx)[:, None]
                 tl.store(dx_ptr + e_offs, dxe.to(dx_ptr.dtype.element_ty), mask=e_mask)
         if ACC_1D:
             if NEED_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
-                if VEC > 0:
-                    dwe_acc += tl.sum(dye * xhe, axis=0)
             if NEED_DB:
                 db_acc += tl.sum(dy, axis=0)
-                if VEC > 0:
-                    dbe_acc += tl.sum(dye, axis=0)
         else:
             if NEED_DW:
                 dw_acc += dy * xhat
-                if VEC > 0:
-                    dwe_acc += dye * xhe
             if NEED_DB:
                 db_acc += dy
-                if VEC > 0:
+        if VEC > 0:
+            if ACC_1D and ROWS > 1:
+                if NEED_DW:
+                    dwe_acc += tl.sum(dye * xhe, axis=0)
+                if NEED_DB:
+                    dbe_acc += tl.sum(dye, axis=0)
+            else:  # one row (a 1-D edge tile), or (ROWS, 2·VEC) accumulators
+                if NEED_DW:
+                    dwe_acc += dye * xhe
+                if NEED_DB:
                     dbe_acc += dye
     out = part_ptr + pid.to(tl.int64) * N
     dw_row = _over_rows(dw_acc, ACC_1D)
     db_row = _over_rows(db_acc, ACC_1D)
     if VEC > 0:
-        dwe_row = _over_rows(dwe_acc, ACC_1D)
-        dbe_row = _over_rows(dbe_acc, ACC_1D)
+        dwe_row = _over_rows(dwe_acc, ACC_1D or ROWS == 1)
+        dbe_row = _over_rows(dbe_acc, ACC_1D or ROWS == 1)
         # Every column of the partial row is written once: the body from the lanes, the rest
         # (columns [0, head) and [head + body, N)) from the edge accumulators.
         body_cols = pid_head + cols
