@@ -152,14 +152,16 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
 @pytest.mark.parametrize("n", [64, 48])
 def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, paired, n):
     """The fused backward's two row sums as one paired reduction or two (the rule picks paired
-    for aligned 16-bit rows up to 4K; tune rounds 37-38), on full and padded rows (48 of a
+    for aligned 16-bit rows up to 4K, tune rounds 37-38, and for unaligned 16-bit bodies, the
+    twentieth session), on full and padded rows (48 of a
     64-lane block: masked lanes carry dy = 0 and no select) and with a NaN row: dx, dweight,
     dbias against float64; the NaN row's dx NaN, every other row finite, dweight NaN, dbias
     finite."""
     from fusedops.triton import layernorm as tln
 
     assert tln._paired_sums(2, 0, 4096) and not tln._paired_sums(2, 0, 8192)
-    assert not tln._paired_sums(4, 0, 1024) and not tln._paired_sums(2, 8, 1024)
+    assert not tln._paired_sums(4, 0, 1024) and not tln._paired_sums(4, 4, 8192)
+    assert tln._paired_sums(2, 8, 1024) and tln._paired_sums(2, 8, 8192)
     monkeypatch.setattr(tln, "_paired_sums", lambda elt, vec, block: paired)
     torch.manual_seed(n)
     m = 37  # not a multiple of the rows per tile: masked rows in the last tile
