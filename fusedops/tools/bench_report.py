@@ -326,6 +326,11 @@ def host_bound(result: dict) -> list[str]:
     return out
 
 
+def _first_eight(items: list[str]) -> str:
+    more = len(items) - 8
+    return "; ".join(items[:8]) + (f"; +{more} more" if more > 0 else "")
+
+
 def format_targets(result: dict) -> str:
     t = targets_summary(result)
     lines = [
@@ -335,16 +340,11 @@ def format_targets(result: dict) -> str:
         f"wrong: {t['wrong']}; errors: {t['errors']}",
     ]
     if t["losses"]:
-        shown = t["losses"][:8]
-        more = len(t["losses"]) - len(shown)
-        lines.append("  losses: " + "; ".join(shown) + (f"; +{more} more" if more else ""))
+        lines.append("  losses: " + _first_eight(t["losses"]))
     bound = host_bound(result)
     if bound:
-        shown = bound[:8]
-        more = len(bound) - len(shown)
         lines.append(f"  host-bound (do_bench median > {1 + HOST_BOUND:.2f} x the GPU-ahead "
-                     f"time): {len(bound)}: " + "; ".join(shown)
-                     + (f"; +{more} more" if more else ""))
+                     f"time): {len(bound)}: " + _first_eight(bound))
     if result.get("truncated"):
         lines.append(f"  truncated: {len(result.get('skipped', []))} points skipped (time budget)")
     return "\n".join(lines)

@@ -410,19 +410,10 @@ def mark_replayable() -> None:
         record.replayable = True
 
 
-class SequencePlans(dict):
-    """Replay runners per call signature; cleared with the launch-config caches (see
-    :func:`set_single_block_limit`) and when the split-row kernels are disabled. A value of
-    False marks a signature whose calls cannot be replayed (not recorded again)."""
-
-    MAX_PLANS = 4096
-
-    def __init__(self) -> None:
-        super().__init__()
-        _config_caches.append(self)
-
-    def cache_clear(self) -> None:
-        self.clear()
+class SequencePlans(PlanCache):
+    """Replay runners per call signature (cleared like :class:`PlanCache`, and when the
+    split-row kernels are disabled). A value of False marks a signature whose calls cannot be
+    replayed (not recorded again)."""
 
     def put(self, key, plan) -> None:
         if len(self) >= self.MAX_PLANS:
