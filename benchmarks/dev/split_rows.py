@@ -1,0 +1,403 @@
+"""Developer probe: the split-row LayerNorm backward on several rows per work item.
+
+The 16-bit split kernel (4096 x 8 warps, two programs per SM) spends 44% of its stall cycles
+at CTA barriers (eighteenth session, Nsight Compute): per row it does a paired block-wide
+reduction of its piece's sums, a publish barrier and the broadcast of the wait, and at 2 bytes
+per element that is twice the float32 kernel's barriers per byte. Here a work item is a
+(ROWS, piece) tile: the ROWS rows' sums come out of one reduction (the rows sit in the same
+threads, so the cross-warp exchange and its barriers are shared), one publish and one wait per
+item. Prediction: barriers per byte fall by ROWS; if they are what limits the kernel, bf16
+16K-64K should move from ~0.68 toward the float32 kernel's ~0.87 of copy.
+
+Only aligned rows, HAS_W, every gradient, scratch buffers (a probe, not the shipped path).
+
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/dev/split_rows.py regs   # local: registers
+    OUT=dir python benchmarks/dev/split_rows.py bench                   # GPU: check and time
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedops.triton._common import await_row
+
+
+@triton.jit
+def _add_pairs(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
+@triton.jit
+def _add_quads(a1, b1, c1, d1, a2, b2, c2, d2):
+    return a1 + a2, b1 + b2, c1 + c2, d1 + d2
+
+
+@triton.jit
+def _peer_sums(stats_ptr, row, C: tl.constexpr, C_P2: tl.constexpr, N):
+    peers = tl.arange(0, C_P2)
+    base = (row * C + peers) * 2
+    ok = peers < C
+    c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+    return c1 / N, c2 / N
+
+
+@triton.jit
+def _publish(stats_ptr, count_ptr, slot, s1, s2, counter):
+    tl.store(stats_ptr + slot, s1)
+    tl.store(stats_ptr + slot + 1, s2)
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr + counter, 1, sem="release")
+
+
+EMPTY = tl.constexpr(-1)  # all ones: (s1, s2) both a NaN with a payload no float32 arithmetic produces
+POLL_LIMIT = tl.constexpr(int(os.environ.get("POLL_LIMIT", 1 << 30)))  # a debugging bound
+CANONICAL = tl.constexpr(0x7FFFFFFF7FFFFFFF)  # the canonical NaN pair, stored instead should a sum be EMPTY
+
+
+@triton.jit
+def _publish_word(slots_ptr, slot, s1, s2):
+    lo = s1.to(tl.uint32, bitcast=True).to(tl.uint64)
+    hi = s2.to(tl.uint32, bitcast=True).to(tl.uint64)
+    word = (lo | (hi << 32)).to(tl.int64, bitcast=True)
+    word = tl.where(word == EMPTY, CANONICAL, word)
+    tl.store(slots_ptr + slot, word)
+
+
+@triton.jit
+def _await_words(slots_ptr, row, C: tl.constexpr, C_P2: tl.constexpr, N):
+    peers = tl.arange(0, C_P2)
+    ok = peers < C
+    at = slots_ptr + row.to(tl.int64) * C + peers
+    words = tl.load(at, mask=ok, other=0, volatile=True)
+    polls = 0
+    while (tl.sum(((words == EMPTY) & ok).to(tl.int32), axis=0) > 0) & (polls < POLL_LIMIT):
+        words = tl.load(at, mask=ok, other=0, volatile=True)
+        polls += 1
+    bits = words.to(tl.uint64, bitcast=True)
+    s1 = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    s2 = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    return tl.sum(s1, axis=0) / N, tl.sum(s2, axis=0) / N
+
+
+@triton.jit
+def _ln_bwd_split_rows(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, count_ptr,
+    M, N, L, stride, num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, ROWS: tl.constexpr,
+    LAG: tl.constexpr, MODE: tl.constexpr,
+):
+    # Item = (group of ROWS rows, chunk), group-major; the grid is a multiple of C, so a program
+    # keeps one chunk (weight and dweight/dbias partials in registers); 1-D tiles with scalar
+    # row bases as in the shipped kernel. ROWS == 2: the two rows unrolled, their four sums in
+    # one reduction, one publish and one wait per item. LAG (ROWS == 1): a program publishes
+    # row r, then finishes row r - step (published by its peers one item earlier), keeping that
+    # row's x and dy in their 16-bit form meanwhile; the last row is finished after the loop.
+    # The next item is always prefetched at the top of the loop (the shipped 16-bit rule).
+    # MODE (ROWS == 1, LAG == 0): 1 skips the wait, 3 the whole exchange (no publish, no peer
+    # sums: the row's own piece sums stand in), both giving wrong dx (bounds on what the wait and
+    # the exchange cost); 5 stores the sums and reads the peers' without barrier, counter or
+    # wait (wrong dx: what the publish's barrier and release cost); 6 exchanges through the sums
+    # themselves: each piece stores its (s1, s2) as one 64-bit word into a slot filled with an
+    # impossible bit pattern before the launch, and the readers poll the row's C slots until no
+    # slot holds it (no counter, no barrier, no fence: one store and one round trip); 2 keeps x and dy in 16-bit form across the wait (x̂ and w·dy recomputed after it)
+    # and prefetches two items ahead with the registers that frees.
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    chunk = pid % C
+    pos = chunk * L + lanes
+    cmask = (lanes < L) & (pos < N)
+    step = (num_progs // C) * ROWS
+    dt = dx_ptr.dtype.element_ty
+    w = tl.load(w_ptr + pos, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], tl.float32)
+    db_acc = tl.zeros([BLOCK], tl.float32)
+    r0 = ((pid // C) * ROWS).to(tl.int64)
+    x_next = tl.load(x_ptr + r0 * stride + pos, mask=cmask, other=0.0)
+    dy_next = tl.load(dy_ptr + r0 * stride + pos, mask=cmask, other=0.0)
+    if ROWS == 2:
+        m1 = cmask & (r0 + 1 < M)
+        x_next1 = tl.load(x_ptr + (r0 + 1) * stride + pos, mask=m1, other=0.0)
+        dy_next1 = tl.load(dy_ptr + (r0 + 1) * stride + pos, mask=m1, other=0.0)
+    if MODE == 2:
+        r1 = r0 + step
+        x_next2 = tl.load(x_ptr + r1 * stride + pos, mask=cmask & (r1 < M), other=0.0)
+        dy_next2 = tl.load(dy_ptr + r1 * stride + pos, mask=cmask & (r1 < M), other=0.0)
+    prev_row = -1
+    prev_x = tl.zeros([BLOCK], dt)
+    prev_dy = tl.zeros([BLOCK], dt)
+    for item in range(pid, num_items, num_progs):
+        group = item // C
+        row = group * ROWS
+        row64 = row.to(tl.int64)
+        x_raw = x_next
+        dy_raw = dy_next
+        nxt = row64 + step
+        if MODE == 2:
+            x_next = x_next2
+            dy_next = dy_next2
+            more = cmask & (nxt + step < M)
+            x_next2 = tl.load(x_ptr + (nxt + step) * stride + pos, mask=more, other=0.0)
+            dy_next2 = tl.load(dy_ptr + (nxt + step) * stride + pos, mask=more, other=0.0)
+        else:
+            more = cmask & (nxt < M)
+            x_next = tl.load(x_ptr + nxt * stride + pos, mask=more, other=0.0)
+            dy_next = tl.load(dy_ptr + nxt * stride + pos, mask=more, other=0.0)
+        if ROWS == 2:
+            x_raw1 = x_next1
+            dy_raw1 = dy_next1
+            more1 = cmask & (nxt + 1 < M)
+            x_next1 = tl.load(x_ptr + (nxt + 1) * stride + pos, mask=more1, other=0.0)
+            dy_next1 = tl.load(dy_ptr + (nxt + 1) * stride + pos, mask=more1, other=0.0)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        x = x_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
+        xhat = (x - mean) * rstd
+        dw_acc += dy * xhat
+        db_acc += dy
+        wdy = dy * w
+        if ROWS == 2:
+            ok1 = row + 1 < M
+            mean1 = tl.load(mean_ptr + row + 1, mask=ok1, other=0.0)
+            rstd1 = tl.load(rstd_ptr + row + 1, mask=ok1, other=0.0)
+            xhat1 = (x_raw1.to(tl.float32) - mean1) * rstd1
+            dy1 = dy_raw1.to(tl.float32)
+            dw_acc += dy1 * xhat1
+            db_acc += dy1
+            wdy1 = dy1 * w
+            s1, s2, s1b, s2b = tl.reduce((xhat * wdy, wdy, xhat1 * wdy1, wdy1), 0, _add_quads)
+            tl.store(stats_ptr + (row * C + chunk) * 2, s1)
+            tl.store(stats_ptr + (row * C + chunk) * 2 + 1, s2)
+            tl.store(stats_ptr + ((row + 1) * C + chunk) * 2, s1b, mask=ok1)
+            tl.store(stats_ptr + ((row + 1) * C + chunk) * 2 + 1, s2b, mask=ok1)
+            tl.debug_barrier()
+            tl.atomic_add(count_ptr + group, 1, sem="release")
+            await_row(count_ptr, group, C)
+            c1, c2 = _peer_sums(stats_ptr, row, C, C_P2, N)
+            c1b, c2b = _peer_sums(stats_ptr, row + 1, C, C_P2, N)
+            tl.store(dx_ptr + row64 * stride + pos,
+                     ((wdy - (xhat * c1 + c2)) * rstd).to(dt), mask=cmask)
+            tl.store(dx_ptr + (row64 + 1) * stride + pos,
+                     ((wdy1 - (xhat1 * c1b + c2b)) * rstd1).to(dt), mask=cmask & ok1)
+        else:
+            s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pairs)
+            if MODE == 5:
+                tl.store(stats_ptr + (row * C + chunk) * 2, s1)
+                tl.store(stats_ptr + (row * C + chunk) * 2 + 1, s2)
+            elif MODE == 6:
+                _publish_word(count_ptr, row * C + chunk, s1, s2)
+            elif MODE != 3:
+                _publish(stats_ptr, count_ptr, (row * C + chunk) * 2, s1, s2, row)
+            if LAG:
+                if prev_row >= 0:
+                    await_row(count_ptr, prev_row, C)
+                    c1, c2 = _peer_sums(stats_ptr, prev_row, C, C_P2, N)
+                    pm = tl.load(mean_ptr + prev_row)
+                    pr = tl.load(rstd_ptr + prev_row)
+                    pxhat = (prev_x.to(tl.float32) - pm) * pr
+                    pwdy = prev_dy.to(tl.float32) * w
+                    tl.store(dx_ptr + prev_row.to(tl.int64) * stride + pos,
+                             ((pwdy - (pxhat * c1 + c2)) * pr).to(dt), mask=cmask)
+                prev_row = row
+                prev_x = x_raw
+                prev_dy = dy_raw
+            else:
+                if MODE == 3:
+                    c1 = s1 / N
+                    c2 = s2 / N
+                elif MODE == 6:
+                    c1, c2 = _await_words(count_ptr, row, C, C_P2, N)
+                else:
+                    if MODE != 1:
+                        await_row(count_ptr, row, C)
+                    c1, c2 = _peer_sums(stats_ptr, row, C, C_P2, N)
+                if MODE == 2:
+                    xhat = (x_raw.to(tl.float32) - mean) * rstd
+                    wdy = dy_raw.to(tl.float32) * w
+                tl.store(dx_ptr + row64 * stride + pos,
+                         ((wdy - (xhat * c1 + c2)) * rstd).to(dt), mask=cmask)
+    if LAG:
+        if prev_row >= 0:
+            await_row(count_ptr, prev_row, C)
+            c1, c2 = _peer_sums(stats_ptr, prev_row, C, C_P2, N)
+            pm = tl.load(mean_ptr + prev_row)
+            pr = tl.load(rstd_ptr + prev_row)
+            pxhat = (prev_x.to(tl.float32) - pm) * pr
+            pwdy = prev_dy.to(tl.float32) * w
+            tl.store(dx_ptr + prev_row.to(tl.int64) * stride + pos,
+                     ((pwdy - (pxhat * c1 + c2)) * pr).to(dt), mask=cmask)
+    out = part_ptr + (pid // C).to(tl.int64) * N
+    tl.store(out + pos, dw_acc, mask=cmask)
+    tl.store(out + (num_progs // C) * N + pos, db_acc, mask=cmask)
+
+
+VARIANTS = [  # (ROWS, LAG, MODE, piece, warps, register cap)
+    (1, 0, 0, 4096, 8, 128), (1, 0, 1, 4096, 8, 128), (1, 0, 3, 4096, 8, 128),
+    (1, 0, 5, 4096, 8, 128), (1, 0, 6, 4096, 8, 128), (1, 0, 6, 2048, 4, 128),
+    (1, 0, 6, 8192, 16, 128), (1, 0, 6, 2048, 8, 128), (1, 0, 6, 4096, 16, 128),
+]
+
+
+def regs_report() -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sys.path.insert(0, os.path.dirname(__file__))
+    from regs_split import resources
+
+    fn = _ln_bwd_split_rows
+    names = fn.arg_names
+    print(f"Triton {triton.__version__}, sm_90, bf16 rows of 16384")
+    for rows, lag, mode, piece, warps, cap in VARIANTS:
+        ptrs = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "part_ptr": "*fp32",
+                "stats_ptr": "*fp32", "count_ptr": "*i64" if mode == 6 else "*i32"}
+        C = 16384 // piece
+        consts = {"BLOCK": piece, "C": C, "C_P2": C, "ROWS": rows, "LAG": lag, "MODE": mode}
+        sig = {a: ptrs.get(a, "*bf16" if a.endswith("_ptr") else
+                           ("constexpr" if a in consts else "i32")) for a in names}
+        aligned = [a for a in names if a.endswith("_ptr")] + ["N", "L", "stride"]
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        opts = {"num_warps": warps}
+        if cap:
+            opts["maxnreg"] = cap
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        regs, stack = resources(k)
+        per_warp = -(-regs * 32 // 256) * 256
+        per_sm = min(65536 // (per_warp * warps), 64 // warps)
+        print(f"rows {rows} lag {lag} mode {mode} piece {piece} warps {warps} cap {cap}: {regs} registers, "
+              f"{stack} B stack, {per_sm} per SM, bar.sync {k.asm['ptx'].count('bar.sync')}")
+
+
+_REGS: dict = {}
+
+
+def split_rows_backward(dy, x, w, mean, rstd, rows: int, lag: int, mode: int, piece: int,
+                        warps: int, cap):
+    from fusedops.triton import layernorm as tln
+    M, N = x.shape
+    C = triton.cdiv(N, piece)
+    groups = triton.cdiv(M, rows)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    opts = {"num_warps": warps}
+    if cap:
+        opts["maxnreg"] = cap
+    key = (x.dtype, N, rows, lag, mode, piece, warps, cap)
+    consts = dict(BLOCK=piece, C=C, C_P2=triton.next_power_of_2(C), ROWS=rows, LAG=lag,
+                  MODE=mode)
+    if key not in _REGS:
+        slots = torch.empty(1, dtype=torch.int64 if mode == 6 else torch.int32, device=x.device)
+        args = (dy, x, w, mean, rstd, dy, mean, mean, slots, M, N, piece, N, groups * C)
+        k = _ln_bwd_split_rows.warmup(*args, 1024, **consts, grid=(1,), **opts)
+        k._init_handles()
+        per_warp = -(-k.n_regs * 32 // 256) * 256
+        _REGS[key] = (k.n_regs, max(1, min(65536 // (per_warp * warps), 64 // warps)))
+    progs = min(groups * C, sms * _REGS[key][1] // C * C)
+    part = torch.empty((2, progs // C, N), dtype=torch.float32, device=x.device)
+    stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
+    if mode == 6:  # count_ptr: the 64-bit slots, one per (row, chunk)
+        count = torch.full((M * C,), -1, dtype=torch.int64, device=x.device)
+    else:
+        count = torch.zeros((groups,), dtype=torch.int32, device=x.device)
+    dx = torch.empty_like(x)
+    _ln_bwd_split_rows[(progs,)](dy, x, w, mean, rstd, dx, part, stats, count, M, N, piece, N,
+                                 groups * C, progs, **consts, **opts,
+                                 launch_cooperative_grid=True)
+    dw, db = tln._reduce_partials(part, True, True, dtypes=(w.dtype, w.dtype))
+    if mode == 6 and key not in _LEFT:  # first call only (it synchronises)
+        _LEFT[key] = int((count == -1).sum())  # slots never published (a poll limit hit)
+    return dx, dw, db
+
+
+_LEFT: dict = {}
+
+
+def debug6() -> None:
+    """Mode 6 on a small problem with a poll limit: which slots still hold EMPTY afterwards."""
+    from fusedops.triton import layernorm as tln
+    for piece, warps in ((4096, 8), (4096, 16)):
+        M, N = 512, 16384
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+        ref = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+        C = N // piece
+        slots = torch.full((M * C,), -1, dtype=torch.int64, device="cuda")
+        dx = torch.empty_like(x)
+        progs = 132 * (2 if warps == 8 else 1) // C * C
+        part = torch.empty((2, progs // C, N), dtype=torch.float32, device="cuda")
+        _ln_bwd_split_rows[(progs,)](dy, x, w, mean, rstd, dx, part, mean, slots, M, N, piece,
+                                     N, M * C, progs, BLOCK=piece, C=C, C_P2=C, ROWS=1, LAG=0,
+                                     MODE=6, num_warps=warps, maxnreg=128,
+                                     launch_cooperative_grid=True)
+        torch.cuda.synchronize()
+        empty = (slots == -1).nonzero().flatten()
+        err = ((dx.float() - ref[0].float()).abs().max()).item()
+        print(f"piece {piece} warps {warps}: {empty.numel()} slots still EMPTY "
+              f"(first {empty[:8].tolist()}), dx err {err:.2e}", flush=True)
+
+
+def bench() -> None:
+    from triton.testing import do_bench
+
+    from fusedops.triton import layernorm as tln
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() * 4 / do_bench(lambda: dst.copy_(src), rep=50) / 1e9
+    del src, dst
+    print(torch.cuda.get_device_name(), triton.__version__, f"copy {copy:.3f} TB/s", flush=True)
+    recs = []
+    specs = [(torch.bfloat16, n) for n in (16384, 32768, 65536)] + [(torch.float16, 16384)]
+    for dt, N in specs:
+        M = (1 << 27) // N
+        x = torch.randn(M, N, device="cuda", dtype=dt)
+        w = torch.randn(N, device="cuda", dtype=dt)
+        b = torch.randn(N, device="cuda", dtype=dt)
+        dy = torch.randn_like(x)
+        _, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dt)
+        ref = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+        nbytes = 3 * M * N * x.element_size()
+        line = f"{str(dt)[6:]:9s} N={N:6d}"
+        t = do_bench(lambda: tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True),
+                     rep=50)
+        recs.append(dict(dtype=str(dt), N=N, variant="shipped", tbps=nbytes / t / 1e9))
+        line += f" shipped {nbytes / t / 1e9:.2f}"
+        chosen = os.environ.get("VARIANTS")
+        chosen = ([tuple(None if v == "None" else int(v) for v in spec.split(","))
+                   for spec in chosen.split(";")] if chosen else VARIANTS)
+        for var in chosen:
+            name = "r{}l{}m{}x{}w{}c{}".format(*var)
+            try:
+                out = split_rows_backward(dy, x, w, mean, rstd, *var)
+                err = max(((o.float() - r.float()).abs().max() / (1 + r.float().abs().max())).item()
+                          for o, r in zip(out, ref, strict=True))
+                t = do_bench(lambda var=var: split_rows_backward(dy, x, w, mean, rstd, *var),
+                             rep=50)
+                tb = nbytes / t / 1e9
+            except Exception as exc:  # noqa: BLE001
+                tb, err = 0.0, f"{type(exc).__name__}: {str(exc)[:100]}"
+            regs = _REGS.get((x.dtype, N, *var))
+            if (x.dtype, N, *var) in _LEFT:
+                line += f" [left {_LEFT[(x.dtype, N, *var)]}]"
+            recs.append(dict(dtype=str(dt), N=N, variant=name, tbps=tb, err=err, regs=regs))
+            line += f" | {name} {tb:.2f} ({regs}, {err if isinstance(err, str) else f'{err:.0e}'})"
+        print(line, flush=True)
+        del x, dy, w, b, mean, rstd, ref
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "split_rows.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__,
+                       "copy_tbps": copy, "records": recs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    {"regs": regs_report, "debug6": debug6}.get((sys.argv[1:] or ["bench"])[0], bench)()
