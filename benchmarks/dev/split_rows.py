@@ -1,18 +1,28 @@
-"""Developer probe: the split-row LayerNorm backward on several rows per work item.
+"""Developer probe: variants of the split-row LayerNorm backward's per-row exchange (16-bit).
 
-The 16-bit split kernel (4096 x 8 warps, two programs per SM) spends 44% of its stall cycles
-at CTA barriers (eighteenth session, Nsight Compute): per row it does a paired block-wide
-reduction of its piece's sums, a publish barrier and the broadcast of the wait, and at 2 bytes
-per element that is twice the float32 kernel's barriers per byte. Here a work item is a
-(ROWS, piece) tile: the ROWS rows' sums come out of one reduction (the rows sit in the same
-threads, so the cross-warp exchange and its barriers are shared), one publish and one wait per
-item. Prediction: barriers per byte fall by ROWS; if they are what limits the kernel, bf16
-16K-64K should move from ~0.68 toward the float32 kernel's ~0.87 of copy.
+The 16-bit split kernel (4096 x 8 warps, two programs per SM, 0.66-0.70 of copy at 16K-64K on
+an H100) spent 44% of its stall cycles at CTA barriers (eighteenth session, Nsight Compute).
+This probe re-implements its loop (aligned rows, a weight, every gradient, scratch buffers, the
+next item prefetched at the top of the loop) with switches, to find what the exchange costs:
 
-Only aligned rows, HAS_W, every gradient, scratch buffers (a probe, not the shipped path).
+* ROWS = 2: two rows per work item, unrolled, their four sums in one reduction, one publish and
+  one wait per item (half the barriers per row).
+* LAG = 1: publish row r, then finish row r - step (published by the peers an item earlier),
+  keeping that row's x and dy in 16-bit form meanwhile.
+* MODE 1: no wait (wrong dx: bounds the wait); MODE 3: no exchange at all, the piece's own sums
+  stand in (wrong dx: bounds the whole exchange); MODE 5: sums stored and peers' read without
+  barrier, counter or wait (wrong dx); MODE 2: x and dy kept in 16-bit form across the wait
+  and the next two items prefetched; MODE 6: the sums themselves as flags (one 64-bit word per
+  piece, slots filled with an impossible bit pattern before the launch, readers poll their
+  row's slots): no counter, no barrier, no fence.
+
+Results (benchmarks/results/tune-h100-2026-11-25/split_rows-*.json, docs/performance.md,
+twenty-first session): no exchange 0.94 of copy, no wait 0.76, the shipped exchange 0.70; every
+correct variant level with or slower than the shipped kernel.
 
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/dev/split_rows.py regs   # local: registers
     OUT=dir python benchmarks/dev/split_rows.py bench                   # GPU: check and time
+    VARIANTS="1,0,6,4096,8,128;..." POLL_LIMIT=100000 ...               # a subset; bounded polls
 """
 
 from __future__ import annotations
