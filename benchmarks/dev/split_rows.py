@@ -14,11 +14,14 @@ next item prefetched at the top of the loop) with switches, to find what the exc
   barrier, counter or wait (wrong dx); MODE 2: x and dy kept in 16-bit form across the wait
   and the next two items prefetched; MODE 6: the sums themselves as flags (one 64-bit word per
   piece, slots filled with an impossible bit pattern before the launch, readers poll their
-  row's slots): no counter, no barrier, no fence.
+  row's slots): no counter, no barrier, no fence; MODE 7 (``_ln_bwd_split_lag``): MODE 6's
+  words with a one-row lag, the lagged row's x and dy read again from L2, so no program waits
+  for a row its peers have not long finished.
 
 Results (benchmarks/results/tune-h100-2026-11-25/split_rows-*.json, docs/performance.md,
 twenty-first session): no exchange 0.94 of copy, no wait 0.76, the shipped exchange 0.70; every
-correct variant level with or slower than the shipped kernel.
+correct variant level with or slower than the shipped kernel, except MODE 7 at 64K on 2048 x 4
+(+7%; slower at 16K/32K).
 
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/dev/split_rows.py regs   # local: registers
     OUT=dir python benchmarks/dev/split_rows.py bench                   # GPU: check and time
@@ -248,10 +251,106 @@ def _ln_bwd_split_rows(
     tl.store(out + (num_progs // C) * N + pos, db_acc, mask=cmask)
 
 
+@triton.jit
+def _words_sums(words, ok, N):
+    bits = words.to(tl.uint64, bitcast=True)
+    s1 = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    s2 = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    return tl.sum(tl.where(ok, s1, 0.0), axis=0) / N, tl.sum(tl.where(ok, s2, 0.0), axis=0) / N
+
+
+@triton.jit
+def _finish_lagged(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, slots_ptr, words, at, ok, xp, dyp,
+                   prow, pos, cmask, w, stride, N):
+    # Row prow's dx from its x and dy (read again, from L2) once its peers' words are in.
+    polls = 0
+    while (tl.sum(((words == EMPTY) & ok).to(tl.int32), axis=0) > 0) & (polls < POLL_LIMIT):
+        words = tl.load(at, mask=ok, other=0, volatile=True)
+        polls += 1
+    c1, c2 = _words_sums(words, ok, N)
+    pm = tl.load(mean_ptr + prow)
+    pr = tl.load(rstd_ptr + prow)
+    xhat = (xp.to(tl.float32) - pm) * pr
+    wdy = dyp.to(tl.float32) * w
+    dx = (wdy - (xhat * c1 + c2)) * pr
+    tl.store(dx_ptr + prow.to(tl.int64) * stride + pos, dx.to(dx_ptr.dtype.element_ty),
+             mask=cmask)
+
+
+@triton.jit
+def _ln_bwd_split_lag(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, slots_ptr,
+    M, N, L, stride, num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, ROWS: tl.constexpr,
+    LAG: tl.constexpr, MODE: tl.constexpr,
+):
+    # MODE 7: the one-row lag with the sums as flags (MODE 6's words) and the lagged row's x and
+    # dy read again from L2: at the top of item r the program issues the next item's loads
+    # (HBM), row r - step's loads (L2) and its peers' words; it reduces row r and stores its
+    # word (no barrier, no fence, no counter), then finishes row r - step, whose words were
+    # published an item earlier (a poll only if a peer is late). Nothing of the lagged row is
+    # held in registers across the reduction except what its loads return.
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, C_P2)
+    ok_peer = peers < C
+    chunk = pid % C
+    pos = chunk * L + lanes
+    cmask = (lanes < L) & (pos < N)
+    step = num_progs // C
+    w = tl.load(w_ptr + pos, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], tl.float32)
+    db_acc = tl.zeros([BLOCK], tl.float32)
+    r0 = (pid // C).to(tl.int64)
+    x_next = tl.load(x_ptr + r0 * stride + pos, mask=cmask, other=0.0)
+    dy_next = tl.load(dy_ptr + r0 * stride + pos, mask=cmask, other=0.0)
+    for item in range(pid, num_items, num_progs):
+        row = item // C
+        row64 = row.to(tl.int64)
+        x_raw = x_next
+        dy_raw = dy_next
+        more = cmask & (row64 + step < M)
+        x_next = tl.load(x_ptr + (row64 + step) * stride + pos, mask=more, other=0.0)
+        dy_next = tl.load(dy_ptr + (row64 + step) * stride + pos, mask=more, other=0.0)
+        prow = row - step
+        lagged = item >= pid + num_progs  # this program finished an item before
+        pmask = cmask & lagged
+        xp = tl.load(x_ptr + prow.to(tl.int64) * stride + pos, mask=pmask, other=0.0)
+        dyp = tl.load(dy_ptr + prow.to(tl.int64) * stride + pos, mask=pmask, other=0.0)
+        at = slots_ptr + prow.to(tl.int64) * C + peers
+        pok = ok_peer & lagged
+        words = tl.load(at, mask=pok, other=0, volatile=True)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        x = x_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
+        xhat = (x - mean) * rstd
+        dw_acc += dy * xhat
+        db_acc += dy
+        wdy = dy * w
+        s1, s2 = tl.reduce((xhat * wdy, wdy), 0, _add_pairs)
+        _publish_word(slots_ptr, row * C + chunk, s1, s2)
+        if item >= pid + num_progs:
+            _finish_lagged(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, slots_ptr, words, at, pok,
+                           xp, dyp, prow, pos, cmask, w, stride, N)
+    last = pid + ((num_items - 1 - pid) // num_progs) * num_progs  # this program's last item
+    if last < num_items:
+        prow = last // C
+        xp = tl.load(x_ptr + prow.to(tl.int64) * stride + pos, mask=cmask, other=0.0)
+        dyp = tl.load(dy_ptr + prow.to(tl.int64) * stride + pos, mask=cmask, other=0.0)
+        at = slots_ptr + prow.to(tl.int64) * C + peers
+        words = tl.load(at, mask=ok_peer, other=0, volatile=True)
+        _finish_lagged(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, slots_ptr, words, at, ok_peer,
+                       xp, dyp, prow, pos, cmask, w, stride, N)
+    out = part_ptr + (pid // C).to(tl.int64) * N
+    tl.store(out + pos, dw_acc, mask=cmask)
+    tl.store(out + (num_progs // C) * N + pos, db_acc, mask=cmask)
+
+
 VARIANTS = [  # (ROWS, LAG, MODE, piece, warps, register cap)
-    (1, 0, 0, 4096, 8, 128), (1, 0, 1, 4096, 8, 128), (1, 0, 3, 4096, 8, 128),
-    (1, 0, 5, 4096, 8, 128), (1, 0, 6, 4096, 8, 128), (1, 0, 6, 2048, 4, 128),
-    (1, 0, 6, 8192, 16, 128), (1, 0, 6, 2048, 8, 128), (1, 0, 6, 4096, 16, 128),
+    (1, 0, 0, 4096, 8, 128), (1, 0, 3, 4096, 8, 128), (1, 0, 7, 4096, 8, 128),
+    (1, 0, 7, 4096, 8, None), (1, 0, 7, 2048, 4, 128), (1, 0, 7, 2048, 8, 128),
+    (1, 0, 7, 8192, 16, 128), (1, 0, 7, 4096, 16, 128),
 ]
 
 
@@ -261,12 +360,13 @@ def regs_report() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from regs_split import resources
 
-    fn = _ln_bwd_split_rows
-    names = fn.arg_names
     print(f"Triton {triton.__version__}, sm_90, bf16 rows of 16384")
     for rows, lag, mode, piece, warps, cap in VARIANTS:
+        fn = _ln_bwd_split_lag if mode == 7 else _ln_bwd_split_rows
+        names = fn.arg_names
         ptrs = {"mean_ptr": "*fp32", "rstd_ptr": "*fp32", "part_ptr": "*fp32",
-                "stats_ptr": "*fp32", "count_ptr": "*i64" if mode == 6 else "*i32"}
+                "stats_ptr": "*fp32", "count_ptr": "*i64" if mode == 6 else "*i32",
+                "slots_ptr": "*i64"}
         C = 16384 // piece
         consts = {"BLOCK": piece, "C": C, "C_P2": C, "ROWS": rows, "LAG": lag, "MODE": mode}
         sig = {a: ptrs.get(a, "*bf16" if a.endswith("_ptr") else
@@ -302,26 +402,27 @@ def split_rows_backward(dy, x, w, mean, rstd, rows: int, lag: int, mode: int, pi
     key = (x.dtype, N, rows, lag, mode, piece, warps, cap)
     consts = dict(BLOCK=piece, C=C, C_P2=triton.next_power_of_2(C), ROWS=rows, LAG=lag,
                   MODE=mode)
+    kernel = _ln_bwd_split_lag if mode == 7 else _ln_bwd_split_rows
     if key not in _REGS:
-        slots = torch.empty(1, dtype=torch.int64 if mode == 6 else torch.int32, device=x.device)
+        slots = torch.empty(1, dtype=torch.int64 if mode in (6, 7) else torch.int32,
+                            device=x.device)
         args = (dy, x, w, mean, rstd, dy, mean, mean, slots, M, N, piece, N, groups * C)
-        k = _ln_bwd_split_rows.warmup(*args, 1024, **consts, grid=(1,), **opts)
+        k = kernel.warmup(*args, 1024, **consts, grid=(1,), **opts)
         k._init_handles()
         per_warp = -(-k.n_regs * 32 // 256) * 256
         _REGS[key] = (k.n_regs, max(1, min(65536 // (per_warp * warps), 64 // warps)))
     progs = min(groups * C, sms * _REGS[key][1] // C * C)
     part = torch.empty((2, progs // C, N), dtype=torch.float32, device=x.device)
     stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
-    if mode == 6:  # count_ptr: the 64-bit slots, one per (row, chunk)
+    if mode in (6, 7):  # count_ptr: the 64-bit slots, one per (row, chunk)
         count = torch.full((M * C,), -1, dtype=torch.int64, device=x.device)
     else:
         count = torch.zeros((groups,), dtype=torch.int32, device=x.device)
     dx = torch.empty_like(x)
-    _ln_bwd_split_rows[(progs,)](dy, x, w, mean, rstd, dx, part, stats, count, M, N, piece, N,
-                                 groups * C, progs, **consts, **opts,
-                                 launch_cooperative_grid=True)
+    kernel[(progs,)](dy, x, w, mean, rstd, dx, part, stats, count, M, N, piece, N, groups * C,
+                     progs, **consts, **opts, launch_cooperative_grid=True)
     dw, db = tln._reduce_partials(part, True, True, dtypes=(w.dtype, w.dtype))
-    if mode == 6 and key not in _LEFT:  # first call only (it synchronises)
+    if mode in (6, 7) and key not in _LEFT:  # first call only (it synchronises)
         _LEFT[key] = int((count == -1).sum())  # slots never published (a poll limit hit)
     return dx, dw, db
 
