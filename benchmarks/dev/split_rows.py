@@ -26,6 +26,10 @@ correct variant level with or slower than the shipped kernel, except MODE 7 at 6
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/dev/split_rows.py regs   # local: registers
     OUT=dir python benchmarks/dev/split_rows.py bench                   # GPU: check and time
     VARIANTS="1,0,6,4096,8,128;..." POLL_LIMIT=100000 ...               # a subset; bounded polls
+
+Always set POLL_LIMIT on the GPU: the first run of the MODE 6 variants without it did not finish
+within 500 s (which variant hung was not established: 8192 x 16, the one MODE 6 tiling not run
+again; the runs with a limit finished with every slot published and correct results).
 """
 
 from __future__ import annotations
