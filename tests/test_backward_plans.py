@@ -264,22 +264,33 @@ def test_recordings_are_per_thread():
 
     device = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
     tensors = [torch.ones(40, dtype=torch.int32, device=device) for _ in range(2)]
-    both_recording = threading.Barrier(2)
-    records = [None, None]
+    # A timeout, so that a thread that fails cannot leave the other waiting forever.
+    both_recording = threading.Barrier(2, timeout=120)
+    # The launches themselves one at a time: Triton's interpreter patches triton.language
+    # while it runs a kernel, so two interpreted launches at once interfere (a CI run hung
+    # here). Both threads are recording throughout, which is what is tested.
+    one_launch = threading.Lock()
+    records, errors = [None, None], []
 
     def work(i):
-        with _common.record_launches() as record:
-            both_recording.wait()
-            _common.zero_counters(tensors[i])
-            _common.mark_replayable()
-            both_recording.wait()
-        records[i] = record
+        try:
+            with _common.record_launches() as record:
+                both_recording.wait()
+                with one_launch:
+                    _common.zero_counters(tensors[i])
+                _common.mark_replayable()
+                both_recording.wait()
+            records[i] = record
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+            both_recording.abort()
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors, errors
     for i, record in enumerate(records):
         assert record.replayable and len(record) == 1 and record[0][2][0] is tensors[i]
         assert not tensors[i].any()
