@@ -11,29 +11,26 @@ session's decision (before it, ``_paired_sums`` paired aligned rows only); it pa
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from triton.testing import do_bench
 
 from fusedops.triton import layernorm as tln
 
+sys.path.insert(0, os.path.dirname(__file__))
+from lnbwd_case import case, copy_tbps  # noqa: E402
+
 
 def main() -> None:
     rule = tln._paired_sums
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / do_bench(lambda: dst.copy_(src), warmup=5, rep=50) / 1e9
+    copy = copy_tbps()
     print(torch.cuda.get_device_name(), f"copy {copy:.3f} TB/s")
     variants = {"sep": lambda e, v, b: False, "paired": lambda e, v, b: e == 2}
     for dt in (torch.bfloat16, torch.float16):
         for n in (8193, 4097, 2049):
-            m = (1 << 27) // n
-            x = torch.randn(m, n, device="cuda", dtype=dt)
-            dy = torch.randn_like(x)
-            w = torch.randn(n, device="cuda", dtype=dt)
-            xf = x.float()
-            mean, rstd = xf.mean(1), torch.rsqrt(xf.var(1, unbiased=False) + 1e-5)
-            del xf
-            nbytes = 3 * m * n * x.element_size()
+            x, dy, w, mean, rstd, nbytes = case(dt, n)
 
             def call(x=x, dy=dy, w=w, mean=mean, rstd=rstd):
                 return tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)

@@ -464,22 +464,16 @@ def bench() -> None:
     from triton.testing import do_bench
 
     from fusedops.triton import layernorm as tln
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() * 4 / do_bench(lambda: dst.copy_(src), rep=50) / 1e9
-    del src, dst
+    sys.path.insert(0, os.path.dirname(__file__))
+    from lnbwd_case import case, copy_tbps
+
+    copy = copy_tbps()
     print(torch.cuda.get_device_name(), triton.__version__, f"copy {copy:.3f} TB/s", flush=True)
     recs = []
     specs = [(torch.bfloat16, n) for n in (16384, 32768, 65536)] + [(torch.float16, 16384)]
     for dt, N in specs:
-        M = (1 << 27) // N
-        x = torch.randn(M, N, device="cuda", dtype=dt)
-        w = torch.randn(N, device="cuda", dtype=dt)
-        b = torch.randn(N, device="cuda", dtype=dt)
-        dy = torch.randn_like(x)
-        _, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dt)
+        x, dy, w, mean, rstd, nbytes = case(dt, N)
         ref = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
-        nbytes = 3 * M * N * x.element_size()
         line = f"{str(dt)[6:]:9s} N={N:6d}"
         t = do_bench(lambda: tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True),
                      rep=50)
@@ -505,7 +499,7 @@ def bench() -> None:
             recs.append(dict(dtype=str(dt), N=N, variant=name, tbps=tb, err=err, regs=regs))
             line += f" | {name} {tb:.2f} ({regs}, {err if isinstance(err, str) else f'{err:.0e}'})"
         print(line, flush=True)
-        del x, dy, w, b, mean, rstd, ref
+        del x, dy, w, mean, rstd, ref
         torch.cuda.empty_cache()
     out = os.environ.get("OUT")
     if out:
