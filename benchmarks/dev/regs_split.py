@@ -30,9 +30,16 @@ def compiled(n: int, chunk: int, warps: int, prefetch: int, cap: int | None):
     consts = dict(BLOCK=tln.next_pow2(L), C=C, C_P2=tln.next_pow2(C), HAS_W=True,
                   NEED_DX=True, NEED_DW=True, NEED_DB=True, PREFETCH=prefetch, PARKED=False,
                   VEC=0, PAIRED=True)
-    names = fn.arg_names
-    sig = {a: POINTERS.get(a, "constexpr" if a in consts else "i32") for a in names}
     aligned = list(POINTERS) + ["N", "L", "stride_dy", "stride_x", "stride_dx"]
+    return compile_sm90(fn, consts, POINTERS, aligned, warps, cap)
+
+
+def compile_sm90(fn, consts: dict, pointers: dict, aligned: list, warps: int, cap: int | None):
+    """``fn`` compiled for sm_90 by the local Triton: ``consts`` as constexprs, ``pointers``
+    (argument -> type, e.g. "*bf16"), other arguments int32, those in ``aligned`` declared
+    16-byte divisible (as the launches specialise them), a register cap if ``cap``."""
+    names = fn.arg_names
+    sig = {a: pointers.get(a, "constexpr" if a in consts else "i32") for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in consts.items()})

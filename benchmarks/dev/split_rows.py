@@ -88,19 +88,31 @@ def _publish_word(slots_ptr, slot, s1, s2):
 
 
 @triton.jit
-def _await_words(slots_ptr, row, C: tl.constexpr, C_P2: tl.constexpr, N):
-    peers = tl.arange(0, C_P2)
-    ok = peers < C
-    at = slots_ptr + row.to(tl.int64) * C + peers
-    words = tl.load(at, mask=ok, other=0, volatile=True)
+def _poll_words(at, ok, words):
+    """``words`` once no slot of ``at`` (the row's C slots) holds EMPTY (bounded by POLL_LIMIT)."""
     polls = 0
     while (tl.sum(((words == EMPTY) & ok).to(tl.int32), axis=0) > 0) & (polls < POLL_LIMIT):
         words = tl.load(at, mask=ok, other=0, volatile=True)
         polls += 1
+    return words
+
+
+@triton.jit
+def _words_sums(words, ok, N):
+    """The row's (sum s1, sum s2) / N from its pieces' 64-bit words."""
     bits = words.to(tl.uint64, bitcast=True)
     s1 = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
     s2 = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-    return tl.sum(s1, axis=0) / N, tl.sum(s2, axis=0) / N
+    return tl.sum(tl.where(ok, s1, 0.0), axis=0) / N, tl.sum(tl.where(ok, s2, 0.0), axis=0) / N
+
+
+@triton.jit
+def _await_words(slots_ptr, row, C: tl.constexpr, C_P2: tl.constexpr, N):
+    peers = tl.arange(0, C_P2)
+    ok = peers < C
+    at = slots_ptr + row.to(tl.int64) * C + peers
+    words = _poll_words(at, ok, tl.load(at, mask=ok, other=0, volatile=True))
+    return _words_sums(words, ok, N)
 
 
 @triton.jit
@@ -123,8 +135,9 @@ def _ln_bwd_split_rows(
     # wait (wrong dx: what the publish's barrier and release cost); 6 exchanges through the sums
     # themselves: each piece stores its (s1, s2) as one 64-bit word into a slot filled with an
     # impossible bit pattern before the launch, and the readers poll the row's C slots until no
-    # slot holds it (no counter, no barrier, no fence: one store and one round trip); 2 keeps x and dy in 16-bit form across the wait (x̂ and w·dy recomputed after it)
-    # and prefetches two items ahead with the registers that frees.
+    # slot holds it (no counter, no barrier, no fence: one store and one round trip); 2 keeps x
+    # and dy in 16-bit form across the wait (x̂ and w·dy recomputed after it) and prefetches
+    # two items ahead with the registers that frees.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     chunk = pid % C
@@ -256,22 +269,10 @@ def _ln_bwd_split_rows(
 
 
 @triton.jit
-def _words_sums(words, ok, N):
-    bits = words.to(tl.uint64, bitcast=True)
-    s1 = (bits & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-    s2 = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-    return tl.sum(tl.where(ok, s1, 0.0), axis=0) / N, tl.sum(tl.where(ok, s2, 0.0), axis=0) / N
-
-
-@triton.jit
 def _finish_lagged(x_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, slots_ptr, words, at, ok, xp, dyp,
                    prow, pos, cmask, w, stride, N):
     # Row prow's dx from its x and dy (read again, from L2) once its peers' words are in.
-    polls = 0
-    while (tl.sum(((words == EMPTY) & ok).to(tl.int32), axis=0) > 0) & (polls < POLL_LIMIT):
-        words = tl.load(at, mask=ok, other=0, volatile=True)
-        polls += 1
-    c1, c2 = _words_sums(words, ok, N)
+    c1, c2 = _words_sums(_poll_words(at, ok, words), ok, N)
     pm = tl.load(mean_ptr + prow)
     pr = tl.load(rstd_ptr + prow)
     xhat = (xp.to(tl.float32) - pm) * pr
@@ -359,10 +360,8 @@ VARIANTS = [  # (ROWS, LAG, MODE, piece, warps, register cap)
 
 
 def regs_report() -> None:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     sys.path.insert(0, os.path.dirname(__file__))
-    from regs_split import resources
+    from regs_split import compile_sm90, resources
 
     print(f"Triton {triton.__version__}, sm_90, bf16 rows of 16384")
     for rows, lag, mode, piece, warps, cap in VARIANTS:
@@ -373,16 +372,8 @@ def regs_report() -> None:
                 "slots_ptr": "*i64"}
         C = 16384 // piece
         consts = {"BLOCK": piece, "C": C, "C_P2": C, "ROWS": rows, "LAG": lag, "MODE": mode}
-        sig = {a: ptrs.get(a, "*bf16" if a.endswith("_ptr") else
-                           ("constexpr" if a in consts else "i32")) for a in names}
-        aligned = [a for a in names if a.endswith("_ptr")] + ["N", "L", "stride"]
-        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-        src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                        constexprs={(names.index(k),): v for k, v in consts.items()})
-        opts = {"num_warps": warps}
-        if cap:
-            opts["maxnreg"] = cap
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        pointers = {a: ptrs.get(a, "*bf16") for a in names if a.endswith("_ptr")}
+        k = compile_sm90(fn, consts, pointers, [*pointers, "N", "L", "stride"], warps, cap)
         regs, stack = resources(k)
         per_warp = -(-regs * 32 // 256) * 256
         per_sm = min(65536 // (per_warp * warps), 64 // warps)
