@@ -94,8 +94,9 @@ def test_split_config_rules():
     assert cfg("fwd", 65536, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
     assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
-    # backward (piece, warps, prefetch[, register cap])
-    assert cfg("bwd", 16384, 2, True) == cfg("bwd", 65536, 2, True) == (4096, 8, 1, 128)
+    # backward (piece, warps, prefetch[, register cap[, clusters]]); the cluster rules (16-bit
+    # 16K-64K, float32 16K-64K, aligned rows) in tests/test_clusters.py
+    assert cfg("bwd", 8192, 2, True) == (4096, 8, 1, 128)
     assert cfg("bwd", 131072, 2, True) == (8192, 16, 1)
     assert cfg("bwd", 262144, 2, True) == (8192, 8, 3)
     assert cfg("bwd", 8193, 2, False) == (8192, 8, 2)
@@ -107,8 +108,8 @@ def test_split_config_rules():
     assert cfg("bwd", 8193, 4, False, 4) is None
     assert cfg("bwd", 65537, 2, False, 8) is None
     assert cfg("bwd", 8193, 4, False) == (2048, 4, 2)
-    assert cfg("bwd", 32768, 4, True) == (2048, 4, 0)
-    assert cfg("bwd", 65536, 4, True) == (4096, 4, 2)
+    assert cfg("bwd", 32768, 4, False) == (2048, 4, 0)
+    assert cfg("bwd", 65536, 4, False) == (4096, 4, 2)
     assert cfg("bwd", 262144, 4, True) == (8192, 8, 2)
     # softmax: prefetch by direction, dtype and alignment
     assert tsm._split_config("fwd", 2, 0, 65536) == (4096, 4, 3)

@@ -275,11 +275,14 @@ def _other_kinds():
 _C_ENTRY_VERSIONS = ("3.6.",)
 
 
-def _direct_entry(compiled):
+def _direct_entry(compiled, metadata: tuple | None = None):
     """``go(grid, stream, args)`` launching ``compiled`` without Triton's Python layers, or
-    None where its runtime API is not the one known here."""
+    None where its runtime API is not the one known here. ``metadata``: the launch's packed
+    (num_warps, CTAs per cluster, shared memory bytes) instead of the compiled kernel's (see
+    ``_clusters.py``; Triton 3.6 and 3.9 pack these three)."""
     try:
-        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        run, function = compiled.run, compiled.function
+        metadata = metadata or compiled.packed_metadata
     except AttributeError:
         return None
     if function is None or not callable(run):

@@ -47,6 +47,13 @@ import triton.language as tl
 
 from fusedops import _replay
 from fusedops._settings import get_layernorm_backward
+from fusedops.triton._clusters import (
+    ClusterLauncher,
+    cluster_peer_sums,
+    cluster_publish,
+    cluster_start,
+    clusters_enabled,
+)
 from fusedops.triton._common import (
     _BODY,
     DEFAULT_SINGLE_BLOCK_LIMIT,
@@ -774,6 +781,7 @@ def _ln_bwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     PREFETCH: tl.constexpr, PARKED: tl.constexpr, VEC: tl.constexpr, PAIRED: tl.constexpr,
+    CLUSTER: tl.constexpr,
 ):
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
@@ -787,11 +795,21 @@ def _ln_bwd_split(
     # also has the row's edges (split_edges). The grid is a multiple of C·VEC (or one item per
     # program), so all rows of a program share one head: its weight and accumulator columns,
     # edges included, are fixed.
+    # CLUSTER (aligned rows, launched by _clusters.ClusterLauncher): the C programs of a row
+    # are one thread-block cluster, which exchanges the sums through shared memory and the
+    # cluster barrier instead of the counters (the statistics are still stored for the parked
+    # tail's second launch); VEC must be 0. w·dy is an explicitly rounded product (never
+    # contracted into a multiply-add, see _rounded_mul), in the sums and in dx alike, as in
+    # _ln_bwd_dx_pieces and _ln_bwd_dx_published: with or without a wait loop between the
+    # product and the subtraction, every variant writes the same bits.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     pos = (pid % C) * L + lanes
     step = num_progs // C
+    parity = pid * 0
+    if CLUSTER and NEED_DX:
+        parity = cluster_start(parity)
     if VEC > 0:
         # weight and partial columns head + pos, from a scalar base (no tensor of columns live
         # across the row loop: pos is, for the addresses)
@@ -852,37 +870,49 @@ def _ln_bwd_split(
                 dbe_acc += dye
         if NEED_DX:
             if HAS_W:
-                wdy = dy * w
+                wdy = _rounded_mul(dy, w, True)
             else:
                 wdy = dy
             s1, s2 = _row_sums(xhat * wdy, wdy, 0, PAIRED)
             if VEC > 0:
                 if HAS_W:
-                    wdye = dye * we
+                    wdye = _rounded_mul(dye, we, True)
                 else:
                     wdye = dye
                 s1 += tl.sum(xhe * wdye, axis=0)
                 s2 += tl.sum(wdye, axis=0)
             tl.store(stats_ptr + item * 2, s1)
             tl.store(stats_ptr + item * 2 + 1, s2)
-            publish_row(count_ptr, row)
-            if PREFETCH == 3:
-                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                 mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                  mask=more, other=0.0)
-            await_row(count_ptr, row, C)
-            if PREFETCH == 2:
-                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                 mask=more, other=0.0)
-                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                  mask=more, other=0.0)
-            base = (row * C + peers) * 2
-            ok = peers < C
-            c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
-                        axis=0) / N
-            c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
-                                cache_modifier=".cg"), axis=0) / N
+            if CLUSTER:
+                token = cluster_publish(s1, s2, pid % C, parity, C)
+                p1, p2 = cluster_peer_sums(peers, parity, token, C)
+                parity = 1 - parity
+                if PREFETCH >= 2:
+                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                     mask=more, other=0.0)
+                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                      mask=more, other=0.0)
+                c1 = tl.sum(p1, axis=0) / N
+                c2 = tl.sum(p2, axis=0) / N
+            else:
+                publish_row(count_ptr, row)
+                if PREFETCH == 3:
+                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                     mask=more, other=0.0)
+                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                      mask=more, other=0.0)
+                await_row(count_ptr, row, C)
+                if PREFETCH == 2:
+                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
+                                     mask=more, other=0.0)
+                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
+                                      mask=more, other=0.0)
+                base = (row * C + peers) * 2
+                ok = peers < C
+                c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
+                            axis=0) / N
+                c2 = tl.sum(tl.load(stats_ptr + base + 1, mask=ok, other=0.0,
+                                    cache_modifier=".cg"), axis=0) / N
             dx = ((wdy - (xhat * c1 + c2)) * rstd).to(dx_ptr.dtype.element_ty)
             dx_at = dx_ptr + _body_at(row64, stride_dx, VEC) + pos
             if PARKED:
@@ -914,13 +944,14 @@ def _ln_bwd_split(
 
 @triton.jit
 def _piece_sums(dy_row, x_row, w_ptr, cols, cmask, mean, rstd, HAS_W: tl.constexpr,
-                PAIRED: tl.constexpr):
-    # One piece of a row's statistics as _ln_bwd_split computes them: sum(xhat·w·dy), sum(w·dy).
+                PAIRED: tl.constexpr, PTX: tl.constexpr):
+    # One piece of a row's statistics as _ln_bwd_split computes them: sum(xhat·w·dy), sum(w·dy)
+    # (w·dy explicitly rounded there).
     x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
     dy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
     xhat = (x - mean) * rstd
     if HAS_W:
-        wdy = dy * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        wdy = _rounded_mul(dy, tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32), PTX)
     else:
         wdy = dy
     return _row_sums(xhat * wdy, wdy, 0, PAIRED)
@@ -941,7 +972,7 @@ def _rounded_mul(a, b, PTX: tl.constexpr):
 def _piece_dx(dy_row, x_row, w_ptr, dx_row, cols, cmask, mean, rstd, c1, c2,
               HAS_W: tl.constexpr, PTX: tl.constexpr):
     # dx of one piece from its row's combined statistics, as _ln_bwd_split writes it after its
-    # wait (w·dy rounded before the subtraction: there it crosses the wait loop).
+    # exchange (w·dy an explicitly rounded product there too).
     x = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
     wdy = tl.load(dy_row + cols, mask=cmask, other=0.0).to(tl.float32)
     xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
@@ -963,10 +994,10 @@ def _ln_bwd_dx_pieces(
     # the same per-piece reductions, combined over a (C_P2,) vector as that kernel combines its
     # peers' sums), but in one program that reads the row twice: no statistics buffer, no
     # cooperating programs (for the few rows whose dx cannot hold that kernel's scratch, see
-    # _split_backward). In the split kernel w·dy and the subtraction using it sit on either
-    # side of the wait loop, in separate basic blocks, so they are never contracted into one
-    # multiply-add; here they share a block, hence the explicitly rounded product (PTX, see
-    # _rounded_mul).
+    # _split_backward). w·dy is an explicitly rounded product here as there (PTX, see
+    # _rounded_mul): never contracted into a multiply-add, however the code falls into basic
+    # blocks (a wait loop separates the product from the subtraction in the cooperative split
+    # kernel, nothing does in its cluster variant or here).
     row = row0 + tl.program_id(0)
     row64 = row.to(tl.int64)
     x_row = x_ptr + _body_at(row64, stride_x, VEC)
@@ -987,11 +1018,11 @@ def _ln_bwd_dx_pieces(
     for piece in range(C):
         pos = piece * L + lanes
         a, b = _piece_sums(dy_row, x_row, w_body, pos, (lanes < L) & (pos < limit), mean, rstd,
-                           HAS_W, PAIRED)
+                           HAS_W, PAIRED, PTX)
         if VEC > 0:  # the edges, with piece 0 (every piece adds a sum, as in the split kernel)
             _, emask, ecols = split_edges(row, piece, N, stride_x, VEC)
             ea, eb = _piece_sums(dy_ptr + row64 * stride_dy, x_ptr + row64 * stride_x, w_ptr,
-                                 ecols, emask, mean, rstd, HAS_W, PAIRED)
+                                 ecols, emask, mean, rstd, HAS_W, PAIRED, PTX)
             a += ea
             b += eb
         s1 = tl.where(peers == piece, a, s1)
@@ -1017,8 +1048,8 @@ def _ln_bwd_dx_published(
 ):
     # dx of piece pid % C of row row0 + pid // C from the per-piece statistics a parked
     # _ln_bwd_split launch left in dx's storage (see _split_backward), bit for bit as that
-    # kernel computes it after its wait: the same (C_P2,) sum of the peers' statistics, and
-    # w·dy rounded before the subtraction (there it crosses the wait loop; see _rounded_mul).
+    # kernel computes it after its exchange: the same (C_P2,) sum of the peers' statistics, and
+    # w·dy an explicitly rounded product (see _rounded_mul).
     # VEC > 0: pieces of the aligned body, piece 0 with the edges, as in the split kernel.
     # The statistics lie in the storage of the last pieces: programs from late_from on (whose
     # dx covers them) write only once every program has read what it needs (done_ptr: a
@@ -1215,7 +1246,14 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
     64K: 2.00 / 2.00 / 1.95 vs 1.65 dx + column kernels / 1.67 at 8192 x 8 / 1.88 at 8192 x
     16), 128K 8192 x 16 (1.86), longer 8192 x 8 prefetching between publishing and waiting
     (256K: 1.75 vs 1.62); float32 from 2048 x 4 to 8192 x 8 as rows grow (H200: 8193: 1.86 vs
-    1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47)."""
+    1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47).
+    A fifth value True: the pieces of a row run as one thread-block cluster exchanging on chip
+    (``_clusters.py``; aligned rows on Hopper, else the same pieces on a cooperative grid).
+    H100, benchmarks/dev/cluster_rows.py, against the cooperative rules above in the same run
+    (TB/s of 3·M·N·size bytes, copy 3.01): 16-bit 16K and 32K 2048 x 4 capped at 128 (bf16
+    2.34 / 2.27 vs 2.08 / 2.04; 4096 x 8: 2.28 / 2.18), 64K 4096 x 8 (2.10 vs 1.98; 128K on
+    8192 x 16 measured level, 1.81 vs 1.85, and stays cooperative); float32 16K-64K 8192 x 8
+    (2.85 / 2.80 / 2.77 vs 2.60 / 2.59 / 2.63)."""
     override = SPLIT_CONFIG if kind == "fwd" else SPLIT_BWD_CONFIG
     if override is not None:
         return override
@@ -1231,15 +1269,24 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
     if elt_size == 2:
         if not aligned:  # scalar accesses (rarely run: see NATIVE_UNALIGNED_16BIT_BWD)
             return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
+        if CLUSTER_BWD and 16384 <= n <= 32768:
+            return 2048, 4, 1, 128, True
+        if CLUSTER_BWD and 32768 < n <= 65536:
+            return 4096, 8, 1, 128, True
         if n <= 65536:
             return 4096, 8, 1, 128
         return (8192, 16, 1) if n <= 131072 else (8192, 8, 3)
+    if CLUSTER_BWD and aligned and 16384 <= n <= 65536:
+        return 8192, 8, 1, None, True
     if n < 16384:
         return (2048, 4, 2)
     if n <= 32768:
         return (2048, 4, 0)
     return (4096, 4, 2) if n <= 65536 else (8192, 8, 2)
 
+
+# The backward's cluster rules in _split_config (tests turn them off to compare).
+CLUSTER_BWD = True
 
 # 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
 # long for the fused single kernel, that cannot take DX_PIECES_BWD (below: strides differing
@@ -1500,6 +1547,16 @@ def _bwd_split_launcher(maxnreg: int | None) -> SplitLauncher:
     launcher = _capped_bwd_split.get(maxnreg)
     if launcher is None:
         launcher = _capped_bwd_split[maxnreg] = SplitLauncher(_ln_bwd_split, maxnreg=maxnreg)
+    return launcher
+
+
+_bwd_cluster: dict[int | None, ClusterLauncher] = {}  # by register cap
+
+
+def _bwd_cluster_launcher(maxnreg: int | None) -> ClusterLauncher:
+    launcher = _bwd_cluster.get(maxnreg)
+    if launcher is None:
+        launcher = _bwd_cluster[maxnreg] = ClusterLauncher(_ln_bwd_split, maxnreg=maxnreg)
     return launcher
 
 
@@ -2081,16 +2138,24 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
-    chunk, split_warps, prefetch, *cap = cfg
-    launcher = _bwd_split_launcher(cap[0] if cap else None)
+    chunk, split_warps, prefetch, *extra = cfg
+    cap = extra[0] if extra else None
     C, L = split_pieces(N, chunk, vec)
     paired = SPLIT_PAIRED
-    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
-              vec, paired)
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec)
+    progs = 0
+    if len(extra) > 1 and extra[1] and need_dx and not vec and clusters_enabled(dev, N, chunk, C):
+        launcher = _bwd_cluster_launcher(cap)
+        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch,
+                  parked, vec, paired, True)
+        progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec)
+    if not progs:  # a cooperative grid
+        launcher = _bwd_split_launcher(cap)
+        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch,
+                  parked, vec, paired, False)
+        progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec)
     if not progs:
         return None
     progs = max(C, min(progs, _max_partial_rows(x) * C))
@@ -2127,7 +2192,14 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     args[6:9] = part, stats, count
     args[14] = m_dx
     if not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
-        return None
+        if not isinstance(launcher, ClusterLauncher):
+            return None
+        # The cluster launch failed (clusters are now off): the same pieces, cooperatively.
+        launcher = _bwd_split_launcher(cap)
+        consts = (*consts[:-1], False)
+        if launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec) < progs or \
+                not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
+            return None
     dw = db = None
     if need_part:
         dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)

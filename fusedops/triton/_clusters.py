@@ -1,0 +1,269 @@
+"""Split-row kernels in thread-block clusters (Hopper): the per-row exchange on chip.
+
+A split-row kernel (see "split rows" in ``_common.py``) has C programs share a row: each
+reduces its piece, the C partial sums are combined, and each writes its piece. Exchanging the
+sums through global memory (store, release, a per-row counter, a poll, the peers' sums read
+back from L2) costs a quarter of the LayerNorm backward's time at 16K-64K (docs/performance.md,
+twenty-first session). Hopper runs the CTAs of a *thread-block cluster* at once on neighbouring
+SMs; they can store into each other's shared memory and meet at a hardware barrier.
+
+Triton's ``tl`` exposes neither (a kernel compiled with ``num_ctas > 1`` fails Triton 3.6's CTA
+planning once it reduces), so here an ordinary one-CTA kernel
+
+* is launched through its compiled launcher with the packed metadata's CTA count set to C: the
+  launcher asks the driver for clusters of C CTAs, so program ``pid`` is piece ``pid % C`` (its
+  rank in the cluster) of cluster ``pid // C``; and with 16·C bytes of dynamic shared memory
+  beyond Triton's own use, the exchange *slots* (two parities x C ranks x (s1, s2));
+* exchanges each row's sums in inline PTX (:func:`cluster_publish`, :func:`cluster_peer_sums`):
+  threads 0..C-1 of each CTA store the CTA's pair into slot [parity][rank] of CTA t's shared
+  memory (``mapa``, ``st.shared::cluster``), the cluster meets at ``barrier.cluster`` (release,
+  acquire), and each CTA reads the C pairs from its own slots into a (C_P2,) vector summed like
+  the global-memory path's (the same bits). Rows alternate parities: a slot is written again
+  only after the next row's barrier, which its reader reaches only after reading it.
+
+Clusters depend on nothing outside themselves, so no cooperative launch is needed: the grid is
+the number of clusters the GPU holds at once (``cuOccupancyMaxActiveClusters``; more would run
+in a second wave). The interpreter has no clusters and no inline PTX: there the split-row
+kernels are off anyway (``split_rows_enabled``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedops.triton._common import (
+    _direct_entry,
+    _launch_key,
+    _record,
+    _recording,
+    current_stream,
+    hooks_registered,
+    split_rows_enabled,
+)
+
+# Slots: the last 16·C bytes of the dynamic shared memory (the launch adds them to Triton's).
+_SLOTS = (
+    "mov.u32 fo_base, global_smem;\n"
+    "mov.u32 fo_size, %dynamic_smem_size;\n"
+    "add.u32 fo_base, fo_base, fo_size;\n"
+    "shl.b32 fo_size, {C}, 4;\n"
+    "sub.u32 fo_base, fo_base, fo_size;\n"
+    "shl.b32 fo_size, {C}, 3;\n"
+    "mad.lo.u32 fo_base, {parity}, fo_size, fo_base;\n"
+)
+
+# $0 = $3 (a token ordering later reads after this); $1, $2 the CTA's sums; $3 its rank; $4 the
+# row's parity; $5 C. Every thread runs it once: threads 0..C-1 each store the pair into one
+# peer's slot, then every thread arrives and waits.
+_PUBLISH = tl.constexpr(
+    "{\n"
+    ".reg .u32 fo_base, fo_size, fo_t, fo_remote;\n"
+    ".reg .pred fo_p;\n"
+    + _SLOTS.format(C="$5", parity="$4")
+    + "mad.lo.u32 fo_base, $3, 8, fo_base;\n"
+    "mov.u32 fo_t, %tid.x;\n"
+    "setp.lt.u32 fo_p, fo_t, $5;\n"
+    "@fo_p mapa.shared::cluster.u32 fo_remote, fo_base, fo_t;\n"
+    "@fo_p st.shared::cluster.v2.f32 [fo_remote], {$1, $2};\n"
+    "barrier.cluster.arrive.release;\n"
+    "barrier.cluster.wait.acquire;\n"
+    "mov.u32 $0, $3;\n"
+    "}"
+)
+
+# ($0, $1) = slot [$3][$2] of this CTA, or 0 where $2 >= $4 (C); $5: the publish's token.
+_PEER = tl.constexpr(
+    "{\n"
+    ".reg .u32 fo_base, fo_size;\n"
+    ".reg .pred fo_p;\n"
+    + _SLOTS.format(C="$4", parity="$3")
+    + "mad.lo.u32 fo_base, $2, 8, fo_base;\n"
+    "setp.lt.u32 fo_p, $2, $4;\n"
+    "mov.f32 $0, 0f00000000;\n"
+    "mov.f32 $1, 0f00000000;\n"
+    "@fo_p ld.shared.v2.f32 {$0, $1}, [fo_base];\n"
+    "}"
+)
+
+# Every CTA of the cluster has started before any stores into another's shared memory.
+_SYNC = tl.constexpr(
+    "barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\nmov.u32 $0, 0;"
+)
+
+
+@triton.jit
+def cluster_start(like):
+    """Cluster barrier at a cluster kernel's start; returns int32 0 (the first row's parity).
+    ``like``: any int32 scalar (an operand the barrier's PTX ignores)."""
+    return tl.inline_asm_elementwise(_SYNC, "=r,r", [like], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def cluster_publish(s1, s2, rank, parity, C: tl.constexpr):
+    """Store this CTA's float32 sums (s1, s2) into slot [parity][rank] of every CTA of its
+    cluster and meet the others at the cluster barrier; returns a token for
+    :func:`cluster_peer_sums`."""
+    return tl.inline_asm_elementwise(_PUBLISH, "=r,f,f,r,r,r", [s1, s2, rank, parity, C],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def cluster_peer_sums(peers, parity, token, C: tl.constexpr):
+    """(s1, s2) of the cluster's CTAs (a (C_P2,) float32 pair, 0 beyond C) after
+    :func:`cluster_publish` for this parity; ``peers``: ``tl.arange(0, C_P2)``."""
+    return tl.inline_asm_elementwise(_PEER, "=f,=f,r,r,r,r", [peers, parity, C, token],
+                                     dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
+
+
+_state = {"enabled": os.environ.get("FUSEDOPS_CLUSTERS", "1") != "0"}
+
+
+def clusters_enabled(device: torch.device, n: int, chunk: int, chunks: int) -> bool:
+    """Whether a split-row kernel may run rows of ``n`` in ``chunks`` pieces of ``chunk`` as
+    clusters: the split-row kernels are on, the device is Hopper or newer, and C is 2-16 (16
+    is the most a Hopper cluster may hold, beyond the portable 8)."""
+    if not (_state["enabled"] and split_rows_enabled(device, n, chunk) and 2 <= chunks <= 16):
+        return False
+    return _hopper_or_newer(device.index)
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def disable_clusters(reason: str) -> None:
+    """Run split-row kernels on cooperative grids for the rest of the process (warned once)."""
+    if _state["enabled"]:
+        _state["enabled"] = False
+        warnings.warn(f"fusedops: cluster split-row kernels disabled ({reason}); using "
+                      "cooperative grids", RuntimeWarning, stacklevel=3)
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+
+
+def max_active_clusters(function: int, chunks: int, num_warps: int, shared: int) -> int:
+    """How many clusters of ``chunks`` CTAs of the loaded kernel ``function`` (a CUfunction
+    handle) the current GPU holds at once, with ``num_warps`` warps and ``shared`` bytes of
+    dynamic shared memory per CTA (the driver's count: it knows how SMs group into clusters)."""
+    cuda = _libcuda()
+    func = ctypes.c_void_p(function)
+    if chunks > 8:  # Triton's launcher allows it for 16 only; the count needs it first
+        cuda.cuFuncSetAttribute(func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    attr = _Attr()
+    attr.id = _CLUSTER_DIMENSION
+    attr.value[0], attr.value[1], attr.value[2] = chunks, 1, 1
+    cfg = _Config()
+    cfg.grid[:] = [chunks * 1024, 1, 1]
+    cfg.block[:] = [32 * num_warps, 1, 1]
+    cfg.smem = shared
+    cfg.attrs = ctypes.pointer(attr)
+    cfg.num_attrs = 1
+    count = ctypes.c_int(0)
+    rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(count), func, ctypes.byref(cfg))
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters returned CUresult {rc}")
+    return count.value
+
+
+class ClusterLauncher:
+    """Launches a split-row kernel (CLUSTER mode) in clusters of C CTAs, one cluster per row at
+    a time; the interface of :class:`~fusedops.triton._common.SplitLauncher`.
+
+    The kernel's last runtime parameter is ``num_progs`` (the CTA count, a multiple of C),
+    followed only by constexprs. Each specialisation is compiled ahead (``warmup``) and always
+    launched through its compiled launcher with the cluster metadata: never through Triton's
+    own launch path, which would run the kernel without clusters.
+    """
+
+    __slots__ = ("kernel", "options", "entries", "n_runtime")
+
+    def __init__(self, kernel, maxnreg: int | None = None) -> None:
+        self.kernel = kernel
+        self.options = {"maxnreg": maxnreg} if maxnreg else {}
+        self.entries: dict = {}  # launch key -> (go, clusters held at once)
+        flags = [p.is_constexpr for p in kernel.params]
+        self.n_runtime = flags.index(True)
+
+    def _prepare(self, args: tuple, chunks: int, num_warps: int):
+        key = _launch_key(num_warps, args, self.n_runtime)
+        entry = self.entries.get(key)
+        if entry is None:
+            compiled = self.kernel.warmup(*args, grid=(1,), num_warps=num_warps, **self.options)
+            compiled._init_handles()
+            shared = -(-int(compiled.metadata.shared) // 16) * 16 + 16 * chunks
+            if shared > 48 * 1024:  # beyond what a launch gets without opting in
+                raise RuntimeError(f"{shared} bytes of shared memory per CTA")
+            go = _direct_entry(compiled, (num_warps, chunks, shared))
+            held = max_active_clusters(compiled.function, chunks, num_warps, shared)
+            if go is None or held < 1:
+                raise RuntimeError("no cluster launch for this kernel")
+            entry = self.entries[key] = (go, held)
+        return entry
+
+    def programs(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
+                 device: torch.device, vec: int = 0) -> int:
+        """The CTA count: as many clusters as the GPU holds at once, at most one per row
+        (``items`` = rows x chunks); 0 if no cluster launch is possible (``vec`` must be 0:
+        unaligned rows stay on cooperative grids)."""
+        if vec:
+            return 0
+        try:
+            _, held = self._prepare((*runtime, chunks, *consts), chunks, num_warps)
+        except Exception as exc:  # noqa: BLE001 - an unknown Triton or driver API
+            disable_clusters(f"{type(exc).__name__}: {exc}")
+            return 0
+        return min(held, items // chunks) * chunks
+
+    def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
+                 device: torch.device, progs: int | None = None, vec: int = 0) -> int:
+        """Launch on ``progs`` CTAs (default :meth:`programs`); returns it, or 0 if the launch
+        failed (clusters are then off) or a profiler's launch hooks are registered (Triton's
+        own path, which they need, cannot launch clusters): the caller then uses a cooperative
+        grid."""
+        if hooks_registered():
+            return 0
+        if progs is None:
+            progs = self.programs(items, chunks, runtime, consts, num_warps, device, vec)
+        if not progs:
+            return 0
+        args = (*runtime, progs, *consts)
+        try:
+            go, _ = self._prepare(args, chunks, num_warps)
+            go((progs // chunks,), current_stream(device.index), args)
+        except Exception as exc:  # noqa: BLE001
+            disable_clusters(f"{type(exc).__name__}: {exc}")
+            return 0
+        if _recording:
+            _record(self, (progs // chunks,), args, num_warps)
+        return progs
+
+    def entry(self, args: tuple, num_warps: int):
+        """The launch callable for these arguments (see ``sequence_steps``), or None."""
+        entry = self.entries.get(_launch_key(num_warps, args, self.n_runtime))
+        return entry[0] if entry else None

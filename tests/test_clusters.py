@@ -1,0 +1,259 @@
+"""The LayerNorm backward's split-row kernel in thread-block clusters (``fusedops/triton/
+_clusters.py``): a row's pieces exchange their sums through distributed shared memory and the
+cluster barrier (inline PTX) instead of global memory and counters.
+
+CPU: the launch rules, that clusters stay off without a Hopper GPU, and that the kernel's
+cluster variant compiles for sm_90 (PTX through ptxas, no GPU needed; a subprocess, since the
+interpreter replaces ``triton.jit``). GPU (``gpu`` marker): every cluster size (2-16 pieces)
+and load placement against float64, dx bit for bit as the cooperative kernel writes it, the
+low_memory mode's parked rows, and the fallback when a cluster launch fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from _reliability import gpu
+from conftest import assert_close_to_ref
+
+import fusedops
+from fusedops.triton import _clusters, _common
+from fusedops.triton import layernorm as tln
+
+
+@pytest.mark.parametrize("n,elt,aligned,want", [
+    (16384, 2, True, (2048, 4, 1, 128, True)),
+    (32768, 2, True, (2048, 4, 1, 128, True)),
+    (65536, 2, True, (4096, 8, 1, 128, True)),
+    (131072, 2, True, (8192, 16, 1)),  # measured level: cooperative
+    (8192, 2, True, (4096, 8, 1, 128)),
+    (16384, 4, True, (8192, 8, 1, None, True)),
+    (65536, 4, True, (8192, 8, 1, None, True)),
+    (8192, 4, True, (2048, 4, 2)),
+    (131072, 4, True, (8192, 8, 2)),
+    (32768, 4, False, (2048, 4, 0)),  # rows not 16-byte aligned: no cluster rule
+])
+def test_cluster_rules(n, elt, aligned, want):
+    assert tln._split_config("bwd", n, elt, aligned) == want
+
+
+def test_cluster_rules_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(tln, "CLUSTER_BWD", False)
+    assert tln._split_config("bwd", 16384, 2, True) == (4096, 8, 1, 128)
+    assert tln._split_config("bwd", 32768, 4, True) == (2048, 4, 0)
+
+
+def test_clusters_off_without_a_hopper_gpu():
+    cpu = torch.device("cpu")
+    assert not _clusters.clusters_enabled(cpu, 16384, 2048, 8)
+    if torch.cuda.is_available() and not _common._interpreting():
+        dev = torch.device("cuda", torch.cuda.current_device())
+        hopper = torch.cuda.get_device_capability(dev)[0] >= 9
+        assert _clusters.clusters_enabled(dev, 16384, 2048, 8) == hopper
+        assert not _clusters.clusters_enabled(dev, 16384 * 17, 16384, 17)  # > 16 per cluster
+        assert not _clusters.clusters_enabled(dev, 16384, 16384, 1)
+
+
+_COMPILE = textwrap.dedent("""
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedops.triton import layernorm as tln
+
+    fn = tln._ln_bwd_split
+    names = fn.arg_names
+    f32 = ("mean_ptr", "rstd_ptr", "part_ptr", "stats_ptr")
+    sig = {a: ("*fp32" if a in f32 else "*i32" if a == "count_ptr" else "*bf16")
+           if a.endswith("_ptr") else "i32" for a in names}
+    consts = dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True, NEED_DX=True, NEED_DW=True,
+                  NEED_DB=True, PREFETCH=int(sys.argv[1]), PARKED=True, VEC=0, PAIRED=True,
+                  CLUSTER=sys.argv[2] == "1")
+    sig.update({k: "constexpr" for k in consts})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v
+                                                      for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "maxnreg": 128})
+    ptx = k.asm["ptx"]
+    print(json.dumps({t: ptx.count(t) for t in (
+        "barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
+        "mapa.shared::cluster", "st.shared::cluster", "%dynamic_smem_size", "atom.",
+        "red.global")}
+        | {"cubin": len(k.asm["cubin"]), "shared": k.metadata.shared}))
+""")
+
+
+def _compile_sm90(prefetch: int, cluster: bool) -> dict:
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(prefetch), str(int(cluster))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_cluster_kernel_compiles_for_sm90(prefetch):
+    """ptxas accepts the inline PTX; the cluster variant meets at the barrier at its start and
+    once per row (one publish), stores into the peers' shared memory, and has no atomics (the
+    cooperative variant's counters)."""
+    got = _compile_sm90(prefetch, True)
+    assert got["cubin"] > 0
+    assert got["barrier.cluster.arrive.release"] == got["barrier.cluster.wait.acquire"] == 2
+    assert got["mapa.shared::cluster"] == got["st.shared::cluster"] == 1
+    assert got["%dynamic_smem_size"] == 2  # the slots sit at the end of the launch's bytes
+    assert got["atom."] == got["red.global"] == 0
+    coop = _compile_sm90(prefetch, False)
+    assert coop["barrier.cluster.arrive.release"] == 0
+    assert coop["atom."] + coop["red.global"] > 0
+
+
+# ------------------------------------------------------------------------------------- GPU
+def _case(m, n, dtype, weight=True, seed=0):
+    g = torch.Generator().manual_seed(seed + m + n)
+    x = (torch.randn(m, n, generator=g) * 2 + 5).to(dtype).cuda()  # offset: no cancellation
+    dy = torch.randn(m, n, generator=g).to(dtype).cuda()
+    w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype).cuda() if weight else None
+    xf = x.double()
+    mean = xf.mean(1).float()
+    rstd = torch.rsqrt(xf.var(1, unbiased=False) + 1e-5).float()
+    return dy, x, w, mean, rstd
+
+
+def _reference(dy, x, w):
+    n = x.shape[1]
+    r = [x.double().requires_grad_()] + ([w.double().requires_grad_()] if w is not None else [])
+    y = torch.nn.functional.layer_norm(r[0], (n,), r[1] if w is not None else None, None, 1e-5)
+    grads = torch.autograd.grad(y, r, dy.double())
+    return grads[0], grads[1] if w is not None else None, dy.double().sum(0)
+
+
+# A split-row launch on a cooperative grid (SplitLauncher launches through a Launcher), and one
+# in clusters, as _launchers lists them.
+COOP = ("Launcher", "_ln_bwd_split")
+CLUSTER = ("ClusterLauncher", "_ln_bwd_split")
+
+
+def _launchers(record) -> set:
+    return {(type(launcher).__name__, launcher.kernel.__name__) for launcher, *_ in record}
+
+
+def _backward(dy, x, w, mean, rstd, need=(True, True, True)):
+    # (no grad_dtypes: no replay plans, so every call runs the launch rules)
+    with _common.record_launches() as record:
+        out = tln.layernorm_backward(dy, x, w, mean, rstd, *need)
+    return out, _launchers(record)
+
+
+def _check(out, dy, x, w, dtype, need=(True, True, True)):
+    want = _reference(dy, x, w)
+    m = x.shape[0]
+    if need[0]:
+        assert_close_to_ref(out[0], want[0], dtype, scale=4)
+    for got, exp, needed in zip(out[1:], want[1:], need[1:], strict=True):
+        if needed and exp is not None:
+            torch.testing.assert_close(got.double(), exp, atol=2e-2 * m ** 0.5, rtol=2e-2)
+
+
+# (rows, N, piece): 2, 4, 8 and 16 pieces; fewer rows than clusters, and more (rows loop)
+CLUSTER_CASES = [(5, 16384, 8192), (300, 16384, 4096), (40, 32768, 4096), (200, 32768, 2048),
+                 (7, 65536, 4096), (64, 65536, 8192)]
+
+
+@gpu
+@pytest.mark.parametrize("m,n,piece", CLUSTER_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_gpu_cluster_backward_matches_float64(monkeypatch, m, n, piece, dtype, prefetch):
+    """Forced configs: every cluster size and load placement, against float64, dx bit for bit
+    as the cooperative kernel with the same pieces writes it (the same per-piece sums, combined
+    in the same order)."""
+    warps = max(4, min(16, piece // 512))
+    cluster_cfg, coop_cfg = (piece, warps, prefetch, None, True), (piece, warps, prefetch)
+    inputs = _case(m, n, dtype)
+    got = {}
+    for mode in ("fast", "low_memory"):  # low_memory: few rows leave no room to park: the
+        with fusedops.layernorm_backward_mode(mode):  # dx-pieces kernel instead
+            monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", cluster_cfg)
+            got[mode], used = _backward(*inputs)
+            assert mode == "low_memory" or (CLUSTER in used and COOP not in used)
+            _check(got[mode], *inputs[:3], dtype)
+            monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", coop_cfg)
+            coop, used = _backward(*inputs)
+            assert CLUSTER not in used and (mode == "low_memory" or COOP in used)
+            assert torch.equal(got[mode][0], coop[0])
+    names = (0, 1, 2) if m >= 8 else (0,)  # see test_layernorm_backward_memory
+    assert all(torch.equal(got["fast"][i], got["low_memory"][i]) for i in names)
+
+
+@gpu
+@pytest.mark.parametrize("m,n", [(300, 16384), (33, 32768), (100, 65536)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gpu_cluster_defaults(m, n, dtype):
+    """The shipped rules take clusters on Hopper; no weight; dx alone; dweight/dbias alone
+    (no exchange: the cooperative kernel)."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    with fusedops.layernorm_backward_mode("fast"):  # split launches at any row count
+        _defaults(m, n, dtype, hopper)
+
+
+def _defaults(m, n, dtype, hopper):
+    for weight in (True, False):
+        inputs = _case(m, n, dtype, weight, seed=1)
+        out, used = _backward(*inputs)
+        assert (CLUSTER in used) == hopper and (COOP in used) != hopper
+        _check(out, *inputs[:3], dtype)
+    inputs = _case(m, n, dtype, seed=2)
+    for need in ((True, False, False), (False, True, True)):
+        out, used = _backward(*inputs, need=need)
+        assert (CLUSTER in used) == (hopper and need[0])
+        _check(out, *inputs[:3], dtype, need)
+
+
+@gpu
+def test_gpu_cluster_launch_failure_falls_back(monkeypatch):
+    """A cluster launch that fails turns clusters off (one warning) and the call runs the same
+    pieces on a cooperative grid."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need Hopper")
+    monkeypatch.setitem(_clusters._state, "enabled", True)
+    inputs = _case(64, 16384, torch.bfloat16, seed=3)
+
+    def refuse(self, args, chunks, num_warps):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(_clusters.ClusterLauncher, "_prepare", refuse)
+    with fusedops.layernorm_backward_mode("fast"):
+        with pytest.warns(RuntimeWarning, match="cluster split-row kernels disabled"):
+            out, used = _backward(*inputs)
+        assert CLUSTER not in used and COOP in used
+        _check(out, *inputs[:3], torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once
+            out, used = _backward(*inputs)
+        assert COOP in used
+
+
+@gpu
+def test_gpu_max_active_clusters():
+    """The driver's count for compiled cluster kernels of 2 and 16 pieces of the same size:
+    no more CTAs than the SMs hold, and no more for the larger clusters."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need Hopper")
+    ctas = {}
+    for n in (16384, 131072):
+        dy, x, w, mean, rstd = _case(16, n, torch.bfloat16)
+        C = n // 8192
+        launcher = _clusters.ClusterLauncher(tln._ln_bwd_split, maxnreg=128)
+        runtime = (dy, x, w, mean, rstd, x, mean, mean, mean, n, 8192, n, n, n, 16, 16 * C)
+        consts = (8192, C, C, True, True, True, True, 1, False, 0, True, True)
+        ctas[C] = launcher.programs(1 << 20, C, runtime, consts, 16, x.device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 0 < ctas[16] <= ctas[2] <= sms  # 16 warps of 128 registers: one CTA per SM
