@@ -20,7 +20,18 @@ with ``num_ctas > 1`` fails in its CTA planning pass once it reduces), so this p
   the next row's barrier, which this CTA reaches only after reading it.
 
 Clusters depend on nothing outside themselves, so the grid needs no co-residency guarantee
-beyond the cluster's own (no cooperative launch).
+beyond the cluster's own (no cooperative launch); it is the driver's count of clusters held at
+once (cuOccupancyMaxActiveClusters): sized from registers alone it ran partly in a second wave.
+MODE 1 (barrier only) and 2 (no barrier, no exchange) give wrong dx on purpose (bounds); MODE 3
+(``_ln_bwd_cluster_lag``) splits the barrier: arrive, reduce the next row, then wait.
+
+Results (H100, benchmarks/results/tune-h100-2026-11-25/cluster_rows-*.json; docs/performance.md,
+twenty-second session): bf16 16K 2.34 TB/s on 2048 x 4 (shipped cooperative kernel 2.08), 32K
+2.27 (2.04), 64K 2.10 on 4096 x 8 (1.98); float32 16K-64K 2.77-2.85 on 8192 x 8 (2.60-2.64);
+barrier only 2.39, no barrier 2.84 (the barrier, not the exchange, is what remains); MODE 3
+slower everywhere (registers). Shipped as ``_ln_bwd_split``'s CLUSTER variant
+(fusedops/triton/_clusters.py), whose slots sit at the end of the dynamic shared memory
+instead of at an offset passed in.
 
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/dev/cluster_rows.py ptx     # local: sm_90 PTX/SASS
     OUT=dir python benchmarks/dev/cluster_rows.py bench                     # GPU: check and time
