@@ -58,6 +58,7 @@ def test_clusters_off_without_a_hopper_gpu():
         assert _clusters.clusters_enabled(dev, 16384, 2048, 8) == hopper
         assert not _clusters.clusters_enabled(dev, 16384 * 17, 16384, 17)  # > 16 per cluster
         assert not _clusters.clusters_enabled(dev, 16384, 16384, 1)
+        assert not _clusters.clusters_enabled(dev, 20480, 2048, 10)  # untested sizes
 
 
 _COMPILE = textwrap.dedent("""

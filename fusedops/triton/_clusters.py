@@ -128,9 +128,11 @@ _state = {"enabled": os.environ.get("FUSEDOPS_CLUSTERS", "1") != "0"}
 
 def clusters_enabled(device: torch.device, n: int, chunk: int, chunks: int) -> bool:
     """Whether a split-row kernel may run rows of ``n`` in ``chunks`` pieces of ``chunk`` as
-    clusters: the split-row kernels are on, the device is Hopper or newer, and C is 2-16 (16
-    is the most a Hopper cluster may hold, beyond the portable 8)."""
-    if not (_state["enabled"] and split_rows_enabled(device, n, chunk) and 2 <= chunks <= 16):
+    clusters: the split-row kernels are on, the device is Hopper or newer, and C is 2, 4, 8 or
+    16 (the sizes tested on a GPU; 16 is the most a Hopper cluster may hold, beyond the
+    portable 8). Other piece counts (rows that are no power of two) stay cooperative."""
+    if not (_state["enabled"] and chunks in (2, 4, 8, 16)
+            and split_rows_enabled(device, n, chunk)):
         return False
     return _hopper_or_newer(device.index)
 
@@ -230,7 +232,9 @@ class ClusterLauncher:
                  device: torch.device, vec: int = 0) -> int:
         """The CTA count: as many clusters as the GPU holds at once, at most one per row
         (``items`` = rows x chunks); 0 if no cluster launch is possible (``vec`` must be 0:
-        unaligned rows stay on cooperative grids)."""
+        unaligned rows stay on cooperative grids). The count comes from the kernel compiled
+        with C standing in for the CTA count (the launch compiles its own specialisation, as
+        SplitLauncher's estimate does; their registers, hence the count, agree)."""
         if vec:
             return 0
         try:
