@@ -775,6 +775,13 @@ def _body_at(row64, stride, VEC: tl.constexpr):
 
 
 @triton.jit
+def _piece_at(x_ptr, dy_ptr, row64, stride_x, stride_dy, pos, mask, VEC: tl.constexpr):
+    """(x, dy) of a split-row program's piece of row ``row64``, in the inputs' dtype."""
+    return (tl.load(x_ptr + _body_at(row64, stride_x, VEC) + pos, mask=mask, other=0.0),
+            tl.load(dy_ptr + _body_at(row64, stride_dy, VEC) + pos, mask=mask, other=0.0))
+
+
+@triton.jit
 def _ln_bwd_split(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, count_ptr,
     N, L, stride_dy, stride_x, stride_dx, M_dx, num_items, num_progs,
@@ -830,9 +837,8 @@ def _ln_bwd_split(
     dw_acc = tl.zeros([BLOCK], tl.float32)
     db_acc = tl.zeros([BLOCK], tl.float32)
     if PREFETCH > 0:
-        r0 = (pid // C).to(tl.int64)
-        x_next = tl.load(x_ptr + _body_at(r0, stride_x, VEC) + pos, mask=cmask, other=0.0)
-        dy_next = tl.load(dy_ptr + _body_at(r0, stride_dy, VEC) + pos, mask=cmask, other=0.0)
+        x_next, dy_next = _piece_at(x_ptr, dy_ptr, (pid // C).to(tl.int64), stride_x,
+                                    stride_dy, pos, cmask, VEC)
     for item in range(pid, num_items, num_progs):
         row = item // C
         row64 = row.to(tl.int64)
@@ -841,15 +847,12 @@ def _ln_bwd_split(
             dy = dy_next.to(tl.float32)
             more = cmask & (item + num_progs < num_items)
             if PREFETCH == 1:
-                x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos, mask=more,
-                                 other=0.0)
-                dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                  mask=more, other=0.0)
+                x_next, dy_next = _piece_at(x_ptr, dy_ptr, row64 + step, stride_x, stride_dy,
+                                            pos, more, VEC)
         else:
-            x = tl.load(x_ptr + _body_at(row64, stride_x, VEC) + pos, mask=cmask,
-                        other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + _body_at(row64, stride_dy, VEC) + pos, mask=cmask,
-                         other=0.0).to(tl.float32)
+            x, dy = _piece_at(x_ptr, dy_ptr, row64, stride_x, stride_dy, pos, cmask, VEC)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
         if VEC > 0:
             xe = tl.load(x_ptr + row64 * stride_x + ecols, mask=emask, other=0.0).to(tl.float32)
             dye = tl.load(dy_ptr + row64 * stride_dy + ecols, mask=emask,
@@ -888,25 +891,19 @@ def _ln_bwd_split(
                 p1, p2 = cluster_peer_sums(peers, parity, token, C)
                 parity = 1 - parity
                 if PREFETCH >= 2:
-                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                     mask=more, other=0.0)
-                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                      mask=more, other=0.0)
+                    x_next, dy_next = _piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
+                                                stride_dy, pos, more, VEC)
                 c1 = tl.sum(p1, axis=0) / N
                 c2 = tl.sum(p2, axis=0) / N
             else:
                 publish_row(count_ptr, row)
                 if PREFETCH == 3:
-                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                     mask=more, other=0.0)
-                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                      mask=more, other=0.0)
+                    x_next, dy_next = _piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
+                                                stride_dy, pos, more, VEC)
                 await_row(count_ptr, row, C)
                 if PREFETCH == 2:
-                    x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos,
-                                     mask=more, other=0.0)
-                    dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos,
-                                      mask=more, other=0.0)
+                    x_next, dy_next = _piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
+                                                stride_dy, pos, more, VEC)
                 base = (row * C + peers) * 2
                 ok = peers < C
                 c1 = tl.sum(tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg"),
@@ -926,10 +923,8 @@ def _ln_bwd_split(
                 else:
                     tl.store(dx_ptr + row64 * stride_dx + ecols, dxe, mask=emask)
         elif PREFETCH >= 2:
-            x_next = tl.load(x_ptr + _body_at(row64 + step, stride_x, VEC) + pos, mask=more,
-                             other=0.0)
-            dy_next = tl.load(dy_ptr + _body_at(row64 + step, stride_dy, VEC) + pos, mask=more,
-                              other=0.0)
+            x_next, dy_next = _piece_at(x_ptr, dy_ptr, row64 + step, stride_x, stride_dy, pos,
+                                        more, VEC)
     out = part_ptr + (pid // C).to(tl.int64) * N
     db_out = out + (num_progs // C) * N  # < 2^31: partial rows x N
     if NEED_DW:
