@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedops.triton._clusters import max_active_clusters  # the product's driver query
+
 
 def _exchange_asm(C: int) -> str:
     """PTX: ($0, $1) = sums over the cluster's C CTAs of ($2, $3); $4 this CTA's rank, $5 the
@@ -358,41 +360,6 @@ def ptx_report() -> None:
 _KERNELS: dict = {}
 
 
-def max_active_clusters(k, C: int, warps: int, smem: int) -> int:
-    """The driver's cuOccupancyMaxActiveClusters for ``k`` launched in clusters of C CTAs
-    (how many clusters of it the GPU holds at once: a persistent grid larger than this runs in
-    two waves)."""
-    import ctypes
-
-    class Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
-        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                    ("value", ctypes.c_uint * 16)]
-
-    class Config(ctypes.Structure):  # CUlaunchConfig
-        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                    ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                    ("attrs", ctypes.POINTER(Attr)), ("num_attrs", ctypes.c_uint)]
-
-    cuda = ctypes.CDLL("libcuda.so.1")
-    attr = Attr()
-    attr.id = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value[0], attr.value[1], attr.value[2] = C, 1, 1
-    cfg = Config()
-    cfg.grid[:] = [C * 1024, 1, 1]
-    cfg.block[:] = [32 * warps, 1, 1]
-    cfg.smem = smem
-    cfg.attrs = ctypes.pointer(attr)
-    cfg.num_attrs = 1
-    if C > 8:  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-        cuda.cuFuncSetAttribute(ctypes.c_void_p(k.function), 14, 1)
-    n = ctypes.c_int(0)
-    rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(k.function),
-                                           ctypes.byref(cfg))
-    if rc != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed: {rc}")
-    return n.value
-
-
 def _compiled(x, w, mean, piece: int, warps: int, prefetch: int, cap, mode: int = 0):
     """(compiled kernel, C, clusters the GPU holds at once) for x's dtype and N."""
     N = x.shape[1]
@@ -408,7 +375,7 @@ def _compiled(x, w, mean, piece: int, warps: int, prefetch: int, cap, mode: int 
                                    grid=(1,), **opts)
         k._init_handles()
         slots_at = -(-k.metadata.shared // 16) * 16
-        _KERNELS[key] = (k, C, max_active_clusters(k, C, warps, slots_at + 16 * C))
+        _KERNELS[key] = (k, C, max_active_clusters(k.function, C, warps, slots_at + 16 * C))
     return _KERNELS[key]
 
 
