@@ -209,8 +209,9 @@ class ClusterLauncher:
         self.kernel = kernel
         self.options = {"maxnreg": maxnreg} if maxnreg else {}
         self.entries: dict = {}  # launch key -> (go, clusters held at once)
-        flags = [p.is_constexpr for p in kernel.params]
-        self.n_runtime = flags.index(True)
+        # None under the interpreter, whose wrapper has no params (clusters never run there)
+        params = getattr(kernel, "params", None)
+        self.n_runtime = [p.is_constexpr for p in params].index(True) if params else 0
 
     def _prepare(self, args: tuple, chunks: int, num_warps: int):
         key = _launch_key(num_warps, args, self.n_runtime)
