@@ -1196,6 +1196,21 @@ if "r51" in which:  # round 51: float32 LayerNorm backward at 8K, 2% behind Lige
             point("ln_bwd", f32, N, [fo(c) for c in ((8192, 1, True), (16384, 1, True),
                                                       (8192, 2, True), (4096, 2, True))])
 
+if "r52" in which:  # round 52: the LayerNorm forward's split rows in thread-block clusters
+    # (CLUSTER_FWD, built in the twenty-second session without GPU time to measure it) against
+    # the shipped rules ("cur": float32 64K unrolled, 16-bit 128K/256K unrolled) at the
+    # forward's remaining misses on aligned rows. 256K needs pieces of 16K (at most 16 per row).
+    def cl(elt, N, chunk, warps, pf):
+        return (f"c{chunk // 1024}Kw{warps}p{pf}",
+                lambda: knobs(tln, CLUSTER_FWD={(elt, N): (chunk, warps, pf)}))
+    point("ln_fwd", f32, 65536, [cl(4, 65536, c, w, p) for c, w, p in (
+        (8192, 8, 1), (8192, 4, 1), (4096, 4, 1), (16384, 16, 1), (8192, 8, 0), (8192, 8, 2))])
+    for dt in (bf, fp16):
+        point("ln_fwd", dt, 131072, [cl(2, 131072, c, w, p) for c, w, p in (
+            (8192, 8, 1), (16384, 16, 1), (16384, 8, 1), (8192, 8, 0))])
+        point("ln_fwd", dt, 262144, [cl(2, 262144, c, w, p) for c, w, p in (
+            (16384, 16, 1), (16384, 8, 1), (16384, 16, 0))])
+
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
 if out:
