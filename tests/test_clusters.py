@@ -20,7 +20,7 @@ import warnings
 import pytest
 import torch
 from _reliability import gpu
-from conftest import assert_close_to_ref
+from conftest import INTERPRETING, assert_close_to_ref
 
 import fusedops
 from fusedops.triton import _clusters, _common
@@ -124,6 +124,67 @@ def test_cluster_kernel_compiles_for_sm90(kernel, prefetch):
     coop = _compile_sm90(prefetch, False, kernel)
     assert coop["barrier.cluster.arrive.release"] == 0
     assert coop["atom."] + coop["red.global"] > 0
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+@pytest.mark.parametrize("parked", [True, False], ids=["low_memory", "fast"])
+@pytest.mark.parametrize("path", ["cluster", "cluster-fails", "cooperative"])
+def test_split_backward_buffers(monkeypatch, parked, path):
+    """_split_backward's host side with recording launchers (the kernels need a GPU): the
+    cluster launch gets ``mean`` for the row counters it never reads (no zeroing launch; its
+    launch key is the grid estimate's); a cooperative launch, first or after a failed cluster
+    launch on the same pieces and grid, gets zeroed int32 counters."""
+    calls = []
+
+    class Cluster(_clusters.ClusterLauncher):
+        def __init__(self):
+            pass
+
+        def programs(self, items, chunks, runtime, consts, num_warps, device, vec=0):
+            return 2 * chunks
+
+        def __call__(self, items, chunks, runtime, consts, num_warps, device, progs=None,
+                     vec=0):
+            calls.append(("cluster", runtime[8], consts, progs))
+            return 0 if path == "cluster-fails" else progs
+
+    class Coop:
+        def programs(self, items, chunks, runtime, consts, num_warps, device, vec=0):
+            return 4 * chunks
+
+        def __call__(self, items, chunks, runtime, consts, num_warps, device, progs=None,
+                     vec=0):
+            calls.append(("coop", runtime[8].clone(), consts, progs))
+            return progs
+
+    monkeypatch.setattr(tln, "_bwd_cluster_launcher", lambda cap: Cluster())
+    monkeypatch.setattr(tln, "_bwd_split_launcher", lambda cap: Coop())
+    monkeypatch.setattr(tln, "clusters_enabled", lambda *a: True)
+    # the parked rows' second launch waits on other programs (the interpreter runs them in turn)
+    monkeypatch.setattr(tln, "_launch_dx_published", lambda grid, args, warps: calls.append(
+        ("published", args[7].clone(), args[6], grid)))
+    m, n = 64, 256
+    x, dy, w = torch.randn(m, n), torch.randn(m, n), torch.randn(n)
+    mean, rstd = x.mean(1), torch.rsqrt(x.var(1, unbiased=False) + 1e-5)
+    cfg = (64, 4, 1, None, True) if path != "cooperative" else (64, 4, 1)
+    out = tln._split_backward(dy, x, w, True, mean, rstd, torch.empty_like(x), True, True, None,
+                              cfg, 0, parked)
+    assert out is not None
+    if parked:  # the parked rows: their own zeroed counter, the split launch's statistics
+        done, stats, grid = calls.pop()[1:]
+        assert calls[-1][0] in ("cluster", "coop") and grid[0] > 0
+        assert done.dtype == torch.int32 and done.shape == (1,) and not done.any()
+        assert stats.dtype == torch.float32
+    kinds = [c[0] for c in calls]
+    assert kinds == {"cluster": ["cluster"], "cluster-fails": ["cluster", "coop"],
+                     "cooperative": ["coop"]}[path]
+    if path != "cooperative":
+        assert calls[0][1] is mean and calls[0][2][-1] is True and calls[0][3] == 8
+    if kinds[-1] == "coop":
+        count, consts, progs = calls[-1][1:]
+        assert count.dtype == torch.int32 and count.shape == (m,) and not count.any()
+        assert consts[-1] is False
+        assert progs == (16 if path == "cooperative" else 8)  # after a failure: the same grid
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -2220,19 +2220,23 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         m_dx, offset = place
         part = _parked(dx, offset, (2, part_rows, N)) if need_part else mean
         stats = _parked(dx, offset + part_bytes, (2 * M * C,))
-        count = zero_counters(_parked(dx, offset + part_bytes + stats_bytes, (M,), torch.int32))
+        count = _parked(dx, offset + part_bytes + stats_bytes, (M,), torch.int32)
     else:  # scratch (without dx the kernel exchanges no statistics: placeholders)
         part = (torch.empty((2, part_rows, N), dtype=torch.float32, device=dev)
                 if need_part else mean)
         stats = (torch.empty((M * C * 2,), dtype=torch.float32, device=dev) if need_dx
                  else mean)
-        count = torch.zeros((M,), dtype=torch.int32, device=dev) if need_dx else mean
-    args[6:9] = part, stats, count
+        count = torch.empty((M,), dtype=torch.int32, device=dev) if need_dx else mean
+    clustered = isinstance(launcher, ClusterLauncher)
+    # The cluster variant never reads the row counters: no zeroing launch, and ``mean`` in
+    # their place keeps its launch key the grid estimate's (one compiled kernel, not two).
+    args[6:9] = part, stats, mean if clustered else _zeroed(count, need_dx, parked)
     args[14] = m_dx
     if not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
-        if not isinstance(launcher, ClusterLauncher):
+        if not clustered:
             return None
         # The cluster launch failed (clusters are now off): the same pieces, cooperatively.
+        args[8] = _zeroed(count, need_dx, parked)
         launcher = _bwd_split_launcher(cap)
         consts = (*consts[:-1], False)
         if launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec) < progs or \
@@ -2256,6 +2260,14 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         ), split_warps)
     mark_replayable()
     return dx, dw, db
+
+
+def _zeroed(count: torch.Tensor, need_dx: bool, parked: bool) -> torch.Tensor:
+    """The cooperative split kernel's row counters, zeroed (parked in dx: with a launch, which
+    a recorded call replays); without dx they are a placeholder, left as they are."""
+    if not need_dx:
+        return count
+    return zero_counters(count) if parked else count.zero_()
 
 
 def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
