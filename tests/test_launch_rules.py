@@ -199,7 +199,7 @@ def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     dev = torch.device("cpu")
     x = torch.empty(2, 8)
     runtime = (x, x, x, x, x, x, x, x, 8, 4, 8, 8, 1e-5, 6)
-    consts = (4, 3, 4, True, True, 1, 0, False)
+    consts = (4, 3, 4, True, True, 1, 0)
     first = launcher.programs(30, 3, runtime, consts, 4, dev)
     assert first % 3 == 0 and first >= 3
     # the same arguments always give the same grid (deterministic partial sums)

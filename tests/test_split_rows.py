@@ -114,7 +114,7 @@ def test_unaligned_grid_is_a_multiple_of_pieces_times_vec():
     C, L = _common.split_pieces(n, 8192, 8)
     assert L % 16 == 0 and (C - 1) * L < n - 16  # every piece has part of every row's body
     runtime = (x, x, x, x, stats, stats, stats, count, n, L, n, n, 1e-5, m * C)
-    consts = (8192, C, 16, True, True, 1, 8, False)
+    consts = (8192, C, 16, True, True, 1, 8)
     progs = tln._launch_fwd_split.programs(m * C, C, runtime, consts, 8, x.device, vec=8)
     assert 0 < progs < m * C and progs % (C * 8) == 0
     _layernorm_case(m, n, torch.bfloat16)

@@ -469,7 +469,7 @@ def _ln_fwd_split(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x,
     stride_y, eps, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr, CLUSTER: tl.constexpr,
+    HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
 ):
     # Work item = (row, piece), row-major; see fusedops/triton/_common.py "split rows". Each
     # piece publishes its (mean, M2) about its own mean; the row's statistics are merged with
@@ -478,17 +478,12 @@ def _ln_fwd_split(
     # the edges, x and y share the row stride). The grid is a multiple of C: a program always
     # has the same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC
     # (or one item per program), so its rows share one misalignment and its weight columns are
-    # fixed: weight and bias are loaded once. PREFETCH: see _common.py. CLUSTER (aligned rows,
-    # _clusters.ClusterLauncher, see _ln_bwd_split): the pieces exchange (mean, M2) through
-    # shared memory and the cluster barrier; no statistics buffer, no counters.
+    # fixed: weight and bias are loaded once. PREFETCH: see _common.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
     step = num_progs // C
-    parity = pid * 0
-    if CLUSTER:
-        parity = cluster_start(parity)
     if VEC > 0:
         head, body = split_head(pid // C, N, stride_x, VEC)
         wcol = head + chunk * L + lanes
@@ -533,25 +528,18 @@ def _ln_fwd_split(
         if VEC > 0:
             xce = tl.where(e_mask, xe - mean_c, 0.0)
             m2 += tl.sum(xce * xce, axis=0)
-        if CLUSTER:
-            token = cluster_publish(mean_c, m2, chunk, parity, C)
-            means, m2s = cluster_peer_sums(peers, parity, token, C)  # 0 beyond C, as below
-            parity = 1 - parity
-            if PREFETCH >= 2:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-        else:
-            tl.store(stats_ptr + item * 2, mean_c)
-            tl.store(stats_ptr + item * 2 + 1, m2)
-            publish_row(count_ptr, row)
-            if PREFETCH == 3:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-            await_row(count_ptr, row, C)
-            if PREFETCH == 2:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-            base = (row * C + peers) * 2
-            ok = peers < C
-            means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
-            m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(stats_ptr + item * 2, mean_c)
+        tl.store(stats_ptr + item * 2 + 1, m2)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        await_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        base = (row * C + peers) * 2
+        ok = peers < C
+        means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
+        m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
         ref = tl.sum(tl.where(peers == 0, means, 0.0), axis=0)
         mean = ref + tl.sum(counts * (means - ref), axis=0) / N
         dev = means - mean
@@ -1534,32 +1522,6 @@ _launch_fwd_unrolled = Launcher(_ln_fwd_unrolled)
 _launch_fwd_reload_vec = Launcher(_ln_fwd_reload_vec)
 _launch_fwd_unrolled_vec = Launcher(_ln_fwd_unrolled_vec)
 _launch_fwd_split = SplitLauncher(_ln_fwd_split)
-_launch_fwd_cluster = ClusterLauncher(_ln_fwd_split)
-
-# LayerNorm forward rows in thread-block clusters (_ln_fwd_split's CLUSTER variant, see
-# _clusters.py): (element size, N) -> (piece, warps, PREFETCH), taken before every other
-# forward rule for aligned rows on Hopper. Empty: the variant was built in the twenty-second
-# session with no GPU time left to measure it (docs/performance.md); the GPU tests and
-# benchmarks/dev/tune.py set rules. Candidates: float32 64K (0.78 of copy on the unrolled
-# kernel), 16-bit 128K / 256K (0.74 / 0.65).
-CLUSTER_FWD: dict[tuple[int, int], tuple[int, int, int]] = {}
-CLUSTER_FWD_ABOVE = 8192  # shorter rows skip the lookup
-
-
-def _forward_clusters(x, w, b, y, M: int, N: int, stride: int, eps: float, has_w: bool,
-                      has_b: bool, chunk: int, warps: int, prefetch: int):
-    """(mean, rstd) once the split-row forward ran over (M, N) aligned rows in clusters of
-    N / ``chunk`` CTAs, or None where it cannot (no rows, not Hopper, a piece count other than
-    2, 4, 8 or 16, a failed launch): the caller then takes the other rules."""
-    C, L = split_pieces(N, chunk, 0)
-    if M == 0 or not clusters_enabled(x.device, N, chunk, C):
-        return None
-    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
-    # mean stands in for the statistics buffer and counters, which this variant never touches
-    args = (x, w, b, y, mean, rstd, mean, mean, N, L, stride, N, eps, M * C)
-    consts = (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, 0, True)
-    return (mean, rstd) if _launch_fwd_cluster(M * C, C, args, consts, warps, x.device) else None
 _launch_bwd_single = Launcher(_ln_bwd_single)
 _launch_bwd_split = SplitLauncher(_ln_bwd_split)
 _launch_dx_looped = Launcher(_ln_bwd_dx_looped)
@@ -1841,11 +1803,6 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     b = bias if has_b else y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     elt = x.element_size()
-    if CLUSTER_FWD and N > CLUSTER_FWD_ABOVE and not vec and stride % 8 == 0:
-        rule = CLUSTER_FWD.get((elt, N))
-        stats = rule and _forward_clusters(x, w, b, y, M, N, stride, eps, has_w, has_b, *rule)
-        if stats:
-            return y, *stats
     unrolled = unrolled_config(_unrolled_fwd_table(x.get_device(), (elt, next_pow2(N))), elt,
                                N, UNROLLED_FWD_ABOVE, vec)
     if unrolled:
@@ -1904,8 +1861,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             if _launch_fwd_split(
                 M * C, C,
                 (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
-                (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec, False),
-                split_warps, x.device, vec=vec,
+                (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec), split_warps,
+                x.device, vec=vec,
             ):
                 return y, mean, rstd
         _launch_fwd_looped((M,), (
