@@ -1196,20 +1196,31 @@ if "r51" in which:  # round 51: float32 LayerNorm backward at 8K, 2% behind Lige
             point("ln_bwd", f32, N, [fo(c) for c in ((8192, 1, True), (16384, 1, True),
                                                       (8192, 2, True), (4096, 2, True))])
 
-if "r52" in which:  # round 52: the LayerNorm forward's split rows in thread-block clusters
-    # (CLUSTER_FWD, built in the twenty-second session without GPU time to measure it) against
-    # the shipped rules ("cur": float32 64K unrolled, 16-bit 128K/256K unrolled) at the
-    # forward's remaining misses on aligned rows. 256K needs pieces of 16K (at most 16 per row).
-    def cl(elt, N, chunk, warps, pf):
-        return (f"c{chunk // 1024}Kw{warps}p{pf}",
-                lambda: knobs(tln, CLUSTER_FWD={(elt, N): (chunk, warps, pf)}))
-    point("ln_fwd", f32, 65536, [cl(4, 65536, c, w, p) for c, w, p in (
-        (8192, 8, 1), (8192, 4, 1), (4096, 4, 1), (16384, 16, 1), (8192, 8, 0), (8192, 8, 2))])
+# Round 52 (the LayerNorm forward's split rows in thread-block clusters against the shipped
+# rules at float32 64K and 16-bit 128K/256K) ran on commit 308b1c8; every cluster variant was
+# slower (benchmarks/results/tune-h200-2026-11-25/r52.*) and the variant was removed.
+
+if "r53" in which:  # round 53: unaligned rows' aligned-body pieces in thread-block clusters
+    # (VEC_CLUSTER_BWD) against the shipped paths ("cur": 16-bit dx pieces + column kernel,
+    # float32 cooperative aligned-body pieces 4096 x 4) at the 2^k + 1 cliff and beside it.
+    # Triton 3.6 sm_90 (local ptxas): the edges cost ~60 registers over the aligned kernel:
+    # 16-bit 4096 x 16 127 registers, 4096 x 8 250 (128 capped: 184 B of spills), 8192 x 16
+    # capped 184 B; float32 4096 x 8 232, 4096 x 16 128, 8192 x 8 / x 16 spill 304 / 232 B.
+    def vc(elt, chunk, warps, pf, cap):
+        return (f"c{chunk // 1024}Kw{warps}p{pf}" + (f"r{cap}" if cap else ""),
+                lambda: knobs(tln, VEC_CLUSTER_BWD={elt: ((chunk, warps, pf, cap, True), 0)}))
     for dt in (bf, fp16):
-        point("ln_fwd", dt, 131072, [cl(2, 131072, c, w, p) for c, w, p in (
-            (8192, 8, 1), (16384, 16, 1), (16384, 8, 1), (8192, 8, 0))])
-        point("ln_fwd", dt, 262144, [cl(2, 262144, c, w, p) for c, w, p in (
-            (16384, 16, 1), (16384, 8, 1), (16384, 16, 0))])
+        point("ln_bwd", dt, 65537, [vc(2, c, w, p, r) for c, w, p, r in (
+            (4096, 16, 1, None), (4096, 16, 2, None), (4096, 16, 0, None), (4096, 8, 1, 128),
+            (4096, 8, 1, None), (8192, 16, 1, 128))])
+    point("ln_bwd", f32, 65537, [vc(4, c, w, p, r) for c, w, p, r in (
+        (4096, 8, 1, None), (4096, 8, 2, None), (4096, 16, 1, None), (8192, 16, 1, None),
+        (8192, 8, 1, None))])
+    for N in (16385, 32769):
+        point("ln_bwd", bf, N, [vc(2, c, w, p, r) for c, w, p, r in (
+            (2048, 8, 1, None), (4096, 16, 1, None))])
+        point("ln_bwd", f32, N, [vc(4, c, w, p, r) for c, w, p, r in (
+            (2048, 8, 1, None), (4096, 16, 1, None), (4096, 8, 1, None))])
 
 print(f"tune s {time.time() - t0:.0f}", flush=True)
 out = os.environ.get("OUT")
