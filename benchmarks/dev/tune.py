@@ -1200,7 +1200,9 @@ if "r51" in which:  # round 51: float32 LayerNorm backward at 8K, 2% behind Lige
 # rules at float32 64K and 16-bit 128K/256K) ran on commit 308b1c8; every cluster variant was
 # slower (benchmarks/results/tune-h200-2026-11-25/r52.*) and the variant was removed.
 
-if "r53" in which:  # round 53: unaligned rows' aligned-body pieces in thread-block clusters
+if "r53" in which:  # round 53 (ran on commit 053debf, whose VEC_CLUSTER_BWD the next commit
+    # removed: every variant slower, results in benchmarks/results/tune-h200-2026-11-25/):
+    # unaligned rows' aligned-body pieces in thread-block clusters
     # (VEC_CLUSTER_BWD) against the shipped paths ("cur": 16-bit dx pieces + column kernel,
     # float32 cooperative aligned-body pieces 4096 x 4) at the 2^k + 1 cliff and beside it.
     # Triton 3.6 sm_90 (local ptxas): the edges cost ~60 registers over the aligned kernel:

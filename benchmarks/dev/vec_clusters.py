@@ -2,6 +2,9 @@
 unaligned rows' cluster variants of tune round 53 actually ran, with their TB/s.
 
     PYTHONPATH=$PWD python benchmarks/dev/vec_clusters.py
+
+Needs commit 053debf (VEC_CLUSTER_BWD, removed after this probe; output in
+benchmarks/results/tune-h200-2026-11-25/vec_clusters.txt).
 """
 
 import torch

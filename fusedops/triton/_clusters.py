@@ -236,16 +236,14 @@ class ClusterLauncher:
         unaligned rows stay on cooperative grids). The count comes from the kernel compiled
         with C standing in for the CTA count (the launch compiles its own specialisation, as
         SplitLauncher's estimate does; their registers, hence the count, agree)."""
+        if vec:
+            return 0
         try:
             _, held = self._prepare((*runtime, chunks, *consts), chunks, num_warps)
         except Exception as exc:  # noqa: BLE001 - an unknown Triton or driver API
             disable_clusters(f"{type(exc).__name__}: {exc}")
             return 0
-        rows = items // chunks
-        clusters = min(held, rows)
-        if vec and clusters < rows:  # a cluster's rows share one misalignment
-            clusters = clusters // vec * vec
-        return clusters * chunks
+        return min(held, items // chunks) * chunks
 
     def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
                  device: torch.device, progs: int | None = None, vec: int = 0) -> int:

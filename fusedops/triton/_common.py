@@ -714,13 +714,10 @@ def split_edges(row, chunk, N, stride, VEC: tl.constexpr):
     return row.to(tl.int64) * stride + col, mask, col
 
 
-def split_pieces(n: int, chunk: int, vec: int, body: bool = False) -> tuple[int, int]:
+def split_pieces(n: int, chunk: int, vec: int) -> tuple[int, int]:
     """(C, L) for a split-row launch: C pieces of L elements covering rows of ``n`` (L a
     multiple of 16 with unaligned rows, ``vec`` > 0, so pieces of the body stay aligned; the
-    last piece of a row whose body is shorter may then be empty, which the kernels allow).
-    ``body``: cut the longest aligned body instead of the row."""
-    if vec and body:
-        n = body_len(n, vec)
+    last piece of a row whose body is shorter may then be empty, which the kernels allow)."""
     c = cdiv(n, chunk)
     length = cdiv(n, c)
     if vec:

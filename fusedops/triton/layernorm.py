@@ -1221,7 +1221,6 @@ SPLIT_BWD_CONFIG: tuple | None = None
 # bytes per element. A grid of C·VEC programs must fit at once (a program's rows share one
 # misalignment) unless every item gets its own program; where none fits, scalar pieces.
 VEC_SPLIT_BWD: dict[int, tuple[tuple, int]] = {4: ((4096, 4, 2), 16384)}
-VEC_CLUSTER_BWD: dict[int, tuple[tuple, int]] = {}  # experiment (tune round 53)
 
 
 def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
@@ -1983,14 +1982,12 @@ def _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
     need_part = need_dw or need_db
     parked = get_layernorm_backward() == "low_memory"
     fused = _fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
-    split = (_split_plan(N, x, dy, need_dx=need_dx) if fused is None and M > 0 and N > 0
-             and (need_dx or (need_part and not parked)) else None)
-    clustered = split is not None and len(split[0]) > 4 and split[0][4]
-    pieces = (_dx_pieces_plan(N, x, dy) if fused is None and need_dx and M > 0
-              and not (clustered and split[1]) else None)
+    pieces = _dx_pieces_plan(N, x, dy) if fused is None and need_dx and M > 0 else None
     if pieces is not None:  # long unaligned 16-bit rows: dx on aligned bodies + column kernel
         return _columns_first_backward(dy, x, w, has_w, mean, rstd, torch.empty_like(x),
                                        need_dw, need_db, grad_dtypes, pieces)
+    split = (_split_plan(N, x, dy) if fused is None and M > 0 and N > 0
+             and (need_dx or (need_part and not parked)) else None)
     if (fused is None and M > 0 and N > 0 and not (split and split[1])
             and _native_unaligned(x, dy, weight)):
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
@@ -2105,8 +2102,8 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     return dx, dw, db
 
 
-def _split_plan(N: int, x: torch.Tensor, dy: torch.Tensor, vec: bool = True,
-                need_dx: bool = True) -> tuple[tuple, int] | None:
+def _split_plan(N: int, x: torch.Tensor, dy: torch.Tensor,
+                vec: bool = True) -> tuple[tuple, int] | None:
     """(config, VEC) of the split-row backward for rows of ``N``, or None where it does not
     run. VEC > 0: rows that start unaligned (x and dy contiguous, N not a multiple of 16
     bytes), read as an aligned body cut into pieces plus edges (see unaligned_vec); ``vec``
@@ -2114,11 +2111,6 @@ def _split_plan(N: int, x: torch.Tensor, dy: torch.Tensor, vec: bool = True,
     if next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
         return None
     vec = vec and unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
-    if vec and need_dx:
-        rule = VEC_CLUSTER_BWD.get(x.element_size())
-        if rule and body_len(N, vec) >= rule[1] and clusters_enabled(
-                x.device, N, rule[0][0], split_pieces(N, rule[0][0], vec, True)[0]):
-            return rule[0], vec
     aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
     cfg = _split_config("bwd", N, x.element_size(), aligned, vec) if vec else None
     if cfg is None:  # no rule for aligned-body pieces here: scalar pieces
@@ -2143,14 +2135,13 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     need_part = need_dw or need_db
     chunk, split_warps, prefetch, *extra = cfg
     cap = extra[0] if extra else None
-    cluster_rule = len(extra) > 1 and extra[1]
-    C, L = split_pieces(N, chunk, vec, cluster_rule)
+    C, L = split_pieces(N, chunk, vec)
     paired = SPLIT_PAIRED
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
     progs = 0
-    if cluster_rule and need_dx and clusters_enabled(dev, N, chunk, C):
+    if len(extra) > 1 and extra[1] and need_dx and not vec and clusters_enabled(dev, N, chunk, C):
         launcher = _bwd_cluster_launcher(cap)
         consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch,
                   parked, vec, paired, True)
