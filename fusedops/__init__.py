@@ -1,4 +1,4 @@
-"""fusedops: fused softmax and LayerNorm for PyTorch, and the tools to prove they help.
+"""fusedops: fused softmax, LayerNorm and RMSNorm for PyTorch, and the tools to prove they help.
 
 Public API only; see docs/api.md.
 """
@@ -9,20 +9,30 @@ from fusedops._settings import (
     layernorm_backward_mode,
     set_layernorm_backward,
 )
-from fusedops.modules import FusedLayerNorm, FusedSoftmax
-from fusedops.ops import LayerNormFunction, SoftmaxFunction, fused_layernorm, fused_softmax
+from fusedops.modules import FusedLayerNorm, FusedRMSNorm, FusedSoftmax
+from fusedops.ops import (
+    LayerNormFunction,
+    RMSNormFunction,
+    SoftmaxFunction,
+    fused_layernorm,
+    fused_rmsnorm,
+    fused_softmax,
+)
 from fusedops.patching import PatchReport, patch_model, patched, unpatch_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FusedLayerNorm",
+    "FusedRMSNorm",
     "FusedSoftmax",
     "LayerNormFunction",
     "PatchReport",
+    "RMSNormFunction",
     "SoftmaxFunction",
     "count_fused_calls",
     "fused_layernorm",
+    "fused_rmsnorm",
     "fused_softmax",
     "get_backend",
     "get_layernorm_backward",

@@ -9,6 +9,9 @@ the same *2-D row contract* (see ``docs/design.md``):
 * ``layernorm_forward_y(x, weight, bias, eps, out_dtype) -> y`` (no backward will follow)
 * ``layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes=None)
   -> (dx, dw, db)``
+* ``rmsnorm_forward(x, weight, eps, out_dtype) -> (y, rstd)``
+* ``rmsnorm_forward_y(x, weight, eps, out_dtype) -> y``
+* ``rmsnorm_backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes=None) -> (dx, dw)``
 
 where ``x``/``dy`` are ``(M, N)`` with unit column stride and any row stride, ``y`` is ``(M, N)``
 contiguous, ``mean``/``rstd`` are ``(M,)`` float32 and ``dw``/``db`` come back as float32 ``(N,)``

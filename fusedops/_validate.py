@@ -95,3 +95,8 @@ def _check_param(p: object, name: str, shape: tuple[int, ...], x: torch.Tensor) 
         )
     if p.device != x.device:
         raise ValueError(f"{name} is on {p.device} but x is on {x.device}")
+
+
+def check_rmsnorm_args(x: object, shape: tuple[int, ...], weight: object, eps: object) -> None:
+    """:func:`check_layernorm_args` for RMSNorm: no bias, and ``eps`` may be None."""
+    check_layernorm_args(x, shape, weight, None, 0.0 if eps is None else eps)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fusedops.ops.layernorm import fused_layernorm
+from fusedops.ops.rmsnorm import fused_rmsnorm
 from fusedops.ops.softmax import fused_softmax
 
 
@@ -32,3 +33,14 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return fused_layernorm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class FusedRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` whose forward runs :func:`fused_rmsnorm`.
+
+    Same constructor (``normalized_shape, eps=None, elementwise_affine=True, device=None,
+    dtype=None``), parameters, state_dict keys and repr as ``nn.RMSNorm``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_rmsnorm(x, self.normalized_shape, self.weight, self.eps)

@@ -2,9 +2,10 @@
 
 Two mechanisms, both scoped to one model (torch itself is never monkeypatched):
 
-1. **Module level.** Every ``nn.LayerNorm`` / ``nn.Softmax`` instance, and every instance of a
-   subclass that does not override ``forward``, gets its ``__class__`` swapped to a fused class
-   that overrides only ``forward`` (a subclass of :class:`~fusedops.FusedLayerNorm` /
+1. **Module level.** Every ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.Softmax`` instance, and
+   every instance of a subclass that does not override ``forward``, gets its ``__class__``
+   swapped to a fused class that overrides only ``forward`` (a subclass of
+   :class:`~fusedops.FusedLayerNorm` / :class:`~fusedops.FusedRMSNorm` /
    :class:`~fusedops.FusedSoftmax`; for a user subclass ``S``, a cached dynamic class
    ``FusedS(..., S)``, so ``isinstance(m, S)`` still holds and ``S``'s other methods are kept).
    Parameters, buffers, hooks and state_dict keys are untouched because the instance is.
@@ -13,9 +14,9 @@ Two mechanisms, both scoped to one model (torch itself is never monkeypatched):
    module runs the original forward inside a :class:`torch.overrides.TorchFunctionMode` (a
    ``with`` block: exception-safe, and traced away by ``torch.compile``). The mode routes
    ``F.softmax``, ``torch.softmax``, ``Tensor.softmax``, ``torch.special.softmax``,
-   ``F.layer_norm`` and ``torch.layer_norm`` to the fused ops and passes every other call
-   through. Nested and re-entrant calls reuse the outermost mode. Excluded subtrees get a
-   wrapper that suspends routing while they run.
+   ``F.layer_norm``, ``torch.layer_norm``, ``F.rms_norm`` and ``torch.rms_norm`` to the fused
+   ops and passes every other call through. Nested and re-entrant calls reuse the outermost
+   mode. Excluded subtrees get a wrapper that suspends routing while they run.
 
 See ``docs/patching.md`` for the user-facing description and how to read the report.
 """
@@ -36,17 +37,18 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fusedops import _dispatch
-from fusedops.modules import FusedLayerNorm, FusedSoftmax
+from fusedops.modules import FusedLayerNorm, FusedRMSNorm, FusedSoftmax
 from fusedops.ops.layernorm import fused_layernorm
+from fusedops.ops.rmsnorm import fused_rmsnorm
 from fusedops.ops.softmax import fused_softmax
 
 __all__ = ["PatchReport", "patch_model", "patched", "unpatch_model"]
 
-OPS = ("softmax", "layernorm")
+OPS = ("softmax", "layernorm", "rmsnorm")
 _STATE_ATTR = "_fusedops_patch"
 _ROUTABLE_DTYPES = frozenset(_dispatch.KERNEL_DTYPES)
 
-_FUSED_CLASSES = (FusedLayerNorm, FusedSoftmax)
+_FUSED_CLASSES = (FusedLayerNorm, FusedRMSNorm, FusedSoftmax)
 # user subclass -> dynamic fused subclass (created once per class)
 _subclass_cache: dict[type[nn.Module], type[nn.Module]] = {}
 
@@ -139,6 +141,28 @@ def _route_layernorm(func: Any, args: tuple, kwargs: dict) -> Any:
     return fused_layernorm(x, shape, weight, bias, eps)
 
 
+def _route_rmsnorm(func: Any, args: tuple, kwargs: dict) -> Any:
+    # F.rms_norm / torch.rms_norm(input, normalized_shape, weight=None, eps=None)
+    x = _arg(args, kwargs, 0, "input")
+    if not _routable(x):
+        return _MISSING
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    if not isinstance(shape, Sequence) or len(shape) == 0 or not all(_is_int(s) for s in shape):
+        return _MISSING
+    shape = tuple(shape)
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        return _MISSING  # let torch raise its own error
+    weight = _arg(args, kwargs, 2, "weight", None)
+    if weight is not None and (not _routable(weight) or tuple(weight.shape) != shape
+                               or weight.device != x.device):
+        return _MISSING
+    eps = _arg(args, kwargs, 3, "eps", None)
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float)
+                            or not eps >= 0):
+        return _MISSING
+    return fused_rmsnorm(x, shape, weight, eps)
+
+
 _ROUTED = {
     F.softmax: "softmax",
     torch.softmax: "softmax",
@@ -146,6 +170,8 @@ _ROUTED = {
     torch.special.softmax: "softmax",
     F.layer_norm: "layernorm",
     torch.layer_norm: "layernorm",
+    F.rms_norm: "rmsnorm",
+    torch.rms_norm: "rmsnorm",
 }
 
 
@@ -160,12 +186,15 @@ def _routed_op(func: Any) -> str | None:
             return "softmax"
         if func is F.layer_norm or func is torch.layer_norm:
             return "layernorm"
+        if func is F.rms_norm or func is torch.rms_norm:
+            return "rmsnorm"
         return None
     return _ROUTED.get(func)  # eager: one dict lookup on the hot path of every torch call
 
 
 class _FusedFunctionMode(TorchFunctionMode):
-    """Routes the functional softmax / layer_norm calls of one forward to the fused ops.
+    """Routes the functional softmax / layer_norm / rms_norm calls of one forward to the fused
+    ops.
 
     Torch pops a mode off the mode stack while its ``__torch_function__`` runs, so the fused op's
     own torch calls never re-enter this mode. ``__enter__``/``__exit__`` are torch's, which lets
@@ -185,8 +214,10 @@ class _FusedFunctionMode(TorchFunctionMode):
         if op is not None and not self.suspended and op in self.ops and _plain_types(types):
             if op == "softmax":
                 out = _route_softmax(func, args, kwargs)
-            else:
+            elif op == "layernorm":
                 out = _route_layernorm(func, args, kwargs)
+            else:
+                out = _route_rmsnorm(func, args, kwargs)
             if out is not _MISSING:
                 if self.counts is not None:
                     self.counts[op] += 1
@@ -300,6 +331,10 @@ class _PatchedFusedLayerNorm(_SuspendRouting, FusedLayerNorm):
     """What an ``nn.LayerNorm`` becomes under :func:`patch_model` (shows as FusedLayerNorm)."""
 
 
+class _PatchedFusedRMSNorm(_SuspendRouting, FusedRMSNorm):
+    """What an ``nn.RMSNorm`` becomes under :func:`patch_model` (shows as FusedRMSNorm)."""
+
+
 class _PatchedFusedSoftmax(_SuspendRouting, FusedSoftmax):
     """What an ``nn.Softmax`` becomes under :func:`patch_model` (shows as FusedSoftmax)."""
 
@@ -307,11 +342,13 @@ class _PatchedFusedSoftmax(_SuspendRouting, FusedSoftmax):
 # repr() uses the class __name__; pickling uses __qualname__, which stays importable.
 _PatchedFusedLayerNorm.__name__ = "FusedLayerNorm"
 _PatchedFusedSoftmax.__name__ = "FusedSoftmax"
+_PatchedFusedRMSNorm.__name__ = "FusedRMSNorm"
 
 # torch base class -> (swapped-in class, op name)
 _BASES: dict[type[nn.Module], tuple[type[nn.Module], str]] = {
     nn.LayerNorm: (_PatchedFusedLayerNorm, "layernorm"),
     nn.Softmax: (_PatchedFusedSoftmax, "softmax"),
+    nn.RMSNorm: (_PatchedFusedRMSNorm, "rmsnorm"),
 }
 _DYNAMIC_PREFIX = "_fused_subclass_"
 
@@ -378,6 +415,10 @@ def _module_config(module: nn.Module) -> tuple[list[int] | None, str]:
         bias = module.bias is not None
         return shape, f"eps={module.eps:g}, weight={'yes' if affine else 'no'}, " \
             f"bias={'yes' if bias else 'no'}"
+    if isinstance(module, nn.RMSNorm):
+        eps = "None" if module.eps is None else f"{module.eps:g}"
+        return ([int(s) for s in module.normalized_shape],
+                f"eps={eps}, weight={'yes' if module.weight is not None else 'no'}")
     if isinstance(module, nn.Softmax):
         return None, f"dim={module.dim}"
     return None, ""
@@ -428,10 +469,10 @@ class PatchReport:
         ops: the ops that were patched.
         functional: whether functional calls are intercepted during forward.
         replaced: one dict per swapped module: ``name`` (qualified), ``type`` (original class),
-            ``fused_type``, ``op``, ``shape`` (LayerNorm ``normalized_shape``, else None),
-            ``config``.
-        skipped: one dict per LayerNorm/Softmax module left alone: ``name``, ``type``, ``op``,
-            ``reason``.
+            ``fused_type``, ``op``, ``shape`` (LayerNorm/RMSNorm ``normalized_shape``, else
+            None), ``config``.
+        skipped: one dict per LayerNorm/RMSNorm/Softmax module left alone: ``name``, ``type``,
+            ``op``, ``reason``.
         excluded: the qualified names of the excluded subtrees (functional calls inside them
             are not routed either).
         unmatched_exclude: ``exclude`` entries that matched no module (typos, usually).
@@ -691,13 +732,15 @@ def patch_model(
     exclude: str | type | Iterable[str | type] = (),
     example_inputs: Any = None,
 ) -> PatchReport:
-    """Swap the fused softmax / LayerNorm into ``model`` in place and report what changed.
+    """Swap the fused softmax / LayerNorm / RMSNorm into ``model`` in place and report what
+    changed.
 
     Args:
         model: any ``nn.Module``. It is modified in place; :func:`unpatch_model` undoes it.
-        ops: which ops to patch, a subset of ``("softmax", "layernorm")``.
+        ops: which ops to patch, a subset of ``("softmax", "layernorm", "rmsnorm")``.
         functional: also route functional calls (``F.softmax``, ``torch.softmax``,
-            ``Tensor.softmax``, ``F.layer_norm``, ``torch.layer_norm``) made while ``model``'s
+            ``Tensor.softmax``, ``F.layer_norm``, ``torch.layer_norm``, ``F.rms_norm``,
+            ``torch.rms_norm``) made while ``model``'s
             forward runs, through a ``TorchFunctionMode`` scoped to that forward.
         exclude: qualified module names (a name also excludes everything under it, e.g.
             ``"encoder.layer.0"``) and/or module classes (every instance and its subtree).
@@ -860,7 +903,7 @@ def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference
         return hook
 
     for module, _ in state.swapped:
-        op = "layernorm" if isinstance(module, nn.LayerNorm) else "softmax"
+        op = _BASES[_torch_base(type(module))][1]
         hooks.append(module.register_forward_hook(count(op)))
     try:
         with _eval_no_grad(model), _dispatch.count_fused_calls() as fused:
@@ -874,7 +917,8 @@ def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference
         probe = next((p for p in model.parameters() if p.is_floating_point()), None)
     backend = _dispatch.backend_for(probe).NAME if probe is not None else "unknown"
     fused_calls = {k: int(fused.get(k, 0)) for k in (
-        "softmax_forward", "softmax_backward", "layernorm_forward", "layernorm_backward")}
+        "softmax_forward", "softmax_backward", "layernorm_forward", "layernorm_backward",
+        "rmsnorm_forward", "rmsnorm_backward")}
     result = {
         "mode": "one forward, eval mode, no grad",
         "backend": f"{backend} ({probe.device.type} {str(probe.dtype).replace('torch.', '')})"

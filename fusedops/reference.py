@@ -96,3 +96,61 @@ def layernorm_backward(
     if need_db:
         db = dyf.sum(dim=0)
     return dx, dw, db
+
+
+def rmsnorm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row RMSNorm. x: (M, N); weight: (N,) or None.
+
+    Returns y = x · rstd · weight, (M, N) of ``out_dtype``, and rstd = 1 / sqrt(mean(x²) + eps),
+    (M,) in the accumulation dtype (float32, or float64 for float64 input).
+    """
+    acc = _acc_dtype(x.dtype)
+    xf = x.to(acc)
+    # As torch: an infinite mean square (an inf in the row) gives rstd 0, so the row's finite
+    # elements come out 0 and the inf itself NaN.
+    rstd = torch.rsqrt(xf.square().mean(dim=-1) + eps)
+    y = xf * rstd[:, None]
+    if weight is not None:
+        y.mul_(weight.to(acc))
+    return y.to(out_dtype), rstd
+
+
+def rmsnorm_forward_y(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`rmsnorm_forward` without the statistics (no backward will follow)."""
+    return rmsnorm_forward(x, weight, eps, out_dtype)[0]
+
+
+def rmsnorm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+    grad_dtypes: tuple[torch.dtype, ...] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of row RMSNorm: with xhat = x · rstd and g = weight · dy,
+    dx = rstd · (g − xhat · mean(xhat · g)) in x's dtype, dw = Σ_rows dy · xhat in the
+    accumulation dtype, shape (N,)."""
+    acc = _acc_dtype(x.dtype)
+    dyf = dy.to(acc)
+    r = rstd[:, None].to(acc)
+    xhat = x.to(acc) * r
+    dx = dw = None
+    if need_dx:
+        g = dyf * weight.to(acc) if weight is not None else dyf
+        c = (xhat * g).mean(dim=-1, keepdim=True)
+        dx = ((g - xhat * c) * r).to(x.dtype)
+    if need_dw:
+        dw = (dyf * xhat).sum(dim=0)
+    return dx, dw

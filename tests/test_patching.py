@@ -91,7 +91,7 @@ def test_handwritten_report_and_module_swaps():
     assert repr(model.sm) == "FusedSoftmax(dim=-1)"
     v = report.verification
     assert v["routed_calls"] == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
-                                 "layernorm": HANDWRITTEN_LN_CALLS}
+                                 "layernorm": HANDWRITTEN_LN_CALLS, "rmsnorm": 0}
     assert report.max_abs_diff is not None and report.max_rel_diff < 1e-5
 
 
@@ -129,6 +129,7 @@ def test_verification_counts_fused_kernels(triton_on_cpu):
     assert v["fused_calls"] == {
         "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS, "softmax_backward": 0,
         "layernorm_forward": HANDWRITTEN_LN_CALLS, "layernorm_backward": 0,
+        "rmsnorm_forward": 0, "rmsnorm_backward": 0,
     }
     assert v["note"] is None
     assert report.max_rel_diff < 1e-4
@@ -140,7 +141,7 @@ def test_nanogpt_layernorm_functional_only():
         ref = copy.deepcopy(model)
         report = patch_model(model, example_inputs=torch.randn(3, 6))
         assert report.replaced == [] and report.skipped == []
-        assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 1}
+        assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 1, "rmsnorm": 0}
         assert_same_training(model, ref, (torch.randn(3, 6),))
 
 
@@ -148,7 +149,7 @@ def test_functional_false_routes_modules_only():
     model, ref, inputs = twins(handwritten)
     report = patch_model(model, functional=False, example_inputs=inputs)
     assert not report.functional
-    assert report.verification["routed_calls"] == {"softmax": 2, "layernorm": 2}
+    assert report.verification["routed_calls"] == {"softmax": 2, "layernorm": 2, "rmsnorm": 0}
     assert "functional calls are routed" not in report.skipped[0]["reason"]
     assert model._forward_pre_hooks == {} and model._forward_hooks == {}
     assert_same_training(model, ref, inputs)
@@ -159,10 +160,10 @@ def test_ops_subset():
     report = patch_model(model, ops=("layernorm",), example_inputs=inputs)
     assert {r["name"] for r in report.replaced} == {"ln_sub", "ln_plain"}
     assert {s["name"] for s in report.skipped} == {"ln2d", "sm", "sm_sub"}
-    assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 4}
+    assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 4, "rmsnorm": 0}
     report = patch_model(model, ops="softmax", example_inputs=inputs)
     assert report.verification["routed_calls"] == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
-                                                   "layernorm": 0}
+                                                   "layernorm": 0, "rmsnorm": 0}
     assert_same_training(model, ref, inputs)
     with pytest.raises(ValueError, match="ops"):
         patch_model(model, ops=("gelu",))
@@ -418,7 +419,7 @@ def test_reference_backend_does_not_reroute_module_softmax():
     # must not be routed again by the functional mode.
     model = nn.Sequential(nn.Softmax(dim=-1))
     report = patch_model(model, example_inputs=(torch.randn(2, 3),))
-    assert report.verification["routed_calls"] == {"softmax": 1, "layernorm": 0}
+    assert report.verification["routed_calls"] == {"softmax": 1, "layernorm": 0, "rmsnorm": 0}
 
 
 def test_threads_each_get_their_own_mode():
@@ -543,7 +544,8 @@ def test_exclude_by_name_prefix():
     routed = report.verification["routed_calls"]
     # Functional calls inside the excluded block are not routed either.
     assert routed == {
-        "softmax": 2 * HANDWRITTEN_SOFTMAX_CALLS, "layernorm": 2 * HANDWRITTEN_LN_CALLS
+        "softmax": 2 * HANDWRITTEN_SOFTMAX_CALLS, "layernorm": 2 * HANDWRITTEN_LN_CALLS,
+        "rmsnorm": 0,
     }
     assert_same_training(model, ref, inputs)
     assert "nope" in str(report)
@@ -693,7 +695,7 @@ def test_report_formats():
         assert needle in text, needle
     d = report.to_dict()
     assert d == json.loads(report.to_json())
-    assert d["ops"] == ["softmax", "layernorm"]
+    assert d["ops"] == ["softmax", "layernorm", "rmsnorm"]
     assert d["verification"]["outputs"][0]["name"] == "output"
     assert "Verification: not run" in str(patch_model(model))
 

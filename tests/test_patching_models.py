@@ -44,7 +44,8 @@ def test_hf_matches_unpatched(name, training):
     assert all(r["fused_type"] == "FusedLayerNorm" for r in report.replaced)
     assert report.skipped == []
     # The eager attention's functional softmax and every LayerNorm go through fusedops.
-    assert report.verification["routed_calls"] == {"softmax": n_softmax, "layernorm": n_ln}
+    assert report.verification["routed_calls"] == {"softmax": n_softmax, "layernorm": n_ln,
+                                                   "rmsnorm": 0}
     assert report.max_rel_diff < 1e-5
     assert model.training == training  # the verification pass restores the mode
     # Dropout is active in train mode: both twins draw the same masks from the same seed.

@@ -88,3 +88,43 @@ def _(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
         x.new_empty((n,) if need_dw else (0,), dtype=acc),
         x.new_empty((n,) if need_db else (0,), dtype=acc),
     )
+
+
+@torch.library.custom_op("fusedops::rmsnorm_forward", mutates_args=())
+def rmsnorm_forward(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = _dispatch.backend_for(x).rmsnorm_forward(x, weight, eps, out_dtype)
+    return y, rstd
+
+
+@rmsnorm_forward.register_fake
+def _(x, weight, eps, out_dtype):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((x.shape[0],), dtype=acc)
+
+
+@torch.library.custom_op("fusedops::rmsnorm_backward", mutates_args=())
+def rmsnorm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _dispatch.backend_for(x).rmsnorm_backward(dy, x, weight, rstd, need_dx, need_dw)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (
+        dx if dx is not None else x.new_empty((0,)),
+        dw.to(acc) if dw is not None else x.new_empty((0,), dtype=acc),
+    )
+
+
+@rmsnorm_backward.register_fake
+def _(dy, x, weight, rstd, need_dx, need_dw):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (
+        x.new_empty(x.shape if need_dx else (0,)),
+        x.new_empty((x.shape[1],) if need_dw else (0,), dtype=acc),
+    )

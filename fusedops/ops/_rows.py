@@ -20,9 +20,9 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def autocast_fp32(x: torch.Tensor) -> bool:
-    """True when PyTorch's autocast would run softmax/layer_norm on ``x`` in float32.
+    """True when PyTorch's autocast would run softmax/layer_norm/rms_norm on ``x`` in float32.
 
-    Both ops are on autocast's float32 list for CUDA; there the fused kernels read the low-precision
-    input as is and write float32, which matches torch without an extra cast pass.
+    The three ops are on autocast's float32 list for CUDA; there the fused kernels read the
+    low-precision input as is and write float32, which matches torch without an extra cast pass.
     """
     return x.is_cuda and torch.is_autocast_enabled("cuda")

@@ -1,0 +1,134 @@
+"""fused_rmsnorm: autograd Function, public function and backend dispatch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fusedops import _dispatch, reference
+from fusedops._validate import check_rmsnorm_args, normalize_shape
+from fusedops.ops import _library
+from fusedops.ops._rows import as_rows, autocast_fp32
+
+# F.rms_norm's eps=None: the machine epsilon of the type it computes in (float32 for 16-bit
+# and float32 inputs, float64 for float64).
+_EPS_FLOAT32 = torch.finfo(torch.float32).eps
+_EPS_FLOAT64 = torch.finfo(torch.float64).eps
+
+
+def _forward_rows(x2, w, eps, out_dtype):
+    if torch.compiler.is_compiling():
+        return _library.rmsnorm_forward(x2, w, eps, out_dtype)
+    backend = _dispatch.backend_for(x2)
+    _dispatch.record("rmsnorm_forward", backend)
+    return backend.rmsnorm_forward(x2, w, eps, out_dtype)
+
+
+def _backward_rows(dy2, x2, w, rstd, need_dx, need_dw, grad_dtypes):
+    if torch.compiler.is_compiling():
+        dx, dw = _library.rmsnorm_backward(dy2, x2, w, rstd, need_dx, need_dw)
+        return (dx if need_dx else None, dw if need_dw else None)
+    backend = _dispatch.backend_for(x2)
+    _dispatch.record("rmsnorm_backward", backend)
+    return backend.rmsnorm_backward(dy2, x2, w, rstd, need_dx, need_dw, grad_dtypes=grad_dtypes)
+
+
+def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
+    if p is None or (p.dim() == 1 and p.is_contiguous()):
+        return p
+    return p.reshape(-1).contiguous()
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd Function behind :func:`fused_rmsnorm`.
+
+    ``RMSNormFunction.apply(x, n, weight, eps, out_dtype)`` normalises over the trailing ``n``
+    elements of ``x``; ``weight`` is None or a tensor with ``n`` elements. Saves x, weight and
+    the float32 rstd (4 bytes per row).
+    """
+
+    @staticmethod
+    def forward(ctx, x, n, weight, eps, out_dtype):
+        x2 = as_rows(x, n)
+        y2, rstd = _forward_rows(x2, _flat(weight), eps, out_dtype)
+        # The inputs themselves are saved (not the row views) so that a double backward can
+        # differentiate through them.
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.n = n
+        ctx.eps = eps
+        ctx.w_dtype = None if weight is None else weight.dtype
+        ctx.w_shape = None if weight is None else weight.shape
+        return y2 if x2 is x else y2.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        x2, w = as_rows(x, ctx.n), _flat(weight)
+        need_dx, _, need_dw, _, _ = ctx.needs_input_grad
+        need_dw = bool(need_dw and w is not None)
+        dy2 = as_rows(dy, ctx.n)
+        if torch.is_grad_enabled():
+            # create_graph=True: rstd recomputed from x in differentiable torch ops, so second
+            # derivatives see it as the function of x it is.
+            xf = x2.float() if x2.dtype != torch.float64 else x2
+            rstd = torch.rsqrt(xf.square().mean(dim=-1) + ctx.eps)
+            dx2, dw = reference.rmsnorm_backward(dy2, x2, w, rstd, need_dx, need_dw)
+        else:
+            dx2, dw = _backward_rows(dy2, x2, w, rstd, need_dx, need_dw, (ctx.w_dtype,))
+        dx = dx2.view(dy.shape) if dx2 is not None else None
+        dweight = dw.to(ctx.w_dtype).view(ctx.w_shape) if dw is not None else None
+        return dx, None, dweight, None, None
+
+
+def fused_rmsnorm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int] | torch.Size,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """Root-mean-square normalisation over the trailing ``normalized_shape`` dims, same
+    semantics as ``torch.nn.functional.rms_norm``: ``x / sqrt(mean(x²) + eps) * weight``.
+
+    Args:
+        x: float tensor ``(*, *normalized_shape)``; float32/float16/bfloat16 on the fused
+            backends (float64 and other devices: the PyTorch reference).
+        normalized_shape: int or sequence of ints matching the trailing dims of ``x``.
+        weight: optional tensor of shape ``normalized_shape`` (may be float32 with a
+            float16/bfloat16 ``x``).
+        eps: added to the mean square; None (the default, as in torch) is the machine epsilon
+            of the computation type: float32's for float32/float16/bfloat16, float64's for
+            float64.
+
+    Returns:
+        Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). The mean square is
+        accumulated in float32 and its reciprocal root saved in float32.
+    """
+    shape = normalize_shape(normalized_shape)
+    check_rmsnorm_args(x, shape, weight, eps)
+    if eps is None:
+        eps = _EPS_FLOAT64 if x.dtype == torch.float64 else _EPS_FLOAT32
+    eps = float(eps)
+    out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
+    n = math.prod(shape)
+    if x.numel() == 0 or n == 0:
+        # Nothing to compute, but keep autograd's graph (and torch's result) intact.
+        return torch.nn.functional.rms_norm(x, shape, weight, eps).to(out_dtype)
+    if torch.is_grad_enabled() and (
+            x.requires_grad or (weight is not None and weight.requires_grad)):
+        return RMSNormFunction.apply(x, n, weight, eps, out_dtype)
+    return _forward_inference(x, n, weight, eps, out_dtype)
+
+
+def _forward_inference(x, n: int, weight, eps: float, out_dtype):
+    """Forward with no autograd.Function, no saved tensors and no rstd buffer."""
+    w = _flat(weight)
+    x2 = as_rows(x, n)
+    if torch.compiler.is_compiling():
+        y2 = _library.rmsnorm_forward(x2, w, eps, out_dtype)[0]
+    else:
+        backend = _dispatch.backend_for(x2)
+        _dispatch.record("rmsnorm_forward", backend)
+        y2 = backend.rmsnorm_forward_y(x2, w, eps, out_dtype)
+    return y2 if x2 is x else y2.view(x.shape)
