@@ -23,6 +23,7 @@ if AVAILABLE:
     import torch
 
     from fusedops.triton import layernorm as _layernorm
+    from fusedops.triton import rmsnorm as _rmsnorm
     from fusedops.triton import softmax as _softmax
 
     def _on_tensor_device(fn):
@@ -45,6 +46,9 @@ if AVAILABLE:
     layernorm_forward = _on_tensor_device(_layernorm.layernorm_forward)
     layernorm_forward_y = _on_tensor_device(_layernorm.layernorm_forward_y)
     layernorm_backward = _on_tensor_device(_layernorm.layernorm_backward)
+    rmsnorm_forward = _on_tensor_device(_rmsnorm.rmsnorm_forward)
+    rmsnorm_forward_y = _on_tensor_device(_rmsnorm.rmsnorm_forward_y)
+    rmsnorm_backward = _on_tensor_device(_rmsnorm.rmsnorm_backward)
     softmax_forward = _on_tensor_device(_softmax.softmax_forward)
     softmax_backward = _on_tensor_device(_softmax.softmax_backward)
 
@@ -54,6 +58,9 @@ __all__ = [
     "layernorm_backward",
     "layernorm_forward",
     "layernorm_forward_y",
+    "rmsnorm_backward",
+    "rmsnorm_forward",
+    "rmsnorm_forward_y",
     "softmax_backward",
     "softmax_forward",
 ]
