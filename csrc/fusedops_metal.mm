@@ -81,9 +81,17 @@ int64_t reduce_threads(int64_t max_threads) {
 }
 
 // --- Kernels -----------------------------------------------------------------------------------
-enum Op { kSoftmaxFwd = 0, kSoftmaxBwd = 1, kLayerNormFwd = 2, kLayerNormBwd = 3, kNumOps = 4 };
-const char* const kOpNames[kNumOps] = {"softmax_fwd", "softmax_bwd", "layernorm_fwd",
-                                        "layernorm_bwd"};
+enum Op {
+  kSoftmaxFwd = 0,
+  kSoftmaxBwd = 1,
+  kLayerNormFwd = 2,
+  kLayerNormBwd = 3,
+  kRmsNormFwd = 4,
+  kRmsNormBwd = 5,
+  kNumOps = 6
+};
+const char* const kOpNames[kNumOps] = {"softmax_fwd",   "softmax_bwd", "layernorm_fwd",
+                                        "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"};
 
 const char* type_name(at::ScalarType t) {
   switch (t) {
@@ -495,10 +503,103 @@ layernorm_backward(const at::Tensor& dy, const at::Tensor& x,
   return {dx, dw, db};
 }
 
+std::tuple<at::Tensor, at::Tensor> rmsnorm_forward(const at::Tensor& x,
+                                                   const std::optional<at::Tensor>& weight,
+                                                   double eps, at::ScalarType out_dtype) {
+  check_rows(x, "x");
+  TORCH_CHECK(type_index(out_dtype) >= 0, "fusedops metal: unsupported output dtype ", out_dtype);
+  const RowKernels* k = row_kernels(kRmsNormFwd, x.scalar_type(), out_dtype);
+  TORCH_CHECK(k != nullptr, "fusedops metal: no RMSNorm kernel for ", x.scalar_type(), " -> ",
+              out_dtype);
+  const int64_t m = x.size(0), n = x.size(1);
+  std::optional<at::Tensor> w;
+  if (weight.has_value() && weight->defined()) {
+    w = param_f32(weight, x, n, "weight");
+  }
+  at::Tensor y = at::empty({m, n}, x.options().dtype(out_dtype));
+  at::Tensor rstd = at::empty({m}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) {
+    return {y, rstd};
+  }
+  int64_t flags = w ? kFlagWeight : 0;
+  if (aligned({&x, &y, w ? &*w : nullptr})) {
+    flags |= kFlagVec;
+  }
+  auto [p, threads] = choose(*k, n);
+  const at::Tensor none = empty_arg(x);
+  encode(p,
+         {Arg::Buf(x), Arg::Buf(w ? *w : none), Arg::Buf(y), Arg::Buf(rstd), Arg::Int(m),
+          Arg::Int(n), Arg::Int(x.stride(0)), Arg::Float(float(eps)), Arg::Int(flags)},
+         row_groups(m), threads);
+  return {y, rstd};
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> rmsnorm_backward(
+    const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+    const at::Tensor& rstd_in, bool need_dx, bool need_dw) {
+  check_rows(x, "x");
+  check_rows(dy, "dy");
+  check_same(x, dy, "dy");
+  check_same(x, rstd_in, "rstd");
+  TORCH_CHECK(dy.sizes() == x.sizes(), "fusedops metal: dy has shape ", dy.sizes(),
+              ", expected ", x.sizes());
+  const int64_t m = x.size(0), n = x.size(1);
+  TORCH_CHECK(rstd_in.numel() == m, "fusedops metal: rstd must have ", m, " elements");
+  const RowKernels* k = row_kernels(kRmsNormBwd, x.scalar_type(), dy.scalar_type());
+  TORCH_CHECK(k != nullptr, "fusedops metal: no RMSNorm backward kernel for x ",
+              x.scalar_type(), ", dy ", dy.scalar_type());
+  std::optional<at::Tensor> w;
+  if (weight.has_value() && weight->defined()) {
+    w = param_f32(weight, x, n, "weight");
+  }
+  // Stage 2 of dweight: the LayerNorm reduction kernel, dweight only.
+  const Pipeline* reduce = nullptr;
+  if (need_dw) {
+    reduce = Library::get().pipeline("fusedops_layernorm_dwdb_reduce");
+    TORCH_CHECK(reduce != nullptr, "fusedops metal: missing fusedops_layernorm_dwdb_reduce");
+  }
+  const auto f32 = x.options().dtype(at::kFloat);
+  std::optional<at::Tensor> dx, dw;
+  if (need_dx) {
+    dx = at::empty({m, n}, x.options());
+  }
+  if (need_dw) {
+    dw = m == 0 ? at::zeros({n}, f32) : at::empty({n}, f32);
+  }
+  if (m == 0 || n == 0 || !(need_dx || need_dw)) {
+    return {dx, dw};
+  }
+  const at::Tensor rstd = rstd_in.reshape({-1}).to(at::kFloat).contiguous();
+  const int64_t groups = layernorm_bwd_groups(m, n);
+  std::optional<at::Tensor> dwp;
+  if (need_dw) {
+    dwp = at::empty({groups, n}, f32);
+  }
+  int64_t flags = (w ? kFlagWeight : 0) | (need_dx ? kFlagDx : 0) | (need_dw ? kFlagDw : 0);
+  if (aligned({&x, &dy, w ? &*w : nullptr, dx ? &*dx : nullptr})) {
+    flags |= kFlagVec;
+  }
+  auto [p, threads] = choose(*k, n);
+  const at::Tensor none = empty_arg(x);
+  encode(p,
+         {Arg::Buf(dy), Arg::Buf(x), Arg::Buf(w ? *w : none), Arg::Buf(rstd),
+          Arg::Buf(dx ? *dx : none), Arg::Buf(dwp ? *dwp : none), Arg::Int(m), Arg::Int(n),
+          Arg::Int(dy.stride(0)), Arg::Int(x.stride(0)), Arg::Int(flags)},
+         groups, threads);
+  if (reduce != nullptr) {
+    const int64_t rt = reduce_threads(reduce->max_threads);
+    encode(reduce,
+           {Arg::Buf(*dwp), Arg::Buf(none), Arg::Buf(*dw), Arg::Buf(none), Arg::Int(groups),
+            Arg::Int(n), Arg::Int(kFlagDw)},
+           (n + rt - 1) / rt, rt);
+  }
+  return {dx, dw};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fusedops Metal kernels (softmax, LayerNorm) on PyTorch's MPS stream";
+  m.doc() = "fusedops Metal kernels (softmax, LayerNorm, RMSNorm) on PyTorch's MPS stream";
   m.def("initialize", [] { Library::get().ensure_compiled(); },
         "Compile the embedded shaders (once); raises if Metal rejects them.");
   m.def("kernel_names", [] { return Library::get().function_names(); },
@@ -529,4 +630,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layernorm_backward", &layernorm_backward, py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("mean"), py::arg("rstd"), py::arg("need_dx"),
         py::arg("need_dw"), py::arg("need_db"));
+  m.def("rmsnorm_forward", &rmsnorm_forward, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("out_dtype"));
+  m.def("rmsnorm_backward", &rmsnorm_backward, py::arg("dy"), py::arg("x"), py::arg("weight"),
+        py::arg("rstd"), py::arg("need_dx"), py::arg("need_dw"));
 }

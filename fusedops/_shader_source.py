@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SHADER_FILES = ("softmax.metal", "layernorm.metal")
+SHADER_FILES = ("softmax.metal", "layernorm.metal", "rmsnorm.metal")
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 

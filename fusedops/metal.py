@@ -38,7 +38,7 @@ SIMD_WIDTH = 32
 READS = 4  # elements per thread per step; the single-row kernels hold READS per thread
 MAX_THREADS = 1024  # Apple GPUs: at most 1024 threads per threadgroup
 MAX_ROW_GROUPS = 65536  # row kernels: threadgroups stride over rows beyond this
-LN_BWD_PARTIAL_BUDGET = 1 << 22  # LayerNorm backward: groups * n_cols float32 partials, at most
+LN_BWD_PARTIAL_BUDGET = 1 << 22  # LayerNorm/RMSNorm backward: groups * n_cols fp32 partials, max
 LN_BWD_MIN_GROUPS = 32
 LN_BWD_MAX_GROUPS = 1024
 REDUCE_THREADS = 256  # dweight/dbias reduction kernel: threads per threadgroup (at most)
@@ -57,6 +57,7 @@ SOFTMAX_FWD_TYPES = {("float", "float"), ("half", "half"), ("bfloat", "bfloat"),
 SOFTMAX_BWD_TYPES = {("float", "float"), ("half", "half"), ("bfloat", "bfloat"),
                      ("float", "half"), ("float", "bfloat")}
 LAYERNORM_TYPES = SOFTMAX_FWD_TYPES  # forward: (x, y); backward: (x, dy)
+RMSNORM_TYPES = LAYERNORM_TYPES  # forward: (x, y); backward: (x, dy)
 
 SHADER_FILES = _shader_source.SHADER_FILES
 
@@ -84,7 +85,8 @@ def row_groups(n_rows: int) -> int:
 
 
 def layernorm_bwd_groups(n_rows: int, n_cols: int) -> int:
-    """Threadgroups of the LayerNorm backward kernel (= rows of the dweight/dbias partials)."""
+    """Threadgroups of the LayerNorm and RMSNorm backward kernels (= rows of the dweight/dbias
+    partials)."""
     budget = max(LN_BWD_MIN_GROUPS, min(LN_BWD_MAX_GROUPS, LN_BWD_PARTIAL_BUDGET // n_cols))
     return min(n_rows, budget)
 
@@ -118,7 +120,8 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 _SUPPORTED = {"softmax_fwd": SOFTMAX_FWD_TYPES, "softmax_bwd": SOFTMAX_BWD_TYPES,
-              "layernorm_fwd": LAYERNORM_TYPES, "layernorm_bwd": LAYERNORM_TYPES}
+              "layernorm_fwd": LAYERNORM_TYPES, "layernorm_bwd": LAYERNORM_TYPES,
+              "rmsnorm_fwd": RMSNORM_TYPES, "rmsnorm_bwd": RMSNORM_TYPES}
 _names: dict[tuple, tuple[str, str] | None] = {}
 
 
@@ -253,6 +256,68 @@ def layernorm_backward_with(launch: Launcher, dy: torch.Tensor, x: torch.Tensor,
     return dx, dw, db
 
 
+def rmsnorm_forward_with(launch: Launcher, x: torch.Tensor, weight, eps: float,
+                         out_dtype: torch.dtype):
+    m, n = x.shape
+    types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(out_dtype))
+    names = _kernels(launch, "rmsnorm_fwd", types)
+    if names is None:
+        return reference.rmsnorm_forward(x, weight, eps, out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y, rstd
+    w = _param(weight)
+    flags = FLAG_WEIGHT if w is not None else 0
+    if _aligned(x, y, *([w] if w is not None else [])):
+        flags |= FLAG_VEC
+    name, threads = _row_kernel(launch, names, n)
+    args = [x, w if w is not None else _empty(x), y, rstd, m, n, x.stride(0), float(eps), flags]
+    launch(name, args, row_groups(m), threads)
+    return y, rstd
+
+
+def rmsnorm_forward_y_with(launch: Launcher, x: torch.Tensor, weight, eps: float,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    return rmsnorm_forward_with(launch, x, weight, eps, out_dtype)[0]
+
+
+def rmsnorm_backward_with(launch: Launcher, dy: torch.Tensor, x: torch.Tensor, weight,
+                          rstd: torch.Tensor, need_dx: bool, need_dw: bool):
+    m, n = x.shape
+    need_dx, need_dw = bool(need_dx), bool(need_dw)
+    types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(dy.dtype))
+    names = _kernels(launch, "rmsnorm_bwd", types)
+    if names is None:
+        return reference.rmsnorm_backward(dy, x, weight, rstd, need_dx, need_dw)
+    dev = x.device
+    dx = torch.empty((m, n), dtype=x.dtype, device=dev) if need_dx else None
+    # A sum over zero rows is zeros; otherwise the reduction kernel writes every column.
+    dw = ((torch.zeros if m == 0 else torch.empty)((n,), dtype=torch.float32, device=dev)
+          if need_dw else None)
+    if m == 0 or n == 0 or not (need_dx or need_dw):
+        return dx, dw
+    w = _param(weight)
+    rstd = rstd.reshape(-1).to(torch.float32).contiguous()
+    groups = layernorm_bwd_groups(m, n)
+    dwp = torch.empty((groups, n), dtype=torch.float32, device=dev) if need_dw else None
+    flags = ((FLAG_WEIGHT if w is not None else 0) | (FLAG_DX if need_dx else 0)
+             | (FLAG_DW if need_dw else 0))
+    if _aligned(x, dy, *[t for t in (w, dx) if t is not None]):
+        flags |= FLAG_VEC
+    name, threads = _row_kernel(launch, names, n)
+    none = _empty(x)
+    args = [dy, x, w if w is not None else none, rstd, dx if dx is not None else none,
+            dwp if dwp is not None else none, m, n, dy.stride(0), x.stride(0), flags]
+    launch(name, args, groups, threads)
+    if need_dw:
+        # Stage 2: the LayerNorm reduction kernel, dweight only.
+        red = "fusedops_layernorm_dwdb_reduce"
+        rt = reduce_threads(launch.max_threads(red))
+        launch(red, [dwp, none, dw, none, groups, n, FLAG_DW], -(-n // rt), rt)
+    return dx, dw
+
+
 # --- Shader sources --------------------------------------------------------------------------
 
 
@@ -328,6 +393,8 @@ class _Extension:
         self.softmax_bwd = pairs("softmax_bwd", SOFTMAX_BWD_TYPES)
         self.layernorm_fwd = pairs("layernorm_fwd", LAYERNORM_TYPES)
         self.layernorm_bwd = pairs("layernorm_bwd", LAYERNORM_TYPES)
+        self.rmsnorm_fwd = pairs("rmsnorm_fwd", RMSNORM_TYPES)
+        self.rmsnorm_bwd = pairs("rmsnorm_bwd", RMSNORM_TYPES)
 
 
 _impl: object = None  # an _Extension, a ShaderLauncher, or False (nothing works)
@@ -429,3 +496,27 @@ def layernorm_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, gra
                                             need_db)
     return layernorm_backward_with(impl, dy, x, weight, mean, rstd, need_dx, need_dw,
                                    need_db)
+
+
+def rmsnorm_forward(x, weight, eps, out_dtype):
+    impl = _get_impl()
+    if isinstance(impl, _Extension):
+        if (x.dtype, out_dtype) in impl.rmsnorm_fwd:
+            return tuple(impl.ext.rmsnorm_forward(x, weight, float(eps), out_dtype))
+        return reference.rmsnorm_forward(x, weight, eps, out_dtype)
+    return rmsnorm_forward_with(impl, x, weight, eps, out_dtype)
+
+
+def rmsnorm_forward_y(x, weight, eps, out_dtype):
+    return rmsnorm_forward(x, weight, eps, out_dtype)[0]
+
+
+def rmsnorm_backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes=None):
+    # grad_dtypes: a hint for backends that cast dweight themselves; the caller casts here.
+    impl = _get_impl()
+    if isinstance(impl, _Extension):
+        if (x.dtype, dy.dtype) in impl.rmsnorm_bwd:
+            return tuple(impl.ext.rmsnorm_backward(dy, x, weight, rstd, bool(need_dx),
+                                                   bool(need_dw)))
+        return reference.rmsnorm_backward(dy, x, weight, rstd, need_dx, need_dw)
+    return rmsnorm_backward_with(impl, dy, x, weight, rstd, need_dx, need_dw)

@@ -77,7 +77,9 @@ def test_metal_instantiated_kernels_match_the_host_tables():
     for op, pairs in (("softmax_fwd", metal.SOFTMAX_FWD_TYPES),
                       ("softmax_bwd", metal.SOFTMAX_BWD_TYPES),
                       ("layernorm_fwd", metal.LAYERNORM_TYPES),
-                      ("layernorm_bwd", metal.LAYERNORM_TYPES)):
+                      ("layernorm_bwd", metal.LAYERNORM_TYPES),
+                      ("rmsnorm_fwd", metal.RMSNORM_TYPES),
+                      ("rmsnorm_bwd", metal.RMSNORM_TYPES)):
         for a, b in pairs:
             for variant in ("single", "looped"):
                 expected.add(f"fusedops_{op}_{variant}_{a}_{b}")
@@ -175,6 +177,9 @@ def test_metal_extension_launch_arguments_match_kernel_signatures():
         "fusedops_layernorm_fwd_single_float_float",
         "fusedops_layernorm_bwd_single_float_float",
         "fusedops_layernorm_dwdb_reduce",
+        "fusedops_rmsnorm_fwd_single_float_float",
+        "fusedops_rmsnorm_bwd_single_float_float",
+        "fusedops_layernorm_dwdb_reduce",  # RMSNorm dweight, stage 2
     ]
     assert len(calls) == len(launched)
     for (_, body), kernel in zip(calls, launched, strict=True):

@@ -14,7 +14,8 @@ emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation hel
 
 MAX_THREADS = 256  # single-row up to 1024 columns
 SIZES = (100, 1000, 3000)  # one SIMD-group (no barrier needed), single-row, looped
-OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd")
+OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd",
+       "rmsnorm_bwd")
 SEEDS = (1, 2, 3)
 
 
@@ -42,6 +43,16 @@ def case_ok(L, op: str, n: int) -> bool:
             y64 = y.double()
             ref = y64 * (dy.double() - (y64 * dy.double()).sum(-1, keepdim=True))
             return close(metal.softmax_backward_with(L, y, dy, torch.float32), ref)
+        if op.startswith("rmsnorm"):
+            x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+            ref = F.rms_norm(x64, (n,), w64, 1e-5)
+            if op == "rmsnorm_fwd":
+                return close(metal.rmsnorm_forward_with(L, x, w, 1e-5, torch.float32)[0],
+                             ref.detach())
+            rstd = torch.rsqrt(x.double().square().mean(-1) + 1e-5).float()
+            dx, dw = metal.rmsnorm_backward_with(L, dy, x, w, rstd, True, True)
+            ref.backward(dy.double())
+            return close(dx, x64.grad) and close(dw, w64.grad)
         ref = F.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
         if op == "layernorm_fwd":
             return close(metal.layernorm_forward_with(L, x, w, b, 1e-5, torch.float32)[0], ref)

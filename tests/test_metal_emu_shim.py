@@ -53,7 +53,8 @@ def test_metal_emu_scans_kernel_signatures(selftest):
              for k in emu.scan_kernels(emu.SHADER_DIR / f, [emu.SHADER_DIR])}
     assert "fusedops_softmax_fwd_single_bfloat_float" in names
     assert "fusedops_layernorm_dwdb_reduce" in names
-    assert len(names) == 41
+    assert "fusedops_rmsnorm_bwd_looped_bfloat_float" in names
+    assert len(names) == 61
 
 
 def test_metal_emu_builtins(selftest, mode):

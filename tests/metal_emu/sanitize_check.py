@@ -3,10 +3,10 @@ tests/test_metal_sanitizers.py, started with LD_PRELOAD=libtsan.so).
 
     python -m metal_emu.sanitize_check [--mutant DIR]
 
-Without --mutant: every kernel template (both variants, forward and backward, threadgroups
-owning several rows, aligned and misaligned rows) runs once on the shipped shaders and is
-checked against a float64 reference; prints "CLEAN-DONE" at the end. Any TSan or UBSan report
-makes the process exit non-zero (halt_on_error).
+Without --mutant: every kernel template (softmax, LayerNorm, RMSNorm; both variants, forward
+and backward, threadgroups owning several rows, aligned and misaligned rows) runs once on the
+shipped shaders and is checked against a float64 reference; prints "CLEAN-DONE" at the end.
+Any TSan or UBSan report makes the process exit non-zero (halt_on_error).
 
 With --mutant DIR: the same on the shaders in DIR (a copy with a barrier removed), expecting
 ThreadSanitizer to report a data race.
@@ -60,6 +60,17 @@ def run_cases(L) -> None:
         close(dxl, x64.grad, torch.bfloat16, scale=2)
         close(dw, w64.grad, torch.float32, scale=10)
         close(db, b64.grad, torch.float32, scale=10)
+        xh = x.half()
+        yr, rstd = metal.rmsnorm_forward_with(L, xh, w, 1e-5, torch.float32)
+        x64 = xh.double().requires_grad_()
+        w64 = w.double().requires_grad_()
+        yr64 = F.rms_norm(x64, (n,), w64, 1e-5)
+        close(yr, yr64.detach(), torch.float32, scale=10)
+        dyh = torch.randn(m, n).half()
+        dxr, dwr = metal.rmsnorm_backward_with(L, dyh, xh, w, rstd, True, True)
+        yr64.backward(dyh.double())
+        close(dxr, x64.grad, torch.float16, scale=4)
+        close(dwr, w64.grad, torch.float32, scale=10)
 
 
 def main() -> int:
