@@ -12,7 +12,8 @@
 #   --compile-budget S   seconds of torch.compile after which that provider is skipped
 #                   (default 200 s; the compile baseline is the slow part of the sweep)
 #
-# Writes into $OUT (default out/gpu): <gpu>-<date>.json/.csv/.txt, one PNG per op, pytest.log:
+# Writes into $OUT (default out/gpu): <gpu>-<date>.json/.csv/.txt, PNGs (one per op for up to
+# four ops, else one per family: see --plot-by), pytest.log:
 # 8 files, the most a lent-machine run brings back. Prints a short table last.
 # Liger-Kernel: if .whl/ holds wheels (carried with the call), they are installed to /tmp/site.
 set -uo pipefail

@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from fusedops.tools import bench, bench_report
-from fusedops.tools.bench_providers import Provider, all_providers
+from fusedops.tools import bench, bench_plot, bench_report
+from fusedops.tools.bench_providers import FAMILIES, Provider, all_providers
 
 CPU_PROVIDERS = "fusedops,torch,naive"
 
@@ -27,6 +27,10 @@ def test_bytes_model():
     assert bench.bytes_moved("layernorm_fwd", M, N, 2) == 2 * M * N * 2 + 2 * N * 2
     assert bench.bytes_moved("layernorm_fwd", M, N, 2, welt=4) == 2 * M * N * 2 + 2 * N * 4
     assert bench.bytes_moved("layernorm_bwd", M, N, 2) == 3 * M * N * 2 + 3 * N * 2 + 8 * M
+    assert bench.bytes_moved("rmsnorm_fwd", M, N, 2) == 2 * M * N * 2 + N * 2
+    assert bench.bytes_moved("rmsnorm_fwd", M, N, 2, welt=4) == 2 * M * N * 2 + N * 4
+    assert bench.bytes_moved("rmsnorm_bwd", M, N, 2) == 3 * M * N * 2 + 2 * N * 2 + 4 * M
+    assert bench.bytes_moved("rmsnorm_bwd", M, N, 4, welt=2) == 3 * M * N * 4 + 2 * N * 2 + 4 * M
     with pytest.raises(ValueError, match="unknown op"):
         bench.bytes_moved("gelu_fwd", M, N, 2)
 
@@ -37,6 +41,11 @@ def test_flop_model():
     assert bench.flops("softmax_bwd", M, N) == 4 * M * N
     assert bench.flops("layernorm_fwd", M, N) == 7 * M * N
     assert bench.flops("layernorm_bwd", M, N) == 13 * M * N
+    assert bench.flops("rmsnorm_fwd", M, N) == 4 * M * N
+    assert bench.flops("rmsnorm_bwd", M, N) == 9 * M * N
+    # the stated models name the counts they use
+    for op, n in bench.FLOPS_PER_ELEMENT.items():
+        assert bench.FLOP_MODEL[op].startswith(f"{n} flops/element"), op
     assert set(bench.FLOP_MODEL) == set(bench.OPS) == set(bench.BYTES_MODEL)
     with pytest.raises(ValueError):
         bench.flops("nope", 1, 1)
@@ -69,14 +78,19 @@ def test_format_size():
 def test_resolve_subsets():
     assert bench.resolve_ops(None) == bench.OPS
     assert bench.resolve_ops("softmax") == ("softmax_fwd", "softmax_bwd")
-    assert bench.resolve_ops("bwd") == ("softmax_bwd", "layernorm_bwd")
+    assert bench.resolve_ops("bwd") == ("softmax_bwd", "layernorm_bwd", "rmsnorm_bwd")
+    assert bench.resolve_ops("rmsnorm") == ("rmsnorm_fwd", "rmsnorm_bwd")
+    assert bench.resolve_ops("rms_bwd,ln-fwd") == ("layernorm_fwd", "rmsnorm_bwd")
+    assert bench.resolve_ops("RMS_FWD") == ("rmsnorm_fwd",)
+    assert set(bench.resolve_ops("fwd")) == {f"{f}_fwd" for f in FAMILIES}
     assert bench.resolve_ops("layernorm_bwd,softmax_fwd") == ("softmax_fwd", "layernorm_bwd")
     assert bench.resolve_ops([]) == ()
     assert bench.resolve_dtypes("bfloat16,fp32") == ("bf16", "fp32")
     assert bench.resolve_sizes("1K,64K+1") == (1024, 65537)
     assert bench.resolve_sizes([256, "2K"]) == (256, 2048)
     assert bench.resolve_providers("naive,eager,fusedops") == ("fusedops", "torch", "naive")
-    for fn, bad in ((bench.resolve_ops, "gelu"), (bench.resolve_dtypes, "fp8"),
+    for fn, bad in ((bench.resolve_ops, "gelu"), (bench.resolve_ops, "rms"),
+                    (bench.resolve_ops, "rmsnorm_fwdx"), (bench.resolve_dtypes, "fp8"),
                     (bench.resolve_providers, "cudnn"), (bench.resolve_sizes, "0")):
         with pytest.raises(ValueError):
             fn(bad)
@@ -85,9 +99,9 @@ def test_resolve_subsets():
 def test_plan_counts():
     est = bench.plan(bench.OPS, tuple(bench.DTYPES), bench.SIZES, bench.resolve_providers(None),
                      5.0, 25.0)
-    assert est["points"] == 4 * 3 * 13
-    assert est["measurements"] == 4 * 3 * 13 * 5
-    assert est["compiled_shapes"] == 2 * 3 * 13  # fwd and bwd share one compile per shape
+    assert est["points"] == 6 * 3 * 13
+    assert est["measurements"] == 6 * 3 * 13 * 5
+    assert est["compiled_shapes"] == 3 * 3 * 13  # fwd and bwd share one compile per shape
     assert est["est_total_s"] > 0
 
 
@@ -114,7 +128,8 @@ def test_tiny_sweep_records(tiny_result):
     assert r["device_type"] == "cpu"
     assert r["copy_tbps"] > 0
     recs = r["records"]
-    assert len(recs) == 4 * 2 * 2 * 3  # ops x dtypes x sizes x providers
+    assert {rec["op"] for rec in recs} == set(bench.OPS)
+    assert len(recs) == 6 * 2 * 2 * 3  # ops x dtypes x sizes x providers
     for rec in recs:
         assert RECORD_KEYS <= set(rec), rec
         assert rec["status"] == "ok", rec
@@ -147,7 +162,7 @@ def test_tiny_sweep_host_latency(tiny_result):
     shapes = {tuple(h["shape"]) for h in hl}
     assert shapes == {(4, 128), (2, 3, 64)}
     assert bench.HOST_LATENCY_SHAPES == ((4, 128), (64, 768), (8, 128, 768))
-    assert {h["op"] for h in hl} == {"softmax_fwd", "layernorm_fwd"}
+    assert {h["op"] for h in hl} == {"softmax_fwd", "layernorm_fwd", "rmsnorm_fwd"}
     for h in hl:
         assert h["error"] is None, h
         assert h["us_per_call"] > 0
@@ -158,9 +173,10 @@ def test_tiny_sweep_host_latency(tiny_result):
 def test_write_outputs(tiny_result, tmp_path):
     paths = bench_report.write_outputs(tiny_result, tmp_path, stem="tiny")
     names = sorted(p.name for p in paths)
+    # six ops: one PNG per family (fwd above bwd), so a lent GPU run's files still fit
     assert names == sorted(["tiny.json", "tiny.csv", "tiny.txt"]
-                           + [f"tiny-{op}.png" for op in bench.OPS])
-    assert len(paths) <= 8  # what comes back from a lent GPU run
+                           + [f"tiny-{fam}.png" for fam in FAMILIES])
+    assert len(paths) + 1 <= 8  # what comes back from a lent GPU run, with run_gpu's pytest.log
     data = json.loads((tmp_path / "tiny.json").read_text())
     assert TOP_KEYS <= set(data)
     assert len(data["records"]) == len(tiny_result["records"])
@@ -170,8 +186,8 @@ def test_write_outputs(tiny_result, tmp_path):
     for col in ("op", "dtype", "M", "N", "provider", "ms", "tbps", "gflops", "copy_tbps",
                 "frac_copy", "speedup_vs_torch", "speedup_vs_naive"):
         assert col in rows[0]
-    for op in bench.OPS:
-        assert (tmp_path / f"tiny-{op}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for fam in FAMILIES:
+        assert (tmp_path / f"tiny-{fam}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (tmp_path / "tiny.txt").read_text()
     assert "TB/s by provider" in report and "host cost per call" in report
 
@@ -198,7 +214,8 @@ def test_report_roundtrip_and_merge(tiny_result, tmp_path):
 
 
 def test_cli_cpu(tmp_path, capsys):
-    rc = bench.main(["--device", "cpu", "--ops", "softmax_fwd,layernorm_bwd", "--dtypes", "fp32",
+    rc = bench.main(["--device", "cpu", "--ops", "softmax_fwd,layernorm_bwd,rms_bwd",
+                     "--dtypes", "fp32",
                      "--sizes", "128", "--providers", CPU_PROVIDERS, "--total", "512",
                      "--warmup", "0.2", "--rep", "0.5", "--no-host-latency", "--quiet",
                      "--out", str(tmp_path), "--tag", "cli", "--table", "short"])
@@ -207,14 +224,20 @@ def test_cli_cpu(tmp_path, capsys):
     assert "fusedops fraction of copy bandwidth" in out
     assert "targets:" in out
     data = json.loads((tmp_path / "cli.json").read_text())
-    assert {r["op"] for r in data["records"]} == {"softmax_fwd", "layernorm_bwd"}
-    assert (tmp_path / "cli-softmax_fwd.png").exists()
-    # --report re-renders from the JSON without benchmarking.
+    assert {r["op"] for r in data["records"]} == {"softmax_fwd", "layernorm_bwd", "rmsnorm_bwd"}
+    assert all(r["status"] == "ok" for r in data["records"])
+    # three ops: one PNG per op
+    for op in ("softmax_fwd", "layernorm_bwd", "rmsnorm_bwd"):
+        assert (tmp_path / f"cli-{op}.png").exists()
+    # --report re-renders from the JSON without benchmarking (here one PNG per family).
     rc = bench.main(["--report", str(tmp_path / "cli.json"), "--out", str(tmp_path / "re"),
-                     "--tag", "re", "--no-plots", "--table", "full"])
+                     "--tag", "re", "--plot-by", "family", "--table", "full"])
     assert rc == 0
-    assert "TB/s by provider" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TB/s by provider" in out and "rmsnorm_bwd" in out
     assert (tmp_path / "re" / "re.csv").exists()
+    assert sorted(p.name for p in (tmp_path / "re").glob("*.png")) == [
+        "re-layernorm.png", "re-rmsnorm.png", "re-softmax.png"]
 
 
 def test_cli_entry_point_and_errors(capsys):
@@ -226,6 +249,23 @@ def test_cli_entry_point_and_errors(capsys):
     assert "unknown op" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
+
+
+def test_plot_groups():
+    ops = list(bench.OPS)
+    assert bench_plot.plot_groups(ops, "op") == [(op, [op]) for op in bench.OPS]
+    fams = [("softmax", ["softmax_fwd", "softmax_bwd"]),
+            ("layernorm", ["layernorm_fwd", "layernorm_bwd"]),
+            ("rmsnorm", ["rmsnorm_fwd", "rmsnorm_bwd"])]
+    assert bench_plot.plot_groups(ops, "family") == fams
+    assert bench_plot.plot_groups(ops, "auto") == fams  # 6 ops: per family
+    # up to 4 ops (every two-family run) keeps one file per op
+    assert bench_plot.plot_groups(["rmsnorm_bwd", "softmax_fwd", "rmsnorm_fwd"]) == [
+        ("softmax_fwd", ["softmax_fwd"]), ("rmsnorm_fwd", ["rmsnorm_fwd"]),
+        ("rmsnorm_bwd", ["rmsnorm_bwd"])]
+    assert bench_plot.plot_groups(ops[:4]) == [(op, [op]) for op in ops[:4]]
+    with pytest.raises(ValueError):
+        bench_plot.plot_groups(ops, "dtype")
 
 
 def test_time_budget_truncates():
@@ -243,6 +283,50 @@ def test_unavailable_provider_is_reported():
                         progress=False)
     assert "liger" in r["providers_unavailable"]
     assert {rec["provider"] for rec in r["records"]} == {"torch"}
+
+
+def test_liger_availability_per_family(monkeypatch):
+    import sys
+    import types
+
+    liger = all_providers()["liger"]
+    assert "does not run on cpu" in liger.unavailable_reason("cpu", ["rmsnorm"])
+    # A Liger build with softmax and LayerNorm but no RMSNorm: unavailable only where RMSNorm runs.
+    for mod, cls in (("liger_kernel.ops.softmax", "LigerSoftmaxFunction"),
+                     ("liger_kernel.ops.layer_norm", "LigerLayerNormFunction")):
+        fake = types.ModuleType(mod)
+        setattr(fake, cls, object)
+        monkeypatch.setitem(sys.modules, mod, fake)
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rms_norm", None)  # import fails
+    assert liger.unavailable_reason("cuda", ["softmax", "layernorm"]) is None
+    assert "not importable" in liger.unavailable_reason("cuda", ["rmsnorm"])
+    assert "not importable" in liger.unavailable_reason("cuda")  # default: every family
+
+
+def test_liger_rmsnorm_call(monkeypatch):
+    # The exact LigerRMSNormFunction.apply arguments: plain RMSNorm (offset 0), Liger's default
+    # "llama" casting, and not in place (dy is reused by every timed backward call).
+    import sys
+    import types
+
+    from fusedops.tools import bench_providers
+
+    calls = []
+
+    class FakeRMSNorm:
+        @staticmethod
+        def apply(*args):
+            calls.append(args)
+            x, w, eps = args[:3]
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+    fake = types.ModuleType("liger_kernel.ops.rms_norm")
+    fake.LigerRMSNormFunction = FakeRMSNorm
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rms_norm", fake)
+    x, w = torch.randn(4, 16), torch.randn(16)
+    y = all_providers()["liger"].make("rmsnorm")(x, w, None)
+    assert calls == [(x, w, bench_providers.EPS, 0.0, "llama", False)]
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (16,), w, 1e-5))
 
 
 # --- the correctness guard ------------------------------------------------------------------------
@@ -297,6 +381,61 @@ def test_guard_checks_layernorm_grads():
                                _timer(), True, 1.0, None, True)
     assert recs[0]["status"] == "ok"
     assert recs[1]["status"] == "error"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_providers_match_torch(dtype):
+    # Every provider that runs on CPU (not compile: a cold Inductor build), fwd and bwd
+    # (dx and dweight), against F.rms_norm in float32 on the same data.
+    point = _point("rmsnorm", ["rmsnorm_fwd", "rmsnorm_bwd"], dtype=dtype, M=6, N=48)
+    assert point.b is None and point.w is not None
+    assert len(point.grad_inputs()) == 2  # x and w
+    x32, w32 = point.x.float(), point.w.float()
+    ref_y = torch.nn.functional.rms_norm(x32, (48,), w32, 1e-5)
+    xg, wg = x32.clone().requires_grad_(True), w32.clone().requires_grad_(True)
+    ref_dx, ref_dw = torch.autograd.grad(torch.nn.functional.rms_norm(xg, (48,), wg, 1e-5),
+                                         (xg, wg), point.dy.float())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for name in ("fusedops", "torch", "naive"):
+        fn = all_providers()[name].make("rmsnorm")
+        inputs = point.grad_inputs()
+        y = fn(*point.args(inputs))
+        assert y.dtype == dtype and y.shape == (6, 48), name
+        dx, dw = torch.autograd.grad(y, inputs, point.dy)
+        for out, ref in ((y, ref_y), (dx, ref_dx), (dw, ref_dw)):
+            assert bench.rel_error(out, ref) < tol, name
+        recs = bench._run_provider(point, all_providers()[name], ["rmsnorm_fwd", "rmsnorm_bwd"],
+                                   "x", _timer(), True, 1.0, None, True)
+        assert [r["status"] for r in recs] == ["ok", "ok"], (name, recs)
+        elt = point.x.element_size()
+        assert [r["bytes"] for r in recs] == [bench.bytes_moved(op, 6, 48, elt)
+                                              for op in ("rmsnorm_fwd", "rmsnorm_bwd")]
+
+
+def test_guard_checks_rmsnorm_grads():
+    # An RMSNorm that scales the weight gradient is wrong in the backward only; one that drops
+    # it (weight detached) errors there; a provider without an rmsnorm function errors on the
+    # rmsnorm points alone.
+    def half_dw(x, w, b=None):
+        w2 = w * 0.5 + (w * 0.5).detach()  # same value, half the gradient
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w2, 1e-5)
+
+    def no_w_grad(x, w, b=None):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w.detach(), 1e-5)
+
+    ops = ["rmsnorm_fwd", "rmsnorm_bwd"]
+    point = _point("rmsnorm", ops)
+    for fn, want in ((half_dw, ["ok", "wrong"]), (no_w_grad, ["ok", "error"])):
+        prov = Provider("p", "", fn, fn, fn)
+        recs = bench._run_provider(point, prov, ops, "fp32", _timer(), True, 1.0, None, True)
+        assert [r["status"] for r in recs] == want
+    legacy = Provider("two", "softmax and layernorm only", all_providers()["torch"].softmax,
+                      all_providers()["torch"].layernorm)
+    recs = bench._run_provider(point, legacy, ops, "fp32", _timer(), True, 1.0, None, True)
+    assert [r["status"] for r in recs] == ["error", "error"]
+    assert "no rmsnorm function" in recs[0]["error"]
+    with pytest.raises(ValueError, match="unknown op family"):
+        legacy.make("gelu")
 
 
 def test_check_outputs_tolerances():
@@ -465,12 +604,33 @@ def test_tiny_sweep_cuda():
                         host_latency_calls=20, progress=False)
     assert r["copy_tbps"] > 0.1
     recs = [x for x in r["records"] if x["provider"] in ("fusedops", "torch", "compile")]
-    assert len(recs) == 4 * 2 * 3
+    assert len(recs) == 6 * 2 * 3
     for rec in recs:
         assert rec["status"] == "ok", rec
         if rec["op"].endswith("_bwd"):
             assert rec["ms_gpu"] > 0
     assert {x["backend"] for x in recs if x["provider"] == "fusedops"} == {"triton"}
+
+
+@pytest.mark.gpu
+def test_liger_rmsnorm_cuda():
+    # Liger's RMSNorm as the harness calls it, against F.rms_norm; dy must survive the backward
+    # (in_place=False), since the harness reuses it for every call.
+    pytest.importorskip("liger_kernel.ops.rms_norm")
+    from fusedops.tools.bench_providers import _liger_rmsnorm
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(1024, device="cuda")).to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn_like(x)
+    dy0 = dy.clone()
+    y = _liger_rmsnorm(x, w, None)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    assert torch.equal(dy, dy0)
+    y_ref = torch.nn.functional.rms_norm(x, (1024,), w, 1e-5)
+    refs = torch.autograd.grad(y_ref, (x, w), dy)
+    ok, err = bench.check_outputs([y, *grads], [y_ref, *refs], torch.bfloat16)
+    assert ok, err
 
 
 # --- torch.compile provider (slow on CPU: a cold Inductor compile is ~20 s) -----------------------

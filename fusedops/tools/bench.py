@@ -3,8 +3,9 @@
 What it measures (see ``benchmarks/README.md`` and ``docs/performance.md``):
 
 * ops ``softmax_fwd``, ``softmax_bwd``, ``layernorm_fwd``, ``layernorm_bwd`` (dx + dweight +
-  dbias) x dtypes bf16/fp16/fp32 x row length N, each at ``M = total // N`` rows (``total`` =
-  2^27 elements by default, far larger than any L2), fresh random data per point;
+  dbias), ``rmsnorm_fwd``, ``rmsnorm_bwd`` (dx + dweight) x dtypes bf16/fp16/fp32 x row length
+  N, each at ``M = total // N`` rows (``total`` = 2^27 elements by default, far larger than any
+  L2), fresh random data per point;
 * providers in the same run: fusedops, torch eager, torch.compile (dynamic=False, recompiled per
   shape, compile time reported), Liger-Kernel when importable, the unfused eager composition;
 * the device-to-device copy bandwidth first, so every result is also a fraction of it;
@@ -41,7 +42,8 @@ from fusedops.tools.bench_providers import FAMILIES, PROVIDER_NAMES, Provider, a
 
 # --- the sweep space -----------------------------------------------------------------------------
 
-OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd")
+OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd",
+       "rmsnorm_bwd")
 # Also the default sweep order: the target dtypes (bf16, fp32) first, so a run cut short by its
 # time budget loses fp16 first.
 DTYPES: dict[str, torch.dtype] = {
@@ -57,7 +59,7 @@ QUICK = {
 }
 # Small shapes whose cost is host work (Python, dispatch, launch), not memory traffic.
 HOST_LATENCY_SHAPES = ((4, 128), (64, 768), (8, 128, 768))
-HOST_LATENCY_OPS = ("softmax_fwd", "layernorm_fwd")
+HOST_LATENCY_OPS = ("softmax_fwd", "layernorm_fwd", "rmsnorm_fwd")
 
 # FLOPs per element of the (M, N) input, counting exp/rsqrt as one FLOP and a compare (max) as one.
 FLOPS_PER_ELEMENT = {
@@ -70,6 +72,11 @@ FLOPS_PER_ELEMENT = {
     # xhat (sub, mul), w*dy, sum(w*dy*xhat) (mul, add), sum(w*dy) (add),
     # dx = (w*dy - (xhat*c1 + c2)) * rstd (4), dweight += dy*xhat (2), dbias += dy (1)
     "layernorm_bwd": 13,
+    # square, sum, * rstd, * weight
+    "rmsnorm_fwd": 4,
+    # xhat = x*rstd (1), g = w*dy (1), c = row sum of xhat*g / N (2),
+    # dx = (g - xhat*c) * rstd (3), dweight += dy*xhat (2)
+    "rmsnorm_bwd": 9,
 }
 FLOP_MODEL = {
     "softmax_fwd": "5 flops/element: max, subtract, exp, sum, scale",
@@ -77,12 +84,17 @@ FLOP_MODEL = {
     "layernorm_fwd": "7 flops/element: mean sum, subtract, square, var sum, *rstd, *w, +b",
     "layernorm_bwd": "13 flops/element: xhat (2), w*dy (1), two row sums (3), dx (4), "
     "dweight (2), dbias (1)",
+    "rmsnorm_fwd": "4 flops/element: square, sum, *rstd, *w",
+    "rmsnorm_bwd": "9 flops/element: xhat (1), w*dy (1), row sum of xhat*w*dy (2), "
+    "dx = (w*dy - xhat*c)*rstd (3), dweight (2)",
 }
 BYTES_MODEL = {
     "softmax_fwd": "2*M*N*elt (read x, write y)",
     "softmax_bwd": "3*M*N*elt (read y and dy, write dx)",
     "layernorm_fwd": "2*M*N*elt + 2*N*welt (read x, w, b; write y)",
     "layernorm_bwd": "3*M*N*elt + 3*N*welt + 8*M (read x, dy, w, mean, rstd; write dx, dw, db)",
+    "rmsnorm_fwd": "2*M*N*elt + N*welt (read x, w; write y)",
+    "rmsnorm_bwd": "3*M*N*elt + 2*N*welt + 4*M (read x, dy, w, rstd; write dx, dw)",
 }
 # Loose correctness guard: max |out - torch| / max |torch| per output, per dtype.
 CHECK_TOL = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-3}
@@ -102,7 +114,8 @@ def bytes_moved(op: str, M: int, N: int, elt: int, welt: int | None = None) -> i
     """Minimum bytes an ideal kernel moves: each input read once, each output written once.
 
     ``elt`` is the element size of x/y/dy/dx, ``welt`` that of weight/bias and their grads
-    (defaults to ``elt``). LayerNorm backward also reads the float32 mean and rstd (8 B per row).
+    (defaults to ``elt``). LayerNorm backward also reads the float32 mean and rstd (8 B per row),
+    RMSNorm backward the float32 rstd (4 B per row).
     """
     welt = elt if welt is None else welt
     if op == "softmax_fwd":
@@ -113,6 +126,10 @@ def bytes_moved(op: str, M: int, N: int, elt: int, welt: int | None = None) -> i
         return 2 * M * N * elt + 2 * N * welt
     if op == "layernorm_bwd":
         return 3 * M * N * elt + 3 * N * welt + 8 * M
+    if op == "rmsnorm_fwd":
+        return 2 * M * N * elt + N * welt
+    if op == "rmsnorm_bwd":
+        return 3 * M * N * elt + 2 * N * welt + 4 * M
     raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
 
 
@@ -167,7 +184,8 @@ def _split(values: str | Sequence[str] | None) -> list[str] | None:
 
 
 def resolve_ops(ops: str | Sequence[str] | None) -> tuple[str, ...]:
-    """'all', op names, or shorthands ('softmax', 'layernorm', 'fwd', 'bwd')."""
+    """'all', op names, or shorthands: a family ('softmax', 'layernorm', 'rmsnorm'), 'fwd',
+    'bwd', and the prefixes 'ln_' / 'rms_' for 'layernorm_' / 'rmsnorm_' ('rms_bwd')."""
     if ops is None:
         return OPS
     names = _split(ops) or []
@@ -175,7 +193,10 @@ def resolve_ops(ops: str | Sequence[str] | None) -> tuple[str, ...]:
         return OPS
     chosen: list[str] = []
     for name in names:
-        name = name.lower().replace("-", "_").replace("ln_", "layernorm_")
+        name = name.lower().replace("-", "_")
+        for short, full in (("ln_", "layernorm_"), ("rms_", "rmsnorm_")):
+            if name.startswith(short):
+                name = full + name[len(short):]
         if name in OPS:
             match = [name]
         elif name in FAMILIES:
@@ -184,7 +205,7 @@ def resolve_ops(ops: str | Sequence[str] | None) -> tuple[str, ...]:
             match = [o for o in OPS if o.endswith(name)]
         else:
             raise ValueError(
-                f"unknown op {name!r}; choose from {OPS}, softmax, layernorm, fwd, bwd"
+                f"unknown op {name!r}; choose from {OPS}, {', '.join(FAMILIES)}, fwd, bwd"
             )
         chosen.extend(o for o in match if o not in chosen)
     return tuple(o for o in OPS if o in chosen)
@@ -564,11 +585,11 @@ class _Point:
         # Fresh random data per point, created on the device (seeded per point for repeatability).
         torch.manual_seed(seed)
         self.x = torch.randn(M, N, device=device, dtype=dtype)
-        if fam == "layernorm":
+        self.w = self.b = None
+        if fam in ("layernorm", "rmsnorm"):
             self.w = (1.0 + 0.1 * torch.randn(N, device=device)).to(dtype)
+        if fam == "layernorm":
             self.b = (0.1 * torch.randn(N, device=device)).to(dtype)
-        else:
-            self.w = self.b = None
         self.need_fwd = any(not is_backward(o) for o in ops)
         self.need_bwd = any(is_backward(o) for o in ops)
         self.dy = torch.randn(M, N, device=device, dtype=dtype) if self.need_bwd else None
@@ -576,17 +597,18 @@ class _Point:
         self.ref_grads: tuple = ()
 
     def grad_inputs(self) -> tuple[torch.Tensor, ...]:
-        xg = self.x.detach().requires_grad_(True)
-        if self.family == "softmax":
-            return (xg,)
-        return (xg, self.w.detach().requires_grad_(True), self.b.detach().requires_grad_(True))
+        """The leaves the backward differentiates: x, then the weight and bias the family has
+        (softmax: x; layernorm: x, w, b; rmsnorm: x, w)."""
+        return tuple(t.detach().requires_grad_(True) for t in (self.x, self.w, self.b)
+                     if t is not None)
 
     def args(self, inputs: tuple[torch.Tensor, ...] | None = None):
+        """The (x, w, b) row-function arguments, from ``inputs`` (:meth:`grad_inputs`) if given;
+        what the family has not is None."""
         if inputs is None:
             return (self.x, self.w, self.b)
-        if self.family == "softmax":
-            return (inputs[0], None, None)
-        return inputs
+        padded = tuple(inputs) + (None,) * (3 - len(inputs))
+        return padded[:3]
 
     def compute_refs(self, torch_provider: Provider) -> None:
         fn = torch_provider.make(self.family)
@@ -768,7 +790,7 @@ def measure_host_latency(device: str, providers: Sequence[str] | None = None,
                 rec = {"op": op, "dtype": dtype, "shape": list(shape), "provider": name,
                        "backend": None, "us_per_call": None, "us_min": None,
                        "delta_vs_torch_us": None, "error": None}
-                if prov.unavailable_reason(device) is not None:
+                if prov.unavailable_reason(device, (fam,)) is not None:
                     continue
                 out.append(rec)
                 try:
@@ -898,8 +920,9 @@ def run_sweep(
     table = all_providers()
     unavailable = {}
     active: list[Provider] = []
+    sweep_families = [f for f in FAMILIES if any(family(o) == f for o in ops_t)]
     for name in prov_t:
-        reason = table[name].unavailable_reason(device)
+        reason = table[name].unavailable_reason(device, sweep_families)
         if reason is None:
             active.append(table[name])
         else:
@@ -1030,15 +1053,16 @@ def run_sweep(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fusedops bench",
-        description="Benchmark fused softmax / LayerNorm against torch eager, torch.compile, "
+        description="Benchmark fused softmax / LayerNorm / RMSNorm against torch eager, "
+        "torch.compile, "
         "Liger-Kernel and the unfused composition: TB/s, GFLOP/s, fraction of the measured "
         "copy bandwidth, speedups; JSON/CSV/PNG under --out.",
     )
     p.add_argument("--device", choices=("cuda", "mps", "cpu"), default=None,
                    help="default: cuda if available, else mps, else cpu (tiny sizes)")
     p.add_argument("--ops", default=None,
-                   help=f"comma list of {', '.join(OPS)} or softmax/layernorm/fwd/bwd "
-                   "(default all)")
+                   help=f"comma list of {', '.join(OPS)} or {'/'.join(FAMILIES)}/fwd/bwd, "
+                   "ln_*/rms_* for layernorm_*/rmsnorm_* (default all)")
     p.add_argument("--dtypes", default=None, help="comma list of bf16,fp16,fp32 (default all)")
     p.add_argument("--sizes", default=None,
                    help="comma list of N, e.g. 1K,8193,64K+1 (default the full sweep: "
@@ -1067,6 +1091,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tag", default=None,
                    help="file name stem (default <gpu>-<date>, e.g. h200-2026-11-21)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--plot-by", choices=("auto", "op", "family"), default="auto",
+                   help="one PNG per op, or per op family (fwd and bwd in one figure); auto "
+                   "(default): per op up to 4 ops, else per family, so a full sweep's files "
+                   "fit the 8 a lent-GPU run brings back")
     p.add_argument("--table", choices=("full", "short", "none"), default="full",
                    help="table printed at the end (default full)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -1086,7 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         result = bench_report.merge_results([bench_report.load_result(f) for f in args.report])
         paths = bench_report.write_outputs(result, args.out, stem=args.tag,
-                                           plots=not args.no_plots)
+                                           plots=not args.no_plots, plot_by=args.plot_by)
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr, flush=True)
         _print_tables(result, args.table)
         return 0
@@ -1132,7 +1160,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"fusedops bench: {exc}", file=sys.stderr)
         return 2
-    paths = bench_report.write_outputs(result, out_dir, stem=args.tag, plots=not args.no_plots)
+    paths = bench_report.write_outputs(result, out_dir, stem=args.tag, plots=not args.no_plots,
+                                       plot_by=args.plot_by)
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr, flush=True)
     _print_tables(result, args.table)
     return 0

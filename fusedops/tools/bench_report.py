@@ -86,8 +86,10 @@ def _csv_value(v: Any) -> Any:
 
 
 def write_outputs(result: dict, out_dir: str | Path, stem: str | None = None,
-                  plots: bool = True) -> list[Path]:
-    """``<stem>.json``, ``<stem>.csv``, ``<stem>.txt`` (the report) and one PNG per op."""
+                  plots: bool = True, plot_by: str = "auto") -> list[Path]:
+    """``<stem>.json``, ``<stem>.csv``, ``<stem>.txt`` (the report) and the PNGs: one per op, or
+    one per op family where per-op plots would be more than four files (``plot_by``, see
+    :mod:`fusedops.tools.bench_plot`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = default_stem(result, stem)
@@ -98,7 +100,7 @@ def write_outputs(result: dict, out_dir: str | Path, stem: str | None = None,
     if plots and result.get("records"):
         from fusedops.tools.bench_plot import plot_results
 
-        paths.extend(plot_results(result, out, stem))
+        paths.extend(plot_results(result, out, stem, by=plot_by))
     return paths
 
 
