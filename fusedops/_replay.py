@@ -11,6 +11,9 @@ hundred nanoseconds. The next call with that signature goes straight to the runn
   the last dim of ``x``, ``y`` in ``x.dtype``.
 * ``LAYERNORM``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``run(x, weight, bias) -> y or
   None``: LayerNorm over the last dim of ``x`` (``eps`` a float), ``y`` in ``x.dtype``.
+* ``RMSNORM``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``run(x, weight) -> y or None``:
+  RMSNorm over the last dim of ``x`` (``eps`` the float the op resolved ``None`` to), ``y`` in
+  ``x.dtype``.
 
 The ops consult a table only for plain eager inference calls (``fusedops._dispatch.plain_eager``,
 no gradient needed, arguments of the exact types the signature assumes). A runner re-checks what
@@ -28,9 +31,11 @@ from __future__ import annotations
 
 SOFTMAX: dict = {}
 LAYERNORM: dict = {}
+RMSNORM: dict = {}
 
 
 def clear() -> None:
     """Drop every runner (the next call of each signature takes the normal path)."""
     SOFTMAX.clear()
     LAYERNORM.clear()
+    RMSNORM.clear()

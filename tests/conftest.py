@@ -166,11 +166,13 @@ def fake_stream(monkeypatch):
     """The Triton forwards' plan and replay paths with a stand-in stream (("stream", device))
     and no launch hooks; their plans are dropped afterwards."""
     from fusedops.triton import layernorm as tln
+    from fusedops.triton import rmsnorm as trms
     from fusedops.triton import softmax as tsm
 
-    for mod in (tsm, tln):
+    for mod in (tsm, tln, trms):
         monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
         monkeypatch.setattr(mod, "hooks_registered", lambda: False)
     yield
     tsm._fwd_plans.clear()
     tln._fwd_plans.clear()
+    trms._fwd_plans.clear()

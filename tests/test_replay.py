@@ -167,6 +167,56 @@ def test_layernorm_takes_the_normal_path(case):
     assert len(run.calls) == (1 if case == "runner declines" else 0)
 
 
+def _rmsnorm_runner(x, eps, result):
+    run = _replay.RMSNORM[(x.shape, x.dtype, x.get_device(), eps)] = _Runner(result)
+    return run
+
+
+def test_rmsnorm_replays_plain_inference_calls():
+    """eps=None looks up the float it resolves to (float32's epsilon for these dtypes)."""
+    x = torch.randn(3, 2, 8)
+    w = torch.randn(8)
+    marker = torch.zeros(3, 2, 8)
+    run = _rmsnorm_runner(x, torch.finfo(torch.float32).eps, marker)
+    assert fusedops.fused_rmsnorm(x, 8, w) is marker
+    assert fusedops.fused_rmsnorm(x, [8]) is not marker  # a list: the normal path
+    assert fusedops.fused_rmsnorm(x, (8,)) is marker
+    assert run.calls == [(x, w), (x, None)]
+    run6 = _rmsnorm_runner(x, 1e-6, marker)
+    assert fusedops.fused_rmsnorm(x, 8, w, 1e-6) is marker and run6.calls == [(x, w)]
+
+
+@pytest.mark.parametrize("case", ["grad", "grad weight", "int eps", "counting", "declines",
+                                  "bad weight"])
+def test_rmsnorm_takes_the_normal_path(case):
+    x = torch.randn(4, 8)
+    w = torch.randn(8)
+    run = _rmsnorm_runner(x, 1e-5, None if case == "declines" else torch.zeros(4, 8))
+    eps = 1e-5
+    if case == "grad":
+        out = fusedops.fused_rmsnorm(x.clone().requires_grad_(), 8, w, eps)
+        assert out.grad_fn is not None
+    elif case == "grad weight":
+        out = fusedops.fused_rmsnorm(x, 8, torch.nn.Parameter(w), eps)
+        assert out.grad_fn is not None
+    elif case == "int eps":
+        eps = 0
+        out = fusedops.fused_rmsnorm(x, 8, w, eps)
+    elif case == "counting":
+        with fusedops.count_fused_calls():
+            out = fusedops.fused_rmsnorm(x, 8, w, eps)
+    elif case == "bad weight":  # the runner is not consulted before the checks would raise?
+        run.result = None  # it declines what it cannot run; the normal path raises
+        with pytest.raises(ValueError, match="weight"):
+            fusedops.fused_rmsnorm(x, 8, torch.randn(7), eps)
+        return
+    else:
+        out = fusedops.fused_rmsnorm(x, 8, w, eps)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (8,), w, eps),
+                               **tol(out.dtype))
+    assert len(run.calls) == (1 if case == "declines" else 0)
+
+
 def test_layernorm_bad_parameters_still_raise():
     """A runner that declines (here: a weight of the wrong shape) leaves the error to the normal
     path's checks."""
@@ -338,6 +388,34 @@ def test_plan_cache_registers_runners_for_one_dimensional_grids_only():
     assert not plans and not table
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rmsnorm_runner_launches_the_plan(as_cuda, weighted):
+    """The RMSNorm runner passes (x, weight, y, y) addresses (y's for an absent weight and the
+    absent rstd) and the recorded tail; only inference plans in x's dtype register one, and it
+    declines a weight unlike the registering call's."""
+    from fusedops.triton import rmsnorm as trms
+
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    w = torch.randn(48) if weighted else None
+    launch = _Launch()
+    key = (x.shape, x.dtype, x.dtype, -1, 1e-5, False, None if w is None else w.dtype)
+    args = (x, x, x, x, 5, "tail")
+    trms._fwd_plans.add(key, _FakeLauncher(_Entry(launch)), (2,), args, 4, 4)
+    for other in (key[:5] + (True,) + key[6:], key[:2] + (torch.float32,) + key[3:]):
+        trms._fwd_plans.add(other, _FakeLauncher(_Entry(launch)), (2,), args, 4, 4)
+    assert list(_replay.RMSNORM) == [(x.shape, x.dtype, -1, 1e-5)]
+    y = fusedops.fused_rmsnorm(x, 48, w, 1e-5)
+    yp = y.data_ptr()
+    assert launch.calls == [_launch_head(2, -1) + (
+        x.data_ptr(), yp if w is None else w.data_ptr(), yp, yp, 5, "tail")]
+    assert y.shape == x.shape and y.dtype == x.dtype
+    run = _replay.RMSNORM[(x.shape, x.dtype, -1, 1e-5)]
+    other_w = torch.randn(48, dtype=torch.float64)
+    assert run(x, None if weighted else torch.randn(48)) is None and run(x, other_w) is None
+    trms._fwd_plans.clear()
+    assert not _replay.RMSNORM
+
+
 # ------------------------------------------------------------------ end to end on the GPU
 
 
@@ -354,7 +432,10 @@ def test_replayed_calls_match_the_normal_path(dtype):
     with torch.no_grad():
         first_sm = fusedops.fused_softmax(x)
         first_ln = fusedops.fused_layernorm(x, (768,), w, b)
+        first_rms = fusedops.fused_rmsnorm(x, (768,), w)
         assert len(_replay.SOFTMAX) == 1 and len(_replay.LAYERNORM) == 1
+        assert len(_replay.RMSNORM) == 1
+        assert torch.equal(fusedops.fused_rmsnorm(x, 768, w), first_rms)
         assert torch.equal(fusedops.fused_softmax(x), first_sm)
         assert torch.equal(fusedops.fused_layernorm(x, (768,), w, b), first_ln)
         s = torch.cuda.Stream()
