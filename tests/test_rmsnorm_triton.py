@@ -166,6 +166,15 @@ def _bwd_limit() -> int:
     return min(_common.single_block_limit(), trms.FUSED_BWD_MAX_BLOCK_UNALIGNED)
 
 
+def test_unaligned_16k_rows_fused_on_32_warps():
+    """Rows of 8K-16K whose N is not a multiple of 16: the fused backward on 32 warps."""
+    assert trms._bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
+    assert trms._bwd_config(16384, 2) == (1, 16, 1, True)
+    if _bwd_limit() >= 16384:
+        x, w, dy = make(2, 8193, torch.bfloat16, "fp32", seed=13)
+        check_all(x, w, dy)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_rows_backward_looped(dtype):
     """One column past the fused backward's limit: the looped dx kernel and the column kernel

@@ -4,7 +4,7 @@ M·N = 2^27, fresh random data, weight in x's dtype). Forward variants set FWD_R
 ((ROWS, warps, persistent) per padded row) or force the looped kernel; backward variants move
 FUSED_BWD_MAX_BLOCK. Prints one line per point; writes every measurement to $OUT/rms_tune.json.
 
-    PYTHONPATH=$PWD python benchmarks/dev/rms_tune.py [r1] [r2]   # rounds (default r1)
+    PYTHONPATH=$PWD python benchmarks/dev/rms_tune.py [r1] [r2] [r3] [r4]   # rounds (default r1)
 """
 
 import contextlib
@@ -147,6 +147,27 @@ for dt in (torch.bfloat16, torch.float32):
         (1, 8, False), (1, 16, False), (1, 32, False))])
     for N in (8193, 65537):
         point("bwd", dt, N, [("fusedmax8K", lambda: setting(FUSED_BWD_MAX_BLOCK=8192))])
+
+for dt in (torch.bfloat16, torch.float32):
+    if "r3" not in ROUNDS:  # round 3: the unaligned backward at 8193 (behind torch eager)
+        break
+    variants = [(f"fused16Kw{w}", lambda w=w: setting(
+        FUSED_BWD_MAX_BLOCK_UNALIGNED=16384, _bwd_config=lambda b, e, w=w: (1, w, 1, True)))
+        for w in (8, 16, 32)]
+    variants += [(f"loop{c // 1024}Kw{w}", lambda c=c, w=w: setting(
+        _looped_config=lambda c=c, w=w: (c, w))) for c, w in ((4096, 8), (2048, 4), (8192, 8))]
+    variants += [(f"col{t[0]}x{t[1]}s{k}", lambda t=t, k=k: setting(COLUMN_TILE=t,
+                                                                     COLUMN_PER_SM=k))
+                 for t, k in (((64, 64), 2), ((128, 64), 4), ((256, 32), 2))]
+    point("bwd", dt, 8193, variants)
+
+for dt in (torch.bfloat16, torch.float32):
+    if "r4" not in ROUNDS:  # round 4: 32 warps for the fused backward's 16K rows
+        break
+    for N in (16384, 8193):
+        point("bwd", dt, N, [(f"fused16Kw{w}", lambda w=w: setting(
+            FUSED_BWD_MAX_BLOCK_UNALIGNED=16384, _bwd_config=lambda b, e, w=w: (1, w, 1, True)))
+            for w in (16, 32)])
 
 for dt in (torch.bfloat16, torch.float32):
     if "r1" not in ROUNDS:

@@ -262,10 +262,11 @@ def _hold_w(block: int, warps: int) -> bool:
 # Padded rows up to this many elements take the fused backward (the row, dy and the dweight
 # accumulator in registers); longer rows the looped dx kernel plus the column kernel.
 # H200 (rms_tune.py, TB/s): 16K rows fused 2.46 vs 2.37 looped + columns (bf16), 3.47 vs 2.12
-# (float32); 32K rows spill in one program (0.21-0.52). Rows with N not a multiple of 16 (half
-# the padded row masked off) stay looped above 8K: float32 8193 1.44 vs 1.24 fused.
+# (float32); 32K rows spill in one program (0.21-0.52). Rows with N not a multiple of 16 (scalar
+# accesses, up to half the padded row masked off) take it on 32 warps (rounds 3-4, 8193: bf16
+# 1.11 vs 0.78 on 16 warps and 0.74 looped; float32 2.03 vs 1.24 and 1.44).
 FUSED_BWD_MAX_BLOCK = 16384
-FUSED_BWD_MAX_BLOCK_UNALIGNED = 8192
+FUSED_BWD_MAX_BLOCK_UNALIGNED = 16384
 # Chunk of the looped kernels (elements per iteration; smaller while tests shrink the
 # single-block limit, so short rows loop over several chunks).
 LOOPED_CHUNK = 8192
@@ -275,11 +276,14 @@ COLUMN_WARPS = 16
 COLUMN_PER_SM = 2
 
 
-def _bwd_config(block: int, elt_size: int) -> tuple[int, int, int, bool]:
+def _bwd_config(block: int, elt_size: int, aligned: bool = True) -> tuple[int, int, int, bool]:
     """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
     ``block`` elements of ``elt_size`` bytes: 4K-element tiles at two programs per SM up to 2K
     columns (a (ROWS, BLOCK) accumulator up to 1K), 16K-element tiles (float32 rows of 4K+:
-    8K) at one 16-warp program per SM above. Untuned (LayerNorm's measured rule)."""
+    8K) at one 16-warp program per SM above (LayerNorm's measured rule); rows of 8K-16K that
+    are not ``aligned`` (N not a multiple of 16) on 32 warps (measured, see above)."""
+    if not aligned and block == 16384:
+        return 1, 32, 1, True
     if elt_size == 4 and block >= 4096:
         tile, per_sm, acc_1d = 8192, 1, True
     elif block <= 2048:
@@ -455,7 +459,7 @@ def rmsnorm_backward(
     block = next_pow2(N)
     limit = FUSED_BWD_MAX_BLOCK if N % 16 == 0 else FUSED_BWD_MAX_BLOCK_UNALIGNED
     if block <= min(limit, single_block_limit()):
-        rows, warps, per_sm, acc_1d = _bwd_config(block, x.element_size())
+        rows, warps, per_sm, acc_1d = _bwd_config(block, x.element_size(), N % 16 == 0)
         tiles = cdiv(M, rows)
         progs = min(tiles, num_sms(dev) * per_sm)
         if not need_dw:
