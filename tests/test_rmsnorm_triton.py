@@ -170,6 +170,8 @@ def test_unaligned_16k_rows_fused_on_32_warps():
     """Rows of 8K-16K whose N is not a multiple of 16: the fused backward on 32 warps."""
     assert trms._bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
     assert trms._bwd_config(16384, 2) == (1, 16, 1, True)
+    assert trms._bwd_config(8192, 2) == trms.BWD_RULES_16BIT[8192]
+    assert trms._bwd_config(8192, 2, aligned=False) != trms.BWD_RULES_16BIT[8192]
     if _bwd_limit() >= 16384:
         x, w, dy = make(2, 8193, torch.bfloat16, "fp32", seed=13)
         check_all(x, w, dy)
@@ -252,7 +254,8 @@ def test_deterministic():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n", [(4096, 4096), (64, 65536), (8192, 1000), (3000, 8193),
-                                  (16, 32769), (1024, 8192), (256, 32768), (512, 16384)])
+                                  (16, 32769), (1024, 8192), (256, 32768), (512, 16384),
+                                  (700, 2048)])
 @pytest.mark.parametrize("dtype, w_mode", [(torch.bfloat16, "fp32"), (torch.bfloat16, "same"),
                                            (torch.float32, "same"), (torch.float16, "none")],
                          ids=["bf16-fp32w", "bf16", "fp32", "fp16-now"])

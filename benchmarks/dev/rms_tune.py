@@ -4,7 +4,7 @@ M·N = 2^27, fresh random data, weight in x's dtype). Forward variants set FWD_R
 ((ROWS, warps, persistent) per padded row) or force the looped kernel; backward variants move
 FUSED_BWD_MAX_BLOCK. Prints one line per point; writes every measurement to $OUT/rms_tune.json.
 
-    PYTHONPATH=$PWD python benchmarks/dev/rms_tune.py [r1] [r2] [r3] [r4]   # rounds (default r1)
+    PYTHONPATH=$PWD python benchmarks/dev/rms_tune.py [r1] [r2] [r3] [r4] [r5]   # rounds (default r1)
 """
 
 import contextlib
@@ -152,7 +152,7 @@ for dt in (torch.bfloat16, torch.float32):
     if "r3" not in ROUNDS:  # round 3: the unaligned backward at 8193 (behind torch eager)
         break
     variants = [(f"fused16Kw{w}", lambda w=w: setting(
-        FUSED_BWD_MAX_BLOCK_UNALIGNED=16384, _bwd_config=lambda b, e, w=w: (1, w, 1, True)))
+        FUSED_BWD_MAX_BLOCK_UNALIGNED=16384, _bwd_config=lambda b, e, a=True, w=w: (1, w, 1, True)))
         for w in (8, 16, 32)]
     variants += [(f"loop{c // 1024}Kw{w}", lambda c=c, w=w: setting(
         _looped_config=lambda c=c, w=w: (c, w))) for c, w in ((4096, 8), (2048, 4), (8192, 8))]
@@ -166,8 +166,25 @@ for dt in (torch.bfloat16, torch.float32):
         break
     for N in (16384, 8193):
         point("bwd", dt, N, [(f"fused16Kw{w}", lambda w=w: setting(
-            FUSED_BWD_MAX_BLOCK_UNALIGNED=16384, _bwd_config=lambda b, e, w=w: (1, w, 1, True)))
+            FUSED_BWD_MAX_BLOCK_UNALIGNED=16384, _bwd_config=lambda b, e, a=True, w=w: (1, w, 1, True)))
             for w in (16, 32)])
+
+def bwd_cfg(cfg):
+    rows, warps, per_sm, acc_1d = cfg
+    return (f"r{rows}w{warps}s{per_sm}{'a' if acc_1d else ''}",
+            lambda: setting(_bwd_config=lambda b, e, a=True: cfg))
+
+
+for dt in (torch.bfloat16, torch.float16):
+    if "r5" not in ROUNDS:  # round 5: the 16-bit fused backward's tiles at 1K-8K
+        break
+    point("bwd", dt, 1024, [bwd_cfg(c) for c in (
+        (2, 4, 4, False), (4, 4, 4, False), (8, 8, 2, False), (4, 8, 2, True), (2, 8, 2, True),
+        (8, 16, 1, False))])
+    point("bwd", dt, 2048, [bwd_cfg(c) for c in (
+        (1, 4, 4, True), (2, 4, 4, True), (4, 16, 1, True), (1, 8, 2, True), (4, 8, 2, True))])
+    point("bwd", dt, 8192, [bwd_cfg(c) for c in (
+        (1, 8, 2, True), (1, 16, 1, True), (2, 16, 2, True), (1, 4, 4, True), (2, 32, 1, True))])
 
 for dt in (torch.bfloat16, torch.float32):
     if "r1" not in ROUNDS:

@@ -276,14 +276,25 @@ COLUMN_WARPS = 16
 COLUMN_PER_SM = 2
 
 
+# 16-bit rows (N a multiple of 16): (ROWS, num_warps, programs per SM, ACC_1D) by padded row,
+# measured (rms_tune.py round 5, H200, TB/s against LayerNorm's rule): 1K 3.46 vs 3.35, 2K 3.46
+# vs 3.35, 8K 3.57 vs 3.48 (bf16; fp16 alike).
+BWD_RULES_16BIT: dict[int, tuple[int, int, int, bool]] = {
+    1024: (2, 4, 4, False), 2048: (1, 4, 4, True), 8192: (2, 32, 1, True),
+}
+
+
 def _bwd_config(block: int, elt_size: int, aligned: bool = True) -> tuple[int, int, int, bool]:
     """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
     ``block`` elements of ``elt_size`` bytes: 4K-element tiles at two programs per SM up to 2K
     columns (a (ROWS, BLOCK) accumulator up to 1K), 16K-element tiles (float32 rows of 4K+:
-    8K) at one 16-warp program per SM above (LayerNorm's measured rule); rows of 8K-16K that
-    are not ``aligned`` (N not a multiple of 16) on 32 warps (measured, see above)."""
+    8K) at one 16-warp program per SM above (LayerNorm's measured rule); measured for RMSNorm:
+    16-bit rows in BWD_RULES_16BIT, rows of 8K-16K that are not ``aligned`` (N not a multiple
+    of 16) on 32 warps (see above)."""
     if not aligned and block == 16384:
         return 1, 32, 1, True
+    if aligned and elt_size == 2 and block in BWD_RULES_16BIT:
+        return BWD_RULES_16BIT[block]
     if elt_size == 4 and block >= 4096:
         tile, per_sm, acc_1d = 8192, 1, True
     elif block <= 2048:
