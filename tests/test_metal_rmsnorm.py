@@ -26,6 +26,7 @@ import fusedops
 from fusedops import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
+from test_metal_emulation import launcher, rows  # noqa: E402  (the emulated device, layouts)
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
@@ -40,27 +41,6 @@ EPS = 1e-5
 @pytest.fixture(scope="module")
 def lib():
     return emu.load()
-
-
-def launcher(lib, max_threads, seed: int = 0):
-    """The emulated device: fibers in a random order drawn from ``seed`` (reproducible)."""
-    lib.set_mode("fibers-random", seed + 1)
-    return emu.EmuLauncher(lib, max_threads)
-
-
-def rows(m: int, n: int, dtype: torch.dtype, layout: str = "contiguous", scale: float = 1.0,
-         shift: float = 0.0) -> torch.Tensor:
-    data = lambda k: (torch.randn(m, k, dtype=torch.float64) * scale + shift).to(dtype)
-    if layout == "contiguous":
-        return data(n)
-    if layout == "misaligned":  # storage offset 1, row stride n + 3
-        return data(n + 3)[:, 1:n + 1]
-    if layout == "aligned-strided":  # storage offset 4, row stride n + 4 + (-n % 4)
-        pad = 4 + (-n % 4)
-        return data(n + pad)[:, 4:4 + n]
-    if layout == "broadcast":  # row stride 0
-        return data(n)[:1].expand(m, n)
-    raise AssertionError(layout)
 
 
 def check_call(call, op: str, n: int, max_threads: int) -> None:
