@@ -154,3 +154,157 @@ def rmsnorm_backward(
     if need_dw:
         dw = (dyf * xhat).sum(dim=0)
     return dx, dw
+
+
+# --- epilogues (issue 8): scaled/masked/causal softmax, add + LayerNorm + dropout + activation ---
+
+
+def softmax_masked_forward(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Softmax over the last dim of ``z = x * scale``, masked.
+
+    x: (B, H, Q, N) contiguous. mask: None or a (B, H, Q, N) view (any strides, 0 where it was
+    broadcast) of dtype bool (True = keep) or float (added to z). causal: also drop column j of
+    query row q (the index along dim 2) when j > q (top-left aligned). Returns (B, H, Q, N)
+    contiguous of ``out_dtype``; a row with every element -inf after scale, mask and causal
+    (nothing kept) comes out as zeros, not NaN.
+    """
+    acc = _acc_dtype(x.dtype)
+    z = x.to(acc) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            z = z.masked_fill(~mask, -torch.inf)
+        else:
+            z = z + mask.to(acc)
+    if causal:
+        q, n = z.shape[-2], z.shape[-1]
+        dropped = torch.ones(q, n, dtype=torch.bool, device=z.device).triu(1)
+        z = z.masked_fill(dropped, -torch.inf)
+    empty = z.amax(dim=-1, keepdim=True) == -torch.inf
+    y = torch.softmax(z, dim=-1).masked_fill(empty, 0.0)
+    return y.to(out_dtype).contiguous()
+
+
+def softmax_masked_backward(
+    y: torch.Tensor, dy: torch.Tensor, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """dx = scale * y * (dy - sum(dy * y)). y, dy: (M, N); returns (M, N) of ``out_dtype``.
+    Masked and empty-row positions have y == 0, so their gradient is 0."""
+    return (softmax_backward(y, dy, _acc_dtype(y.dtype)) * scale).to(out_dtype)
+
+
+ACTIVATIONS = (None, "relu", "gelu")
+
+
+def _activate(v: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return v
+    if activation == "relu":
+        return torch.relu(v)
+    return torch.nn.functional.gelu(v)  # exact (erf) GELU, torch's default
+
+
+def _activation_grad(v: torch.Tensor, activation: str | None) -> torch.Tensor | None:
+    """d activation / dv at v; None for no activation (the identity)."""
+    if activation is None:
+        return None
+    if activation == "relu":
+        return (v > 0).to(v.dtype)
+    cdf = 0.5 * (1.0 + torch.erf(v * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * v * v) * 0.3989422804014327
+    return cdf + v * pdf
+
+
+def _keep_scale(shape: tuple[int, int], dropout_p: float, seed: int, device, acc):
+    """The dropout factor per element: 0 where dropped, 1 / (1 - p) where kept (None: p == 0)."""
+    if dropout_p == 0.0:
+        return None
+    from fusedops import _philox
+
+    keep = _philox.keep_mask(seed, shape[0], shape[1], dropout_p, device)
+    return keep.to(acc) * (1.0 / (1.0 - dropout_p))
+
+
+def layernorm_epilogue_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    dropout_p: float,
+    seed: int,
+    activation: str | None,
+    need_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``out = activation(dropout(layer_norm(x + residual)))`` over rows.
+
+    x, residual: (M, N) with unit column stride, same dtype (residual may be None). Returns
+    ``(out, s, mean, rstd)``: out (M, N) of ``out_dtype``; s = x + residual rounded to x's dtype,
+    (M, N) contiguous (None without residual), which is also the LayerNorm's input; mean/rstd
+    (M,) in the accumulation dtype (None unless ``need_stats``). Dropout keeps element (row, col)
+    when its Philox number (fusedops._philox) is >= the threshold of ``dropout_p`` and scales it
+    by 1 / (1 - p); ``dropout_p == 0`` means no dropout.
+    """
+    s = None
+    if residual is not None:
+        s = (x + residual).contiguous()
+    ln_in = x if s is None else s
+    acc = _acc_dtype(x.dtype)
+    y, mean, rstd = layernorm_forward(ln_in, weight, bias, eps, acc)
+    factor = _keep_scale(tuple(y.shape), dropout_p, seed, y.device, acc)
+    if factor is not None:
+        y = y * factor
+    out = _activate(y, activation).to(out_dtype)
+    if not need_stats:
+        mean = rstd = None
+    return out, s, mean, rstd
+
+
+def layernorm_epilogue_backward(
+    dout: torch.Tensor,
+    ds: torch.Tensor | None,
+    s: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dropout_p: float,
+    seed: int,
+    activation: str | None,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`layernorm_epilogue_forward`.
+
+    dout: (M, N) gradient of ``out``; ds: (M, N) gradient flowing into the returned sum, or None;
+    s: the LayerNorm's input (x + residual, or x). The dropout mask is regenerated from ``seed``
+    and the activation's input recomputed from s, mean, rstd, weight and bias. Returns dx (the
+    gradient of x, which is also residual's) in s's dtype, and float (N,) dw/db as
+    :func:`layernorm_backward`.
+    """
+    acc = _acc_dtype(s.dtype)
+    g = dout.to(acc)
+    factor = _keep_scale(tuple(s.shape), dropout_p, seed, s.device, acc)
+    if activation is not None:
+        v = (s.to(acc) - mean[:, None].to(acc)) * rstd[:, None].to(acc)
+        if weight is not None:
+            v = v * weight.to(acc)
+        if bias is not None:
+            v = v + bias.to(acc)
+        if factor is not None:
+            v = v * factor
+        g = g * _activation_grad(v, activation)
+    if factor is not None:
+        g = g * factor
+    # s in the accumulation dtype: dx comes back unrounded, so adding ds rounds once.
+    dx, dw, db = layernorm_backward(g, s.to(acc), weight, mean, rstd, need_dx, need_dw, need_db)
+    if need_dx:
+        dx = (dx if ds is None else dx + ds.to(acc)).to(s.dtype)
+    return dx, dw, db

@@ -11,6 +11,7 @@ from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_layernorm_args, normalize_shape
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
+from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
 
 def _forward_rows(x2, w, b, eps, out_dtype):
@@ -102,9 +103,15 @@ def fused_layernorm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
-) -> torch.Tensor:
+    *,
+    residual: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    activation: str | None = None,
+    training: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Layer normalisation over the trailing ``normalized_shape`` dims, same semantics as
-    ``torch.nn.functional.layer_norm``.
+    ``torch.nn.functional.layer_norm``; with ``residual``/``dropout_p``/``activation``,
+    ``activation(dropout(layer_norm(x + residual)))`` in one kernel.
 
     Args:
         x: float tensor ``(*, *normalized_shape)``; float32/float16/bfloat16 on the fused backends.
@@ -112,12 +119,22 @@ def fused_layernorm(
         weight, bias: optional tensors of shape ``normalized_shape`` (may be float32 with a
             float16/bfloat16 ``x``).
         eps: added to the variance.
+        residual: optional tensor of ``x``'s shape and dtype added to ``x`` first; the sum
+            (rounded to ``x``'s dtype, as ``x + residual`` is) is what gets normalised.
+        dropout_p: probability of zeroing an element of the normalised output (kept ones are
+            scaled by ``1 / (1 - p)``), applied only when ``training``. The mask comes from a
+            counter-based generator (Philox) seeded from torch's default generator, so
+            ``torch.manual_seed`` reproduces it; backward regenerates it instead of storing it.
+        activation: None, ``"relu"`` or ``"gelu"`` (exact, erf-based), applied last.
+        training: as ``F.dropout``'s: False turns dropout off.
 
     Returns:
-        Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). Mean and rstd are
-        computed and saved in float32.
+        Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast); with ``residual``, the
+        pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and
+        rstd are computed and saved in float32.
     """
-    if x.__class__ is torch.Tensor and eps.__class__ is float and _dispatch.plain_eager():
+    if x.__class__ is torch.Tensor and eps.__class__ is float and residual is None \
+            and activation is None and dropout_p == 0.0 and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         shape = x.shape
         run = _replay.LAYERNORM.get((shape, x.dtype, x.get_device(), eps))
@@ -130,6 +147,12 @@ def fused_layernorm(
     check_layernorm_args(x, shape, weight, bias, eps)
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
     n = math.prod(shape)
+    if residual is not None or activation is not None or dropout_p != 0.0:
+        check_epilogue_args(x, residual, dropout_p, activation, training)
+        p = dropout_p if training else 0.0
+        if residual is not None or activation is not None or p != 0.0:
+            return layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation,
+                                      out_dtype)
     if x.numel() == 0 or n == 0:
         # Nothing to compute, but keep autograd's graph (and torch's result) intact.
         return torch.nn.functional.layer_norm(x, shape, weight, bias, eps).to(out_dtype)

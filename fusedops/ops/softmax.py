@@ -8,6 +8,7 @@ from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
+from fusedops.ops.softmax_masked import check_mask_args, masked_softmax
 
 # Casting these to float32 loses nothing, so the kernel reads them directly and writes float32.
 _EXACT_UPCAST = {torch.float16, torch.bfloat16}
@@ -84,9 +85,17 @@ class SoftmaxFunction(torch.autograd.Function):
 
 
 def fused_softmax(
-    x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    dim: int = -1,
+    dtype: torch.dtype | None = None,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Softmax along ``dim``, same semantics as ``torch.softmax(x, dim, dtype=dtype)``.
+    """Softmax along ``dim``, same semantics as ``torch.softmax(x, dim, dtype=dtype)``; with
+    ``scale``/``mask``/``causal``, the softmax of attention, ``softmax(x * scale + mask)``, in
+    one kernel.
 
     Args:
         x: float tensor of any shape (0-d and empty included), float32/float16/bfloat16 on the
@@ -94,13 +103,23 @@ def fused_softmax(
         dim: the dimension to normalise over; any valid dim, negative allowed.
         dtype: if given, the input is cast to it first and the result has this dtype (as in
             torch); float16/bfloat16 -> float32 is done inside the kernel without a cast pass.
+        scale: multiplies ``x`` before the mask (attention's ``1/sqrt(head_dim)``); None = 1.
+        mask: broadcastable to ``x``; bool (True = keep, as in
+            ``scaled_dot_product_attention``) or float (added to ``x * scale``, e.g. 0/-inf or
+            Hugging Face's ``finfo.min`` masks). A float mask that requires grad gets one.
+        causal: also drop element ``[..., i, j]`` when ``j > i`` (the upper triangle of the last
+            two dims, top-left aligned); needs ``x.dim() >= 2``.
+
+    With any of ``scale``/``mask``/``causal``, a row whose every element is ``-inf`` after them
+    (nothing kept) comes out as zeros, not torch's NaN, and its gradient is zero. These are
+    fused over the last dim; another ``dim`` runs the PyTorch reference with a one-time warning.
 
     Returns:
-        Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast).
-        Accumulation is float32 for every dtype.
+        Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast);
+        the mask's dtype does not promote it. Accumulation is float32 for every dtype.
     """
     if dtype is None and dim.__class__ is int and dim == -1 and x.__class__ is torch.Tensor \
-            and _dispatch.plain_eager():
+            and mask is None and scale is None and causal is False and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
         if run is not None and (not x.requires_grad or not torch.is_grad_enabled()):
@@ -118,6 +137,9 @@ def fused_softmax(
         out_dtype = torch.float32
     else:
         out_dtype = x.dtype
+    if scale is not None or mask is not None or causal is not False:
+        check_mask_args(x, scale, mask, causal)
+        return masked_softmax(x, dim, out_dtype, scale, mask, causal)
     if x.numel() == 0:
         # Nothing to compute, but keep autograd's graph (and torch's result) intact.
         return torch.softmax(x, dim).to(out_dtype)

@@ -1,0 +1,161 @@
+"""LayerNorm with fused epilogues, ``activation(dropout(layer_norm(x + residual)))``, in one
+kernel: the path :func:`fusedops.fused_layernorm` takes when ``residual``, ``dropout_p`` (while
+training) or ``activation`` is given."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusedops import _dispatch, _philox, reference
+from fusedops.ops._rows import as_rows
+
+ACTIVATIONS = reference.ACTIVATIONS
+
+
+def check_epilogue_args(x: torch.Tensor, residual: object, dropout_p: object, activation: object,
+                        training: object) -> None:
+    """Raise (naming the argument) unless the epilogue arguments are valid for ``x``."""
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(
+                f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float) \
+            or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+
+
+def compose(x, shape, weight, bias, eps, residual, p, activation, keep):
+    """The chain in differentiable torch ops (double backward, p == 1, the reference of last
+    resort). ``keep``: the boolean keep-mask of x's shape, or None for no dropout."""
+    s = x if residual is None else x + residual
+    y = F.layer_norm(s, shape, weight, bias, eps)
+    if keep is not None:
+        y = y * keep * (1.0 / (1.0 - p)) if p < 1.0 else y * 0.0
+    y = _activate(y, activation)
+    return y if residual is None else (y, s)
+
+
+def _backend_fn(x: torch.Tensor, name: str):
+    backend = _dispatch.backend_for(x)
+    fn = getattr(backend, name, None)
+    if fn is None:
+        _dispatch.warn_once(
+            f"missing-op:{backend.NAME}:{name}",
+            f"fusedops: the {backend.NAME} backend has no {name}; using the PyTorch reference "
+            "implementation (correct, not fused).")
+        return reference, getattr(reference, name)
+    return backend, fn
+
+
+def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
+    return p if p is None or (p.dim() == 1 and p.is_contiguous()) else p.reshape(-1).contiguous()
+
+
+class LayerNormEpilogueFunction(torch.autograd.Function):
+    """Autograd Function of ``activation(dropout(layer_norm(x + residual)))``.
+
+    ``apply(x, residual, weight, bias, n, eps, p, seed, activation, out_dtype)`` normalises over
+    the trailing ``n`` elements and returns ``(out, x + residual)``, or ``out`` alone when
+    ``residual`` is None. Saves the LayerNorm's input and the float32 mean/rstd (8 bytes per
+    row), not the dropout mask: backward regenerates it from ``seed`` and recomputes the
+    activation's input.
+    """
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, n, eps, p, seed, activation, out_dtype):
+        x2 = as_rows(x, n)
+        r2 = None if residual is None else as_rows(residual, n)
+        backend, fn = _backend_fn(x2, "layernorm_epilogue_forward")
+        _dispatch.record("layernorm_epilogue_forward", backend)
+        out2, s2, mean, rstd = fn(x2, r2, _flat(weight), _flat(bias), eps, out_dtype, p, seed,
+                                  activation, True)
+        out = out2.view(x.shape)
+        s = x if s2 is None else s2.view(x.shape)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.meta = (n, eps, p, seed, activation)
+        ctx.param_meta = tuple(None if t is None else (t.shape, t.dtype) for t in (weight, bias))
+        return out if residual is None else (out, s)
+
+    @staticmethod
+    def backward(ctx, dout, ds=None):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        n, eps, p, seed, activation = ctx.meta
+        need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
+        need_dx = bool(need_x or need_r)
+        need_dw = bool(need_w and weight is not None)
+        need_db = bool(need_b and bias is not None)
+        s2, dout2 = as_rows(s, n), as_rows(dout, n)
+        ds2 = None if ds is None else as_rows(ds, n)
+        w, b = _flat(weight), _flat(bias)
+        if torch.is_grad_enabled():
+            # create_graph=True: torch ops throughout, the statistics recomputed from s, so
+            # second derivatives see mean and rstd as the functions of s they are.
+            sf = s2 if s2.dtype == torch.float64 else s2.float()
+            mean = sf.mean(dim=-1)
+            rstd = torch.rsqrt((sf - mean[:, None]).square().mean(dim=-1) + eps)
+            dx2, dw, db = reference.layernorm_epilogue_backward(
+                dout2, ds2, s2, w, b, mean, rstd, p, seed, activation, need_dx, need_dw, need_db)
+        else:
+            backend, fn = _backend_fn(s2, "layernorm_epilogue_backward")
+            _dispatch.record("layernorm_epilogue_backward", backend)
+            dx2, dw, db = fn(dout2, ds2, s2, w, b, mean, rstd, p, seed, activation,
+                             need_dx, need_dw, need_db)
+        dx = None if dx2 is None else dx2.view(s.shape)
+        w_meta, b_meta = ctx.param_meta
+        dweight = None if dw is None else dw.to(w_meta[1]).view(w_meta[0])
+        dbias = None if db is None else db.to(b_meta[1]).view(b_meta[0])
+        return (dx if need_x else None, dx if need_r else None, dweight, dbias,
+                None, None, None, None, None, None)
+
+
+def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, out_dtype):
+    """fused_layernorm's path for residual/dropout/activation; arguments already checked,
+    ``p`` already 0 outside training."""
+    eps, p = float(eps), float(p)
+    if torch.compiler.is_compiling():
+        # Inductor fuses the chain itself; dropout there draws from torch's generator.
+        s = x if residual is None else x + residual
+        y = F.layer_norm(s, shape, weight, bias, eps)
+        y = _activate(F.dropout(y, p) if p else y, activation).to(out_dtype)
+        return y if residual is None else (y, s)
+    if x.numel() == 0 or n == 0 or p == 1.0:
+        # Nothing to compute, or nothing kept: torch ops keep autograd's graph intact.
+        keep = None if p == 0.0 else torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        result = compose(x, shape, weight, bias, eps, residual, p, activation, keep)
+        if residual is None:
+            return result.to(out_dtype)
+        return result[0].to(out_dtype), result[1]
+    seed = _philox.draw_seed() if p > 0.0 else 0
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, residual, weight, bias)):
+        return LayerNormEpilogueFunction.apply(x, residual, weight, bias, n, eps, p, seed,
+                                               activation, out_dtype)
+    # No backward will follow: no statistics written, nothing saved.
+    x2 = as_rows(x, n)
+    r2 = None if residual is None else as_rows(residual, n)
+    backend, fn = _backend_fn(x2, "layernorm_epilogue_forward")
+    _dispatch.record("layernorm_epilogue_forward", backend)
+    out2, s2, _, _ = fn(x2, r2, _flat(weight), _flat(bias), eps, out_dtype, p, seed, activation,
+                        False)
+    out = out2.view(x.shape)
+    return out if residual is None else (out, s2.view(x.shape))
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(y)
+    if activation == "gelu":
+        return F.gelu(y)
+    return y

@@ -1,0 +1,166 @@
+"""The softmax of attention, ``softmax(x * scale + mask)`` with an optional causal triangle, in
+one kernel: the path :func:`fusedops.fused_softmax` takes when ``scale``, ``mask`` or ``causal``
+is given."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusedops import _dispatch, reference
+from fusedops.ops._rows import as_rows
+
+
+def check_mask_args(x: torch.Tensor, scale: object, mask: object, causal: object) -> None:
+    """Raise (naming the argument) unless scale/mask/causal are valid for ``x``."""
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal and x.dim() < 2:
+        raise ValueError(
+            f"causal=True needs x with at least 2 dimensions, got shape {list(x.shape)}")
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = keep) or floating point (added to the scores), "
+            f"got dtype {mask.dtype}")
+    if mask.device != x.device:
+        raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
+    try:
+        shape = torch.broadcast_shapes(mask.shape, x.shape)
+    except RuntimeError:
+        shape = None
+    if shape != x.shape:
+        raise ValueError(
+            f"mask of shape {list(mask.shape)} does not broadcast to x's shape {list(x.shape)}")
+
+
+def compose(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None, causal: bool,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """The same result in differentiable torch ops, for any ``dim``: the fallback for what the
+    kernels do not take, torch.compile's path (Inductor fuses it itself) and double backward."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = x.to(acc) * scale
+    if mask is not None:
+        z = z.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else z + mask.to(acc)
+    if causal:
+        q, n = z.shape[-2], z.shape[-1]
+        z = z.masked_fill(torch.ones(q, n, dtype=torch.bool, device=z.device).triu(1),
+                          -torch.inf)
+    empty = z.amax(dim=dim, keepdim=True) == -torch.inf
+    return torch.softmax(z, dim=dim).masked_fill(empty, 0.0).to(out_dtype)
+
+
+def _as_4d(x: torch.Tensor, mask: torch.Tensor | None):
+    """x as (B, H, Q, N) contiguous and the mask as a (B, H, Q, N) view of itself (strides 0
+    where it was broadcast; a copy only when x has more than 4 dims and the mask's strides do
+    not merge)."""
+    shape = x.shape
+    n = shape[-1]
+    q = shape[-2] if x.dim() >= 2 else 1
+    lead = tuple(shape[:-2])
+    dims4 = (1,) * (2 - len(lead)) + lead if len(lead) <= 2 else (1, math.prod(lead))
+    x4 = x.contiguous().view(*dims4, q, n)
+    mask4 = None
+    if mask is not None:
+        if mask.dtype == torch.float64 and x.dtype != torch.float64:
+            mask = mask.float()  # the kernels read float32/16-bit masks; an offset loses nothing
+        mask4 = mask.expand(shape).reshape(*dims4, q, n)
+    return x4, mask4
+
+
+def _backend_fn(x: torch.Tensor, name: str):
+    backend = _dispatch.backend_for(x)
+    fn = getattr(backend, name, None)
+    if fn is None:
+        _dispatch.warn_once(
+            f"missing-op:{backend.NAME}:{name}",
+            f"fusedops: the {backend.NAME} backend has no {name}; using the PyTorch reference "
+            "implementation (correct, not fused).")
+        return reference, getattr(reference, name)
+    return backend, fn
+
+
+def _forward(x, mask, scale, causal, out_dtype):
+    x4, mask4 = _as_4d(x, mask)
+    backend, fn = _backend_fn(x4, "softmax_masked_forward")
+    _dispatch.record("softmax_masked_forward", backend)
+    return fn(x4, mask4, scale, causal, out_dtype).view(x.shape)
+
+
+class MaskedSoftmaxFunction(torch.autograd.Function):
+    """Autograd Function of ``softmax(x * scale + mask)`` (optionally causal) over the last dim.
+
+    ``MaskedSoftmaxFunction.apply(x, mask, scale, causal, out_dtype)``. Saves only y; backward is
+    ``dx = scale * y * (dy - sum(dy * y))`` and, for a float mask that requires grad,
+    ``dmask = y * (dy - sum(dy * y))`` summed over the dims it was broadcast along.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mask, scale, causal, out_dtype):
+        y = _forward(x, mask, scale, causal, out_dtype)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        ctx.in_dtype = x.dtype
+        ctx.mask_meta = None if mask is None else (mask.shape, mask.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        need_dx, need_dmask = ctx.needs_input_grad[:2]
+        n = y.shape[-1]
+        y2, dy2 = as_rows(y, n), as_rows(dy, n)
+        dx = dmask = None
+        if need_dmask:
+            # The mask's gradient is the unscaled one; dx is it times scale.
+            if torch.is_grad_enabled():
+                dz = reference.softmax_masked_backward(y2, dy2, 1.0, torch.float32)
+            else:
+                backend, fn = _backend_fn(y2, "softmax_masked_backward")
+                dz = fn(y2, dy2, 1.0, torch.float32)
+            dz = dz.view(y.shape)
+            shape, dtype = ctx.mask_meta
+            dmask = dz.sum_to_size(shape).to(dtype)
+            if need_dx:
+                dx = (dz * ctx.scale).to(ctx.in_dtype)
+            return dx, dmask, None, None, None
+        if torch.is_grad_enabled():
+            # create_graph=True: torch ops on the saved output, so second derivatives see y.
+            dx2 = reference.softmax_masked_backward(y2, dy2, ctx.scale, ctx.in_dtype)
+        elif ctx.scale == 1.0:
+            # No scale to apply: the plain softmax backward (its tuned kernels) is the same op.
+            backend = _dispatch.backend_for(y2)
+            _dispatch.record("softmax_backward", backend)
+            dx2 = backend.softmax_backward(y2, dy2, ctx.in_dtype)
+        else:
+            backend, fn = _backend_fn(y2, "softmax_masked_backward")
+            _dispatch.record("softmax_masked_backward", backend)
+            dx2 = fn(y2, dy2, ctx.scale, ctx.in_dtype)
+        return dx2.view(y.shape), None, None, None, None
+
+
+def masked_softmax(x: torch.Tensor, dim: int, out_dtype: torch.dtype, scale: float | None,
+                   mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """fused_softmax's path for scale/mask/causal; arguments already checked, ``dim`` normalised
+    and ``x`` cast as the result dtype requires."""
+    scale = 1.0 if scale is None else float(scale)
+    if x.numel() == 0 or torch.compiler.is_compiling():
+        return compose(x, dim, scale, mask, causal, out_dtype)
+    if dim != x.dim() - 1:
+        _dispatch.warn_once(
+            "masked-softmax-dim",
+            "fusedops: fused_softmax with scale/mask/causal runs fused over the last dim only; "
+            f"dim={dim} of a {x.dim()}-d tensor uses the PyTorch reference (correct, not fused).")
+        return compose(x, dim, scale, mask, causal, out_dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
+        return MaskedSoftmaxFunction.apply(x, mask, scale, causal, out_dtype)
+    return _forward(x, mask, scale, causal, out_dtype)
