@@ -18,6 +18,13 @@ Two mechanisms, both scoped to one model (torch itself is never monkeypatched):
    ops and passes every other call through. Nested and re-entrant calls reuse the outermost
    mode. Excluded subtrees get a wrapper that suspends routing while they run.
 
+3. **Epilogue patterns** (``patterns=True``). Hugging Face models that chose eager attention
+   are switched to an eager attention whose ``softmax(scores * scaling + mask)`` is one kernel,
+   through Transformers' own attention registry (``fusedops._hf_attention``). Modules whose
+   forward provably computes ``softmax(t * c + m)`` or ``LayerNorm(a + b)`` get a traced,
+   rewritten forward calling the fused epilogues (``fusedops._fx_patterns`` says what
+   "provably" means). Anything that cannot be proven stays as it is.
+
 See ``docs/patching.md`` for the user-facing description and how to read the report.
 """
 
@@ -36,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fusedops import _dispatch
+from fusedops import _dispatch, _fx_patterns, _hf_attention
 from fusedops.modules import FusedLayerNorm, FusedRMSNorm, FusedSoftmax
 from fusedops.ops.layernorm import fused_layernorm
 from fusedops.ops.rmsnorm import fused_rmsnorm
@@ -281,6 +288,21 @@ class _RoutedForward(_ForwardWrapper):
             return self._call_inner(*args, **kwargs)
 
 
+class _GraphForward(_ForwardWrapper):
+    """A module's forward rewritten by torch.fx to call the fused epilogues
+    (``fusedops._fx_patterns``); the original runs whenever a guard fails."""
+
+    def __init__(self, module: nn.Module, inner: Any, fused: _fx_patterns.FusedForward) -> None:
+        super().__init__(module, inner)
+        self.fused = fused
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        gm = _fx_patterns.select_variant(self.fused, self.module, args, kwargs)
+        if gm is None:
+            return self._call_inner(*args, **kwargs)
+        return gm.forward(*args, **kwargs)
+
+
 class _SuspendedForward(_ForwardWrapper):
     """The forward of an excluded subtree's root: functional routing is off while it runs."""
 
@@ -450,6 +472,8 @@ class _PatchState:
     swapped: list[tuple[nn.Module, type]]  # (module, original class)
     wrappers: list[tuple[nn.Module, Any]]  # (module, _ForwardWrapper) installed as forward
     verify_counts: Counter | None = None
+    patterns: bool = True
+    configs: list[tuple[Any, str]] = dataclasses.field(default_factory=list)  # (config, was)
 
 
 def _fmt(v: float | None) -> str:
@@ -473,6 +497,13 @@ class PatchReport:
             None), ``config``.
         skipped: one dict per LayerNorm/RMSNorm/Softmax module left alone: ``name``, ``type``,
             ``op``, ``reason``.
+        fused_patterns: one dict per module whose epilogue pattern now runs fused: ``name``,
+            ``type``, ``pattern`` (what was fused) and ``via`` (``"hf attention"``: the config's
+            attention implementation switched to fusedops' eager one; ``"traced forward"``: a
+            torch.fx rewrite of that module's forward).
+        pattern_skipped: candidate modules (a LayerNorm/Softmax child, or a forward that calls
+            softmax) whose forward could not be proven exact, with ``name``, ``type``,
+            ``reason``.
         excluded: the qualified names of the excluded subtrees (functional calls inside them
             are not routed either).
         unmatched_exclude: ``exclude`` entries that matched no module (typos, usually).
@@ -489,6 +520,8 @@ class PatchReport:
     functional: bool
     replaced: list[dict] = dataclasses.field(default_factory=list)
     skipped: list[dict] = dataclasses.field(default_factory=list)
+    fused_patterns: list[dict] = dataclasses.field(default_factory=list)
+    pattern_skipped: list[dict] = dataclasses.field(default_factory=list)
     excluded: list[str] = dataclasses.field(default_factory=list)
     unmatched_exclude: list[str] = dataclasses.field(default_factory=list)
     verification: dict | None = None
@@ -539,6 +572,18 @@ class PatchReport:
             ["name", "type", "reason"],
             [[s["name"] or "(root)", s["type"], s["reason"]] for s in self.skipped],
         )
+        lines += ["", f"Fused epilogue patterns ({len(self.fused_patterns)}):"]
+        lines += _table(
+            ["name", "type", "pattern", "via"],
+            [[f["name"] or "(root)", f["type"], f["pattern"], f["via"]]
+             for f in self.fused_patterns],
+        )
+        if self.pattern_skipped:
+            lines += ["", f"Pattern candidates left alone ({len(self.pattern_skipped)}):"]
+            lines += _table(
+                ["name", "type", "reason"],
+                [[s["name"] or "(root)", s["type"], s["reason"]] for s in self.pattern_skipped],
+            )
         if self.excluded:
             lines += ["", "Excluded subtrees (no module swap, no functional routing): "
                       + ", ".join(n or "(root)" for n in self.excluded)]
@@ -557,6 +602,9 @@ class PatchReport:
             "  calls routed to fusedops: "
             + ", ".join(f"{op}={routed.get(op, 0)}" for op in OPS)
         )
+        if v.get("pattern_calls"):
+            lines.append("  epilogue pattern calls: " + ", ".join(
+                f"{k}={n}" for k, n in v["pattern_calls"].items()))
         lines.append(
             "  calls run on fused kernels: "
             + ", ".join(f"{k}={fused.get(k, 0)}" for k in sorted(fused))
@@ -731,6 +779,7 @@ def patch_model(
     functional: bool = True,
     exclude: str | type | Iterable[str | type] = (),
     example_inputs: Any = None,
+    patterns: bool = True,
 ) -> PatchReport:
     """Swap the fused softmax / LayerNorm / RMSNorm into ``model`` in place and report what
     changed.
@@ -749,6 +798,10 @@ def patch_model(
             grad, same RNG state) and put per-op fused-call counts and per-output differences in
             the report. A tensor is passed as ``model(x)``, a tuple/list as ``model(*args)``, a
             dict as ``model(**kwargs)``.
+        patterns: also fuse the epilogue patterns it can prove: Hugging Face eager attention's
+            ``softmax(scores * scaling + mask)`` (through Transformers' attention registry),
+            and ``softmax(t * c + m)`` / ``LayerNorm(a + b)`` in forwards that torch.fx can
+            trace exactly (see ``docs/patching.md``). Each fused site is in the report.
 
     Returns:
         A :class:`PatchReport`. Patching an already patched model first undoes the previous
@@ -770,7 +823,8 @@ def patch_model(
 
     report = PatchReport(model=type(model).__name__, ops=ops, functional=functional)
     state = _PatchState(
-        ops=ops, functional=functional, exclude=exclude_arg, swapped=[], wrappers=[]
+        ops=ops, functional=functional, exclude=exclude_arg, swapped=[], wrappers=[],
+        patterns=bool(patterns),
     )
 
     # Walk every path to every module (shared modules have several names): a module is excluded
@@ -852,6 +906,9 @@ def patch_model(
                 continue
         report.skipped.append(entry)
 
+    if state.patterns:
+        _patch_patterns(state, report, modules, first_name, excluded_by)
+
     # Functional routing: on for the model's forward, suspended inside excluded subtrees.
     state.functional = functional and bool(ops) and id(model) not in excluded_by
     if state.functional:
@@ -865,6 +922,84 @@ def patch_model(
     if example_inputs is not None:
         report.verification = _verify(model, state, example_inputs, reference)
     return report
+
+
+def _patch_patterns(state: _PatchState, report: PatchReport, modules: dict[int, nn.Module],
+                    first_name: dict[int, str], excluded_by: dict[int, str]) -> None:
+    """The epilogue patterns (module docstring, point 3)."""
+    ops = state.ops
+    # Hugging Face eager attention, switched per config object.
+    if "softmax" in ops and _hf_attention.available() and _hf_supports_backend(modules):
+        by_config: dict[int, list[tuple[str, nn.Module]]] = {}
+        configs: dict[int, Any] = {}
+        for key, module in modules.items():
+            config = getattr(module, "config", None)
+            if config is None or not _hf_attention.uses_attention_registry(module):
+                continue
+            if getattr(config, "_attn_implementation", None) != "eager":
+                continue
+            configs[id(config)] = config
+            by_config.setdefault(id(config), []).append((first_name[key], module))
+        for cid, sites in by_config.items():
+            blocked = [n for n, m in sites if id(m) in excluded_by]
+            no_eager = [n for n, m in sites if _hf_attention.model_eager_function(m) is None]
+            if blocked or no_eager:
+                why = (f"shares its config with excluded {blocked[0]!r}" if blocked else
+                       "its modeling file has no eager_attention_forward to fall back on")
+                report.pattern_skipped += [
+                    {"name": n, "type": type(m).__name__, "reason": why} for n, m in sites]
+                continue
+            _hf_attention.register()
+            config = configs[cid]
+            state.configs.append((config, config._attn_implementation))
+            config._attn_implementation = _hf_attention.NAME
+            report.fused_patterns += [
+                {"name": n, "type": type(m).__name__, "via": "hf attention",
+                 "pattern": "softmax(q @ k^T * scaling + mask)"} for n, m in sites]
+    # Traced forwards.
+    want_softmax, want_ln = "softmax" in ops, "layernorm" in ops
+    if not (want_softmax or want_ln):
+        return
+    for key, module in modules.items():
+        if key in excluded_by or isinstance(module, (torch.jit.ScriptModule, *_FUSED_CLASSES)):
+            continue
+        if not _pattern_candidate(module, want_softmax, want_ln):
+            continue
+        name, cls_name = first_name[key], type(module).__name__
+        if any(id(c) in excluded_by for c in module.children()):
+            report.pattern_skipped.append(
+                {"name": name, "type": cls_name, "reason": "has an excluded child"})
+            continue
+        fused, why = _fx_patterns.fuse_module(module, want_softmax, want_ln)
+        if fused is None:
+            report.pattern_skipped.append({"name": name, "type": cls_name, "reason": why})
+            continue
+        _install(state, module, _GraphForward(module, None, fused))
+        report.fused_patterns += [
+            {"name": name, "type": cls_name, "pattern": site, "via": "traced forward"}
+            for site in fused.sites]
+
+
+def _hf_supports_backend(modules: dict[int, nn.Module]) -> bool:
+    """Whether a Transformers model in the tree declares that its attention runs through the
+    attention registry (``_supports_attention_backend``)."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception:
+        return False
+    return any(isinstance(m, PreTrainedModel) and getattr(type(m), "_supports_attention_backend",
+                                                          False) for m in modules.values())
+
+
+def _pattern_candidate(module: nn.Module, softmax: bool, layernorm: bool) -> bool:
+    """Whether a module may hold a pattern: a LayerNorm/Softmax child, or a forward that names
+    softmax (cheap to check; the trace decides)."""
+    for child in module.children():
+        if layernorm and isinstance(child, nn.LayerNorm) or softmax and isinstance(
+                child, nn.Softmax):
+            return True
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    return softmax and code is not None and "softmax" in code.co_names
 
 
 def _install(state: _PatchState, module: nn.Module, wrapper: _ForwardWrapper) -> None:
@@ -900,15 +1035,18 @@ def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference
         def hook(module, args, output):
             routed[op] += 1
 
+        hook._fusedops_count = True  # not a user hook: fused patterns may bypass the module
         return hook
 
     for module, _ in state.swapped:
         op = _BASES[_torch_base(type(module))][1]
         hooks.append(module.register_forward_hook(count(op)))
+    _fx_patterns.counts = pattern_calls = Counter()
     try:
         with _eval_no_grad(model), _dispatch.count_fused_calls() as fused:
             out = _run_once(model, example_inputs)
     finally:
+        _fx_patterns.counts = None
         state.verify_counts = None
         for h in hooks:
             h.remove()
@@ -918,13 +1056,15 @@ def _verify(model: nn.Module, state: _PatchState, example_inputs: Any, reference
     backend = _dispatch.backend_for(probe).NAME if probe is not None else "unknown"
     fused_calls = {k: int(fused.get(k, 0)) for k in (
         "softmax_forward", "softmax_backward", "layernorm_forward", "layernorm_backward",
-        "rmsnorm_forward", "rmsnorm_backward")}
+        "rmsnorm_forward", "rmsnorm_backward", "softmax_masked_forward",
+        "layernorm_epilogue_forward")}
     result = {
         "mode": "one forward, eval mode, no grad",
         "backend": f"{backend} ({probe.device.type} {str(probe.dtype).replace('torch.', '')})"
         if probe is not None else backend,
         "fused_calls": fused_calls,
         "routed_calls": {op: int(routed.get(op, 0)) for op in OPS},
+        "pattern_calls": dict(sorted(pattern_calls.items())),
         "outputs": _compare(reference, out),
         "note": None,
     }
@@ -947,6 +1087,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         return model
     for module, wrapper in reversed(state.wrappers):
         _uninstall(module, wrapper)
+    for config, was in state.configs:
+        config._attn_implementation = was
     for module, cls in state.swapped:
         module.__class__ = cls
     del model.__dict__[_STATE_ATTR]
@@ -968,7 +1110,8 @@ def patched(model: nn.Module, **kwargs: Any) -> Iterator[PatchReport]:
         unpatch_model(model)
         if previous is not None:
             patch_model(
-                model, ops=previous.ops, functional=previous.functional, exclude=previous.exclude
+                model, ops=previous.ops, functional=previous.functional, exclude=previous.exclude,
+                patterns=previous.patterns,
             )
 
 

@@ -129,7 +129,8 @@ def test_verification_counts_fused_kernels(triton_on_cpu):
     assert v["fused_calls"] == {
         "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS, "softmax_backward": 0,
         "layernorm_forward": HANDWRITTEN_LN_CALLS, "layernorm_backward": 0,
-        "rmsnorm_forward": 0, "rmsnorm_backward": 0,
+        "rmsnorm_forward": 0, "rmsnorm_backward": 0, "softmax_masked_forward": 0,
+        "layernorm_epilogue_forward": 0,
     }
     assert v["note"] is None
     assert report.max_rel_diff < 1e-4

@@ -39,7 +39,9 @@ def test_hf_matches_unpatched(name, training):
     model, ref, inputs, n_ln, n_softmax = make(name)
     model.train(training)
     ref.train(training)
-    report = patch_model(model, example_inputs=inputs)
+    # patterns=False: this test is about the module swap and functional routing (the epilogue
+    # patterns, which take over some of these calls, are tested below).
+    report = patch_model(model, example_inputs=inputs, patterns=False)
     assert len(report.replaced) == n_ln
     assert all(r["fused_type"] == "FusedLayerNorm" for r in report.replaced)
     assert report.skipped == []
@@ -55,7 +57,7 @@ def test_hf_matches_unpatched(name, training):
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_fused_kernels_run(name, triton_on_cpu):
     model, ref, inputs, n_ln, n_softmax = make(name)
-    patch_model(model)
+    patch_model(model, patterns=False)
     assert fused_counts(model, inputs) == {
         "layernorm_forward": n_ln, "layernorm_backward": n_ln,
         "softmax_forward": n_softmax, "softmax_backward": n_softmax,
@@ -149,3 +151,45 @@ def test_gpu_hf_compile(name, mode):
                 for i in inputs
             )
             assert_outputs_close(compiled(*ins), ref(*ins), atol=1e-4, rtol=1e-3)
+
+
+# name -> traced-forward LayerNorm(a + b) sites (BERT's BertSelfOutput and BertOutput per
+# layer; GPT-2's and ViT's blocks have decorated forwards, which are left alone).
+HF_LN_PATTERNS = {"bert": 4, "gpt2": 0, "vit": 0}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_epilogue_patterns(name, triton_on_cpu):
+    """Eager attention goes through fusedops' registered attention function (one fused
+    softmax(scores * scaling + mask) per layer) and BERT's LayerNorm(x + residual) through the
+    traced forwards; outputs and gradients match, the fused kernels run, unpatch restores."""
+    model, ref, inputs, _, n_softmax = make(name)
+    report = patch_model(model, example_inputs=inputs)
+    via = [p["via"] for p in report.fused_patterns]
+    assert via.count("hf attention") == n_softmax
+    assert via.count("traced forward") == HF_LN_PATTERNS[name]
+    assert report.verification["pattern_calls"].get("hf_attention") == n_softmax
+    assert report.verification["pattern_calls"].get("add_layernorm", 0) == HF_LN_PATTERNS[name]
+    assert not any(k.endswith(":unfused") for k in report.verification["pattern_calls"])
+    assert report.max_rel_diff < 1e-5
+    assert model.config._attn_implementation == "fusedops_eager"
+    counts = fused_counts(model, inputs)
+    assert counts.get("softmax_masked_forward") == n_softmax
+    assert counts.get("layernorm_epilogue_forward", 0) == HF_LN_PATTERNS[name]
+    assert counts.get("layernorm_epilogue_backward", 0) == HF_LN_PATTERNS[name]
+    assert_same_training(model, ref, inputs, atol=1e-4, rtol=1e-3)
+    unpatch_model(model)
+    assert model.config._attn_implementation == "eager"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_hf_attention_left_alone_when_not_eager():
+    """A model that chose SDPA keeps it: only eager attention is switched."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=16, attn_implementation="sdpa")
+    model = BertModel(cfg)
+    report = patch_model(model)
+    assert not any(p["via"] == "hf attention" for p in report.fused_patterns)
+    assert model.config._attn_implementation == "sdpa"

@@ -196,8 +196,12 @@ def test_profile_patched_model_attributes_fused_calls(one_thread):
     report = prof.profile_model(model, inputs, iters=2, timing_reps=3, measure_speedups=False,
                                 quiet=True)
     names = {r["op"]: r for r in report["ops"]}
-    assert names["fusedops::softmax_forward"]["calls"] == TINY.n_layers + 1
-    assert names["fusedops::layer_norm_forward"]["calls"] == 2 * TINY.n_layers + 1
+    # The attention softmax and ln2(x + attn) run as fused epilogue patterns; the pooling
+    # softmax, ln1 and ln_f as plain fused ops.
+    assert names["fusedops::softmax_masked_forward"]["calls"] == TINY.n_layers
+    assert names["fusedops::softmax_forward"]["calls"] == 1
+    assert names["fusedops::layer_norm_epilogue_forward"]["calls"] == TINY.n_layers
+    assert names["fusedops::layer_norm_forward"]["calls"] == TINY.n_layers + 1
     assert "aten::softmax" not in names and "aten::layer_norm" not in names
     assert report["fractions"]["softmax"] > 0 and "amdahl" not in report
     # the profiling annotations are gone afterwards

@@ -394,17 +394,23 @@ def measure_op_speedups(
 @contextlib.contextmanager
 def annotate_fused_calls() -> Iterator[None]:
     """While active, each fusedops forward call shows in the profiler as one range named
-    ``fusedops::<op>_forward`` (so a reference-backend op is not mistaken for loose
+    ``fusedops::<op>_forward`` (``softmax``, ``softmax_masked``, ``layer_norm``,
+    ``layer_norm_epilogue``; so a reference-backend op is not mistaken for loose
     elementwise ops). Restores everything on exit."""
     from fusedops.ops import layernorm as ln_mod
     from fusedops.ops import softmax as sm_mod
 
     saved = []
-    for mod, label in ((sm_mod, "fusedops::softmax_forward"),
-                       (ln_mod, "fusedops::layer_norm_forward")):
+    # The epilogue paths (fused_softmax with scale/mask/causal, fused_layernorm with residual/
+    # dropout/activation) are entered through the names the op modules imported.
+    for mod, label, attrs in (
+            (sm_mod, "fusedops::softmax_forward", ("_forward_rows", "_forward_inference")),
+            (sm_mod, "fusedops::softmax_masked_forward", ("masked_softmax",)),
+            (ln_mod, "fusedops::layer_norm_forward", ("_forward_rows", "_forward_inference")),
+            (ln_mod, "fusedops::layer_norm_epilogue_forward", ("layernorm_epilogue",))):
         # _forward_inference may call _forward_rows: only the outermost range is opened.
         active = [False]
-        for attr in ("_forward_rows", "_forward_inference"):
+        for attr in attrs:
             original = getattr(mod, attr, None)
             if original is None:
                 continue

@@ -1,0 +1,104 @@
+"""Hugging Face eager attention with the fused ``softmax(scores * scaling + mask)``.
+
+Hugging Face models whose class declares ``_supports_attention_backend`` run attention through
+``ALL_ATTENTION_FUNCTIONS``, picked by ``config._attn_implementation``; its contract is the
+eager function's: ``fn(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+-> (attn_output, attn_weights)``, query/key/value ``(B, heads, L, head_dim)``, the output
+``(B, L, heads, head_dim)``. That registry is Transformers' documented extension point (it is how
+SDPA and flash attention plug in). :func:`patch_model` registers :func:`fused_eager_attention`
+there under :data:`NAME` and switches configs that chose ``"eager"`` to it; unpatching switches
+them back.
+
+The function computes what the model's own ``eager_attention_forward`` does, with the scale,
+mask add and softmax in one kernel (in float32, rounded once). Calls with arguments it does not
+implement (``softcap``, attention sinks ``s_aux``, a ``head_mask``, a non-4-D mask or query) are
+handed to the model's own eager function unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedops import _fx_patterns
+
+NAME = "fusedops_eager"
+_DELEGATED_KWARGS = ("softcap", "s_aux", "sinks", "head_mask")
+_registered = False
+
+
+def available() -> bool:
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def register() -> None:
+    """Register :func:`fused_eager_attention` (and the eager mask format) under :data:`NAME`."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, fused_eager_attention)
+    AttentionMaskInterface.register(NAME, eager_mask)  # the same masks eager gets
+    _registered = True
+
+
+def model_eager_function(module: nn.Module) -> Any:
+    """The ``eager_attention_forward`` of the module's own modeling file, or None."""
+    mod = sys.modules.get(type(module).__module__)
+    return getattr(mod, "eager_attention_forward", None)
+
+
+def uses_attention_registry(module: nn.Module) -> bool:
+    """Whether the module's forward reads ``ALL_ATTENTION_FUNCTIONS`` (so the config's
+    ``_attn_implementation`` picks its attention function)."""
+    import inspect
+
+    fn = inspect.unwrap(type(module).forward)
+    code = getattr(fn, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def fused_eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention, ``softmax(q @ k^T * scaling + mask) @ v``, its softmax fused."""
+    if (any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS) or query.dim() != 4
+            or (attention_mask is not None and attention_mask.dim() != 4)):
+        _fx_patterns._count("hf_attention:unfused")
+        eager = model_eager_function(module)
+        return eager(module, query, key, value, attention_mask, scaling=scaling,
+                     dropout=dropout, **kwargs)
+    from fusedops.ops.softmax import fused_softmax
+
+    _fx_patterns._count("hf_attention")
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each KV head serves a group
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3))
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+    weights = fused_softmax(scores, -1, scale=float(scaling), mask=mask)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights.to(value.dtype), value)
+    return out.transpose(1, 2).contiguous(), weights
