@@ -11,7 +11,9 @@ from fusedops._settings import (
 )
 from fusedops.modules import FusedLayerNorm, FusedRMSNorm, FusedSoftmax
 from fusedops.ops import (
+    LayerNormEpilogueFunction,
     LayerNormFunction,
+    MaskedSoftmaxFunction,
     RMSNormFunction,
     SoftmaxFunction,
     fused_layernorm,
@@ -26,7 +28,9 @@ __all__ = [
     "FusedLayerNorm",
     "FusedRMSNorm",
     "FusedSoftmax",
+    "LayerNormEpilogueFunction",
     "LayerNormFunction",
+    "MaskedSoftmaxFunction",
     "PatchReport",
     "RMSNormFunction",
     "SoftmaxFunction",
