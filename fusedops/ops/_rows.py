@@ -11,7 +11,7 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     A view whenever the leading dims collapse into one stride (any row stride, including the 0
     of an expanded gradient); otherwise one copy.
     """
-    if t.dim() == 2 and t.is_contiguous():
+    if t.dim() == 2 and t.shape[1] == n and t.is_contiguous():
         return t  # already rows: skip the view (host cost per call)
     rows = t.reshape(-1, n) if n > 0 else t.reshape(-1, 0)
     if rows.stride(1) != 1 and n > 1:
