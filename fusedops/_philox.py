@@ -32,7 +32,8 @@ _MASK32 = 0xFFFFFFFF
 def draw_seed() -> int:
     """A fresh 62-bit seed from torch's default (CPU) generator: honours ``torch.manual_seed``,
     costs no GPU work and no synchronisation."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    # device="cpu" also under torch.set_default_device("cuda"): no GPU generator, no sync.
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
 
 
 def dropout_threshold(p: float) -> int:

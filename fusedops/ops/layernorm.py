@@ -147,7 +147,8 @@ def fused_layernorm(
     check_layernorm_args(x, shape, weight, bias, eps)
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
     n = math.prod(shape)
-    if residual is not None or activation is not None or dropout_p != 0.0:
+    if residual is not None or activation is not None or dropout_p.__class__ is not float \
+            or dropout_p != 0.0 or training is not True:
         check_epilogue_args(x, residual, dropout_p, activation, training)
         p = dropout_p if training else 0.0
         if residual is not None or activation is not None or p != 0.0:

@@ -55,6 +55,8 @@ def compose(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None, 
         q, n = z.shape[-2], z.shape[-1]
         z = z.masked_fill(torch.ones(q, n, dtype=torch.bool, device=z.device).triu(1),
                           -torch.inf)
+    if z.shape[dim] == 0:
+        return torch.softmax(z, dim=dim).to(out_dtype)  # nothing to reduce (amax would raise)
     empty = z.amax(dim=dim, keepdim=True) == -torch.inf
     return torch.softmax(z, dim=dim).masked_fill(empty, 0.0).to(out_dtype)
 
@@ -122,11 +124,12 @@ class MaskedSoftmaxFunction(torch.autograd.Function):
         dx = dmask = None
         if need_dmask:
             # The mask's gradient is the unscaled one; dx is it times scale.
+            acc = torch.float64 if y.dtype == torch.float64 else torch.float32
             if torch.is_grad_enabled():
-                dz = reference.softmax_masked_backward(y2, dy2, 1.0, torch.float32)
+                dz = reference.softmax_masked_backward(y2, dy2, 1.0, acc)
             else:
                 backend, fn = _backend_fn(y2, "softmax_masked_backward")
-                dz = fn(y2, dy2, 1.0, torch.float32)
+                dz = fn(y2, dy2, 1.0, acc)
             dz = dz.view(y.shape)
             shape, dtype = ctx.mask_meta
             dmask = dz.sum_to_size(shape).to(dtype)
