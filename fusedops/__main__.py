@@ -11,6 +11,7 @@ COMMANDS = {
     "profile": ("profile", "profile a model: per-op table, dispatch tax, Amdahl bound"),
     "train": ("train", "train the built-in predictor on its synthetic task"),
     "bench": ("bench", "kernel benchmark sweep vs torch eager / torch.compile / Liger"),
+    "bench-chains": ("bench_chains", "fused epilogue chains vs the eager chain / torch.compile"),
     "verify": ("verify", "check the fused ops against PyTorch on this machine"),
     "amdahl": ("amdahl", "Amdahl's law from per-op fractions and speed-ups"),
 }
