@@ -24,6 +24,7 @@ import inspect
 import itertools
 import math
 import operator
+import re
 import types
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,7 +43,14 @@ _BANNED_OPS = {
     "CALL_FUNCTION_EX",
 }
 _SAFE_MODULE_ROOTS = {"torch", "math", "operator"}
-_SAFE_BUILTINS = {int, float, bool, tuple, list, len, min, max, abs, slice, range, print}
+_SAFE_BUILTINS = {int, float, bool, tuple, list, len, min, max, abs, slice, range}
+# torch attributes whose call would run once, at trace time, and never again (global state, or
+# random draws without a traced argument); module attributes like torch.cuda are refused too.
+_TRACE_TIME_ONLY = re.compile(
+    r"^(manual_seed|seed|initial_seed|set_.*|get_rng_state|use_deterministic_algorithms|"
+    r"rand|randn|randint|randperm|rand_like|randn_like|randint_like|normal|bernoulli|"
+    r"multinomial|poisson|cuda|mps|backends|distributed|compiler|_dynamo|_C|autograd|"
+    r"no_grad|enable_grad|inference_mode|save|load|print|empty_cache|synchronize)$")
 _GUARD_TYPES = (int, float, bool, str, type(None))
 _MAX_TESTED = 3  # arguments tested for None: 2**3 traces at most
 
@@ -86,7 +94,9 @@ def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
         return None, "forward takes *args/**kwargs or is a generator"
     if fn.__closure__:
         return None, "forward is a closure"
-    argnames = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    if code.co_kwonlyargcount:
+        return None, "forward has keyword-only arguments"
+    argnames = code.co_varnames[:code.co_argcount]
     if not argnames:
         return None, "forward has no self"
     self_name, params = argnames[0], set(argnames[1:])
@@ -100,13 +110,27 @@ def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
         op = ins.opname
         if op in _BANNED_OPS:
             return None, f"forward uses {op} (loops, with, try, closures, imports, stores)"
+        if op.startswith("INPLACE_") or op == "BINARY_OP" and ins.argrepr.endswith("=") \
+                and ins.argrepr not in ("==", "!=", "<=", ">="):
+            # fx records `x += y` as an out-of-place add: the caller's tensor would not change.
+            return None, "forward updates a value in place (+= and the like)"
         if op in ("STORE_FAST", "DELETE_FAST"):
             stored.add(ins.argval)
+        if op == "IS_OP" and k >= 2 and instrs[k - 1].opname == "LOAD_CONST" and \
+                instrs[k - 1].argval is None and instrs[k - 2].opname == "LOAD_FAST" and \
+                instrs[k - 2].argval in params:
+            tested.add(instrs[k - 2].argval)  # `arg is None` as a value: traced per pattern
         if op == "LOAD_GLOBAL":
             name = ins.argval
             obj = fn.__globals__.get(name, getattr(builtins, name, None))
             if not _global_ok(obj):
                 return None, f"forward uses global {name!r}, whose behaviour a trace cannot see"
+            nxt = instrs[k + 1] if k + 1 < len(instrs) else None
+            if isinstance(obj, types.ModuleType) and nxt is not None and \
+                    nxt.opname in ("LOAD_ATTR", "LOAD_METHOD") and \
+                    _TRACE_TIME_ONLY.match(str(nxt.argval)):
+                return None, (f"forward calls {name}.{nxt.argval}, which a trace would run once "
+                              "instead of on every call")
         if "JUMP" in op and op not in ("JUMP_FORWARD",):
             # Only `if arg is None` / `if arg is not None` on an argument.
             prev = [p for p in instrs[max(0, k - 4):k] if p.opname != "TO_BOOL"]
@@ -128,7 +152,19 @@ def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
             if nxt is None or nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
                 return None, "forward uses self other than to read attributes"
             attr = nxt.argval
-            if attr in children or attr in module._parameters or attr in module._buffers:
+            if attr in module._parameters or attr in module._buffers:
+                continue
+            if attr in children:
+                after = instrs[k + 2] if k + 2 < len(instrs) else None
+                if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                    # self.child.x: a child's parameter/buffer/submodule stays live; anything
+                    # else (a number, a method such as a cache's update) would be baked in.
+                    child = children[attr]
+                    if after.argval not in child._parameters and \
+                            after.argval not in child._buffers and \
+                            after.argval not in child._modules:
+                        return None, (f"forward reads self.{attr}.{after.argval}, which a trace "
+                                      "would bake in unguarded")
                 continue
             if not hasattr(module, attr):
                 return None, f"forward reads a missing attribute self.{attr}"
@@ -147,7 +183,8 @@ def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
 class _LeafTracer(fx.Tracer):
     """Traces the root's forward only: every child module is one opaque call."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module | None = None) -> None:
+        # root may be None: fx rebuilds graphs with a bare tracer when a GraphModule is unpickled
         super().__init__()
         self._root_module = root
 
@@ -175,10 +212,17 @@ def _count(key: str) -> None:
         counts[key] += 1
 
 
-def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int) -> Any:
-    """``softmax(scores * scale + mask, dim)``, fused where it is the same computation."""
+def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
+                     module: nn.Module | None = None) -> Any:
+    """``softmax(scores * scale + mask, dim)``, fused where it is the same computation.
+    ``module``: the ``nn.Softmax`` child the pattern ended in (None for a functional softmax);
+    with hooks on it, or a changed ``dim``, it is called on the unfused sum instead."""
     from fusedops.ops.softmax import fused_softmax
 
+    if module is not None and (module.dim != dim or _has_hooks(module)):
+        _count("softmax_epilogue:unfused")
+        z = scores if scale is None else scores * scale
+        return module(z if mask is None else z + mask)
     if isinstance(scores, torch.Tensor) and scores.is_floating_point() \
             and (scale is None or isinstance(scale, int | float) and not isinstance(scale, bool)
                  and math.isfinite(scale)) \
@@ -196,17 +240,35 @@ def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int) -> Any:
 def _ln_fusable(a: Any, b: Any, ln: nn.Module) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and a.dim() >= 1 and isinstance(ln, nn.LayerNorm)
+            and a.device == b.device and a.dim() >= 1 and _plain_module(ln, nn.LayerNorm)
             and tuple(ln.normalized_shape) == tuple(a.shape[a.dim() - len(ln.normalized_shape):])
-            and not (_user_hooks(ln._forward_hooks) or ln._forward_pre_hooks
-                     or nn.modules.module._global_forward_hooks
-                     or nn.modules.module._global_forward_pre_hooks))
+            and not _has_hooks(ln))
 
 
 def _user_hooks(hooks: dict) -> bool:
     # patch_model's verification pass counts module calls with hooks marked _fusedops_count;
     # any other hook must see the module run, so the pattern is not fused around it.
     return any(not getattr(h, "_fusedops_count", False) for h in hooks.values())
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    """Forward or backward hooks on ``m``, or global module hooks (ours excepted)."""
+    g = nn.modules.module
+    return bool(_user_hooks(m._forward_hooks) or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or g._global_forward_hooks
+                or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)
+
+
+# The forwards a pattern may stand in for: torch's own and fusedops' swapped classes'.
+_OWN_FORWARD_MODULES = ("torch.nn.modules.", "fusedops.")
+
+
+def _plain_module(m: nn.Module, base: type) -> bool:
+    """An instance of ``base`` whose forward is torch's or fusedops' (a user subclass that
+    overrides forward must run it)."""
+    return isinstance(m, base) and \
+        getattr(type(m).forward, "__module__", "").startswith(_OWN_FORWARD_MODULES)
 
 
 def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
@@ -254,8 +316,8 @@ def _softmax_dim(node: fx.Node, gm: nn.Module) -> int | None:
     """The dim of a softmax node with nothing else (no dtype), or None when it is not one."""
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
-        if isinstance(mod, nn.Softmax) and mod.dim is not None and len(node.args) == 1 \
-                and not node.kwargs and not (mod._forward_hooks or mod._forward_pre_hooks):
+        if _plain_module(mod, nn.Softmax) and isinstance(mod.dim, int) and len(node.args) == 1 \
+                and not node.kwargs:
             return mod.dim
         return None
     if node.op == "call_function" and node.target in _SOFTMAX_FUNCS or \
@@ -305,7 +367,8 @@ def rewrite_softmax(graph: fx.Graph, gm: nn.Module) -> list[str]:
         if not dead:
             continue  # a plain softmax: the module swap / functional routing covers it
         with graph.inserting_before(node):
-            fused = graph.call_function(softmax_epilogue, (scores, scale, mask, dim))
+            module = graph.get_attr(node.target) if node.op == "call_module" else None
+            fused = graph.call_function(softmax_epilogue, (scores, scale, mask, dim, module))
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
         for d in dead:
@@ -323,7 +386,7 @@ def rewrite_layernorm(graph: fx.Graph, gm: nn.Module) -> list[str]:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         mod = gm.get_submodule(node.target)
-        if not isinstance(mod, nn.LayerNorm):
+        if not _plain_module(mod, nn.LayerNorm):
             continue
         add = node.args[0]
         if not (isinstance(add, fx.Node) and _is_binary(add, _ADD_FUNCS, "add")):
@@ -360,6 +423,7 @@ class FusedForward:
     variants: dict[tuple[bool, ...], fx.GraphModule]
     sites: list[str]
     children: dict[str, nn.Module]  # the child modules the traces call, as they were
+    tensors: dict[str, torch.Tensor]  # the module's own parameters/buffers the traces read
 
 
 def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
@@ -377,6 +441,9 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
             graph = _LeafTracer(module).trace(module, concrete_args=concrete or None)
         except Exception as exc:  # a trace error means "not provable", never a failure
             return None, f"torch.fx could not trace forward ({type(exc).__name__})"
+        if any(n.op == "get_attr" and str(n.target).startswith("_tensor_constant")
+               for n in graph.nodes):
+            return None, "forward makes a tensor a trace would freeze (e.g. a random draw)"
         found = []
         if softmax:
             found += rewrite_softmax(graph, module)
@@ -389,31 +456,42 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
     if not variants:
         return None, "no fusable pattern in forward"
     children = dict(module._modules)
+    tensors = {name: t for name, t in itertools.chain(module._parameters.items(),
+                                                       module._buffers.items())}
     return FusedForward(info, inspect.signature(type(module).forward), variants, sites,
-                        children), None
+                        children, tensors), None
 
 
 def select_variant(fused: FusedForward, module: nn.Module, args: tuple, kwargs: dict
-                   ) -> fx.GraphModule | None:
-    """The trace for this call, or None when the original forward must run (a guard failed or
-    the call's None-pattern has no rewrite)."""
+                   ) -> tuple[fx.GraphModule, tuple] | None:
+    """The trace for this call and its positional arguments, or None when the original forward
+    must run (a guard failed, a child or tensor was replaced, or the call's None-pattern has no
+    rewrite)."""
     d = module.__dict__
     for name, value in fused.info.guards.items():
-        if d.get(name, _MISSING) != value:
+        v = d.get(name, _MISSING)
+        if v.__class__ is not value.__class__ or v != value:  # 4 == 4.0, but not for a slice
             return None
     current = module._modules
     for name, child in fused.children.items():
         if current.get(name) is not child:  # a child replaced since: the traces call the old one
             return None
-    if not fused.info.tested:
-        return fused.variants.get(())
+    params, buffers = module._parameters, module._buffers
+    for name, t in fused.tensors.items():
+        if params.get(name, buffers.get(name)) is not t:  # e.g. .half() or .to() of a buffer
+            return None
+    if not fused.info.tested and not kwargs:
+        gm = fused.variants.get(())
+        return None if gm is None else (gm, args)
     try:
         bound = fused.signature.bind(module, *args, **kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
     key = tuple(bound.arguments[name] is None for name in fused.info.tested)
-    return fused.variants.get(key)
+    gm = fused.variants.get(key)
+    # Positionally, in signature order: the traces may have renamed specialised arguments.
+    return None if gm is None else (gm, tuple(bound.args[1:]))
 
 
 _MISSING = object()

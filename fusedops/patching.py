@@ -297,10 +297,11 @@ class _GraphForward(_ForwardWrapper):
         self.fused = fused
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        gm = _fx_patterns.select_variant(self.fused, self.module, args, kwargs)
-        if gm is None:
+        chosen = _fx_patterns.select_variant(self.fused, self.module, args, kwargs)
+        if chosen is None:
             return self._call_inner(*args, **kwargs)
-        return gm.forward(*args, **kwargs)
+        gm, positional = chosen
+        return gm.forward(*positional)
 
 
 class _SuspendedForward(_ForwardWrapper):

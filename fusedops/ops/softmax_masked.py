@@ -129,6 +129,7 @@ class MaskedSoftmaxFunction(torch.autograd.Function):
                 dz = reference.softmax_masked_backward(y2, dy2, 1.0, acc)
             else:
                 backend, fn = _backend_fn(y2, "softmax_masked_backward")
+                _dispatch.record("softmax_masked_backward", backend)
                 dz = fn(y2, dy2, 1.0, acc)
             dz = dz.view(y.shape)
             shape, dtype = ctx.mask_meta
