@@ -1,10 +1,11 @@
 """Embed the Metal shader sources into a C++ header for the extension (run by setup.py on macOS).
 
 The header defines ``kFusedopsMetalSource``: the shader files of ``SHADER_FILES`` in
-``fusedops/_shader_source.py`` (``softmax.metal``, ``layernorm.metal``, ``rmsnorm.metal``) with
-their ``#include "..."`` lines replaced by the included files (each file once), exactly what
-``fusedops.metal.library_source()`` hands to ``torch.mps.compile_shader`` (a test compares
-the two). The extension compiles it with ``newLibraryWithSource`` at first use.
+``fusedops/_shader_source.py`` (``softmax.metal``, ``layernorm.metal``, ``rmsnorm.metal``,
+``softmax_masked.metal``, ``layernorm_epilogue.metal``) with their ``#include "..."`` lines
+replaced by the included files (each file once), exactly what ``fusedops.metal.library_source()``
+hands to ``torch.mps.compile_shader`` (a test compares the two). The extension compiles it with
+``newLibraryWithSource`` at first use.
 
     python csrc/embed_shaders.py metal csrc/shaders_embedded.h
 """

@@ -54,6 +54,16 @@ constexpr int64_t kFlagBias = 4;
 constexpr int64_t kFlagDx = 8;
 constexpr int64_t kFlagDw = 16;
 constexpr int64_t kFlagDb = 32;
+constexpr int64_t kFlagMask = 64;
+constexpr int64_t kFlagMaskVec = 128;
+constexpr int64_t kFlagCausal = 256;
+constexpr int64_t kFlagAdd = 512;
+constexpr int64_t kFlagDropout = 1024;
+constexpr int64_t kFlagRelu = 2048;
+constexpr int64_t kFlagGelu = 4096;
+constexpr int64_t kFlagStats = 8192;
+constexpr int64_t kFlagPhilox = 16384;
+constexpr int64_t kPhiloxW = 256;  // fusedops/_philox.py W: columns one Philox call serves apart
 
 // --- Dispatch geometry (same functions as fusedops/metal.py) ---------------------------------
 int64_t threadgroup_limit(int64_t max_threads) {
@@ -80,6 +90,16 @@ int64_t reduce_threads(int64_t max_threads) {
   return std::min(kReduceThreads, threadgroup_limit(max_threads));
 }
 
+// LayerNorm epilogue with dropout: the Philox layout takes whole groups of kPhiloxW threads.
+int64_t philox_threadgroup_limit(int64_t max_threads) {
+  return threadgroup_limit(max_threads) / kPhiloxW * kPhiloxW;
+}
+
+int64_t philox_row_threads(int64_t n_cols, int64_t max_threads) {
+  const int64_t per = kReads * kPhiloxW;
+  return std::min(philox_threadgroup_limit(max_threads), (n_cols + per - 1) / per * kPhiloxW);
+}
+
 // --- Kernels -----------------------------------------------------------------------------------
 enum Op {
   kSoftmaxFwd = 0,
@@ -88,10 +108,15 @@ enum Op {
   kLayerNormBwd = 3,
   kRmsNormFwd = 4,
   kRmsNormBwd = 5,
-  kNumOps = 6
+  kSoftmaxMaskedBwd = 6,
+  kLayerNormEpilogueFwd = 7,
+  kLayerNormEpilogueBwd = 8,
+  kNumOps = 9
 };
-const char* const kOpNames[kNumOps] = {"softmax_fwd",   "softmax_bwd", "layernorm_fwd",
-                                        "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"};
+const char* const kOpNames[kNumOps] = {
+    "softmax_fwd",        "softmax_bwd",           "layernorm_fwd",
+    "layernorm_bwd",      "rmsnorm_fwd",           "rmsnorm_bwd",
+    "softmax_masked_bwd", "layernorm_epilogue_fwd", "layernorm_epilogue_bwd"};
 
 const char* type_name(at::ScalarType t) {
   switch (t) {
@@ -247,6 +272,50 @@ std::pair<const Pipeline*, int64_t> choose(const RowKernels& k, int64_t n) {
     return {k.single, row_threads(n, k.single->max_threads)};
   }
   return {k.looped, threadgroup_limit(k.looped->max_threads)};
+}
+
+// Masked softmax forward, per (x type, y type, mask kind): mask kinds bool, float, half, bfloat.
+int mask_index(const std::string& kind) {
+  return kind == "bool" ? 0 : kind == "float" ? 1 : kind == "half" ? 2 : 3;
+}
+
+const RowKernels* masked_fwd_kernels(at::ScalarType a, at::ScalarType b,
+                                     const std::string& kind) {
+  static std::array<std::atomic<const RowKernels*>, 9 * 4> table{};
+  const int ia = type_index(a), ib = type_index(b);
+  if (ia < 0 || ib < 0) {
+    return nullptr;
+  }
+  auto& slot = table[(ia * 3 + ib) * 4 + mask_index(kind)];
+  const RowKernels* k = slot.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    auto* fresh = new RowKernels();  // one per slot at most (a lost race leaks a few bytes)
+    const std::string suffix =
+        std::string("_") + type_name(a) + "_" + type_name(b) + "_" + kind;
+    fresh->single = Library::get().pipeline("fusedops_softmax_masked_fwd_single" + suffix);
+    fresh->looped = Library::get().pipeline("fusedops_softmax_masked_fwd_looped" + suffix);
+    slot.store(fresh, std::memory_order_release);
+    k = fresh;
+  }
+  return (k->single && k->looped) ? k : nullptr;
+}
+
+// LayerNorm epilogue: (kernel, threadgroup size, Philox layout). With dropout, the Philox
+// layout wherever the pipelines allow whole groups of kPhiloxW threads.
+std::tuple<const Pipeline*, int64_t, bool> choose_epilogue(const RowKernels& k, int64_t n,
+                                                           bool dropout) {
+  if (dropout) {
+    const int64_t ls = philox_threadgroup_limit(k.single->max_threads);
+    const int64_t ll = philox_threadgroup_limit(k.looped->max_threads);
+    if (ls > 0 && ll > 0) {
+      if (n <= kReads * ls) {
+        return {k.single, philox_row_threads(n, k.single->max_threads), true};
+      }
+      return {k.looped, ll, true};
+    }
+  }
+  auto [p, threads] = choose(k, n);
+  return {p, threads, false};
 }
 
 // --- Argument checks -------------------------------------------------------------------------
@@ -596,10 +665,317 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> rmsnorm_backwar
   return {dx, dw};
 }
 
+// --- Masked softmax ------------------------------------------------------------------------------
+// The kernel's mask type: "bool", x's type, or "float" (any other dtype, converted).
+std::string mask_kind(const std::optional<at::Tensor>& mask, at::ScalarType x) {
+  if (!mask.has_value() || !mask->defined() || mask->scalar_type() == at::kBool) {
+    return "bool";  // without a mask: the bool kernel, kFlagMask off
+  }
+  const char* name = type_name(mask->scalar_type());
+  return (name != nullptr && mask->scalar_type() == x) ? name : "float";
+}
+
+// `mask` converted to `dtype` without materialising its broadcast (stride-0) dims.
+at::Tensor compact_to(const at::Tensor& mask, at::ScalarType dtype) {
+  at::Tensor base = mask;
+  for (int64_t d = 0; d < mask.dim(); ++d) {
+    if (mask.stride(d) == 0 && mask.size(d) > 1) {
+      base = base.narrow(d, 0, 1);
+    }
+  }
+  return base.to(dtype).expand(mask.sizes());
+}
+
+at::Tensor rows_of(const at::Tensor& t) {
+  return (t.size(1) <= 1 || t.stride(1) == 1) ? t : t.contiguous();
+}
+
+at::Tensor softmax_masked_forward(const at::Tensor& x, const std::optional<at::Tensor>& mask_in,
+                                  double scale, bool causal, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.device().is_mps(), "fusedops metal: x must be an MPS tensor, got ", x.device());
+  TORCH_CHECK(x.dim() == 4, "fusedops metal: x must be (B, H, Q, N), got ", x.dim(), "-D");
+  TORCH_CHECK(type_index(x.scalar_type()) >= 0, "fusedops metal: x must be float32, float16 or "
+              "bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(type_index(out_dtype) >= 0, "fusedops metal: unsupported output dtype ", out_dtype);
+  TORCH_CHECK(x.size(3) < (int64_t(1) << 31), "fusedops metal: rows longer than 2^31");
+  const bool has_mask = mask_in.has_value() && mask_in->defined();
+  if (has_mask) {
+    check_same(x, *mask_in, "mask");
+    TORCH_CHECK(mask_in->scalar_type() == at::kBool || mask_in->is_floating_point(),
+                "fusedops metal: mask must be bool or floating point, got ",
+                mask_in->scalar_type());
+  }
+  const std::string kind = mask_kind(mask_in, x.scalar_type());
+  const RowKernels* k = masked_fwd_kernels(x.scalar_type(), out_dtype, kind);
+  TORCH_CHECK(k != nullptr, "fusedops metal: no masked softmax kernel for ", x.scalar_type(),
+              " -> ", out_dtype, " with a ", kind, " mask");
+  at::Tensor mk;
+  std::array<int64_t, 4> st = {0, 0, 0, 0};
+  int64_t flags = causal ? kFlagCausal : 0;
+  if (has_mask) {
+    mk = mask_in->expand(x.sizes());  // throws unless the mask broadcasts to x
+    const at::ScalarType want =
+        kind == "bool" ? at::kBool : (kind == "float" ? at::kFloat : x.scalar_type());
+    if (mk.scalar_type() != want) {
+      mk = compact_to(mk, want);
+    }
+    // A size-1 dim is only ever indexed at 0: its stride does not matter.
+    for (int d = 0; d < 4; ++d) {
+      st[d] = mk.size(d) == 1 ? 0 : mk.stride(d);
+    }
+    flags |= kFlagMask;
+    if (st[3] == 1 && mk.storage_offset() % kReads == 0 && st[0] % kReads == 0 &&
+        st[1] % kReads == 0 && st[2] % kReads == 0) {
+      flags |= kFlagMaskVec;
+    }
+  }
+  const int64_t heads = x.size(1), queries = x.size(2), n = x.size(3);
+  const int64_t m = x.size(0) * heads * queries;
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (m == 0 || n == 0) {
+    return y;
+  }
+  const at::Tensor x2 = rows_of(x.reshape({m, n}));
+  const at::Tensor y2 = y.view({m, n});
+  if (aligned({&x2, &y2})) {
+    flags |= kFlagVec;
+  }
+  if (!has_mask) {
+    mk = empty_arg(x);
+  }
+  auto [p, threads] = choose(*k, n);
+  encode(p,
+         {Arg::Buf(x2), Arg::Buf(mk), Arg::Buf(y2), Arg::Int(m), Arg::Int(n),
+          Arg::Int(x2.stride(0)), Arg::Int(heads), Arg::Int(queries), Arg::Int(st[0]),
+          Arg::Int(st[1]), Arg::Int(st[2]), Arg::Int(st[3]), Arg::Float(float(scale)),
+          Arg::Int(flags)},
+         row_groups(m), threads);
+  return y;
+}
+
+at::Tensor softmax_masked_backward(const at::Tensor& y_in, const at::Tensor& dy_in, double scale,
+                                   at::ScalarType out_dtype) {
+  check_rows(y_in, "y");
+  check_rows(dy_in, "dy");
+  check_same(y_in, dy_in, "dy");
+  TORCH_CHECK(dy_in.sizes() == y_in.sizes(), "fusedops metal: dy has shape ", dy_in.sizes(),
+              ", expected ", y_in.sizes());
+  TORCH_CHECK(type_index(out_dtype) >= 0, "fusedops metal: unsupported output dtype ", out_dtype);
+  const RowKernels* k = row_kernels(kSoftmaxMaskedBwd, y_in.scalar_type(), out_dtype);
+  TORCH_CHECK(k != nullptr, "fusedops metal: no masked softmax backward kernel for ",
+              y_in.scalar_type(), " -> ", out_dtype);
+  const int64_t m = y_in.size(0), n = y_in.size(1);
+  at::Tensor dx = at::empty({m, n}, y_in.options().dtype(out_dtype));
+  if (m == 0 || n == 0) {
+    return dx;
+  }
+  const at::Tensor y = y_in;
+  const at::Tensor dy = dy_in.scalar_type() == y.scalar_type() ? dy_in : dy_in.to(y.scalar_type());
+  auto [p, threads] = choose(*k, n);
+  const int64_t flags = aligned({&y, &dy, &dx}) ? kFlagVec : 0;
+  encode(p,
+         {Arg::Buf(y), Arg::Buf(dy), Arg::Buf(dx), Arg::Int(m), Arg::Int(n),
+          Arg::Int(y.stride(0)), Arg::Int(dy.stride(0)), Arg::Float(float(scale)),
+          Arg::Int(flags)},
+         row_groups(m), threads);
+  return dx;
+}
+
+// --- LayerNorm epilogue --------------------------------------------------------------------------
+struct Epilogue {
+  int64_t flags = 0;      // kFlagDropout, kFlagRelu, kFlagGelu
+  int64_t threshold = 0;  // keep an element when its Philox number is >= this
+  float keep_scale = 1.0f;
+};
+
+// fusedops/_philox.py dropout_threshold and the activation flag.
+Epilogue epilogue_of(double dropout_p, const std::optional<std::string>& activation) {
+  Epilogue e;
+  if (activation.has_value()) {
+    TORCH_CHECK(*activation == "relu" || *activation == "gelu",
+                "fusedops metal: activation must be None, 'relu' or 'gelu', got ", *activation);
+    e.flags |= *activation == "relu" ? kFlagRelu : kFlagGelu;
+  }
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0,
+              "fusedops metal: dropout_p must be in [0, 1) here, got ", dropout_p);
+  if (dropout_p != 0.0) {
+    e.flags |= kFlagDropout;
+    e.threshold = std::min<int64_t>(int64_t(dropout_p * 4294967296.0), int64_t(0xffffffff));
+    e.keep_scale = float(1.0 / (1.0 - dropout_p));
+  }
+  return e;
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
+           std::optional<at::Tensor>>
+layernorm_epilogue_forward(const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in,
+                           const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias, double eps,
+                           at::ScalarType out_dtype, double dropout_p, int64_t seed,
+                           const std::optional<std::string>& activation, bool need_stats) {
+  check_rows(x_in, "x");
+  TORCH_CHECK(type_index(out_dtype) >= 0, "fusedops metal: unsupported output dtype ", out_dtype);
+  const bool has_r = residual_in.has_value() && residual_in->defined();
+  if (has_r) {
+    check_rows(*residual_in, "residual");
+    check_same(x_in, *residual_in, "residual");
+    TORCH_CHECK(residual_in->sizes() == x_in.sizes() &&
+                    residual_in->scalar_type() == x_in.scalar_type(),
+                "fusedops metal: residual must have x's shape and dtype");
+  }
+  const Epilogue e = epilogue_of(dropout_p, activation);
+  const RowKernels* k = row_kernels(kLayerNormEpilogueFwd, x_in.scalar_type(), out_dtype);
+  TORCH_CHECK(k != nullptr, "fusedops metal: no LayerNorm epilogue kernel for ",
+              x_in.scalar_type(), " -> ", out_dtype);
+  const int64_t m = x_in.size(0), n = x_in.size(1);
+  std::optional<at::Tensor> w, b, s, mean, rstd;
+  if (weight.has_value() && weight->defined()) {
+    w = param_f32(weight, x_in, n, "weight");
+  }
+  if (bias.has_value() && bias->defined()) {
+    b = param_f32(bias, x_in, n, "bias");
+  }
+  at::Tensor out = at::empty({m, n}, x_in.options().dtype(out_dtype));
+  if (has_r) {
+    s = at::empty({m, n}, x_in.options());
+  }
+  if (need_stats) {
+    // The statistics of empty rows are NaN, as the reference's.
+    const auto f32 = x_in.options().dtype(at::kFloat);
+    mean = n == 0 ? at::full({m}, NAN, f32) : at::empty({m}, f32);
+    rstd = n == 0 ? at::full({m}, NAN, f32) : at::empty({m}, f32);
+  }
+  if (m == 0 || n == 0) {
+    return {out, s, mean, rstd};
+  }
+  const at::Tensor x = rows_of(x_in);
+  const at::Tensor r = has_r ? rows_of(*residual_in) : empty_arg(x_in);
+  int64_t flags = e.flags | (w ? kFlagWeight : 0) | (b ? kFlagBias : 0) |
+                  (has_r ? kFlagAdd : 0) | (need_stats ? kFlagStats : 0);
+  auto [p, threads, philox] = choose_epilogue(*k, n, (e.flags & kFlagDropout) != 0);
+  if (philox) {
+    flags |= kFlagPhilox;
+  } else if (aligned({&x, &out, has_r ? &r : nullptr, s ? &*s : nullptr, w ? &*w : nullptr,
+                      b ? &*b : nullptr})) {
+    flags |= kFlagVec;
+  }
+  const at::Tensor none = empty_arg(x_in);
+  encode(p,
+         {Arg::Buf(x), Arg::Buf(r), Arg::Buf(w ? *w : none), Arg::Buf(b ? *b : none),
+          Arg::Buf(out), Arg::Buf(s ? *s : none), Arg::Buf(mean ? *mean : none),
+          Arg::Buf(rstd ? *rstd : none), Arg::Int(m), Arg::Int(n), Arg::Int(x.stride(0)),
+          Arg::Int(has_r ? r.stride(0) : 0), Arg::Float(float(eps)), Arg::Int(seed),
+          Arg::Int(e.threshold), Arg::Float(e.keep_scale), Arg::Int(flags)},
+         row_groups(m), threads);
+  return {out, s, mean, rstd};
+}
+
+std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+layernorm_epilogue_backward(const at::Tensor& dout_in, const std::optional<at::Tensor>& ds_in,
+                            const at::Tensor& s_in, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& mean_in,
+                            const at::Tensor& rstd_in, double dropout_p, int64_t seed,
+                            const std::optional<std::string>& activation, bool need_dx,
+                            bool need_dw, bool need_db) {
+  check_rows(s_in, "s");
+  check_rows(dout_in, "dout");
+  check_same(s_in, dout_in, "dout");
+  check_same(s_in, mean_in, "mean");
+  check_same(s_in, rstd_in, "rstd");
+  TORCH_CHECK(dout_in.sizes() == s_in.sizes(), "fusedops metal: dout has shape ",
+              dout_in.sizes(), ", expected ", s_in.sizes());
+  const int64_t m = s_in.size(0), n = s_in.size(1);
+  TORCH_CHECK(mean_in.numel() == m && rstd_in.numel() == m, "fusedops metal: mean and rstd "
+              "must have ", m, " elements");
+  const bool has_ds = need_dx && ds_in.has_value() && ds_in->defined();
+  if (has_ds) {
+    check_rows(*ds_in, "ds");
+    check_same(s_in, *ds_in, "ds");
+    TORCH_CHECK(ds_in->sizes() == s_in.sizes(), "fusedops metal: ds has shape ",
+                ds_in->sizes(), ", expected ", s_in.sizes());
+  }
+  const Epilogue e = epilogue_of(dropout_p, activation);
+  const RowKernels* k = row_kernels(kLayerNormEpilogueBwd, s_in.scalar_type(),
+                                    dout_in.scalar_type());
+  TORCH_CHECK(k != nullptr, "fusedops metal: no LayerNorm epilogue backward kernel for s ",
+              s_in.scalar_type(), ", dout ", dout_in.scalar_type());
+  std::optional<at::Tensor> w, b;
+  if (weight.has_value() && weight->defined()) {
+    w = param_f32(weight, s_in, n, "weight");
+  }
+  // The bias only enters through the activation's input.
+  if ((e.flags & (kFlagRelu | kFlagGelu)) != 0 && bias.has_value() && bias->defined()) {
+    b = param_f32(bias, s_in, n, "bias");
+  }
+  const Pipeline* reduce = nullptr;
+  if (need_dw || need_db) {
+    reduce = Library::get().pipeline("fusedops_layernorm_dwdb_reduce");
+    TORCH_CHECK(reduce != nullptr, "fusedops metal: missing fusedops_layernorm_dwdb_reduce");
+  }
+  const auto f32 = s_in.options().dtype(at::kFloat);
+  std::optional<at::Tensor> dx, dw, db;
+  if (need_dx) {
+    dx = at::empty({m, n}, s_in.options());
+  }
+  if (need_dw) {
+    dw = m == 0 ? at::zeros({n}, f32) : at::empty({n}, f32);
+  }
+  if (need_db) {
+    db = m == 0 ? at::zeros({n}, f32) : at::empty({n}, f32);
+  }
+  if (m == 0 || n == 0 || !(need_dx || need_dw || need_db)) {
+    return {dx, dw, db};
+  }
+  const at::Tensor s = rows_of(s_in);
+  const at::Tensor dout = rows_of(dout_in);
+  const at::Tensor ds =
+      has_ds ? rows_of(ds_in->scalar_type() == s.scalar_type() ? *ds_in
+                                                                : ds_in->to(s.scalar_type()))
+             : empty_arg(s_in);
+  const at::Tensor mean = mean_in.reshape({-1}).to(at::kFloat).contiguous();
+  const at::Tensor rstd = rstd_in.reshape({-1}).to(at::kFloat).contiguous();
+  const int64_t groups = layernorm_bwd_groups(m, n);
+  std::optional<at::Tensor> dwp, dbp;
+  if (need_dw) {
+    dwp = at::empty({groups, n}, f32);
+  }
+  if (need_db) {
+    dbp = at::empty({groups, n}, f32);
+  }
+  int64_t flags = e.flags | (w ? kFlagWeight : 0) | (b ? kFlagBias : 0) |
+                  (has_ds ? kFlagAdd : 0) | (need_dx ? kFlagDx : 0) | (need_dw ? kFlagDw : 0) |
+                  (need_db ? kFlagDb : 0);
+  auto [p, threads, philox] = choose_epilogue(*k, n, (e.flags & kFlagDropout) != 0);
+  if (philox) {
+    flags |= kFlagPhilox;
+  } else if (aligned({&s, &dout, has_ds ? &ds : nullptr, w ? &*w : nullptr, b ? &*b : nullptr,
+                      dx ? &*dx : nullptr})) {
+    flags |= kFlagVec;
+  }
+  const at::Tensor none = empty_arg(s_in);
+  encode(p,
+         {Arg::Buf(dout), Arg::Buf(ds), Arg::Buf(s), Arg::Buf(w ? *w : none),
+          Arg::Buf(b ? *b : none), Arg::Buf(mean), Arg::Buf(rstd), Arg::Buf(dx ? *dx : none),
+          Arg::Buf(dwp ? *dwp : none), Arg::Buf(dbp ? *dbp : none), Arg::Int(m), Arg::Int(n),
+          Arg::Int(dout.stride(0)), Arg::Int(has_ds ? ds.stride(0) : 0), Arg::Int(s.stride(0)),
+          Arg::Int(seed), Arg::Int(e.threshold), Arg::Float(e.keep_scale), Arg::Int(flags)},
+         groups, threads);
+  if (reduce != nullptr) {
+    const int64_t rt = reduce_threads(reduce->max_threads);
+    encode(reduce,
+           {Arg::Buf(dwp ? *dwp : none), Arg::Buf(dbp ? *dbp : none),
+            Arg::Buf(dw ? *dw : none), Arg::Buf(db ? *db : none), Arg::Int(groups), Arg::Int(n),
+            Arg::Int(flags & (kFlagDw | kFlagDb))},
+           (n + rt - 1) / rt, rt);
+  }
+  return {dx, dw, db};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fusedops Metal kernels (softmax, LayerNorm, RMSNorm) on PyTorch's MPS stream";
+  m.doc() = "fusedops Metal kernels (softmax, LayerNorm, RMSNorm, masked softmax, LayerNorm "
+          "epilogue) on PyTorch's MPS stream";
   m.def("initialize", [] { Library::get().ensure_compiled(); },
         "Compile the embedded shaders (once); raises if Metal rejects them.");
   m.def("kernel_names", [] { return Library::get().function_names(); },
@@ -621,6 +997,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         {"FLAG_DX", kFlagDx},
         {"FLAG_DW", kFlagDw},
         {"FLAG_DB", kFlagDb},
+        {"FLAG_MASK", kFlagMask},
+        {"FLAG_MASK_VEC", kFlagMaskVec},
+        {"FLAG_CAUSAL", kFlagCausal},
+        {"FLAG_ADD", kFlagAdd},
+        {"FLAG_DROPOUT", kFlagDropout},
+        {"FLAG_RELU", kFlagRelu},
+        {"FLAG_GELU", kFlagGelu},
+        {"FLAG_STATS", kFlagStats},
+        {"FLAG_PHILOX", kFlagPhilox},
+        {"PHILOX_W", kPhiloxW},
     };
   });
   m.def("softmax_forward", &softmax_forward, py::arg("x"), py::arg("out_dtype"));
@@ -634,4 +1020,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_dtype"));
   m.def("rmsnorm_backward", &rmsnorm_backward, py::arg("dy"), py::arg("x"), py::arg("weight"),
         py::arg("rstd"), py::arg("need_dx"), py::arg("need_dw"));
+  m.def("softmax_masked_forward", &softmax_masked_forward, py::arg("x"), py::arg("mask"),
+        py::arg("scale"), py::arg("causal"), py::arg("out_dtype"));
+  m.def("softmax_masked_backward", &softmax_masked_backward, py::arg("y"), py::arg("dy"),
+        py::arg("scale"), py::arg("out_dtype"));
+  m.def("layernorm_epilogue_forward", &layernorm_epilogue_forward, py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("bias"), py::arg("eps"),
+        py::arg("out_dtype"), py::arg("dropout_p"), py::arg("seed"), py::arg("activation"),
+        py::arg("need_stats"));
+  m.def("layernorm_epilogue_backward", &layernorm_epilogue_backward, py::arg("dout"),
+        py::arg("ds"), py::arg("s"), py::arg("weight"), py::arg("bias"), py::arg("mean"),
+        py::arg("rstd"), py::arg("dropout_p"), py::arg("seed"), py::arg("activation"),
+        py::arg("need_dx"), py::arg("need_dw"), py::arg("need_db"));
 }

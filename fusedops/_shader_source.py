@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SHADER_FILES = ("softmax.metal", "layernorm.metal", "rmsnorm.metal")
+SHADER_FILES = ("softmax.metal", "layernorm.metal", "rmsnorm.metal", "softmax_masked.metal",
+                "layernorm_epilogue.metal")
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 

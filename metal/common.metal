@@ -1,4 +1,5 @@
-// fusedops Metal shaders: helpers shared by softmax.metal and layernorm.metal.
+// fusedops Metal shaders: helpers shared by the kernel files (softmax, LayerNorm, RMSNorm,
+// masked softmax, LayerNorm epilogue).
 //
 // This file is #included by the kernel files. The host (csrc/fusedops_metal.mm and
 // fusedops/metal.py) inlines it before handing the source to newLibraryWithSource /
@@ -35,6 +36,18 @@ using namespace metal;
 #define FUSEDOPS_FLAG_DX 8
 #define FUSEDOPS_FLAG_DW 16
 #define FUSEDOPS_FLAG_DB 32
+// softmax_masked.metal: a mask is bound / its rows allow vector loads / causal.
+#define FUSEDOPS_FLAG_MASK 64
+#define FUSEDOPS_FLAG_MASK_VEC 128
+#define FUSEDOPS_FLAG_CAUSAL 256
+// layernorm_epilogue.metal: a second summand (residual forward, ds backward) / dropout / the
+// activation / write mean and rstd / the Philox thread layout (columns W apart).
+#define FUSEDOPS_FLAG_ADD 512
+#define FUSEDOPS_FLAG_DROPOUT 1024
+#define FUSEDOPS_FLAG_RELU 2048
+#define FUSEDOPS_FLAG_GELU 4096
+#define FUSEDOPS_FLAG_STATS 8192
+#define FUSEDOPS_FLAG_PHILOX 16384
 
 // Reads FUSEDOPS_READS consecutive elements of `row` starting at column i into v (as float);
 // columns at or past n read as `pad`.
@@ -131,6 +144,63 @@ inline float2 fusedops_tg_max_sum(float m, float s, TG shared, uint lane, uint s
   s = simd_sum(fusedops_rescale(p.y, p.x, mm));
   threadgroup_barrier(mem_flags::mem_threadgroup);
   return float2(mm, s);
+}
+
+// --- Dropout's random numbers --------------------------------------------------------------
+// Philox4x32-10 with the counter layout of fusedops/_philox.py (the definition; every backend
+// draws the same bits): element (row, col) of an (M, N) row view takes output
+// q = (col / W) % 4 of the call with counter (g * W + i, row_lo, row_hi, 0), g = col / (4W),
+// i = col % W, key = the 64-bit seed (lo, hi). So the four columns col, col + W, col + 2W,
+// col + 3W (col % 4W < W) share one call.
+#define FUSEDOPS_PHILOX_W 256
+
+inline uint4 fusedops_philox4x32_10(uint4 c, uint2 k) {
+  for (uint r = 0; r < 10; ++r) {
+    if (r != 0) {
+      k.x += 0x9E3779B9u;
+      k.y += 0xBB67AE85u;
+    }
+    const uint hi0 = mulhi(0xD2511F53u, c.x);
+    const uint lo0 = 0xD2511F53u * c.x;
+    const uint hi1 = mulhi(0xCD9E8D57u, c.z);
+    const uint lo1 = 0xCD9E8D57u * c.z;
+    c = uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+  }
+  return c;
+}
+
+// The Philox key of a seed passed as a (64-bit, two's complement) long.
+inline uint2 fusedops_philox_key(long seed) {
+  const ulong s = ulong(seed);
+  return uint2(uint(s), uint(s >> 32));
+}
+
+// The Philox call serving column `col` of row `row`.
+inline uint4 fusedops_philox_call(uint col, ulong row, uint2 key) {
+  const uint ctr = (col / (4 * FUSEDOPS_PHILOX_W)) * FUSEDOPS_PHILOX_W + col % FUSEDOPS_PHILOX_W;
+  return fusedops_philox4x32_10(uint4(ctr, uint(row), uint(row >> 32), 0u), key);
+}
+
+// Dropout factors of READS columns of a row: f[k] = scale where column base + k * cs is kept
+// (its number >= threshold), else 0. With cs == FUSEDOPS_PHILOX_W (and base % (4W) < W) the
+// four columns share one Philox call; otherwise one call per column.
+inline void fusedops_dropout_factors(ulong row, uint base, uint cs, uint2 key, uint threshold,
+                                     float scale, thread float* f) {
+  if (cs == FUSEDOPS_PHILOX_W) {
+    const uint4 r = fusedops_philox_call(base, row, key);
+    f[0] = r.x >= threshold ? scale : 0.0f;
+    f[1] = r.y >= threshold ? scale : 0.0f;
+    f[2] = r.z >= threshold ? scale : 0.0f;
+    f[3] = r.w >= threshold ? scale : 0.0f;
+  } else {
+    for (uint k = 0; k < FUSEDOPS_READS; ++k) {
+      const uint col = base + k * cs;
+      const uint4 r = fusedops_philox_call(col, row, key);
+      const uint q = (col / FUSEDOPS_PHILOX_W) % 4;
+      const uint bits = q == 0 ? r.x : (q == 1 ? r.y : (q == 2 ? r.z : r.w));
+      f[k] = bits >= threshold ? scale : 0.0f;
+    }
+  }
 }
 
 #endif  // FUSEDOPS_COMMON_METAL

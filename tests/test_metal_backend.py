@@ -79,10 +79,14 @@ def test_metal_instantiated_kernels_match_the_host_tables():
                       ("layernorm_fwd", metal.LAYERNORM_TYPES),
                       ("layernorm_bwd", metal.LAYERNORM_TYPES),
                       ("rmsnorm_fwd", metal.RMSNORM_TYPES),
-                      ("rmsnorm_bwd", metal.RMSNORM_TYPES)):
-        for a, b in pairs:
+                      ("rmsnorm_bwd", metal.RMSNORM_TYPES),
+                      ("softmax_masked_fwd", metal.SOFTMAX_MASKED_FWD_TYPES),
+                      ("softmax_masked_bwd", metal.SOFTMAX_MASKED_BWD_TYPES),
+                      ("layernorm_epilogue_fwd", metal.LAYERNORM_EPILOGUE_TYPES),
+                      ("layernorm_epilogue_bwd", metal.LAYERNORM_EPILOGUE_TYPES)):
+        for types in pairs:
             for variant in ("single", "looped"):
-                expected.add(f"fusedops_{op}_{variant}_{a}_{b}")
+                expected.add(f"fusedops_{op}_{variant}_{'_'.join(types)}")
     assert names == expected
 
 
@@ -124,15 +128,22 @@ def test_metal_extension_constants_match_host_and_shaders():
         "kLnBwdMinGroups": metal.LN_BWD_MIN_GROUPS, "kLnBwdMaxGroups": metal.LN_BWD_MAX_GROUPS,
         "kReduceThreads": metal.REDUCE_THREADS, "kFlagVec": metal.FLAG_VEC,
         "kFlagWeight": metal.FLAG_WEIGHT, "kFlagBias": metal.FLAG_BIAS, "kFlagDx": metal.FLAG_DX,
-        "kFlagDw": metal.FLAG_DW, "kFlagDb": metal.FLAG_DB,
+        "kFlagDw": metal.FLAG_DW, "kFlagDb": metal.FLAG_DB, "kFlagMask": metal.FLAG_MASK,
+        "kFlagMaskVec": metal.FLAG_MASK_VEC, "kFlagCausal": metal.FLAG_CAUSAL,
+        "kFlagAdd": metal.FLAG_ADD, "kFlagDropout": metal.FLAG_DROPOUT,
+        "kFlagRelu": metal.FLAG_RELU, "kFlagGelu": metal.FLAG_GELU,
+        "kFlagStats": metal.FLAG_STATS, "kFlagPhilox": metal.FLAG_PHILOX,
+        "kPhiloxW": metal.PHILOX_W,
     }
     assert mm == py
     common = (REPO / "metal" / "common.metal").read_text()
     defines = dict(re.findall(r"#define FUSEDOPS_(\w+) (\d+)", common))
     assert int(defines["SIMD_WIDTH"]) == metal.SIMD_WIDTH
     assert int(defines["READS"]) == metal.READS
-    for flag in ("VEC", "WEIGHT", "BIAS", "DX", "DW", "DB"):
+    for flag in ("VEC", "WEIGHT", "BIAS", "DX", "DW", "DB", "MASK", "MASK_VEC", "CAUSAL", "ADD",
+                 "DROPOUT", "RELU", "GELU", "STATS", "PHILOX"):
         assert int(defines[f"FLAG_{flag}"]) == getattr(metal, f"FLAG_{flag}")
+    assert int(defines["PHILOX_W"]) == metal.PHILOX_W
 
 
 def test_metal_extension_geometry_matches_host(tmp_path):
@@ -180,6 +191,11 @@ def test_metal_extension_launch_arguments_match_kernel_signatures():
         "fusedops_rmsnorm_fwd_single_float_float",
         "fusedops_rmsnorm_bwd_single_float_float",
         "fusedops_layernorm_dwdb_reduce",  # RMSNorm dweight, stage 2
+        "fusedops_softmax_masked_fwd_single_float_float_bool",
+        "fusedops_softmax_masked_bwd_single_float_float",
+        "fusedops_layernorm_epilogue_fwd_single_float_float",
+        "fusedops_layernorm_epilogue_bwd_single_float_float",
+        "fusedops_layernorm_dwdb_reduce",  # LayerNorm epilogue dweight/dbias, stage 2
     ]
     assert len(calls) == len(launched)
     for (_, body), kernel in zip(calls, launched, strict=True):

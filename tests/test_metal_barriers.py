@@ -8,14 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedops import metal
+from fusedops import _philox, metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 
 MAX_THREADS = 256  # single-row up to 1024 columns
 SIZES = (100, 1000, 3000)  # one SIMD-group (no barrier needed), single-row, looped
 OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd",
-       "rmsnorm_bwd")
+       "rmsnorm_bwd", "softmax_masked_fwd", "softmax_masked_bwd", "layernorm_epilogue_fwd",
+       "layernorm_epilogue_bwd")
 SEEDS = (1, 2, 3)
 
 
@@ -43,6 +44,34 @@ def case_ok(L, op: str, n: int) -> bool:
             y64 = y.double()
             ref = y64 * (dy.double() - (y64 * dy.double()).sum(-1, keepdim=True))
             return close(metal.softmax_backward_with(L, y, dy, torch.float32), ref)
+        if op.startswith("softmax_masked"):
+            y64 = torch.softmax((x.double() * 0.5).masked_fill(x < -1.0, -torch.inf), -1)
+            if op == "softmax_masked_fwd":
+                y = metal.softmax_masked_forward_with(L, x.view(1, 1, 5, n), (x >= -1.0).view(
+                    1, 1, 5, n), 0.5, False, torch.float32)
+                return close(y.view(5, n), y64)
+            ref = 0.5 * y64 * (dy.double() - (y64 * dy.double()).sum(-1, keepdim=True))
+            return close(metal.softmax_masked_backward_with(L, y64.float(), dy, 0.5,
+                                                            torch.float32), ref)
+        if op.startswith("layernorm_epilogue"):
+            # Dropout (the Philox layout: 256 threads) only where more than one SIMD-group runs
+            # anyway; one SIMD-group (n = 100) needs no barrier.
+            p = 0.2 if n > 100 else 0.0
+            f = 1.0 if p == 0 else _philox.keep_mask(7, 5, n, p).double() / (1 - p)
+            s64 = (x + dy).double().requires_grad_()
+            w64 = w.double().requires_grad_()
+            out64 = F.gelu(F.layer_norm(s64, (n,), w64, b.double(), 1e-5) * f)
+            if op == "layernorm_epilogue_fwd":
+                out = metal.layernorm_epilogue_forward_with(L, x, dy, w, b, 1e-5, torch.float32,
+                                                            p, 7, "gelu", False)[0]
+                return close(out, out64.detach())
+            s = x + dy
+            var, mean = torch.var_mean(s.double(), -1, correction=0)
+            dx, dw, _ = metal.layernorm_epilogue_backward_with(
+                L, dy, x, s, w, b, mean.float(), torch.rsqrt(var + 1e-5).float(), p, 7, "gelu",
+                True, True, True)
+            out64.backward(dy.double())
+            return close(dx, s64.grad + x.double()) and close(dw, w64.grad)
         if op.startswith("rmsnorm"):
             x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
             ref = F.rms_norm(x64, (n,), w64, 1e-5)

@@ -54,7 +54,9 @@ def test_metal_emu_scans_kernel_signatures(selftest):
     assert "fusedops_softmax_fwd_single_bfloat_float" in names
     assert "fusedops_layernorm_dwdb_reduce" in names
     assert "fusedops_rmsnorm_bwd_looped_bfloat_float" in names
-    assert len(names) == 61
+    assert "fusedops_softmax_masked_fwd_looped_bfloat_float_bool" in names
+    assert "fusedops_layernorm_epilogue_bwd_single_half_float" in names
+    assert len(names) == 123
 
 
 def test_metal_emu_builtins(selftest, mode):

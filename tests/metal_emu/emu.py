@@ -45,7 +45,8 @@ if not sys.platform.startswith("linux"):  # futex waits, ELF symbol tables
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SHADER_DIR = REPO / "metal"
-SHADER_FILES = ("softmax.metal", "layernorm.metal", "rmsnorm.metal")
+SHADER_FILES = ("softmax.metal", "layernorm.metal", "rmsnorm.metal", "softmax_masked.metal",
+                "layernorm_epilogue.metal")
 SHIM_DIR = HERE / "shim"
 RUNTIME_DIR = HERE / "runtime"
 BUILD_ROOT = HERE / "_build"

@@ -3,8 +3,9 @@ tests/test_metal_sanitizers.py, started with LD_PRELOAD=libtsan.so).
 
     python -m metal_emu.sanitize_check [--mutant DIR]
 
-Without --mutant: every kernel template (softmax, LayerNorm, RMSNorm; both variants, forward
-and backward, threadgroups owning several rows, aligned and misaligned rows) runs once on the
+Without --mutant: every kernel template (softmax, LayerNorm, RMSNorm, masked softmax, LayerNorm
+epilogue in both thread layouts; both variants, forward and backward, threadgroups owning several
+rows, aligned and misaligned rows) runs once on the
 shipped shaders and is checked against a float64 reference; prints "CLEAN-DONE" at the end.
 Any TSan or UBSan report makes the process exit non-zero (halt_on_error).
 
@@ -71,6 +72,41 @@ def run_cases(L) -> None:
         yr64.backward(dyh.double())
         close(dxr, x64.grad, torch.float16, scale=4)
         close(dwr, w64.grad, torch.float32, scale=10)
+        run_epilogue_cases(L, x, m, n, w, b)
+
+
+def run_epilogue_cases(L, x, m, n, w, b) -> None:
+    """Masked softmax (broadcast bool mask, causal) and the LayerNorm epilogue (residual,
+    dropout, GELU; its backward with ds) on the rows x."""
+    from fusedops import _philox
+
+    xh = x.half().reshape(1, 1, m, n)
+    mask = (torch.rand(1, 1, 1, n) > 0.3).expand(1, 1, m, n)
+    y = metal.softmax_masked_forward_with(L, xh, mask, 0.5, True, torch.float32)
+    z = (xh.double() * 0.5).masked_fill(~mask, -torch.inf)
+    z = z.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), -torch.inf)
+    y64 = torch.softmax(z, -1).nan_to_num(0.0)
+    close(y, y64, torch.float32)
+    dy = torch.randn(m, n)
+    dx = metal.softmax_masked_backward_with(L, y.view(m, n), dy, 0.5, torch.float16)
+    yv = y.view(m, n).double()
+    close(dx, 0.5 * yv * (dy.double() - (yv * dy.double()).sum(-1, keepdim=True)),
+          torch.float16)
+    r = torch.randn(m, n)
+    out, s, mean, rstd = metal.layernorm_epilogue_forward_with(L, x, r, w, b, 1e-5,
+                                                               torch.float32, 0.25, 11, "gelu",
+                                                               True)
+    keep = _philox.keep_mask(11, m, n, 0.25).double() / 0.75
+    s64 = (x + r).double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    out64 = F.gelu(F.layer_norm(s64, (n,), w64, b.double(), 1e-5) * keep)
+    close(out, out64.detach(), torch.float32, scale=10)
+    dout, ds = torch.randn(m, n), torch.randn(m, n)
+    dxe, dwe, _ = metal.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, 0.25,
+                                                         11, "gelu", True, True, True)
+    out64.backward(dout.double())
+    close(dxe, s64.grad + ds.double(), torch.float32, scale=10)
+    close(dwe, w64.grad, torch.float32, scale=10)
 
 
 def main() -> int:
@@ -88,6 +124,12 @@ def main() -> int:
     lib.set_timeout(120)
     # 128 threads: 4 SIMD-groups, single-row up to 512 columns, looped above.
     run_cases(emu.EmuLauncher(lib, 128))
+    # 256 threads: the LayerNorm epilogue's Philox layout (columns 256 apart) with dropout,
+    # single-row (n <= 1024) and looped.
+    torch.manual_seed(1)
+    for n in (150, 1100):
+        run_epilogue_cases(emu.EmuLauncher(lib, 256), torch.randn(3, n), 3, n, torch.randn(n),
+                           torch.randn(n))
     print("CLEAN-DONE", file=sys.stderr, flush=True)
     return 0
 
