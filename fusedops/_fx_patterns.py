@@ -212,6 +212,25 @@ def _count(key: str) -> None:
         counts[key] += 1
 
 
+class routing_off:
+    """Suspends patch_model's functional routing while a fused helper runs: the fused op is
+    already what the pattern asked for, and a backend that computes with torch ops (the
+    reference) must not have its own softmax/layer_norm calls routed again."""
+
+    __slots__ = ("mode",)
+
+    def __enter__(self) -> None:
+        from fusedops.patching import _active_mode
+
+        self.mode = None if torch.compiler.is_compiling() else _active_mode()
+        if self.mode is not None:
+            self.mode.suspended += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mode is not None:
+            self.mode.suspended -= 1
+
+
 def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
                      module: nn.Module | None = None) -> Any:
     """``softmax(scores * scale + mask, dim)``, fused where it is the same computation.
@@ -231,7 +250,8 @@ def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
                  and torch.result_type(scores, mask) == scores.dtype) \
             and dim in (-1, scores.dim() - 1):
         _count("softmax_epilogue")
-        return fused_softmax(scores, -1, scale=scale, mask=mask)
+        with routing_off():
+            return fused_softmax(scores, -1, scale=scale, mask=mask)
     _count("softmax_epilogue:unfused")
     z = scores if scale is None else scores * scale
     return torch.softmax(z if mask is None else z + mask, dim)
@@ -277,7 +297,9 @@ def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
         from fusedops.ops.layernorm import fused_layernorm
 
         _count("add_layernorm")
-        return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps, residual=a)[0]
+        with routing_off():
+            return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
+                                   residual=a)[0]
     _count("add_layernorm:unfused")
     return ln(a + b)
 
@@ -288,7 +310,9 @@ def add_layernorm_pair(a: Any, b: Any, ln: nn.Module) -> tuple[Any, Any]:
         from fusedops.ops.layernorm import fused_layernorm
 
         _count("add_layernorm")
-        return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps, residual=a)
+        with routing_off():
+            return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
+                                   residual=a)
     _count("add_layernorm:unfused")
     s = a + b
     return ln(s), s

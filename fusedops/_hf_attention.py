@@ -98,7 +98,8 @@ def fused_eager_attention(
     mask = None
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
-    weights = fused_softmax(scores, -1, scale=float(scaling), mask=mask)
+    with _fx_patterns.routing_off():
+        weights = fused_softmax(scores, -1, scale=float(scaling), mask=mask)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights.to(value.dtype), value)
     return out.transpose(1, 2).contiguous(), weights

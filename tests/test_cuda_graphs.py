@@ -107,9 +107,11 @@ def test_gpu_graph_patched_model_training_step():
     graph = torch.cuda.CUDAGraph()
     with fusedops.count_fused_calls() as counts, torch.cuda.graph(graph):
         static_loss = step()
-    # 2 blocks x 2 LayerNorms + final LayerNorm; 2 attention softmaxes + the pooling softmax.
-    assert counts["layernorm_forward"] == 5 and counts["softmax_forward"] == 3, counts
-    assert counts["layernorm_backward"] == 5 and counts["softmax_backward"] == 3, counts
+    # Per block: ln1, ln2(x + attn) as an epilogue and the attention softmax(scores * scale) as
+    # a masked softmax; then the final LayerNorm and the pooling softmax.
+    for op, n in (("layernorm", 3), ("layernorm_epilogue", 2), ("softmax", 1),
+                  ("softmax_masked", 2)):
+        assert counts[f"{op}_forward"] == n and counts[f"{op}_backward"] == n, counts
     for replay in range(3):
         with torch.no_grad():
             static_x.copy_(torch.randn(16, 128, 6, device="cuda"))
