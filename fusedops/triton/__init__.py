@@ -23,8 +23,10 @@ if AVAILABLE:
     import torch
 
     from fusedops.triton import layernorm as _layernorm
+    from fusedops.triton import layernorm_epilogue as _layernorm_epilogue
     from fusedops.triton import rmsnorm as _rmsnorm
     from fusedops.triton import softmax as _softmax
+    from fusedops.triton import softmax_masked as _softmax_masked
 
     def _on_tensor_device(fn):
         """Run ``fn`` with its first tensor's GPU as the current device: Triton launches on the
@@ -46,16 +48,23 @@ if AVAILABLE:
     layernorm_forward = _on_tensor_device(_layernorm.layernorm_forward)
     layernorm_forward_y = _on_tensor_device(_layernorm.layernorm_forward_y)
     layernorm_backward = _on_tensor_device(_layernorm.layernorm_backward)
+    layernorm_epilogue_forward = _on_tensor_device(_layernorm_epilogue.layernorm_epilogue_forward)
+    layernorm_epilogue_backward = _on_tensor_device(
+        _layernorm_epilogue.layernorm_epilogue_backward)
     rmsnorm_forward = _on_tensor_device(_rmsnorm.rmsnorm_forward)
     rmsnorm_forward_y = _on_tensor_device(_rmsnorm.rmsnorm_forward_y)
     rmsnorm_backward = _on_tensor_device(_rmsnorm.rmsnorm_backward)
     softmax_forward = _on_tensor_device(_softmax.softmax_forward)
     softmax_backward = _on_tensor_device(_softmax.softmax_backward)
+    softmax_masked_forward = _on_tensor_device(_softmax_masked.softmax_masked_forward)
+    softmax_masked_backward = _on_tensor_device(_softmax_masked.softmax_masked_backward)
 
 __all__ = [
     "AVAILABLE",
     "NAME",
     "layernorm_backward",
+    "layernorm_epilogue_backward",
+    "layernorm_epilogue_forward",
     "layernorm_forward",
     "layernorm_forward_y",
     "rmsnorm_backward",
@@ -63,4 +72,6 @@ __all__ = [
     "rmsnorm_forward_y",
     "softmax_backward",
     "softmax_forward",
+    "softmax_masked_backward",
+    "softmax_masked_forward",
 ]

@@ -1,0 +1,732 @@
+"""Triton LayerNorm with fused epilogues: ``out = activation(dropout(layer_norm(x + residual)))``.
+
+The row contract of ``fusedops.reference.layernorm_epilogue_forward`` / ``_backward`` (same
+arguments, same results). Bytes moved: the forward reads x (and residual) once and writes out
+(and s = x + residual) once; the backward reads dout and s (and ds) once and writes dx once, plus
+float32 per-program dweight/dbias partials summed in a fixed order (``_reduce_partials``).
+The dropout mask is never stored: the backward regenerates it from the seed.
+
+Kernels (``dropout_p == 0``, no activation, no residual, no weight / bias, no statistics are
+constexpr specialisations: the plain paths carry none of the dropout or activation code):
+
+* Forward, single-block (padded rows up to 16K, see ``_fwd_cap``): ``ROWS`` whole rows per
+  program as a plain [ROWS, BLOCK] tile in registers (about ``FWD_TILE`` elements, half that with
+  dropout), one read and one write; Philox computed per element (``_keep_2d``: each counter four
+  times, integer work the memory-bound kernel has room for).
+* Forward, looped (longer rows): one program per row; pass 1 streams the row in chunks of
+  ``LOOPED_GROUPS`` x 1024 columns (writing s), keeping per-lane shifted sums merged with Chan's
+  formula; pass 2 reads s (or x) again, from L2, and writes out. Its columns are a
+  ``[Q, R, G, NI]`` tile (``col = g * 1024 + q * 256 + i``, ``fusedops.triton._philox``) so each
+  Philox counter is computed once for its four 256-column slices.
+* Backward, single-block (padded rows up to 4K-8K, ``_bwd_cap``): a persistent grid whose
+  programs loop over [ROWS, BLOCK] row tiles, write dx and accumulate dweight/dbias in float32
+  registers: one partial row each (with one program, the result itself).
+* Backward, longer rows: a row kernel computes the two row sums of dx (one program per row,
+  chunks of ``LOOPED_GROUPS`` x 1024 columns), then a column-blocked kernel (1024 columns by a
+  split of the rows per program) reads the rows again, writes dx and keeps float32 dweight/dbias
+  partials per row split. dout and s are read twice there (five passes of M·N elements in all,
+  against three).
+
+The single-block kernels first held rows as ``[Q, R, G, NI]`` column tiles too (one Philox call
+per counter); those measured 0.07-0.4 of copy bandwidth on an H200 even without dropout
+(benchmarks/results/h200-2026-11-26-s24-chains-ln.*) and were replaced by the 2-D tiles.
+The launch rules are derived from the other norm kernels' (tile sizes, warps, programs per SM),
+not measured for these kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedops import _philox
+from fusedops.triton._common import (
+    Launcher,
+    cdiv,
+    grid_size,
+    next_pow2,
+    num_sms,
+    single_block_limit,
+)
+from fusedops.triton._philox import element_keep, philox4x32, uint32_key
+from fusedops.triton.layernorm import _reduce_partials
+
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+
+# The dropout arguments (key words, threshold) change from call to call: they are passed as
+# int32 bit patterns and never specialised on, so a new seed never compiles a new kernel.
+_RANDOM_ARGS = ["k0", "k1", "thresh"]
+
+
+@triton.jit
+def _activate(y, ACT: tl.constexpr):
+    # ACT: 0 none, 1 ReLU (NaN stays NaN, as torch.relu), 2 exact (erf) GELU.
+    if ACT == 1:
+        y = tl.where(y < 0.0, 0.0, y)
+    elif ACT == 2:
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    return y
+
+
+@triton.jit
+def _activation_grad(v, ACT: tl.constexpr):
+    # d activation / dv (ACT 1 or 2), as fusedops.reference._activation_grad.
+    if ACT == 1:
+        d = tl.where(v > 0.0, 1.0, 0.0)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        d = cdf + v * (tl.exp(-0.5 * v * v) * 0.3989422804014327)
+    return d
+
+
+@triton.jit
+def _row_sum(v):
+    # [Q, R, G, NI] -> [R]: the slices first (held by one thread: plain adds), then the columns.
+    return tl.sum(tl.sum(tl.sum(v, axis=0), axis=2), axis=1)
+
+
+@triton.jit
+def _tile_cols(Q: tl.constexpr, G: tl.constexpr, NI: tl.constexpr):
+    q = tl.arange(0, Q)[:, None, None, None]
+    g = tl.arange(0, G)[None, None, :, None]
+    i = tl.arange(0, NI)[None, None, None, :]
+    return q, g, i
+
+
+@triton.jit
+def _dropout(v, keep, scale):
+    # v * scale where kept, v * 0 where dropped (NaN and inf stay NaN there, as torch's
+    # x * mask * scale). A select on the mask rather than a product with a factor tensor: where
+    # the mask is computed in another layout than v, the compiler converts the mask.
+    return tl.where(keep, v * scale, v * 0.0)
+
+
+@triton.jit
+def _load_sum(x_row, r_row, s_row, c, valid, HAS_RES: tl.constexpr, STORE: tl.constexpr):
+    # One chunk of s = x (+ residual, rounded to x's dtype) in float32; STORE writes s.
+    x = tl.load(x_row + c, mask=valid, other=0.0, eviction_policy="evict_last")
+    if HAS_RES:
+        r = tl.load(r_row + c, mask=valid, other=0.0, eviction_policy="evict_first")
+        s_lp = (x.to(tl.float32) + r.to(tl.float32)).to(x_row.dtype.element_ty)
+        if STORE:
+            tl.store(s_row + c, s_lp, mask=valid)
+        s = s_lp.to(tl.float32)
+    else:
+        s = x.to(tl.float32)
+    return s
+
+
+@triton.jit(do_not_specialize=_RANDOM_ARGS)
+def _ln_epi_fwd_looped(
+    x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, s_ptr, mean_ptr, rstd_ptr,
+    N, stride_x, stride_r, eps, scale, k0, k1, thresh,
+    G: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    DROPOUT: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
+):
+    # One program per row; chunks of G * 1024 columns as [4, 1, G, 256] tiles.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    s_row = s_ptr + row * N
+    out_row = out_ptr + row * N
+    q, g, i = _tile_cols(4, G, 256)
+    lanes = g * 1024 + q * 256 + i
+    CHUNK: tl.constexpr = G * 1024
+    # Pass 1: per-lane sums of s - k and (s - k)^2 about the lane's first element k (no
+    # cancellation for rows far from zero), merged across lanes with Chan's formula.
+    k = _load_sum(x_row, r_row, s_row, lanes, lanes < N, HAS_RES, False)
+    s1 = tl.zeros([4, 1, G, 256], tl.float32)
+    s2 = tl.zeros([4, 1, G, 256], tl.float32)
+    for start in range(0, N, CHUNK):
+        c = start + lanes
+        valid = c < N
+        d = tl.where(valid, _load_sum(x_row, r_row, s_row, c, valid, HAS_RES, True) - k, 0.0)
+        s1 += d
+        s2 += d * d
+    cnt = ((N - lanes + CHUNK - 1) // CHUNK).to(tl.float32)  # elements per lane (0 past N)
+    avg = k + s1 / tl.maximum(cnt, 1.0)
+    m2 = tl.maximum(s2 - s1 * s1 / tl.maximum(cnt, 1.0), 0.0)
+    # Combined about the row's first element (exact for constant rows).
+    x0 = tl.sum(tl.where(lanes == 0, k, 0.0))
+    mean = x0 + tl.sum(cnt * (avg - x0)) / N
+    dev = tl.where(cnt > 0, avg - mean, 0.0)
+    var = (tl.sum(m2) + tl.sum(cnt * dev * dev)) / N
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    if STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+    if HAS_RES:
+        # Pass 2 reads s back: this program's stores must be visible to all its threads.
+        tl.debug_barrier()
+        src_row = s_row
+    else:
+        src_row = x_row
+    if DROPOUT:
+        key0 = uint32_key(k0)
+        key1 = uint32_key(k1)
+        thr = uint32_key(thresh)
+    for start in range(0, N, CHUNK):
+        c = start + lanes
+        valid = c < N
+        s = tl.load(src_row + c, mask=valid, other=0.0, eviction_policy="evict_first")
+        y = (s.to(tl.float32) - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + c, mask=valid, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + c, mask=valid, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+        if DROPOUT:
+            y = _dropout(y, element_keep(row, start // 1024 + g, q, i, key0, key1, thr, 4), scale)
+        y = _activate(y, ACT)
+        tl.store(out_row + c, y.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _grad_at_norm(dout, xhat, w, b, rows, g, q, i, key0, key1, thr, scale,
+                  Q: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                  DROPOUT: tl.constexpr, ACT: tl.constexpr):
+    # The gradient reaching the LayerNorm's output y: dout * act'(dropout(y)) * keep / (1 - p),
+    # with y = xhat * w + b recomputed (only an activation needs it).
+    if DROPOUT:
+        keep = element_keep(rows, g, q, i, key0, key1, thr, Q)
+    gy = dout
+    if ACT != 0:
+        v = xhat
+        if HAS_W:
+            v = v * w
+        if HAS_B:
+            v = v + b
+        if DROPOUT:
+            v = _dropout(v, keep, scale)
+        gy = gy * _activation_grad(v, ACT)
+    if DROPOUT:
+        gy = _dropout(gy, keep, scale)
+    return gy
+
+
+@triton.jit(do_not_specialize=_RANDOM_ARGS)
+def _ln_epi_bwd_row_sums(
+    dout_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr,
+    N, stride_dout, stride_s, scale, k0, k1, thresh,
+    G: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    # Long rows, pass 1: sums_ptr[2 * row + (0, 1)] = mean(xhat * w * gy), mean(w * gy) (the two
+    # row sums of dx), one program per row, chunks of G * 1024 columns.
+    row = tl.program_id(0).to(tl.int64)
+    dout_row = dout_ptr + row * stride_dout
+    s_row = s_ptr + row * stride_s
+    q, g, i = _tile_cols(4, G, 256)
+    lanes = g * 1024 + q * 256 + i
+    CHUNK: tl.constexpr = G * 1024
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    if DROPOUT:
+        key0 = uint32_key(k0)
+        key1 = uint32_key(k1)
+        thr = uint32_key(thresh)
+    else:
+        key0 = 0
+        key1 = 0
+        thr = 0
+    acc1 = tl.zeros([4, 1, G, 256], tl.float32)
+    acc2 = tl.zeros([4, 1, G, 256], tl.float32)
+    for start in range(0, N, CHUNK):
+        c = start + lanes
+        valid = c < N
+        dout = tl.load(dout_row + c, mask=valid, other=0.0).to(tl.float32)
+        xhat = (tl.load(s_row + c, mask=valid, other=0.0).to(tl.float32) - mean) * rstd
+        if HAS_W:
+            w = tl.load(w_ptr + c, mask=valid, other=0.0, eviction_policy="evict_last")
+            w = w.to(tl.float32)
+        else:
+            w = 0.0
+        if HAS_B and ACT != 0:
+            b = tl.load(b_ptr + c, mask=valid, other=0.0, eviction_policy="evict_last")
+            b = b.to(tl.float32)
+        else:
+            b = 0.0
+        gy = _grad_at_norm(dout, xhat, w, b, row, start // 1024 + g, q, i, key0, key1, thr,
+                           scale, 4, HAS_W, HAS_B, DROPOUT, ACT)
+        wg = gy * w if HAS_W else gy
+        acc1 += xhat * wg
+        acc2 += wg
+    tl.store(sums_ptr + 2 * row, tl.sum(acc1) / N)
+    tl.store(sums_ptr + 2 * row + 1, tl.sum(acc2) / N)
+
+
+@triton.jit(do_not_specialize=_RANDOM_ARGS)
+def _ln_epi_bwd_columns(
+    dout_ptr, ds_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, sums_ptr, dx_ptr, dw_ptr, db_ptr,
+    M, N, stride_dout, stride_ds, stride_s, scale, k0, k1, thresh, rows_per_split,
+    R: tl.constexpr, G: tl.constexpr,
+    HAS_DS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
+    ACT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+):
+    # Long rows, pass 2: program (column block of G * 1024 columns, row split) writes dx of its
+    # rows there (from the row sums of pass 1) and dw_ptr / db_ptr[split, cols], the float32
+    # dweight / dbias partials of the split (with one split, the results themselves).
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    q, g, i = _tile_cols(4, G, 256)
+    g = block * G + g
+    cols = g * 1024 + q * 256 + i
+    col_ok = cols < N
+    if DROPOUT:
+        key0 = uint32_key(k0)
+        key1 = uint32_key(k1)
+        thr = uint32_key(thresh)
+    else:
+        key0 = 0
+        key1 = 0
+        thr = 0
+    w = 0.0
+    b = 0.0
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_B and ACT != 0:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([4, R, G, 256], tl.float32)
+    db_acc = tl.zeros([4, R, G, 256], tl.float32)
+    row_start = split * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, M)
+    for r0 in range(row_start, row_end, R):
+        rows = r0 + tl.arange(0, R)
+        row_ok = rows < row_end
+        rows4 = rows.to(tl.int64)[None, :, None, None]
+        mask = row_ok[None, :, None, None] & col_ok
+        dout = tl.load(dout_ptr + rows4 * stride_dout + cols, mask=mask, other=0.0)
+        s = tl.load(s_ptr + rows4 * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[None, :, None, None]
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[None, :, None, None]
+        xhat = (s - mean) * rstd
+        gy = _grad_at_norm(dout.to(tl.float32), xhat, w, b, rows4, g, q, i, key0, key1, thr,
+                           scale, 4, HAS_W, HAS_B, DROPOUT, ACT)
+        if NEED_DX:
+            c1 = tl.load(sums_ptr + 2 * rows, mask=row_ok, other=0.0)[None, :, None, None]
+            c2 = tl.load(sums_ptr + 2 * rows + 1, mask=row_ok, other=0.0)[None, :, None, None]
+            wg = gy * w if HAS_W else gy
+            dx = (wg - (xhat * c1 + c2)) * rstd
+            if HAS_DS:
+                ds = tl.load(ds_ptr + rows4 * stride_ds + cols, mask=mask, other=0.0)
+                dx = dx + ds.to(tl.float32)
+            tl.store(dx_ptr + rows4 * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            dw_acc += gy * xhat
+        if NEED_DB:
+            db_acc += gy
+    part = split.to(tl.int64) * N + cols
+    if NEED_DW:
+        tl.store(dw_ptr + part, tl.sum(dw_acc, axis=1, keep_dims=True), mask=col_ok)
+    if NEED_DB:
+        tl.store(db_ptr + part, tl.sum(db_acc, axis=1, keep_dims=True), mask=col_ok)
+
+
+# --- 2-D row tiles (the single-block paths) ----------------------------------------------------
+# The [Q, R, G, NI] column tiles above compute each Philox counter once, but their multi-axis
+# layouts measured 0.07-0.4 of copy bandwidth on an H200 (also without dropout). These kernels
+# hold rows as plain [ROWS, BLOCK] tiles, as the other norm kernels do, and compute Philox per
+# element (each counter four times): more integer work, full-speed loads and stores.
+
+
+@triton.jit
+def _keep_2d(rows, cols, k0, k1, thresh):
+    # fusedops._philox's element mapping: counter (g * 256 + i, row lo, row hi, 0), word q.
+    c0 = ((cols >> 10) * 256 + (cols & 255)).to(tl.uint32)
+    r64 = rows.to(tl.int64)
+    c1 = (r64 & 0xFFFFFFFF).to(tl.uint32)
+    c2 = (r64 >> 32).to(tl.uint32)
+    q = (cols >> 8) & 3
+    zero = tl.zeros_like(c0[None, :] + c1[:, None])
+    w0, w1, w2, w3 = philox4x32(c0[None, :] + zero, c1[:, None] + zero, c2[:, None] + zero,
+                                zero, uint32_key(k0), uint32_key(k1))
+    bits = tl.where(q[None, :] == 0, w0, w1)
+    bits = tl.where(q[None, :] == 2, w2, bits)
+    bits = tl.where(q[None, :] == 3, w3, bits)
+    return bits >= uint32_key(thresh)
+
+
+@triton.jit(do_not_specialize=_RANDOM_ARGS)
+def _ln_epi_fwd_2d(
+    x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, s_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_r,
+    eps, scale, k0, k1, thresh, num_tiles, num_progs,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            # As torch's add: the sum in float32, rounded once to x's dtype.
+            sv = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(s_ptr + rows64[:, None] * N + cols[None, :], sv, mask=mask)
+            xf = sv.to(tl.float32)
+        else:
+            xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=1) / N
+        d = tl.where(mask, xf - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+        y = d * rstd[:, None]
+        if HAS_W:
+            y = y * w
+        if HAS_B:
+            y = y + b
+        if DROPOUT:
+            y = tl.where(_keep_2d(rows, cols, k0, k1, thresh), y * scale, 0.0)
+        y = _activate(y, ACT)
+        tl.store(out_ptr + rows64[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        if STATS:
+            tl.store(mean_ptr + rows, mean, mask=row_ok)
+            tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=_RANDOM_ARGS)
+def _ln_epi_bwd_2d(
+    dout_ptr, ds_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N,
+    stride_do, stride_ds, stride_s, scale, k0, k1, thresh, num_tiles, num_progs,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr, NEED_DX: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < N
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dw_acc = tl.zeros([BLOCK], tl.float32)
+    db_acc = tl.zeros([BLOCK], tl.float32)
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = row_ok[:, None] & col_ok[None, :]
+        sx = tl.load(s_ptr + rows64[:, None] * stride_s + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        g = tl.load(dout_ptr + rows64[:, None] * stride_do + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (sx - mean[:, None]) * rstd[:, None], 0.0)
+        if DROPOUT:
+            keep = _keep_2d(rows, cols, k0, k1, thresh)
+        if ACT != 0:
+            v = xhat
+            if HAS_W:
+                v = v * w
+            if HAS_B:
+                v = v + b
+            if DROPOUT:
+                v = tl.where(keep, v * scale, 0.0)
+            g = g * _activation_grad(v, ACT)
+        if DROPOUT:
+            g = tl.where(keep, g * scale, 0.0)
+        if NEED_DX:
+            if HAS_W:
+                wg = g * w
+            else:
+                wg = g
+            c1 = tl.sum(xhat * wg, axis=1) / N
+            c2 = tl.sum(wg, axis=1) / N
+            dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if HAS_DS:
+                dx += tl.load(ds_ptr + rows64[:, None] * stride_ds + cols[None, :], mask=mask,
+                              other=0.0).to(tl.float32)
+            tl.store(dx_ptr + rows64[:, None] * N + cols[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            dw_acc += tl.sum(g * xhat, axis=0)
+        if NEED_DB:
+            db_acc += tl.sum(g, axis=0)
+    if NEED_DW:
+        tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_ok)
+    if NEED_DB:
+        tl.store(db_ptr + pid.to(tl.int64) * N + cols, db_acc, mask=col_ok)
+
+
+# No multiply-add contraction: the training and inference specialisations (statistics stored or
+# not) then round alike, so a forward gives the same bits whether or not a backward follows.
+_launch_fwd_2d = Launcher(_ln_epi_fwd_2d, fp_fusion=False)
+_launch_bwd_2d = Launcher(_ln_epi_bwd_2d, fp_fusion=False)
+_launch_fwd_looped = Launcher(_ln_epi_fwd_looped)
+_launch_bwd_row_sums = Launcher(_ln_epi_bwd_row_sums)
+_launch_bwd_columns = Launcher(_ln_epi_bwd_columns)
+
+# Padded rows up to these many columns are held whole in registers; longer rows take the
+# looped kernels. Forward: FWD_MAX_BLOCK, with dropout FWD_MAX_BLOCK_DROPOUT.
+# Backward: BWD_MAX_BLOCK, with dropout or an activation BWD_MAX_BLOCK_EPILOGUE. Chosen so that
+# no variant spills registers (ptxas for sm_90, Triton 3.6 and 3.9). All are also capped by the
+# project's single-block limit (tests shrink it to exercise the looped kernels on short rows).
+FWD_MAX_BLOCK = 16384
+FWD_MAX_BLOCK_DROPOUT = 8192
+BWD_MAX_BLOCK = 8192
+BWD_MAX_BLOCK_EPILOGUE = 4096
+# Elements per row tile of the single-block kernels (R rows of the padded row, up to MAX_ROWS).
+FWD_TILE = 4096
+BWD_TILE = 2048
+MAX_ROWS = 128
+# Elements of a tile per thread (forward, backward, looped kernels): with 16-byte vectors along
+# the columns, 32 let a thread hold all four 256-column slices of its Philox counters (16-bit
+# rows; float32 rows need 16). Fewer cost a shared-memory move of the packed keep bits (see the
+# module docstring); more spill registers in the backward (its accumulators, weight and bias).
+FWD_ELEMS_PER_THREAD = 32
+BWD_ELEMS_PER_THREAD = 16
+LOOPED_ELEMS_PER_THREAD = 16
+# Backward single-block: programs per SM in the persistent grid (and so the number of float32
+# partial rows to sum).
+BWD_PER_SM = 2
+# The looped kernels: 1024-column groups per chunk.
+LOOPED_GROUPS = 4
+# Long-row backward, column kernel: rows per iteration, programs per SM.
+COLUMN_ROWS = 4
+COLUMN_PER_SM = 2
+
+
+def _warps(elements: int, per_thread: int) -> int:
+    return max(1, min(16, elements // (32 * per_thread)))
+
+
+def _tile_2d(block: int, elt: int, dropout: bool, backward: bool = False) -> tuple[int, int]:
+    """(rows per tile, warps) of the 2-D kernels: tiles of about 4K elements (2K with dropout's
+    per-element Philox, whose registers add up), 4-16 warps, as the other norm kernels."""
+    tile = BWD_TILE if dropout else FWD_TILE
+    rows = max(1, min(MAX_ROWS, tile // block))
+    warps = max(4, min(16, rows * block // 512))
+    return rows, warps
+
+
+def _bwd_programs(warps: int, dev: torch.device) -> int:
+    # The backward's persistent grid: enough programs per SM for about 32 resident warps (two
+    # programs measured 0.1-0.5 of copy at 768-2K columns: too few loads in flight).
+    return num_sms(dev) * max(BWD_PER_SM, 32 // warps)
+
+
+def _fwd_cap(dropout: bool) -> int:
+    return min(FWD_MAX_BLOCK_DROPOUT if dropout else FWD_MAX_BLOCK, single_block_limit())
+
+
+def _bwd_cap(dropout: bool, act: int) -> int:
+    cap = BWD_MAX_BLOCK_EPILOGUE if dropout or act else BWD_MAX_BLOCK
+    return min(cap, single_block_limit())
+
+
+def _looped_groups() -> int:
+    return max(1, min(LOOPED_GROUPS, single_block_limit() // 1024))
+
+
+def _random_args(dropout_p: float, seed: int) -> tuple[bool, float, int, int, int]:
+    """(dropout on, scale, key word 0, key word 1, threshold): the key words and threshold as
+    int32 bit patterns (one kernel argument type whatever the seed)."""
+    if dropout_p == 0.0:
+        return False, 1.0, 0, 0, 0
+    thr = _philox.dropout_threshold(dropout_p)  # raises for p outside [0, 1)
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be a non-negative 64-bit integer, got {seed}")
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    i32 = [v - (1 << 32) if v >= 1 << 31 else v for v in (k0, k1, thr)]
+    return True, 1.0 / (1.0 - float(dropout_p)), i32[0], i32[1], i32[2]
+
+
+def _act_code(activation: str | None) -> int:
+    try:
+        return ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"activation must be one of None, 'relu', 'gelu', got {activation!r}") \
+            from None
+
+
+def _check_rows(name: str, t: torch.Tensor | None, shape, dtype) -> None:
+    # The kernels index rows by their stride and columns as contiguous.
+    if t is None:
+        return
+    if t.shape != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)}, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.stride(1) != 1 and shape[1] > 1:
+        raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+
+
+def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def layernorm_epilogue_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    dropout_p: float,
+    seed: int,
+    activation: str | None,
+    need_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``out = activation(dropout(layer_norm(x + residual)))`` over rows (the contract of
+    ``fusedops.reference.layernorm_epilogue_forward``).
+
+    x, residual: (M, N) float32/float16/bfloat16, unit column stride, any row strides, the same
+    dtype (residual may be None); weight, bias: (N,) in any float dtype, or None. Returns
+    ``(out, s, mean, rstd)``: out (M, N) contiguous of ``out_dtype``; s = x + residual rounded
+    to x's dtype, (M, N) contiguous (None without residual); mean/rstd (M,) float32 (None
+    unless ``need_stats``). Dropout with ``dropout_p`` in [0, 1) (0: none) keeps an element when
+    its Philox number for ``seed`` (``fusedops._philox``) is >= the threshold and scales it by
+    1 / (1 - p); activation None, "relu" or "gelu" (exact).
+    """
+    M, N = x.shape
+    dev = x.device
+    _check_rows("x", x, x.shape, x.dtype)
+    _check_rows("residual", residual, x.shape, x.dtype)
+    act = _act_code(activation)
+    dropout, scale, k0, k1, thresh = _random_args(dropout_p, seed)
+    has_res = residual is not None
+    out = torch.empty((M, N), dtype=out_dtype, device=dev)
+    s = torch.empty((M, N), dtype=x.dtype, device=dev) if has_res else None
+    mean = torch.empty((M,), dtype=torch.float32, device=dev) if need_stats else None
+    rstd = torch.empty((M,), dtype=torch.float32, device=dev) if need_stats else None
+    if M == 0 or N == 0:
+        if need_stats:
+            mean.fill_(float("nan"))  # statistics of no elements, as the reference has them
+            rstd.fill_(float("nan"))
+        return out, s, mean, rstd
+    weight, bias = _vector(weight), _vector(bias)
+    has_w, has_b = weight is not None, bias is not None
+    # Placeholders for absent tensors are never read (the flags are constexpr).
+    r = residual if has_res else x
+    sp = s if has_res else out
+    w = weight if has_w else out
+    b = bias if has_b else out
+    mp = mean if need_stats else out
+    rp = rstd if need_stats else out
+    stride_r = residual.stride(0) if has_res else 0
+    block = next_pow2(N)
+    if block <= _fwd_cap(dropout):
+        rows2, warps2 = _tile_2d(block, x.element_size(), dropout)
+        tiles2 = cdiv(M, rows2)
+        progs2 = grid_size(tiles2, warps2, "ln_fwd", dev, block)
+        _launch_fwd_2d((progs2,), (
+            x, r, w, b, out, sp, mp, rp, M, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
+            tiles2, progs2, block, rows2, has_res, has_w, has_b, dropout, act, need_stats,
+        ), warps2)
+    else:
+        groups = _looped_groups()
+        _launch_fwd_looped((M,), (
+            x, r, w, b, out, sp, mp, rp, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
+            groups, has_res, has_w, has_b, dropout, act, need_stats,
+        ), _warps(groups * 1024, LOOPED_ELEMS_PER_THREAD))
+    return out, s, mean, rstd
+
+
+def layernorm_epilogue_backward(
+    dout: torch.Tensor,
+    ds: torch.Tensor | None,
+    s: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dropout_p: float,
+    seed: int,
+    activation: str | None,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`layernorm_epilogue_forward` (the contract of
+    ``fusedops.reference.layernorm_epilogue_backward``).
+
+    dout: (M, N) gradient of out; ds: (M, N) gradient reaching s, or None; s: the LayerNorm's
+    input (x + residual, or x); all with unit column stride and any row strides. The dropout
+    mask is regenerated from ``seed``, the activation's input recomputed from s, mean, rstd,
+    weight and bias. With gy = dout * act'(v) * keep / (1 - p): dx = LayerNorm backward of gy
+    plus ds, (M, N) contiguous in s's dtype (rounded once); dw = Σ_rows gy · xhat and
+    db = Σ_rows gy, float32 (N,). Each is None where not needed. Bitwise reproducible: the grid
+    and the summation order depend on the shapes only.
+    """
+    M, N = s.shape
+    dev = s.device
+    _check_rows("s", s, s.shape, s.dtype)
+    _check_rows("dout", dout, s.shape, dout.dtype)
+    _check_rows("ds", ds, s.shape, ds.dtype if ds is not None else None)
+    act = _act_code(activation)
+    dropout, scale, k0, k1, thresh = _random_args(dropout_p, seed)
+    dx = torch.empty((M, N), dtype=s.dtype, device=dev) if need_dx else None
+    dw = torch.empty((N,), dtype=torch.float32, device=dev) if need_dw else None
+    db = torch.empty((N,), dtype=torch.float32, device=dev) if need_db else None
+    if M == 0 or N == 0 or not (need_dx or need_dw or need_db):
+        for t in (dw, db):
+            if t is not None:
+                t.zero_()
+        return dx, dw, db
+    weight, bias = _vector(weight), _vector(bias)
+    mean, rstd = _vector(mean), _vector(rstd)
+    has_w, has_b = weight is not None, bias is not None
+    has_ds = ds is not None and need_dx
+    w = weight if has_w else s  # placeholders, never read
+    b = bias if has_b else s
+    dsp = ds if has_ds else s
+    stride_ds = ds.stride(0) if has_ds else 0
+    dxp = dx if need_dx else s
+    block = next_pow2(N)
+    if block <= _bwd_cap(dropout, act):
+        rows2, warps2 = _tile_2d(block, s.element_size(), dropout, backward=True)
+        tiles2 = cdiv(M, rows2)
+        progs2 = min(tiles2, _bwd_programs(warps2, dev))
+        dwp, dbp, part = _partials(progs2, N, dw, db, need_dw, need_db, dxp)
+        _launch_bwd_2d((progs2,), (
+            dout, dsp, s, w, b, mean, rstd, dxp, dwp, dbp, M, N, dout.stride(0), stride_ds,
+            s.stride(0), scale, k0, k1, thresh, tiles2, progs2,
+            block, rows2, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
+        ), warps2)
+    else:
+        groups = _looped_groups()
+        sums = dxp
+        if need_dx:
+            sums = torch.empty((M, 2), dtype=torch.float32, device=dev)
+            _launch_bwd_row_sums((M,), (
+                dout, s, w, b, mean, rstd, sums, N, dout.stride(0), s.stride(0), scale, k0, k1,
+                thresh, groups, has_w, has_b, dropout, act,
+            ), _warps(groups * 1024, LOOPED_ELEMS_PER_THREAD))
+        col_blocks = cdiv(N, 1024)
+        splits = max(1, min(cdiv(M, COLUMN_ROWS),
+                            cdiv(COLUMN_PER_SM * num_sms(dev), col_blocks)))
+        rows_per_split = cdiv(cdiv(M, splits), COLUMN_ROWS) * COLUMN_ROWS
+        splits = cdiv(M, rows_per_split)
+        dwp, dbp, part = _partials(splits, N, dw, db, need_dw, need_db, dxp)
+        _launch_bwd_columns((col_blocks, splits), (
+            dout, dsp, s, w, b, mean, rstd, sums, dxp, dwp, dbp, M, N, dout.stride(0),
+            stride_ds, s.stride(0), scale, k0, k1, thresh, rows_per_split,
+            COLUMN_ROWS, 1, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
+        ), _warps(COLUMN_ROWS * 1024, BWD_ELEMS_PER_THREAD))
+    if part is not None:
+        _reduce_partials(part, need_dw, need_db, out=(dw, db))
+    return dx, dw, db
+
+
+def _partials(progs: int, N: int, dw, db, need_dw: bool, need_db: bool,
+              placeholder: torch.Tensor):
+    """(dweight target, dbias target, partials to sum or None) for ``progs`` programs writing
+    one float32 row each: the results themselves for one program, else the two halves of a
+    (2, progs, N) float32 buffer (the layout ``_reduce_partials`` sums)."""
+    if not (need_dw or need_db):
+        return placeholder, placeholder, None
+    if progs == 1:
+        return (dw if need_dw else placeholder), (db if need_db else placeholder), None
+    part = torch.empty((2, progs, N), dtype=torch.float32, device=placeholder.device)
+    return part[0], part[1], part
