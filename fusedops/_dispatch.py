@@ -159,6 +159,22 @@ def backend_for(x: torch.Tensor) -> ModuleType:
     return backend
 
 
+def backend_fn(x: torch.Tensor, name: str) -> tuple[ModuleType, object]:
+    """(backend, its function ``name``) for ``x``; a backend that lacks the function (an op added
+    after it, e.g. an epilogue) falls back to the reference with a one-time warning."""
+    backend = backend_for(x)
+    fn = getattr(backend, name, None)
+    if fn is None:
+        from fusedops import reference
+
+        warn_once(
+            f"missing-op:{backend.NAME}:{name}",
+            f"fusedops: the {backend.NAME} backend has no {name}; using the PyTorch reference "
+            "implementation (correct, not fused).")
+        return reference, getattr(reference, name)
+    return backend, fn
+
+
 def is_fused(backend: ModuleType) -> bool:
     """True when ``backend`` is a real fused-kernel backend (not the reference)."""
     return backend.NAME != "reference"

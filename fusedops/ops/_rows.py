@@ -19,6 +19,13 @@ def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return rows
 
 
+def flat_param(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight/bias as the (N,) contiguous vector the backends take (a view when possible)."""
+    if p is None or (p.dim() == 1 and p.is_contiguous()):  # the common case: no view to make
+        return p
+    return p.reshape(-1).contiguous()
+
+
 def autocast_fp32(x: torch.Tensor) -> bool:
     """True when PyTorch's autocast would run softmax/layer_norm/rms_norm on ``x`` in float32.
 

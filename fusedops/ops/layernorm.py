@@ -11,6 +11,7 @@ from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_layernorm_args, normalize_shape
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
+from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
 
@@ -34,10 +35,6 @@ def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db, grad_dtype
                                       grad_dtypes=grad_dtypes)
 
 
-def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
-    if p is None or (p.dim() == 1 and p.is_contiguous()):  # the common case: no view to make
-        return p
-    return p.reshape(-1).contiguous()
 
 
 class LayerNormFunction(torch.autograd.Function):

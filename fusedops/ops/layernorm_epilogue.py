@@ -9,6 +9,10 @@ import torch.nn.functional as F
 
 from fusedops import _dispatch, _philox, reference
 from fusedops.ops._rows import as_rows
+from fusedops.ops._rows import flat_param as _flat
+
+_backend_fn = _dispatch.backend_fn
+_activate = reference._activate
 
 ACTIVATIONS = reference.ACTIVATIONS
 
@@ -45,22 +49,6 @@ def compose(x, shape, weight, bias, eps, residual, p, activation, keep):
         y = y * keep * (1.0 / (1.0 - p)) if p < 1.0 else y * 0.0
     y = _activate(y, activation)
     return y if residual is None else (y, s)
-
-
-def _backend_fn(x: torch.Tensor, name: str):
-    backend = _dispatch.backend_for(x)
-    fn = getattr(backend, name, None)
-    if fn is None:
-        _dispatch.warn_once(
-            f"missing-op:{backend.NAME}:{name}",
-            f"fusedops: the {backend.NAME} backend has no {name}; using the PyTorch reference "
-            "implementation (correct, not fused).")
-        return reference, getattr(reference, name)
-    return backend, fn
-
-
-def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
-    return p if p is None or (p.dim() == 1 and p.is_contiguous()) else p.reshape(-1).contiguous()
 
 
 class LayerNormEpilogueFunction(torch.autograd.Function):
@@ -152,10 +140,3 @@ def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, 
     out = out2.view(x.shape)
     return out if residual is None else (out, s2.view(x.shape))
 
-
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "gelu":
-        return F.gelu(y)
-    return y

@@ -11,6 +11,7 @@ from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_rmsnorm_args, normalize_shape
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, autocast_fp32
+from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm import _is_last_dim
 
 # F.rms_norm's eps=None: the machine epsilon of the type it computes in (float32 for 16-bit
@@ -34,12 +35,6 @@ def _backward_rows(dy2, x2, w, rstd, need_dx, need_dw, grad_dtypes):
     backend = _dispatch.backend_for(x2)
     _dispatch.record("rmsnorm_backward", backend)
     return backend.rmsnorm_backward(dy2, x2, w, rstd, need_dx, need_dw, grad_dtypes=grad_dtypes)
-
-
-def _flat(p: torch.Tensor | None) -> torch.Tensor | None:
-    if p is None or (p.dim() == 1 and p.is_contiguous()):
-        return p
-    return p.reshape(-1).contiguous()
 
 
 class RMSNormFunction(torch.autograd.Function):

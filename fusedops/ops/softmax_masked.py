@@ -11,6 +11,8 @@ import torch
 from fusedops import _dispatch, reference
 from fusedops.ops._rows import as_rows
 
+_backend_fn = _dispatch.backend_fn
+
 
 def check_mask_args(x: torch.Tensor, scale: object, mask: object, causal: object) -> None:
     """Raise (naming the argument) unless scale/mask/causal are valid for ``x``."""
@@ -77,18 +79,6 @@ def _as_4d(x: torch.Tensor, mask: torch.Tensor | None):
             mask = mask.float()  # the kernels read float32/16-bit masks; an offset loses nothing
         mask4 = mask.expand(shape).reshape(*dims4, q, n)
     return x4, mask4
-
-
-def _backend_fn(x: torch.Tensor, name: str):
-    backend = _dispatch.backend_for(x)
-    fn = getattr(backend, name, None)
-    if fn is None:
-        _dispatch.warn_once(
-            f"missing-op:{backend.NAME}:{name}",
-            f"fusedops: the {backend.NAME} backend has no {name}; using the PyTorch reference "
-            "implementation (correct, not fused).")
-        return reference, getattr(reference, name)
-    return backend, fn
 
 
 def _forward(x, mask, scale, causal, out_dtype):

@@ -103,12 +103,26 @@ def _dropout(v, keep, scale):
 
 
 @triton.jit
-def _load_sum(x_row, r_row, s_row, c, valid, HAS_RES: tl.constexpr, STORE: tl.constexpr):
+def _round_sum(x, r, dtype, RNE: tl.constexpr):
+    # x + r in float32, rounded once to x's dtype as torch's add. RNE: round bfloat16 to nearest
+    # even by hand, for Triton's interpreter, whose float32 -> bfloat16 conversion truncates
+    # (compiled kernels convert correctly and skip this).
+    v = x.to(tl.float32) + r.to(tl.float32)
+    if RNE:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _load_sum(x_row, r_row, s_row, c, valid, HAS_RES: tl.constexpr, STORE: tl.constexpr,
+              RNE: tl.constexpr = False):
     # One chunk of s = x (+ residual, rounded to x's dtype) in float32; STORE writes s.
     x = tl.load(x_row + c, mask=valid, other=0.0, eviction_policy="evict_last")
     if HAS_RES:
         r = tl.load(r_row + c, mask=valid, other=0.0, eviction_policy="evict_first")
-        s_lp = (x.to(tl.float32) + r.to(tl.float32)).to(x_row.dtype.element_ty)
+        s_lp = _round_sum(x, r, x_row.dtype.element_ty, RNE)
         if STORE:
             tl.store(s_row + c, s_lp, mask=valid)
         s = s_lp.to(tl.float32)
@@ -122,7 +136,7 @@ def _ln_epi_fwd_looped(
     x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, s_ptr, mean_ptr, rstd_ptr,
     N, stride_x, stride_r, eps, scale, k0, k1, thresh,
     G: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    DROPOUT: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
+    DROPOUT: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr, RNE: tl.constexpr,
 ):
     # One program per row; chunks of G * 1024 columns as [4, 1, G, 256] tiles.
     row = tl.program_id(0).to(tl.int64)
@@ -135,13 +149,13 @@ def _ln_epi_fwd_looped(
     CHUNK: tl.constexpr = G * 1024
     # Pass 1: per-lane sums of s - k and (s - k)^2 about the lane's first element k (no
     # cancellation for rows far from zero), merged across lanes with Chan's formula.
-    k = _load_sum(x_row, r_row, s_row, lanes, lanes < N, HAS_RES, False)
+    k = _load_sum(x_row, r_row, s_row, lanes, lanes < N, HAS_RES, False, RNE)
     s1 = tl.zeros([4, 1, G, 256], tl.float32)
     s2 = tl.zeros([4, 1, G, 256], tl.float32)
     for start in range(0, N, CHUNK):
         c = start + lanes
         valid = c < N
-        d = tl.where(valid, _load_sum(x_row, r_row, s_row, c, valid, HAS_RES, True) - k, 0.0)
+        d = tl.where(valid, _load_sum(x_row, r_row, s_row, c, valid, HAS_RES, True, RNE) - k, 0.0)
         s1 += d
         s2 += d * d
     cnt = ((N - lanes + CHUNK - 1) // CHUNK).to(tl.float32)  # elements per lane (0 past N)
@@ -354,6 +368,7 @@ def _ln_epi_fwd_2d(
     eps, scale, k0, k1, thresh, num_tiles, num_progs,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
     HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
+    RNE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -370,8 +385,7 @@ def _ln_epi_fwd_2d(
         x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(r_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            # As torch's add: the sum in float32, rounded once to x's dtype.
-            sv = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            sv = _round_sum(x, r, x_ptr.dtype.element_ty, RNE)
             tl.store(s_ptr + rows64[:, None] * N + cols[None, :], sv, mask=mask)
             xf = sv.to(tl.float32)
         else:
@@ -516,6 +530,11 @@ def _bwd_programs(warps: int, dev: torch.device) -> int:
     return num_sms(dev) * max(BWD_PER_SM, 32 // warps)
 
 
+def _rne(x: torch.Tensor) -> bool:
+    """Whether the kernels must round bfloat16 sums by hand (Triton's interpreter, CPU tensors)."""
+    return x.dtype == torch.bfloat16 and not x.is_cuda
+
+
 def _fwd_cap(dropout: bool) -> int:
     return min(FWD_MAX_BLOCK_DROPOUT if dropout else FWD_MAX_BLOCK, single_block_limit())
 
@@ -623,12 +642,13 @@ def layernorm_epilogue_forward(
         _launch_fwd_2d((progs2,), (
             x, r, w, b, out, sp, mp, rp, M, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
             tiles2, progs2, block, rows2, has_res, has_w, has_b, dropout, act, need_stats,
+            _rne(x),
         ), warps2)
     else:
         groups = _looped_groups()
         _launch_fwd_looped((M,), (
             x, r, w, b, out, sp, mp, rp, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
-            groups, has_res, has_w, has_b, dropout, act, need_stats,
+            groups, has_res, has_w, has_b, dropout, act, need_stats, _rne(x),
         ), _warps(groups * 1024, LOOPED_ELEMS_PER_THREAD))
     return out, s, mean, rstd
 
