@@ -240,6 +240,21 @@ class _FakeShaderLibrary:
         return _FakeKernel(self._lib, name, self._max)
 
 
+def fake_mps_compile_shader(monkeypatch, seed: int):
+    """Generator for fixtures: macOS with MPS but no extension, i.e. the compile_shader path,
+    backed by the emulation (random fiber schedule ``seed``), with the Metal backend forced."""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "compile_shader",
+                        lambda src: _FakeShaderLibrary(src, 256), raising=False)
+    monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
+    monkeypatch.setattr(metal, "_impl", None)
+    emu.load().set_mode("fibers-random", seed)
+    with fusedops.use_backend("metal"):
+        yield
+    monkeypatch.setattr(metal, "_impl", None)
+
+
 @pytest.fixture
 def fake_mps(monkeypatch):
     """Pretend to be macOS with MPS but without the extension: fusedops.metal must take the

@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import re
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -464,18 +463,9 @@ def test_metal_layernorm_epilogue_geometry_matches_extension(tmp_path):
 @pytest.fixture
 def fake_mps(monkeypatch):
     """macOS with MPS but no extension: the compile_shader path, backed by the emulation."""
-    from test_metal_backend import _FakeShaderLibrary
+    from test_metal_backend import fake_mps_compile_shader
 
-    monkeypatch.setattr(sys, "platform", "darwin")
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(torch.mps, "compile_shader",
-                        lambda src: _FakeShaderLibrary(src, 256), raising=False)
-    monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
-    emu.load().set_mode("fibers-random", 19)
-    with fusedops.use_backend("metal"):
-        yield
-    monkeypatch.setattr(metal, "_impl", None)
+    yield from fake_mps_compile_shader(monkeypatch, 19)
 
 
 def _chain(backend, x, w, b, r, dout, dr):

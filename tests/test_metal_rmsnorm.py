@@ -13,7 +13,6 @@ stand-in extension whose bindings are read from csrc/fusedops_metal.mm).
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from pathlib import Path
 
@@ -244,18 +243,9 @@ def test_metal_rmsnorm_unsupported_pair_uses_reference(lib):
 @pytest.fixture
 def fake_mps(monkeypatch):
     """macOS with MPS but no extension: the compile_shader path, backed by the emulation."""
-    from test_metal_backend import _FakeShaderLibrary
+    from test_metal_backend import fake_mps_compile_shader
 
-    monkeypatch.setattr(sys, "platform", "darwin")
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(torch.mps, "compile_shader",
-                        lambda src: _FakeShaderLibrary(src, 256), raising=False)
-    monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
-    emu.load().set_mode("fibers-random", 13)
-    with fusedops.use_backend("metal"):
-        yield
-    monkeypatch.setattr(metal, "_impl", None)
+    yield from fake_mps_compile_shader(monkeypatch, 13)
 
 
 def test_metal_rmsnorm_compile_shader_path_end_to_end(fake_mps):

@@ -16,7 +16,6 @@ functions through both implementation paths.
 from __future__ import annotations
 
 import inspect
-import sys
 import warnings
 
 import pytest
@@ -331,18 +330,9 @@ def test_metal_softmax_masked_backward_strided(lib, layout, n, max_threads):
 @pytest.fixture
 def fake_mps(monkeypatch):
     """macOS with MPS but no extension: the compile_shader path, backed by the emulation."""
-    from test_metal_backend import _FakeShaderLibrary
+    from test_metal_backend import fake_mps_compile_shader
 
-    monkeypatch.setattr(sys, "platform", "darwin")
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setattr(torch.mps, "compile_shader",
-                        lambda src: _FakeShaderLibrary(src, 256), raising=False)
-    monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
-    emu.load().set_mode("fibers-random", 17)
-    with fusedops.use_backend("metal"):
-        yield
-    monkeypatch.setattr(metal, "_impl", None)
+    yield from fake_mps_compile_shader(monkeypatch, 17)
 
 
 def test_metal_softmax_masked_compile_shader_path_end_to_end(fake_mps):
