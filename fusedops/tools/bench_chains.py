@@ -910,6 +910,7 @@ def default_stem(result: dict, tag: str | None = None) -> str:
 
 def write_csv(result: dict, path: str | Path) -> Path:
     """One row per record; every row also names the device, versions and date."""
+    from fusedops.tools.bench_report import _csv_value  # the bench's cell format
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     run = {k: result.get(k) for k in ("device", "torch", "triton", "fusedops", "date")}
@@ -928,12 +929,6 @@ def write_csv(result: dict, path: str | Path) -> Path:
     return path
 
 
-def _csv_value(v: Any) -> Any:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return v
 
 
 def _grid(records: Sequence[dict]) -> dict[tuple, dict[str, dict]]:
