@@ -821,7 +821,8 @@ def layernorm_epilogue_forward(x, residual, weight, bias, eps, out_dtype, dropou
 
 
 def layernorm_epilogue_backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed,
-                                activation, need_dx, need_dw, need_db):
+                                activation, need_dx, need_dw, need_db, grad_dtypes=None):
+    # grad_dtypes: a hint for backends that cast dweight/dbias themselves; the caller casts here.
     impl = _get_impl()
     if isinstance(impl, _Extension):
         if (s.dtype, dout.dtype) in impl.layernorm_epilogue_bwd:

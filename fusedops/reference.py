@@ -280,6 +280,7 @@ def layernorm_epilogue_backward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    grad_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`layernorm_epilogue_forward`.
 
@@ -287,7 +288,8 @@ def layernorm_epilogue_backward(
     s: the LayerNorm's input (x + residual, or x). The dropout mask is regenerated from ``seed``
     and the activation's input recomputed from s, mean, rstd, weight and bias. Returns dx (the
     gradient of x, which is also residual's) in s's dtype, and float (N,) dw/db as
-    :func:`layernorm_backward`.
+    :func:`layernorm_backward` (``grad_dtypes`` is a hint for backends that cast them; the caller
+    casts these).
     """
     acc = _acc_dtype(s.dtype)
     g = dout.to(acc)

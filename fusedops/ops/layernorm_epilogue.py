@@ -73,7 +73,11 @@ class LayerNormEpilogueFunction(torch.autograd.Function):
         s = x if s2 is None else s2.view(x.shape)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.meta = (n, eps, p, seed, activation)
+        ctx.out_dtype = out_dtype
         ctx.param_meta = tuple(None if t is None else (t.shape, t.dtype) for t in (weight, bias))
+        # An unused output's gradient arrives as None, not as zeros autograd would fill and the
+        # backward would read (x + residual is often used only for its value, or not at all).
+        ctx.set_materialize_grads(False)
         return out if residual is None else (out, s)
 
     @staticmethod
@@ -84,9 +88,12 @@ class LayerNormEpilogueFunction(torch.autograd.Function):
         need_dx = bool(need_x or need_r)
         need_dw = bool(need_w and weight is not None)
         need_db = bool(need_b and bias is not None)
+        if dout is None:  # only the sum was used
+            dout = torch.zeros(s.shape, dtype=ctx.out_dtype, device=s.device)
         s2, dout2 = as_rows(s, n), as_rows(dout, n)
         ds2 = None if ds is None else as_rows(ds, n)
         w, b = _flat(weight), _flat(bias)
+        w_meta, b_meta = ctx.param_meta
         if torch.is_grad_enabled():
             # create_graph=True: torch ops throughout, the statistics recomputed from s, so
             # second derivatives see mean and rstd as the functions of s they are.
@@ -99,9 +106,9 @@ class LayerNormEpilogueFunction(torch.autograd.Function):
             backend, fn = _backend_fn(s2, "layernorm_epilogue_backward")
             _dispatch.record("layernorm_epilogue_backward", backend)
             dx2, dw, db = fn(dout2, ds2, s2, w, b, mean, rstd, p, seed, activation,
-                             need_dx, need_dw, need_db)
+                             need_dx, need_dw, need_db,
+                             grad_dtypes=(w_meta and w_meta[1], b_meta and b_meta[1]))
         dx = None if dx2 is None else dx2.view(s.shape)
-        w_meta, b_meta = ctx.param_meta
         dweight = None if dw is None else dw.to(w_meta[1]).view(w_meta[0])
         dbias = None if db is None else db.to(b_meta[1]).view(b_meta[0])
         return (dx if need_x else None, dx if need_r else None, dweight, dbias,

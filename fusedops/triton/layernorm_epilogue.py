@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from fusedops import _philox
+from fusedops.triton import layernorm as _ln
 from fusedops.triton._common import (
     Launcher,
     cdiv,
@@ -50,7 +51,7 @@ from fusedops.triton._common import (
     single_block_limit,
 )
 from fusedops.triton._philox import element_keep, philox4x32, uint32_key
-from fusedops.triton.layernorm import _reduce_partials
+from fusedops.triton.layernorm import _over_rows, _reduce_partials, _row_sums
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 
@@ -346,131 +347,331 @@ def _ln_epi_bwd_columns(
 
 
 @triton.jit
-def _keep_2d(rows, cols, k0, k1, thresh):
-    # fusedops._philox's element mapping: counter (g * 256 + i, row lo, row hi, 0), word q.
-    c0 = ((cols >> 10) * 256 + (cols & 255)).to(tl.uint32)
+def _slice_cols(j, q: tl.constexpr, Q: tl.constexpr):
+    # Column of lane j in slice q of a row block cut into Q slices along fusedops._philox's
+    # layout: slice q holds the columns that take Philox word q (col // 256 % 4 == q), so lane
+    # j of every slice is served by the one call with counter j (with Q == 1, word 0 serves a
+    # block of at most 256 columns, and without dropout the slice is the plain block).
+    if Q == 1:
+        return j
+    else:
+        return (j // 256) * 1024 + q * 256 + (j % 256)
+
+
+@triton.jit
+def _philox_words(rows, j, k0, k1):
+    # The four words of the calls with counters (j, row lo, row hi, 0): [ROWS, L] each.
     r64 = rows.to(tl.int64)
-    c1 = (r64 & 0xFFFFFFFF).to(tl.uint32)
-    c2 = (r64 >> 32).to(tl.uint32)
-    q = (cols >> 8) & 3
-    zero = tl.zeros_like(c0[None, :] + c1[:, None])
-    w0, w1, w2, w3 = philox4x32(c0[None, :] + zero, c1[:, None] + zero, c2[:, None] + zero,
-                                zero, uint32_key(k0), uint32_key(k1))
-    bits = tl.where(q[None, :] == 0, w0, w1)
-    bits = tl.where(q[None, :] == 2, w2, bits)
-    bits = tl.where(q[None, :] == 3, w3, bits)
-    return bits >= uint32_key(thresh)
+    c0 = j.to(tl.uint32)[None, :]
+    c1 = (r64 & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c2 = (r64 >> 32).to(tl.uint32)[:, None]
+    zero = tl.zeros_like(c0 + c1)
+    return philox4x32(c0 + zero, c1 + zero, c2 + zero, zero, uint32_key(k0), uint32_key(k1))
+
+
+@triton.jit
+def _fwd_slice_in(x_ptr, r_ptr, s_ptr, rows64, cols, mask, N, stride_x, stride_r,
+                  HAS_RES: tl.constexpr, RNE: tl.constexpr):
+    # One slice of s = x (+ residual, rounded to x's dtype and stored) in float32.
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        sv = _round_sum(x, r, x_ptr.dtype.element_ty, RNE)
+        tl.store(s_ptr + rows64[:, None] * N + cols[None, :], sv, mask=mask)
+        return sv.to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _fwd_slice_out(d, rstd, w, b, word, thr, scale, out_ptr, rows64, cols, mask, N,
+                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr,
+                   ACT: tl.constexpr):
+    # One slice of out = activation(dropout(d * rstd * w + b)), d = s - mean.
+    y = d * rstd[:, None]
+    if HAS_W:
+        y = y * w
+    if HAS_B:
+        y = y + b
+    if DROPOUT:
+        y = tl.where(word >= thr, y * scale, 0.0)
+    y = _activate(y, ACT)
+    tl.store(out_ptr + rows64[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _param_slice(ptr, cols, N, HAS: tl.constexpr):
+    if HAS:
+        return tl.load(ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    else:
+        return 0.0
 
 
 @triton.jit(do_not_specialize=_RANDOM_ARGS)
 def _ln_epi_fwd_2d(
     x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, s_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_r,
     eps, scale, k0, k1, thresh, num_tiles, num_progs,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
-    RNE: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr, HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr,
+    STATS: tl.constexpr, RNE: tl.constexpr,
 ):
+    # Rows as Q slices of [ROWS, BLOCK // Q] (_slice_cols): with dropout Q = 4 (2 or 1 for
+    # blocks of 512 or up to 256), so each Philox call is made once and its four words serve
+    # the four slices; without it Q = 1, the plain [ROWS, BLOCK] tile.
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    j = tl.arange(0, BLOCK // Q)
+    c0 = _slice_cols(j, 0, Q)
+    w0 = _param_slice(w_ptr, c0, N, HAS_W)
+    b0 = _param_slice(b_ptr, c0, N, HAS_B)
+    if Q > 1:
+        c1 = _slice_cols(j, 1, Q)
+        w1 = _param_slice(w_ptr, c1, N, HAS_W)
+        b1 = _param_slice(b_ptr, c1, N, HAS_B)
+    if Q > 2:
+        c2 = _slice_cols(j, 2, Q)
+        c3 = _slice_cols(j, 3, Q)
+        w2 = _param_slice(w_ptr, c2, N, HAS_W)
+        b2 = _param_slice(b_ptr, c2, N, HAS_B)
+        w3 = _param_slice(w_ptr, c3, N, HAS_W)
+        b3 = _param_slice(b_ptr, c3, N, HAS_B)
+    if DROPOUT:
+        thr = uint32_key(thresh)
+    else:
+        thr = 0
     for tile in range(pid, num_tiles, num_progs):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         rows64 = rows.to(tl.int64)
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(r_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            sv = _round_sum(x, r, x_ptr.dtype.element_ty, RNE)
-            tl.store(s_ptr + rows64[:, None] * N + cols[None, :], sv, mask=mask)
-            xf = sv.to(tl.float32)
-        else:
-            xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=1) / N
-        d = tl.where(mask, xf - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
-        y = d * rstd[:, None]
-        if HAS_W:
-            y = y * w
-        if HAS_B:
-            y = y + b
+        m0 = row_ok[:, None] & (c0 < N)[None, :]
+        x0 = _fwd_slice_in(x_ptr, r_ptr, s_ptr, rows64, c0, m0, N, stride_x, stride_r,
+                           HAS_RES, RNE)
+        tot = x0
+        if Q > 1:
+            m1 = row_ok[:, None] & (c1 < N)[None, :]
+            x1 = _fwd_slice_in(x_ptr, r_ptr, s_ptr, rows64, c1, m1, N, stride_x, stride_r,
+                               HAS_RES, RNE)
+            tot += x1
+        if Q > 2:
+            m2 = row_ok[:, None] & (c2 < N)[None, :]
+            m3 = row_ok[:, None] & (c3 < N)[None, :]
+            x2 = _fwd_slice_in(x_ptr, r_ptr, s_ptr, rows64, c2, m2, N, stride_x, stride_r,
+                               HAS_RES, RNE)
+            x3 = _fwd_slice_in(x_ptr, r_ptr, s_ptr, rows64, c3, m3, N, stride_x, stride_r,
+                               HAS_RES, RNE)
+            tot += x2 + x3
+        mean = tl.sum(tot, axis=1) / N
+        d0 = tl.where(m0, x0 - mean[:, None], 0.0)
+        sq = d0 * d0
+        if Q > 1:
+            d1 = tl.where(m1, x1 - mean[:, None], 0.0)
+            sq += d1 * d1
+        if Q > 2:
+            d2 = tl.where(m2, x2 - mean[:, None], 0.0)
+            d3 = tl.where(m3, x3 - mean[:, None], 0.0)
+            sq += d2 * d2 + d3 * d3
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / N + eps)
         if DROPOUT:
-            y = tl.where(_keep_2d(rows, cols, k0, k1, thresh), y * scale, 0.0)
-        y = _activate(y, ACT)
-        tl.store(out_ptr + rows64[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+            r0, r1, r2, r3 = _philox_words(rows, j, k0, k1)
+        else:
+            r0, r1, r2, r3 = 0, 0, 0, 0
+        _fwd_slice_out(d0, rstd, w0, b0, r0, thr, scale, out_ptr, rows64, c0, m0, N,
+                       HAS_W, HAS_B, DROPOUT, ACT)
+        if Q > 1:
+            _fwd_slice_out(d1, rstd, w1, b1, r1, thr, scale, out_ptr, rows64, c1, m1, N,
+                           HAS_W, HAS_B, DROPOUT, ACT)
+        if Q > 2:
+            _fwd_slice_out(d2, rstd, w2, b2, r2, thr, scale, out_ptr, rows64, c2, m2, N,
+                           HAS_W, HAS_B, DROPOUT, ACT)
+            _fwd_slice_out(d3, rstd, w3, b3, r3, thr, scale, out_ptr, rows64, c3, m3, N,
+                           HAS_W, HAS_B, DROPOUT, ACT)
         if STATS:
             tl.store(mean_ptr + rows, mean, mask=row_ok)
             tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _bwd_slice_grad(dout_ptr, s_ptr, rows64, cols, mask, mean, rstd, w, b, word, thr, scale,
+                    stride_do, stride_s, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                    DROPOUT: tl.constexpr, ACT: tl.constexpr):
+    # One slice: (xhat, gy, w * gy), gy = dout * act'(v) * keep / (1 - p) the gradient at the
+    # LayerNorm's output, v = dropout(xhat * w + b) recomputed (only an activation needs it).
+    sx = tl.load(s_ptr + rows64[:, None] * stride_s + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    g = tl.load(dout_ptr + rows64[:, None] * stride_do + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (sx - mean[:, None]) * rstd[:, None], 0.0)
+    if ACT != 0:
+        v = xhat
+        if HAS_W:
+            v = v * w
+        if HAS_B:
+            v = v + b
+        if DROPOUT:
+            v = tl.where(word >= thr, v * scale, 0.0)
+        g = g * _activation_grad(v, ACT)
+    if DROPOUT:
+        g = tl.where(word >= thr, g * scale, 0.0)
+    if HAS_W:
+        wg = g * w
+    else:
+        wg = g
+    return xhat, g, wg
+
+
+@triton.jit
+def _bwd_slice_dx(xhat, wg, c1, c2, rstd, ds_ptr, dx_ptr, rows64, cols, mask, N, stride_ds,
+                  HAS_DS: tl.constexpr):
+    dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+    if HAS_DS:
+        dx += tl.load(ds_ptr + rows64[:, None] * stride_ds + cols[None, :], mask=mask,
+                      other=0.0).to(tl.float32)
+    tl.store(dx_ptr + rows64[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _accumulate(acc, v, ACC_1D: tl.constexpr):
+    if ACC_1D:
+        return acc + tl.sum(v, axis=0)
+    else:
+        return acc + v
+
+
+@triton.jit
+def _acc_zeros(ROWS: tl.constexpr, L: tl.constexpr, ACC_1D: tl.constexpr):
+    if ACC_1D:
+        return tl.zeros([L], tl.float32)
+    else:
+        return tl.zeros([ROWS, L], tl.float32)
+
+
+@triton.jit
+def _store_partial(ptr, acc, cols, N, ACC_1D: tl.constexpr):
+    tl.store(ptr + cols, _over_rows(acc, ACC_1D), mask=cols < N)
 
 
 @triton.jit(do_not_specialize=_RANDOM_ARGS)
 def _ln_epi_bwd_2d(
     dout_ptr, ds_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N,
     stride_do, stride_ds, stride_s, scale, k0, k1, thresh, num_tiles, num_progs,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr, NEED_DX: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr, HAS_DS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, DROPOUT: tl.constexpr, ACT: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, ACC_1D: tl.constexpr,
+    PAIRED: tl.constexpr, STAGES: tl.constexpr,
 ):
+    # A persistent grid over [ROWS, BLOCK] row tiles, held as Q slices as in _ln_epi_fwd_2d
+    # (one Philox call per counter with dropout). ACC_1D, PAIRED, STAGES as in LayerNorm's
+    # _ln_bwd_single: fold each tile's rows into the dweight/dbias accumulators at once, or keep
+    # (ROWS, BLOCK) ones reduced once at the end (no cross-warp reduction per tile); the two
+    # row sums of dx in one paired reduction; Triton's software pipelining of the tile loop.
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < N
-    if HAS_W:
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dw_acc = tl.zeros([BLOCK], tl.float32)
-    db_acc = tl.zeros([BLOCK], tl.float32)
-    for tile in range(pid, num_tiles, num_progs):
+    L: tl.constexpr = BLOCK // Q
+    j = tl.arange(0, L)
+    c0 = _slice_cols(j, 0, Q)
+    w0 = _param_slice(w_ptr, c0, N, HAS_W)
+    b0 = _param_slice(b_ptr, c0, N, HAS_B and ACT != 0)
+    dw0 = _acc_zeros(ROWS, L, ACC_1D)
+    db0 = _acc_zeros(ROWS, L, ACC_1D)
+    if Q > 1:
+        c1 = _slice_cols(j, 1, Q)
+        w1 = _param_slice(w_ptr, c1, N, HAS_W)
+        b1 = _param_slice(b_ptr, c1, N, HAS_B and ACT != 0)
+        dw1 = _acc_zeros(ROWS, L, ACC_1D)
+        db1 = _acc_zeros(ROWS, L, ACC_1D)
+    if Q > 2:
+        c2 = _slice_cols(j, 2, Q)
+        c3 = _slice_cols(j, 3, Q)
+        w2 = _param_slice(w_ptr, c2, N, HAS_W)
+        b2 = _param_slice(b_ptr, c2, N, HAS_B and ACT != 0)
+        w3 = _param_slice(w_ptr, c3, N, HAS_W)
+        b3 = _param_slice(b_ptr, c3, N, HAS_B and ACT != 0)
+        dw2 = _acc_zeros(ROWS, L, ACC_1D)
+        db2 = _acc_zeros(ROWS, L, ACC_1D)
+        dw3 = _acc_zeros(ROWS, L, ACC_1D)
+        db3 = _acc_zeros(ROWS, L, ACC_1D)
+    if DROPOUT:
+        thr = uint32_key(thresh)
+    else:
+        thr = 0
+    for tile in tl.range(pid, num_tiles, num_progs, num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         rows64 = rows.to(tl.int64)
-        mask = row_ok[:, None] & col_ok[None, :]
-        sx = tl.load(s_ptr + rows64[:, None] * stride_s + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        g = tl.load(dout_ptr + rows64[:, None] * stride_do + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        xhat = tl.where(mask, (sx - mean[:, None]) * rstd[:, None], 0.0)
         if DROPOUT:
-            keep = _keep_2d(rows, cols, k0, k1, thresh)
-        if ACT != 0:
-            v = xhat
-            if HAS_W:
-                v = v * w
-            if HAS_B:
-                v = v + b
-            if DROPOUT:
-                v = tl.where(keep, v * scale, 0.0)
-            g = g * _activation_grad(v, ACT)
-        if DROPOUT:
-            g = tl.where(keep, g * scale, 0.0)
+            r0, r1, r2, r3 = _philox_words(rows, j, k0, k1)
+        else:
+            r0, r1, r2, r3 = 0, 0, 0, 0
+        m0 = row_ok[:, None] & (c0 < N)[None, :]
+        xh0, g0, wg0 = _bwd_slice_grad(dout_ptr, s_ptr, rows64, c0, m0, mean, rstd, w0, b0, r0,
+                                       thr, scale, stride_do, stride_s, HAS_W, HAS_B, DROPOUT,
+                                       ACT)
+        t1 = xh0 * wg0
+        t2 = wg0
+        if Q > 1:
+            m1 = row_ok[:, None] & (c1 < N)[None, :]
+            xh1, g1, wg1 = _bwd_slice_grad(dout_ptr, s_ptr, rows64, c1, m1, mean, rstd, w1, b1,
+                                           r1, thr, scale, stride_do, stride_s, HAS_W, HAS_B,
+                                           DROPOUT, ACT)
+            t1 += xh1 * wg1
+            t2 += wg1
+        if Q > 2:
+            m2 = row_ok[:, None] & (c2 < N)[None, :]
+            m3 = row_ok[:, None] & (c3 < N)[None, :]
+            xh2, g2, wg2 = _bwd_slice_grad(dout_ptr, s_ptr, rows64, c2, m2, mean, rstd, w2, b2,
+                                           r2, thr, scale, stride_do, stride_s, HAS_W, HAS_B,
+                                           DROPOUT, ACT)
+            xh3, g3, wg3 = _bwd_slice_grad(dout_ptr, s_ptr, rows64, c3, m3, mean, rstd, w3, b3,
+                                           r3, thr, scale, stride_do, stride_s, HAS_W, HAS_B,
+                                           DROPOUT, ACT)
+            t1 += xh2 * wg2 + xh3 * wg3
+            t2 += wg2 + wg3
         if NEED_DX:
-            if HAS_W:
-                wg = g * w
-            else:
-                wg = g
-            c1 = tl.sum(xhat * wg, axis=1) / N
-            c2 = tl.sum(wg, axis=1) / N
-            dx = (wg - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            if HAS_DS:
-                dx += tl.load(ds_ptr + rows64[:, None] * stride_ds + cols[None, :], mask=mask,
-                              other=0.0).to(tl.float32)
-            tl.store(dx_ptr + rows64[:, None] * N + cols[None, :],
-                     dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            c1s, c2s = _row_sums(t1, t2, 1, PAIRED)
+            c1s = c1s / N
+            c2s = c2s / N
+            _bwd_slice_dx(xh0, wg0, c1s, c2s, rstd, ds_ptr, dx_ptr, rows64, c0, m0, N,
+                          stride_ds, HAS_DS)
+            if Q > 1:
+                _bwd_slice_dx(xh1, wg1, c1s, c2s, rstd, ds_ptr, dx_ptr, rows64, c1, m1, N,
+                              stride_ds, HAS_DS)
+            if Q > 2:
+                _bwd_slice_dx(xh2, wg2, c1s, c2s, rstd, ds_ptr, dx_ptr, rows64, c2, m2, N,
+                              stride_ds, HAS_DS)
+                _bwd_slice_dx(xh3, wg3, c1s, c2s, rstd, ds_ptr, dx_ptr, rows64, c3, m3, N,
+                              stride_ds, HAS_DS)
         if NEED_DW:
-            dw_acc += tl.sum(g * xhat, axis=0)
+            dw0 = _accumulate(dw0, g0 * xh0, ACC_1D)
+            if Q > 1:
+                dw1 = _accumulate(dw1, g1 * xh1, ACC_1D)
+            if Q > 2:
+                dw2 = _accumulate(dw2, g2 * xh2, ACC_1D)
+                dw3 = _accumulate(dw3, g3 * xh3, ACC_1D)
         if NEED_DB:
-            db_acc += tl.sum(g, axis=0)
+            db0 = _accumulate(db0, g0, ACC_1D)
+            if Q > 1:
+                db1 = _accumulate(db1, g1, ACC_1D)
+            if Q > 2:
+                db2 = _accumulate(db2, g2, ACC_1D)
+                db3 = _accumulate(db3, g3, ACC_1D)
+    dw_row = dw_ptr + pid.to(tl.int64) * N
+    db_row = db_ptr + pid.to(tl.int64) * N
     if NEED_DW:
-        tl.store(dw_ptr + pid.to(tl.int64) * N + cols, dw_acc, mask=col_ok)
+        _store_partial(dw_row, dw0, c0, N, ACC_1D)
+        if Q > 1:
+            _store_partial(dw_row, dw1, c1, N, ACC_1D)
+        if Q > 2:
+            _store_partial(dw_row, dw2, c2, N, ACC_1D)
+            _store_partial(dw_row, dw3, c3, N, ACC_1D)
     if NEED_DB:
-        tl.store(db_ptr + pid.to(tl.int64) * N + cols, db_acc, mask=col_ok)
+        _store_partial(db_row, db0, c0, N, ACC_1D)
+        if Q > 1:
+            _store_partial(db_row, db1, c1, N, ACC_1D)
+        if Q > 2:
+            _store_partial(db_row, db2, c2, N, ACC_1D)
+            _store_partial(db_row, db3, c3, N, ACC_1D)
 
 
 # No multiply-add contraction: the training and inference specialisations (statistics stored or
@@ -524,10 +725,36 @@ def _tile_2d(block: int, elt: int, dropout: bool, backward: bool = False) -> tup
     return rows, warps
 
 
-def _bwd_programs(warps: int, dev: torch.device) -> int:
-    # The backward's persistent grid: enough programs per SM for about 32 resident warps (two
-    # programs measured 0.1-0.5 of copy at 768-2K columns: too few loads in flight).
-    return num_sms(dev) * max(BWD_PER_SM, 32 // warps)
+# (ROWS, warps, programs per SM, ACC_1D, PAIRED, STAGES) forced on the single-block backward,
+# for experiments (benchmarks/dev/epi_probe.py); None: _bwd_plan's rule.
+BWD_PLAN_OVERRIDE: tuple | None = None
+
+
+def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
+              strides: tuple[int, ...]) -> tuple[int, int, int, bool, bool, int]:
+    """(ROWS, warps, programs per SM, ACC_1D, PAIRED, STAGES) of the single-block backward for
+    padded rows of ``block`` elements. Without dropout or activation the kernel is LayerNorm's
+    fused backward plus a read of ds, and takes its measured configuration
+    (``layernorm._fused_bwd_config``, ``_paired_sums``, ``_fused_bwd_stages``). With them, the
+    2K-element tiles of ``_tile_2d`` (Philox and the activation's registers), one reduction per
+    tile, about 32 resident warps per SM."""
+    if BWD_PLAN_OVERRIDE is not None:
+        return BWD_PLAN_OVERRIDE
+    if dropout or act:
+        rows, warps = _tile_2d(block, elt_size, dropout, backward=True)
+        return rows, warps, max(BWD_PER_SM, 32 // warps), True, False, 1
+    # ds's loads add registers: 16-bit rows of 4K+ columns take float32 rows' 8K-element tiles
+    # (the 16K-element ones spill, ptxas sm_90 with Triton 3.6: 32 B at 4K, 104 B at 8K).
+    rows, warps, per_sm, acc_1d = _ln._fused_bwd_config(block, False,
+                                                         4 if block >= 4096 else elt_size)
+    return (rows, warps, per_sm, acc_1d, _ln._paired_sums(elt_size, 0, block),
+            _ln._fused_bwd_stages(block, elt_size, strides))
+
+
+def _slices(block: int, dropout: bool) -> int:
+    """Q of the single-block kernels (``_slice_cols``): with dropout, the Philox words a row
+    block of ``block`` columns uses (4 from 1024 columns), so each call is made once."""
+    return max(1, min(4, block // 256)) if dropout else 1
 
 
 def _rne(x: torch.Tensor) -> bool:
@@ -641,8 +868,8 @@ def layernorm_epilogue_forward(
         progs2 = grid_size(tiles2, warps2, "ln_fwd", dev, block)
         _launch_fwd_2d((progs2,), (
             x, r, w, b, out, sp, mp, rp, M, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
-            tiles2, progs2, block, rows2, has_res, has_w, has_b, dropout, act, need_stats,
-            _rne(x),
+            tiles2, progs2, block, rows2, _slices(block, dropout), has_res, has_w, has_b, dropout,
+            act, need_stats, _rne(x),
         ), warps2)
     else:
         groups = _looped_groups()
@@ -667,6 +894,7 @@ def layernorm_epilogue_backward(
     need_dx: bool,
     need_dw: bool,
     need_db: bool,
+    grad_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`layernorm_epilogue_forward` (the contract of
     ``fusedops.reference.layernorm_epilogue_backward``).
@@ -676,8 +904,10 @@ def layernorm_epilogue_backward(
     mask is regenerated from ``seed``, the activation's input recomputed from s, mean, rstd,
     weight and bias. With gy = dout * act'(v) * keep / (1 - p): dx = LayerNorm backward of gy
     plus ds, (M, N) contiguous in s's dtype (rounded once); dw = Σ_rows gy · xhat and
-    db = Σ_rows gy, float32 (N,). Each is None where not needed. Bitwise reproducible: the grid
-    and the summation order depend on the shapes only.
+    db = Σ_rows gy, float32 (N,), or already in ``grad_dtypes`` (weight's, bias's) where the
+    partials' sum writes them (it rounds once, as a cast of the float32 sum would). Each is None
+    where not needed. Bitwise reproducible: the grid and the summation order depend on the
+    shapes only.
     """
     M, N = s.shape
     dev = s.device
@@ -687,12 +917,9 @@ def layernorm_epilogue_backward(
     act = _act_code(activation)
     dropout, scale, k0, k1, thresh = _random_args(dropout_p, seed)
     dx = torch.empty((M, N), dtype=s.dtype, device=dev) if need_dx else None
-    dw = torch.empty((N,), dtype=torch.float32, device=dev) if need_dw else None
-    db = torch.empty((N,), dtype=torch.float32, device=dev) if need_db else None
     if M == 0 or N == 0 or not (need_dx or need_dw or need_db):
-        for t in (dw, db):
-            if t is not None:
-                t.zero_()
+        dw = torch.zeros((N,), dtype=torch.float32, device=dev) if need_dw else None
+        db = torch.zeros((N,), dtype=torch.float32, device=dev) if need_db else None
         return dx, dw, db
     weight, bias = _vector(weight), _vector(bias)
     mean, rstd = _vector(mean), _vector(rstd)
@@ -705,14 +932,17 @@ def layernorm_epilogue_backward(
     dxp = dx if need_dx else s
     block = next_pow2(N)
     if block <= _bwd_cap(dropout, act):
-        rows2, warps2 = _tile_2d(block, s.element_size(), dropout, backward=True)
+        strides = (dout.stride(0), s.stride(0)) + ((stride_ds,) if has_ds else ())
+        rows2, warps2, per_sm, acc_1d, paired, stages = _bwd_plan(
+            block, s.element_size(), dropout, act, strides)
         tiles2 = cdiv(M, rows2)
-        progs2 = min(tiles2, _bwd_programs(warps2, dev))
-        dwp, dbp, part = _partials(progs2, N, dw, db, need_dw, need_db, dxp)
+        progs2 = max(1, min(tiles2, num_sms(dev) * per_sm, _ln._max_partial_rows(s)))
+        dw, db, dwp, dbp, part = _partials(progs2, N, need_dw, need_db, dxp)
         _launch_bwd_2d((progs2,), (
             dout, dsp, s, w, b, mean, rstd, dxp, dwp, dbp, M, N, dout.stride(0), stride_ds,
             s.stride(0), scale, k0, k1, thresh, tiles2, progs2,
-            block, rows2, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
+            block, rows2, _slices(block, dropout), has_ds, has_w, has_b, dropout, act, need_dx,
+            need_dw, need_db, acc_1d, paired, stages,
         ), warps2)
     else:
         groups = _looped_groups()
@@ -728,25 +958,28 @@ def layernorm_epilogue_backward(
                             cdiv(COLUMN_PER_SM * num_sms(dev), col_blocks)))
         rows_per_split = cdiv(cdiv(M, splits), COLUMN_ROWS) * COLUMN_ROWS
         splits = cdiv(M, rows_per_split)
-        dwp, dbp, part = _partials(splits, N, dw, db, need_dw, need_db, dxp)
+        dw, db, dwp, dbp, part = _partials(splits, N, need_dw, need_db, dxp)
         _launch_bwd_columns((col_blocks, splits), (
             dout, dsp, s, w, b, mean, rstd, sums, dxp, dwp, dbp, M, N, dout.stride(0),
             stride_ds, s.stride(0), scale, k0, k1, thresh, rows_per_split,
             COLUMN_ROWS, 1, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
         ), _warps(COLUMN_ROWS * 1024, BWD_ELEMS_PER_THREAD))
     if part is not None:
-        _reduce_partials(part, need_dw, need_db, out=(dw, db))
+        dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     return dx, dw, db
 
 
-def _partials(progs: int, N: int, dw, db, need_dw: bool, need_db: bool,
-              placeholder: torch.Tensor):
-    """(dweight target, dbias target, partials to sum or None) for ``progs`` programs writing
-    one float32 row each: the results themselves for one program, else the two halves of a
-    (2, progs, N) float32 buffer (the layout ``_reduce_partials`` sums)."""
+def _partials(progs: int, N: int, need_dw: bool, need_db: bool, placeholder: torch.Tensor):
+    """(dw, db, dweight target, dbias target, partials to sum or None) for ``progs`` programs
+    writing one float32 row each: with one program the results themselves (float32 dw, db
+    allocated here), else the two halves of a (2, progs, N) float32 buffer (the layout
+    ``_reduce_partials`` sums; dw, db None until it makes them)."""
     if not (need_dw or need_db):
-        return placeholder, placeholder, None
+        return None, None, placeholder, placeholder, None
+    dev = placeholder.device
     if progs == 1:
-        return (dw if need_dw else placeholder), (db if need_db else placeholder), None
-    part = torch.empty((2, progs, N), dtype=torch.float32, device=placeholder.device)
-    return part[0], part[1], part
+        dw = torch.empty((N,), dtype=torch.float32, device=dev) if need_dw else None
+        db = torch.empty((N,), dtype=torch.float32, device=dev) if need_db else None
+        return dw, db, (dw if need_dw else placeholder), (db if need_db else placeholder), None
+    part = torch.empty((2, progs, N), dtype=torch.float32, device=dev)
+    return None, None, part[0], part[1], part
