@@ -741,8 +741,15 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
     if BWD_PLAN_OVERRIDE is not None:
         return BWD_PLAN_OVERRIDE
     if dropout or act:
+        # (ROWS, BLOCK) accumulators and paired row sums: Q slices folded into 1-D accumulators
+        # every tile cost 2·Q cross-warp reductions per tile (H200, bf16 65536 x 768, p = 0.1,
+        # ReLU: 524 us; 322 with these; benchmarks/dev/epi_bwd_plans.py). Rows up to 2K without
+        # GELU: 8K-element tiles on 8 warps (247 us; 210-255 registers, no spills on sm_90 with
+        # Triton 3.6); GELU's, and longer rows', registers take the 2K-element tiles.
+        if act != 2 and block <= 2048:
+            return 8192 // block, 8, 2, False, True, 1
         rows, warps = _tile_2d(block, elt_size, dropout, backward=True)
-        return rows, warps, max(BWD_PER_SM, 32 // warps), True, False, 1
+        return rows, warps, max(BWD_PER_SM, 32 // warps), False, True, 1
     # ds's loads add registers: 16-bit rows of 4K+ columns take float32 rows' 8K-element tiles
     # (the 16K-element ones spill, ptxas sm_90 with Triton 3.6: 32 B at 4K, 104 B at 8K).
     rows, warps, per_sm, acc_1d = _ln._fused_bwd_config(block, False,
