@@ -10,17 +10,19 @@ Kernels (``dropout_p == 0``, no activation, no residual, no weight / bias, no st
 constexpr specialisations: the plain paths carry none of the dropout or activation code):
 
 * Forward, single-block (padded rows up to 16K, see ``_fwd_cap``): ``ROWS`` whole rows per
-  program as a plain [ROWS, BLOCK] tile in registers (about ``FWD_TILE`` elements, half that with
-  dropout), one read and one write; Philox computed per element (``_keep_2d``: each counter four
-  times, integer work the memory-bound kernel has room for).
+  program as a [ROWS, BLOCK] tile in registers (about ``FWD_TILE`` elements, half that with
+  dropout), one read and one write. With dropout the tile is held as Q column slices
+  (``_slice_cols``: slice q holds the columns that take Philox word q), so each Philox call
+  serves four elements; without it Q = 1, the plain tile.
 * Forward, looped (longer rows): one program per row; pass 1 streams the row in chunks of
   ``LOOPED_GROUPS`` x 1024 columns (writing s), keeping per-lane shifted sums merged with Chan's
   formula; pass 2 reads s (or x) again, from L2, and writes out. Its columns are a
   ``[Q, R, G, NI]`` tile (``col = g * 1024 + q * 256 + i``, ``fusedops.triton._philox``) so each
   Philox counter is computed once for its four 256-column slices.
 * Backward, single-block (padded rows up to 4K-8K, ``_bwd_cap``): a persistent grid whose
-  programs loop over [ROWS, BLOCK] row tiles, write dx and accumulate dweight/dbias in float32
-  registers: one partial row each (with one program, the result itself).
+  programs loop over [ROWS, BLOCK] row tiles (Q slices with dropout), write dx and accumulate
+  dweight/dbias in float32 registers: one partial row each (with one program, the result
+  itself). Plans from ``_bwd_plan``: LayerNorm's measured ones without dropout or activation.
 * Backward, longer rows: a row kernel computes the two row sums of dx (one program per row,
   chunks of ``LOOPED_GROUPS`` x 1024 columns), then a column-blocked kernel (1024 columns by a
   split of the rows per program) reads the rows again, writes dx and keeps float32 dweight/dbias
@@ -30,8 +32,8 @@ constexpr specialisations: the plain paths carry none of the dropout or activati
 The single-block kernels first held rows as ``[Q, R, G, NI]`` column tiles too (one Philox call
 per counter); those measured 0.07-0.4 of copy bandwidth on an H200 even without dropout
 (benchmarks/results/h200-2026-11-26-s24-chains-ln.*) and were replaced by the 2-D tiles.
-The launch rules are derived from the other norm kernels' (tile sizes, warps, programs per SM),
-not measured for these kernels.
+The forward's tiles follow the other norm kernels' rules; the backward's plans were measured on
+an H200 (benchmarks/dev/epi_probe.py, epi_bwd_plans.py; docs/performance.md, session 25).
 """
 
 from __future__ import annotations
