@@ -215,19 +215,36 @@ def _count(key: str) -> None:
 class routing_off:
     """Suspends patch_model's functional routing while a fused helper runs: the fused op is
     already what the pattern asked for, and a backend that computes with torch ops (the
-    reference) must not have its own softmax/layer_norm calls routed again."""
+    reference) must not have its own softmax/layer_norm calls routed again.
 
-    __slots__ = ("mode",)
+    Where patch_model's mode is the innermost torch-function mode (the usual case) it is popped
+    off the stack for the duration, as torch itself does inside a mode's ``__torch_function__``:
+    the helper's own torch calls (a few dozen tensor methods per fused op) then skip a Python
+    ``__torch_function__`` call each. Under another mode it is only marked suspended."""
+
+    __slots__ = ("mode", "popped")
 
     def __enter__(self) -> None:
-        from fusedops.patching import _active_mode
+        from fusedops.patching import _active_mode, _FusedFunctionMode
 
-        self.mode = None if torch.compiler.is_compiling() else _active_mode()
+        self.mode = self.popped = None
+        if torch.compiler.is_compiling():
+            return
+        depth = torch._C._len_torch_function_stack()
+        if not depth:
+            return
+        top = torch._C._get_function_stack_at(depth - 1)
+        if isinstance(top, _FusedFunctionMode):
+            self.popped = torch._C._pop_torch_function_stack()
+            return
+        self.mode = _active_mode()
         if self.mode is not None:
             self.mode.suspended += 1
 
     def __exit__(self, *exc: object) -> None:
-        if self.mode is not None:
+        if self.popped is not None:
+            torch._C._push_on_torch_function_stack(self.popped)
+        elif self.mode is not None:
             self.mode.suspended -= 1
 
 
@@ -242,15 +259,17 @@ def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
         _count("softmax_epilogue:unfused")
         z = scores if scale is None else scores * scale
         return module(z if mask is None else z + mask)
-    if isinstance(scores, torch.Tensor) and scores.is_floating_point() \
-            and (scale is None or isinstance(scale, int | float) and not isinstance(scale, bool)
-                 and math.isfinite(scale)) \
-            and (mask is None or isinstance(mask, torch.Tensor) and mask.is_floating_point()
-                 and mask.device == scores.device and _broadcasts_to(mask, scores.shape)
-                 and torch.result_type(scores, mask) == scores.dtype) \
-            and dim in (-1, scores.dim() - 1):
-        _count("softmax_epilogue")
-        with routing_off():
+    # The checks too run with routing off (each tensor attribute read would otherwise pass
+    # through the routing mode); the unfused fallback runs with it, as the original code did.
+    with routing_off():
+        if isinstance(scores, torch.Tensor) and scores.is_floating_point() \
+                and (scale is None or isinstance(scale, int | float)
+                     and not isinstance(scale, bool) and math.isfinite(scale)) \
+                and (mask is None or isinstance(mask, torch.Tensor) and mask.is_floating_point()
+                     and mask.device == scores.device and _broadcasts_to(mask, scores.shape)
+                     and torch.result_type(scores, mask) == scores.dtype) \
+                and dim in (-1, scores.dim() - 1):
+            _count("softmax_epilogue")
             return fused_softmax(scores, -1, scale=scale, mask=mask)
     _count("softmax_epilogue:unfused")
     z = scores if scale is None else scores * scale
@@ -292,12 +311,13 @@ def _plain_module(m: nn.Module, base: type) -> bool:
 
 
 def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
-    """``ln(a + b)``, fused where it is the same computation."""
-    if _ln_fusable(a, b, ln):
-        from fusedops.ops.layernorm import fused_layernorm
+    """``ln(a + b)``, fused where it is the same computation (checked with routing off, as
+    in :func:`softmax_epilogue`)."""
+    with routing_off():
+        if _ln_fusable(a, b, ln):
+            from fusedops.ops.layernorm import fused_layernorm
 
-        _count("add_layernorm")
-        with routing_off():
+            _count("add_layernorm")
             return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
                                    residual=a)[0]
     _count("add_layernorm:unfused")
@@ -306,11 +326,11 @@ def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
 
 def add_layernorm_pair(a: Any, b: Any, ln: nn.Module) -> tuple[Any, Any]:
     """``(ln(a + b), a + b)``: the sum is used elsewhere too."""
-    if _ln_fusable(a, b, ln):
-        from fusedops.ops.layernorm import fused_layernorm
+    with routing_off():
+        if _ln_fusable(a, b, ln):
+            from fusedops.ops.layernorm import fused_layernorm
 
-        _count("add_layernorm")
-        with routing_off():
+            _count("add_layernorm")
             return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
                                    residual=a)
     _count("add_layernorm:unfused")

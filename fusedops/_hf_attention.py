@@ -88,18 +88,20 @@ def fused_eager_attention(
     from fusedops.ops.softmax import fused_softmax
 
     _fx_patterns._count("hf_attention")
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: each KV head serves a group
-        groups = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3))
-    mask = None
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : key.shape[-2]]
+    # Routing off for the whole body: its one softmax is the fused op already, and none of its
+    # other torch calls is routed (each would otherwise pass through the routing mode).
     with _fx_patterns.routing_off():
+        if scaling is None:
+            scaling = query.size(-1) ** -0.5
+        if key.shape[1] != query.shape[1]:  # grouped-query attention: a KV head per group
+            groups = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(query, key.transpose(2, 3))
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, :, :, : key.shape[-2]]
         weights = fused_softmax(scores, -1, scale=float(scaling), mask=mask)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    out = torch.matmul(weights.to(value.dtype), value)
-    return out.transpose(1, 2).contiguous(), weights
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        out = torch.matmul(weights.to(value.dtype), value)
+        return out.transpose(1, 2).contiguous(), weights

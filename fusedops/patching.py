@@ -182,8 +182,11 @@ _ROUTED = {
 }
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _routed_op(func: Any) -> str | None:
-    if torch.compiler.is_compiling():  # identity tests: what Dynamo traces best
+    if _is_compiling():  # identity tests: what Dynamo traces best
         if (
             func is F.softmax
             or func is torch.softmax
@@ -215,6 +218,10 @@ class _FusedFunctionMode(TorchFunctionMode):
         self.suspended = 0  # > 0 while an excluded module runs (per mode, so per thread)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every torch call of the forward passes here (tensor attribute reads included): the
+        # common case, nothing to route, takes two calls and a dict lookup.
+        if not _is_compiling() and _ROUTED.get(func) is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kwargs is None:
             kwargs = {}
         op = _routed_op(func)

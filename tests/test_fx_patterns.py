@@ -1291,3 +1291,79 @@ def test_exact_pickle_round_trip_of_traced_forward():
     loaded = pickle.loads(pickle.dumps(model))
     x, r = scores_mask(mask_shape=(B, L, D))
     torch.testing.assert_close(loaded(x, r), ref(x, r), **FP32)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing_off: the routing mode off the stack while a fused helper runs
+# ---------------------------------------------------------------------------------------------
+
+
+class _SeeAllMode(torch.overrides.TorchFunctionMode):
+    """A user's torch-function mode that records every function it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_routing_off_pops_the_routing_mode_and_restores_it():
+    """Innermost routing mode: popped for the helper (its torch calls skip the mode entirely),
+    pushed back afterwards, also when the helper raises."""
+    from fusedops.patching import _active_mode, _FusedFunctionMode
+
+    mode = _FusedFunctionMode(("softmax", "layernorm"))
+    with mode:
+        depth = torch._C._len_torch_function_stack()
+        with _fx_patterns.routing_off():
+            assert _active_mode() is None
+            assert torch._C._len_torch_function_stack() == depth - 1
+            # A functional softmax here is not routed (the helper's own ops are final).
+            x = torch.randn(3, 5)
+            torch.testing.assert_close(F.softmax(x, -1), torch.softmax(x, -1))
+        assert torch._C._get_function_stack_at(depth - 1) is mode
+        with pytest.raises(RuntimeError, match="inside"):
+            with _fx_patterns.routing_off():
+                raise RuntimeError("inside")
+        assert _active_mode() is mode and mode.suspended == 0
+
+
+def test_routing_off_under_another_mode_only_suspends():
+    """A user's mode above the routing mode stays where it is and keeps seeing every call; the
+    routing mode is only marked suspended while the helper runs."""
+    from fusedops.patching import _active_mode, _FusedFunctionMode
+
+    mode = _FusedFunctionMode(("softmax",))
+    with mode, _SeeAllMode() as user:
+        with _fx_patterns.routing_off():
+            assert _active_mode() is mode and mode.suspended == 1
+            torch.randn(2).exp()
+        assert mode.suspended == 0
+    assert torch.Tensor.exp in user.seen
+
+
+def test_hf_attention_body_runs_outside_the_routing_mode(monkeypatch):
+    """The fused eager attention's torch calls do not pass through the routing mode (they are
+    not routed anyway), and its result is unchanged."""
+    from fusedops.patching import _FusedFunctionMode
+
+    calls = Counter()
+    original = _FusedFunctionMode.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls[func] += 1
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(_FusedFunctionMode, "__torch_function__", counting)
+    module = nn.Module()
+    module.training = False
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    mask = torch.zeros(2, 1, 4, 4)
+    want = _hf_attention.fused_eager_attention(module, q, k, v, mask, scaling=0.5)[0]
+    with _FusedFunctionMode(("softmax",)):
+        got = _hf_attention.fused_eager_attention(module, q, k, v, mask, scaling=0.5)[0]
+    assert sum(calls.values()) <= 2  # at most the argument checks before the body
+    torch.testing.assert_close(got, want)
