@@ -35,6 +35,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fusedops._validate import broadcasts_to
+
 _BANNED_OPS = {
     "FOR_ITER", "GET_ITER", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE",
     "SETUP_FINALLY", "SETUP_WITH", "SETUP_ASYNC_WITH", "BEFORE_WITH", "BEFORE_ASYNC_WITH",
@@ -195,13 +197,6 @@ class _LeafTracer(fx.Tracer):
 # --- fused helpers the rewritten graphs call --------------------------------------------------
 
 
-def _broadcasts_to(m: torch.Tensor, shape: torch.Size) -> bool:
-    try:
-        return torch.broadcast_shapes(m.shape, shape) == shape
-    except RuntimeError:
-        return False
-
-
 # Per-helper call counts (``"softmax_epilogue"``, ``"softmax_epilogue:unfused"``, ...) while
 # patch_model's verification pass runs; None otherwise.
 counts: Counter | None = None
@@ -248,6 +243,16 @@ class routing_off:
             self.mode.suspended -= 1
 
 
+def _softmax_fusable(scores: Any, scale: Any, mask: Any, dim: int) -> bool:
+    return (isinstance(scores, torch.Tensor) and scores.is_floating_point()
+            and (scale is None or isinstance(scale, int | float) and not isinstance(scale, bool)
+                 and math.isfinite(scale))
+            and (mask is None or isinstance(mask, torch.Tensor) and mask.is_floating_point()
+                 and mask.device == scores.device and broadcasts_to(mask.shape, scores.shape)
+                 and torch.result_type(scores, mask) == scores.dtype)
+            and dim in (-1, scores.dim() - 1))
+
+
 def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
                      module: nn.Module | None = None) -> Any:
     """``softmax(scores * scale + mask, dim)``, fused where it is the same computation.
@@ -262,13 +267,8 @@ def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
     # The checks too run with routing off (each tensor attribute read would otherwise pass
     # through the routing mode); the unfused fallback runs with it, as the original code did.
     with routing_off():
-        if isinstance(scores, torch.Tensor) and scores.is_floating_point() \
-                and (scale is None or isinstance(scale, int | float)
-                     and not isinstance(scale, bool) and math.isfinite(scale)) \
-                and (mask is None or isinstance(mask, torch.Tensor) and mask.is_floating_point()
-                     and mask.device == scores.device and _broadcasts_to(mask, scores.shape)
-                     and torch.result_type(scores, mask) == scores.dtype) \
-                and dim in (-1, scores.dim() - 1):
+        fusable = _softmax_fusable(scores, scale, mask, dim)
+        if fusable:
             _count("softmax_epilogue")
             return fused_softmax(scores, -1, scale=scale, mask=mask)
     _count("softmax_epilogue:unfused")

@@ -100,3 +100,13 @@ def _check_param(p: object, name: str, shape: tuple[int, ...], x: torch.Tensor) 
 def check_rmsnorm_args(x: object, shape: tuple[int, ...], weight: object, eps: object) -> None:
     """:func:`check_layernorm_args` for RMSNorm: no bias, and ``eps`` may be None."""
     check_layernorm_args(x, shape, weight, None, 0.0 if eps is None else eps)
+
+
+def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to exactly ``target`` (torch's rules, trailing
+    dims aligned). Plain Python: ``torch.broadcast_shapes`` costs tens of microseconds per call
+    on the host (it runs the symbolic-shape machinery), and this runs on every masked call."""
+    if len(shape) > len(target):
+        return False
+    offset = len(target) - len(shape)
+    return all(s == 1 or s == target[offset + i] for i, s in enumerate(shape))

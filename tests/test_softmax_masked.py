@@ -791,3 +791,19 @@ def test_compile_fullgraph(fresh_dynamo):
     y64 = (ref_masked_softmax(x.double(), 0.5, bmask, True)
            + 2 * ref_masked_softmax(x.double(), None, fmask, True))
     assert_close_to_ref(y_c, y64, torch.float32, scale=3)  # a sum of two outputs, one doubled
+
+
+@pytest.mark.parametrize("shape,target", [
+    ((), (2, 3)), ((3,), (2, 3)), ((1, 3), (2, 3)), ((2, 1), (2, 3)), ((4,), (2, 3)),
+    ((2, 3), (3,)), ((1, 1, 1), (2, 3)), ((2, 1, 1, 5), (2, 3, 4, 5)), ((5, 1, 1, 5), (2, 3, 4, 5)),
+    ((0,), (2, 0)), ((1,), (2, 0)), ((2,), (2, 0)), ((0,), (1,)), ((1, 0), (3, 0)),
+])
+def test_broadcasts_to_matches_torch(shape, target):
+    """The host-side broadcast check of the mask (plain Python) agrees with torch's rule."""
+    from fusedops._validate import broadcasts_to
+
+    try:
+        want = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        want = False
+    assert broadcasts_to(shape, target) == want

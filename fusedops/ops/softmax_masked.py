@@ -9,6 +9,7 @@ import math
 import torch
 
 from fusedops import _dispatch, reference
+from fusedops._validate import broadcasts_to
 from fusedops.ops._rows import as_rows
 
 _backend_fn = _dispatch.backend_fn
@@ -36,11 +37,7 @@ def check_mask_args(x: torch.Tensor, scale: object, mask: object, causal: object
             f"got dtype {mask.dtype}")
     if mask.device != x.device:
         raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
-    try:
-        shape = torch.broadcast_shapes(mask.shape, x.shape)
-    except RuntimeError:
-        shape = None
-    if shape != x.shape:
+    if not broadcasts_to(mask.shape, x.shape):
         raise ValueError(
             f"mask of shape {list(mask.shape)} does not broadcast to x's shape {list(x.shape)}")
 
