@@ -207,6 +207,9 @@ def _count(key: str) -> None:
         counts[key] += 1
 
 
+_patching = None  # fusedops.patching, once routing_off first runs
+
+
 class routing_off:
     """Suspends patch_model's functional routing while a fused helper runs: the fused op is
     already what the pattern asked for, and a backend that computes with torch ops (the
@@ -220,8 +223,10 @@ class routing_off:
     __slots__ = ("mode", "popped")
 
     def __enter__(self) -> None:
-        from fusedops.patching import _active_mode, _FusedFunctionMode
-
+        global _patching
+        if _patching is None:  # fusedops.patching imports this module
+            from fusedops import patching as _patching
+        patching = _patching
         self.mode = self.popped = None
         if torch.compiler.is_compiling():
             return
@@ -229,10 +234,10 @@ class routing_off:
         if not depth:
             return
         top = torch._C._get_function_stack_at(depth - 1)
-        if isinstance(top, _FusedFunctionMode):
+        if isinstance(top, patching._FusedFunctionMode):
             self.popped = torch._C._pop_torch_function_stack()
             return
-        self.mode = _active_mode()
+        self.mode = patching._active_mode()
         if self.mode is not None:
             self.mode.suspended += 1
 

@@ -201,6 +201,15 @@ def _ln_epi_fwd_looped(
 
 
 @triton.jit
+def _random_keys(k0, k1, thresh, DROPOUT: tl.constexpr):
+    # The Philox key words and keep threshold as uint32 scalars (zeros without dropout).
+    if DROPOUT:
+        return uint32_key(k0), uint32_key(k1), uint32_key(thresh)
+    else:
+        return 0, 0, 0
+
+
+@triton.jit
 def _grad_at_norm(dout, xhat, w, b, rows, g, q, i, key0, key1, thr, scale,
                   Q: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                   DROPOUT: tl.constexpr, ACT: tl.constexpr):
@@ -240,14 +249,7 @@ def _ln_epi_bwd_row_sums(
     CHUNK: tl.constexpr = G * 1024
     mean = tl.load(mean_ptr + row)
     rstd = tl.load(rstd_ptr + row)
-    if DROPOUT:
-        key0 = uint32_key(k0)
-        key1 = uint32_key(k1)
-        thr = uint32_key(thresh)
-    else:
-        key0 = 0
-        key1 = 0
-        thr = 0
+    key0, key1, thr = _random_keys(k0, k1, thresh, DROPOUT)
     acc1 = tl.zeros([4, 1, G, 256], tl.float32)
     acc2 = tl.zeros([4, 1, G, 256], tl.float32)
     for start in range(0, N, CHUNK):
@@ -291,14 +293,7 @@ def _ln_epi_bwd_columns(
     g = block * G + g
     cols = g * 1024 + q * 256 + i
     col_ok = cols < N
-    if DROPOUT:
-        key0 = uint32_key(k0)
-        key1 = uint32_key(k1)
-        thr = uint32_key(thresh)
-    else:
-        key0 = 0
-        key1 = 0
-        thr = 0
+    key0, key1, thr = _random_keys(k0, k1, thresh, DROPOUT)
     w = 0.0
     b = 0.0
     if HAS_W:
