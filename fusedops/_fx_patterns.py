@@ -223,13 +223,14 @@ class routing_off:
     __slots__ = ("mode", "popped")
 
     def __enter__(self) -> None:
+        self.mode = self.popped = None
+        if torch.compiler.is_compiling():
+            # (First: Dynamo would guard on the module global set below, and recompile once.)
+            return
         global _patching
         if _patching is None:  # fusedops.patching imports this module
             from fusedops import patching as _patching
         patching = _patching
-        self.mode = self.popped = None
-        if torch.compiler.is_compiling():
-            return
         depth = torch._C._len_torch_function_stack()
         if not depth:
             return

@@ -14,6 +14,10 @@ hundred nanoseconds. The next call with that signature goes straight to the runn
 * ``RMSNORM``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``run(x, weight) -> y or None``:
   RMSNorm over the last dim of ``x`` (``eps`` the float the op resolved ``None`` to), ``y`` in
   ``x.dtype``.
+* ``LAYERNORM_RESIDUAL``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``run(x, residual,
+  weight, bias) -> (y, x + residual) or None``: LayerNorm of ``x + residual`` over the last
+  dim, no dropout or activation, ``y`` in ``x.dtype`` (``residual`` is not checked by the ops
+  layer before the runner: the runner checks it).
 
 The ops consult a table only for plain eager inference calls (``fusedops._dispatch.plain_eager``,
 no gradient needed, arguments of the exact types the signature assumes). A runner re-checks what
@@ -32,6 +36,7 @@ from __future__ import annotations
 SOFTMAX: dict = {}
 LAYERNORM: dict = {}
 RMSNORM: dict = {}
+LAYERNORM_RESIDUAL: dict = {}
 
 
 def clear() -> None:
@@ -39,3 +44,4 @@ def clear() -> None:
     SOFTMAX.clear()
     LAYERNORM.clear()
     RMSNORM.clear()
+    LAYERNORM_RESIDUAL.clear()

@@ -34,6 +34,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import sys
+import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -211,11 +213,13 @@ class _FusedFunctionMode(TorchFunctionMode):
     Dynamo trace the mode (and resume it across graph breaks).
     """
 
-    def __init__(self, ops: tuple[str, ...], counts: Counter | None = None) -> None:
+    def __init__(self, ops: tuple[str, ...], counts: Counter | None = None,
+                 sites: list | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.counts = counts  # Counter of routed calls during a verification pass, else None
         self.suspended = 0  # > 0 while an excluded module runs (per mode, so per thread)
+        self.sites = sites  # a discovery forward's list of routing sites (_calling_module)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Every torch call of the forward passes here (tensor attribute reads included): the
@@ -226,6 +230,8 @@ class _FusedFunctionMode(TorchFunctionMode):
             kwargs = {}
         op = _routed_op(func)
         if op is not None and not self.suspended and op in self.ops and _plain_types(types):
+            if self.sites is not None:
+                self.sites.append(_calling_module())
             if op == "softmax":
                 out = _route_softmax(func, args, kwargs)
             elif op == "layernorm":
@@ -237,6 +243,21 @@ class _FusedFunctionMode(TorchFunctionMode):
                     self.counts[op] += 1
                 return out
         return func(*args, **kwargs)
+
+
+_CALL_IMPL = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)
+
+
+def _calling_module() -> nn.Module | None:
+    """The module whose call (``nn.Module.__call__``) is innermost on this thread's Python
+    stack: the module whose forward, its children aside, made the call being routed. None if
+    no module call is on the stack (a forward called as ``model.forward(x)``)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is _CALL_IMPL:
+            return f.f_locals.get("self")
+        f = f.f_back
+    return None
 
 
 def _active_mode() -> _FusedFunctionMode | None:
@@ -276,8 +297,25 @@ class _ForwardWrapper:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
+# Routing scope. A mode costs every torch call made under it a trip through Python (about 10
+# µs per call on the CPU profile of a patched BERT forward: benchmarks/dev/host_bert_cpu.py),
+# while the calls it routes are a handful per layer. So the model's forward runs under the
+# mode only in *discovery* forwards, which also note the module whose call made each routable
+# call (a *site*); other forwards enter the mode only while a site runs (_SiteForward).
+# Discovery: the first forward in each (training, grad enabled) state, every
+# REDISCOVER_EVERY-th forward (a routable call that first appears later, in a branch the
+# earlier forwards did not take, runs unfused until then: correct, only slower), every
+# verification pass, and every forward under torch.compile (which traces the mode away).
+# A routable call made outside any submodule's call makes the whole forward a site.
+REDISCOVER_EVERY = 64
+
+# Per thread: how many patched models' forwards are running (sites route only inside one).
+_scope = threading.local()
+
+
 class _RoutedForward(_ForwardWrapper):
-    """The patched model's forward: runs the original under a fresh :class:`_FusedFunctionMode`.
+    """The patched model's forward: runs the original under a fresh :class:`_FusedFunctionMode`
+    in discovery forwards (see REDISCOVER_EVERY), else with routing scoped to the sites found.
 
     A fresh mode per outermost call keeps its state per thread (the mode stack is thread-local).
     Re-entrant calls, and patched models called inside another patched model's forward, reuse
@@ -287,12 +325,70 @@ class _RoutedForward(_ForwardWrapper):
     def __init__(self, module: nn.Module, inner: Any, state: _PatchState) -> None:
         super().__init__(module, inner)
         self.state = state
+        self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _active_mode() is not None:
             return self._call_inner(*args, **kwargs)
+        state = self.state
+        if _is_compiling():
+            with _FusedFunctionMode(state.ops, state.verify_counts):
+                return self._call_inner(*args, **kwargs)
+        self.calls += 1
+        seen = (self.module.training, torch.is_grad_enabled())
+        discover = (seen not in state.discovered or not self.calls % REDISCOVER_EVERY
+                    or state.verify_counts is not None)
+        if not discover and not state.root_site:
+            _scope.depth = getattr(_scope, "depth", 0) + 1
+            try:
+                return self._call_inner(*args, **kwargs)
+            finally:
+                _scope.depth -= 1
+        sites = [] if discover else None
+        with _FusedFunctionMode(state.ops, state.verify_counts, sites):
+            out = self._call_inner(*args, **kwargs)
+        if sites is not None:
+            state.discovered.add(seen)
+            self._adopt(sites)
+        return out
+
+    def _adopt(self, sites: list) -> None:
+        """Give each new site a :class:`_SiteForward` (the model itself, or a module outside
+        its tree, makes every forward run under the mode)."""
+        if not sites:
+            return
+        tree = {id(m) for m in self.module.modules()}
+        for module in dict.fromkeys(sites):  # (order kept, duplicates dropped)
+            if module is None or module is self.module or id(module) not in tree:
+                self.state.root_site = True
+            elif not _has_wrapper(module, _SiteForward):
+                _install(self.state, module,
+                         _SiteForward(module, module.__dict__.get("forward"), self.state))
+
+
+class _SiteForward(_ForwardWrapper):
+    """The forward of a module whose call made a routable call in a discovery forward: runs
+    under a fresh mode while a patched model's forward is running and no mode is active."""
+
+    def __init__(self, module: nn.Module, inner: Any, state: _PatchState) -> None:
+        super().__init__(module, inner)
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling() or not getattr(_scope, "depth", 0) or _active_mode() is not None:
+            return self._call_inner(*args, **kwargs)
         with _FusedFunctionMode(self.state.ops, self.state.verify_counts):
             return self._call_inner(*args, **kwargs)
+
+
+def _has_wrapper(module: nn.Module, kind: type) -> bool:
+    """Whether ``module``'s instance-level forward chain holds a wrapper of class ``kind``."""
+    current = module.__dict__.get("forward")
+    while isinstance(current, _ForwardWrapper):
+        if isinstance(current, kind):
+            return True
+        current = current.inner
+    return False
 
 
 class _GraphForward(_ForwardWrapper):
@@ -481,6 +577,10 @@ class _PatchState:
     wrappers: list[tuple[nn.Module, Any]]  # (module, _ForwardWrapper) installed as forward
     verify_counts: Counter | None = None
     patterns: bool = True
+    # Routing scope (see REDISCOVER_EVERY): the (training, grad enabled) states whose forwards
+    # ran a discovery, and whether a routable call was made outside every submodule's call.
+    discovered: set = dataclasses.field(default_factory=set)
+    root_site: bool = False
     configs: list[tuple[Any, str]] = dataclasses.field(default_factory=list)  # (config, was)
 
 

@@ -156,9 +156,48 @@ def _fresh_backward_plans():
     if HAS_CUDA:
         try:
             from fusedops.triton import layernorm as tln
+            from fusedops.triton import layernorm_epilogue as tle
         except ImportError:
             return
         tln._bwd_plans.clear()
+        tle._fwd_plans.clear()
+        tle._bwd_plans.clear()
+
+
+@pytest.fixture
+def recording_entries(monkeypatch):
+    """Replay plans on (as with Triton 3.6's C entries) for the sequence-replaying backends
+    (the LayerNorm backward, the LayerNorm epilogues), each entry recording its calls in the
+    returned ``log`` as ("replay", grid, raw args); normal launches log ("normal", grid, args).
+    Their plans are dropped afterwards."""
+    from fusedops.triton import _common
+    from fusedops.triton import layernorm as tln
+    from fusedops.triton import layernorm_epilogue as tle
+
+    log = []
+
+    def entry(self, args, num_warps):
+        def go(grid, stream, raw):
+            log.append(("replay", grid, raw))
+        go.raw_pointers = True
+        return go
+
+    real_call = _common.Launcher.__call__
+
+    def spy(self, grid, args, num_warps):
+        log.append(("normal", grid, args))
+        return real_call(self, grid, args, num_warps)
+
+    monkeypatch.setattr(tln, "BWD_PLANS", True)
+    monkeypatch.setattr(tle, "PLANS", True)
+    monkeypatch.setattr(_common.Launcher, "entry", entry)
+    monkeypatch.setattr(_common.Launcher, "__call__", spy)
+    for mod in (tln, tle):
+        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
+        monkeypatch.setattr(mod, "hooks_registered", lambda: False)
+    yield log
+    for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans):
+        plans.clear()
 
 
 @pytest.fixture

@@ -59,31 +59,6 @@ def _relative(args, n, bases):
                  for a in args[:n]) + tuple(args[n:])
 
 
-@pytest.fixture
-def recording_entries(monkeypatch):
-    """Plans on (as with Triton 3.6's C entries), each entry recording its calls in ``log``."""
-    log = []
-
-    def entry(self, args, num_warps):
-        def go(grid, stream, raw):
-            log.append(("replay", grid, raw))
-        go.raw_pointers = True
-        return go
-
-    real_call = _common.Launcher.__call__
-
-    def spy(self, grid, args, num_warps):
-        log.append(("normal", grid, args))
-        return real_call(self, grid, args, num_warps)
-
-    monkeypatch.setattr(tln, "BWD_PLANS", True)
-    monkeypatch.setattr(_common.Launcher, "entry", entry)
-    monkeypatch.setattr(_common.Launcher, "__call__", spy)
-    monkeypatch.setattr(tln, "current_stream", lambda device: ("stream", device))
-    monkeypatch.setattr(tln, "hooks_registered", lambda: False)
-    return log
-
-
 pytestmark_interp = pytest.mark.skipif(
     not INTERPRETING, reason="CPU tensors need the Triton interpreter (the gpu tests cover this)")
 

@@ -6,11 +6,12 @@ prints the mean microseconds per step in each layer: the API before apply, the F
 forward around its backend call, the backend call itself, the same for backward, and the rest
 (autograd's engine). Also times an identity autograd.Function step and torch's eager chain.
 
-    python benchmarks/dev/epi_host_split.py
+    python benchmarks/dev/epi_host_split.py [dropout_p]
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 
@@ -49,6 +50,7 @@ def per_step_us(step, n=300):
 def main() -> None:
     M, N = 64, 768
     dt = torch.bfloat16
+    p = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
     x = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
     r = torch.randn(M, N, device="cuda", dtype=dt, requires_grad=True)
     w = torch.randn(N, device="cuda", dtype=dt, requires_grad=True)
@@ -56,12 +58,13 @@ def main() -> None:
     g = torch.randn(M, N, device="cuda", dtype=dt)
 
     def fused_step():
-        o, s = fusedops.fused_layernorm(x, (N,), w, b, residual=r)
+        o, s = fusedops.fused_layernorm(x, (N,), w, b, residual=r, dropout_p=p)
         return torch.autograd.grad((o, s), (x, r, w, b), (g, g))
 
     def eager_step():
         s = x + r
         o = torch.nn.functional.layer_norm(s, (N,), w, b)
+        o = torch.nn.functional.dropout(o, p) if p else o
         return torch.autograd.grad((o, s), (x, r, w, b), (g, g))
 
     class Identity(torch.autograd.Function):
@@ -77,9 +80,18 @@ def main() -> None:
         o, s = Identity.apply(x, r)
         return torch.autograd.grad((o, s), (x, r), (g, g))
 
+    from fusedops.triton import layernorm_epilogue as tle
+
+    def no_plans_step():
+        tle.PLANS = False
+        try:
+            return fused_step()
+        finally:
+            tle.PLANS = True
+
     base = {name: per_step_us(fn)[0] for name, fn in
             (("eager", eager_step), ("identity Function", identity_step),
-             ("fused (unwrapped)", fused_step))}
+             ("fused, no replay plans", no_plans_step), ("fused (unwrapped)", fused_step))}
     F = ops_epi.LayerNormEpilogueFunction
     fwd, bwd = F.forward, F.backward
     tf, tb = T.layernorm_epilogue_forward, T.layernorm_epilogue_backward
@@ -91,8 +103,13 @@ def main() -> None:
                                        ops_epi.layernorm_epilogue)
     import fusedops.ops.layernorm as ops_ln
     ops_ln.layernorm_epilogue = ops_epi.layernorm_epilogue
+    api = fusedops.fused_layernorm
+    fusedops.fused_layernorm = timed("fused_layernorm (the API call)", api)
+    grad = torch.autograd.grad
+    torch.autograd.grad = timed("torch.autograd.grad", grad)
     total, parts = per_step_us(fused_step)
     F.forward, F.backward = staticmethod(fwd), staticmethod(bwd)
+    fusedops.fused_layernorm, torch.autograd.grad = api, grad
     for k, v in base.items():
         print(f"{k:40s} {v:8.1f} us/step")
     print(f"{'fused (timers on)':40s} {total:8.1f} us/step")

@@ -130,16 +130,25 @@ def fused_layernorm(
         pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and
         rstd are computed and saved in float32.
     """
-    if x.__class__ is torch.Tensor and eps.__class__ is float and residual is None \
-            and activation is None and dropout_p == 0.0 and _dispatch.plain_eager():
+    if x.__class__ is torch.Tensor and eps.__class__ is float and activation is None \
+            and dropout_p == 0.0 and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         shape = x.shape
-        run = _replay.LAYERNORM.get((shape, x.dtype, x.get_device(), eps))
-        if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
-                not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)):
-            y = run(x, weight, bias)
-            if y is not None:
-                return y
+        if residual is None:
+            run = _replay.LAYERNORM.get((shape, x.dtype, x.get_device(), eps))
+            if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
+                    not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)):
+                y = run(x, weight, bias)
+                if y is not None:
+                    return y
+        else:
+            run = _replay.LAYERNORM_RESIDUAL.get((shape, x.dtype, x.get_device(), eps))
+            if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
+                    not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)
+                    and not getattr(residual, "requires_grad", False)):
+                pair = run(x, residual, weight, bias)
+                if pair is not None:
+                    return pair
     shape = normalize_shape(normalized_shape)
     check_layernorm_args(x, shape, weight, bias, eps)
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype

@@ -63,14 +63,13 @@ class LayerNormEpilogueFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, n, eps, p, seed, activation, out_dtype):
-        x2 = as_rows(x, n)
-        r2 = None if residual is None else as_rows(residual, n)
+        x2, r2 = _rows(x, residual, n)
         backend, fn = _backend_fn(x2, "layernorm_epilogue_forward")
         _dispatch.record("layernorm_epilogue_forward", backend)
         out2, s2, mean, rstd = fn(x2, r2, _flat(weight), _flat(bias), eps, out_dtype, p, seed,
                                   activation, True)
-        out = out2.view(x.shape)
-        s = x if s2 is None else s2.view(x.shape)
+        out = out2 if x2 is x else out2.view(x.shape)
+        s = x if s2 is None else s2 if x2 is x else s2.view(x.shape)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.meta = (n, eps, p, seed, activation)
         ctx.out_dtype = out_dtype
@@ -108,11 +107,20 @@ class LayerNormEpilogueFunction(torch.autograd.Function):
             dx2, dw, db = fn(dout2, ds2, s2, w, b, mean, rstd, p, seed, activation,
                              need_dx, need_dw, need_db,
                              grad_dtypes=(w_meta and w_meta[1], b_meta and b_meta[1]))
-        dx = None if dx2 is None else dx2.view(s.shape)
-        dweight = None if dw is None else dw.to(w_meta[1]).view(w_meta[0])
-        dbias = None if db is None else db.to(b_meta[1]).view(b_meta[0])
+        dx = dx2 if dx2 is None or dx2.shape == s.shape else dx2.view(s.shape)
+        dweight = None if dw is None else _as_param_grad(dw, w_meta)
+        dbias = None if db is None else _as_param_grad(db, b_meta)
         return (dx if need_x else None, dx if need_r else None, dweight, dbias,
                 None, None, None, None, None, None)
+
+
+def _as_param_grad(g: torch.Tensor, meta: tuple) -> torch.Tensor:
+    """A parameter's gradient ``g`` (N,) in the parameter's (shape, dtype) ``meta``; the
+    backends usually return it so already (each .to / .view is a dispatch of host time)."""
+    shape, dtype = meta
+    if g.dtype != dtype:
+        g = g.to(dtype)
+    return g if g.shape == shape else g.view(shape)
 
 
 def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, out_dtype):
@@ -138,12 +146,23 @@ def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, 
         return LayerNormEpilogueFunction.apply(x, residual, weight, bias, n, eps, p, seed,
                                                activation, out_dtype)
     # No backward will follow: no statistics written, nothing saved.
-    x2 = as_rows(x, n)
-    r2 = None if residual is None else as_rows(residual, n)
+    x2, r2 = _rows(x, residual, n)
     backend, fn = _backend_fn(x2, "layernorm_epilogue_forward")
     _dispatch.record("layernorm_epilogue_forward", backend)
     out2, s2, _, _ = fn(x2, r2, _flat(weight), _flat(bias), eps, out_dtype, p, seed, activation,
                         False)
-    out = out2.view(x.shape)
-    return out if residual is None else (out, s2.view(x.shape))
+    out = out2 if x2 is x else out2.view(x.shape)
+    if residual is None:
+        return out
+    return out, s2 if x2 is x else s2.view(x.shape)
+
+
+def _rows(x: torch.Tensor, residual: torch.Tensor | None, n: int):
+    """(x, residual) as the backend's rows: as they are where the backend takes contiguous
+    rows of any rank (``EPILOGUE_ROWS_ND``: no views to make and undo), else (M, n) views."""
+    if (x.dim() not in (0, 2) and x.shape[-1] == n and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+            and getattr(_dispatch.backend_for(x), "EPILOGUE_ROWS_ND", False)):
+        return x, residual
+    return as_rows(x, n), None if residual is None else as_rows(residual, n)
 

@@ -9,6 +9,9 @@ NAME = "triton"
 # softmax_forward / layernorm_forward_y also take contiguous tensors of any rank >= 1 (rows along
 # the last dim) and return results of that shape: inference calls skip two views.
 ROWS_ND = True
+# layernorm_epilogue_forward also takes contiguous x / residual of any rank (rows along the last
+# dim) and returns out / s of that shape.
+EPILOGUE_ROWS_ND = True
 
 try:
     import triton  # noqa: F401

@@ -42,14 +42,20 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops import _philox
+from fusedops import _philox, _replay
 from fusedops.triton import layernorm as _ln
 from fusedops.triton._common import (
     Launcher,
+    SequencePlans,
     cdiv,
+    current_stream,
     grid_size,
+    hooks_registered,
+    mark_replayable,
     next_pow2,
     num_sms,
+    record_launches,
+    sequence_steps,
     single_block_limit,
 )
 from fusedops.triton._philox import element_keep, philox4x32, uint32_key
@@ -785,12 +791,9 @@ def _random_args(dropout_p: float, seed: int) -> tuple[bool, float, int, int, in
     if dropout_p == 0.0:
         return False, 1.0, 0, 0, 0
     thr = _philox.dropout_threshold(dropout_p)  # raises for p outside [0, 1)
-    seed = int(seed)
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be a non-negative 64-bit integer, got {seed}")
-    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    i32 = [v - (1 << 32) if v >= 1 << 31 else v for v in (k0, k1, thr)]
-    return True, 1.0 / (1.0 - float(dropout_p)), i32[0], i32[1], i32[2]
+    k0, k1 = _seed_words(seed)
+    thr = thr - (1 << 32) if thr >= 1 << 31 else thr
+    return True, 1.0 / (1.0 - float(dropout_p)), k0, k1, thr
 
 
 def _act_code(activation: str | None) -> int:
@@ -812,8 +815,97 @@ def _check_rows(name: str, t: torch.Tensor | None, shape, dtype) -> None:
         raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
 
 
+def _check_contiguous_rows(x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    # The forward's rows of any rank other than 2: contiguous, rows along the last dim.
+    if x.dim() < 1 or not x.is_contiguous():
+        raise ValueError(f"x of shape {tuple(x.shape)} must be contiguous with rows along its "
+                         "last dim, or 2-D")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous {x.dtype} tensor of x's shape "
+                         f"{tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+
+
 def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# Replay plans (see _common.record_launches), per call signature: everything the launch rules
+# read (shapes, strides, dtypes, 16-byte alignment of every pointer, the scalar arguments but
+# the seed, the gradients needed, the device). A call seen before allocates its outputs and
+# scratch and relaunches the recorded kernels with its own tensors' addresses and seed words:
+# the backend's checks and plans cost 80-120 µs of host time per call on the lent GPU hosts
+# (benchmarks/dev/epi_host_split.py), more than the kernels take on a few thousand rows.
+# The backward makes plans only for calls that give grad_dtypes (the eager autograd path), as
+# LayerNorm's does. PLANS = False turns them off (tests compare both paths).
+PLANS = True
+# Inference add + LayerNorm plans are also replayed from the ops layer (fusedops._replay); the
+# runners go with the plans.
+_fwd_plans = SequencePlans(_replay.LAYERNORM_RESIDUAL)
+_bwd_plans = SequencePlans()
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What the launch rules read of an optional tensor argument, for the plans' keys."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    """The Philox key of ``seed`` as two int32 bit patterns (the kernels' k0, k1)."""
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be a non-negative 64-bit integer, got {seed}")
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    return k0 - (1 << 32) if k0 >= 1 << 31 else k0, k1 - (1 << 32) if k1 >= 1 << 31 else k1
+
+
+def _seed_position(launcher: Launcher) -> int | None:
+    """Index of k0 in ``launcher``'s kernel arguments (k1 follows it), or None if it takes none."""
+    names = list(getattr(launcher.kernel, "arg_names", ()))
+    if "k0" not in names:
+        return None
+    i = names.index("k0")
+    return i if names[i + 1:i + 2] == ["k1"] else -1
+
+
+def _runner(record, inputs: tuple, out: tuple, scratch: tuple, dropout: bool):
+    """``run(*inputs, seed) -> out`` replaying ``record`` (the launches of the call that
+    produced ``out`` and wrote ``scratch``) with the new call's tensors (and seed, with
+    ``dropout``; without, the seed is ignored as the launch rules ignore it), or None where it
+    cannot be replayed (see ``_common.sequence_steps``)."""
+    made = (*out, *scratch)
+    if any(t is not None and not t.is_contiguous() for t in made):
+        return None
+    steps = sequence_steps(record, (*inputs, *made), len(inputs))
+    if steps is None:
+        return None
+    seeded = []
+    for (go, grid, slots, tail), (launcher, *_) in zip(steps, record, strict=True):
+        at = _seed_position(launcher) if dropout else None
+        if at is None:
+            seeded.append((go, grid, slots, tail, None))
+            continue
+        if at < len(slots):
+            return None
+        seeded.append((go, grid, slots, tail[:at - len(slots)], tail[at - len(slots) + 2:]))
+    metas = tuple(None if t is None else (t.shape, t.dtype) for t in made)
+    n_out, index = len(out), inputs[0].get_device()
+
+    def run(*args):
+        *ins, seed = args
+        k0, k1 = _seed_words(seed) if dropout else (0, 0)
+        dev = ins[0].device
+        new = [None if m is None else torch.empty(m[0], dtype=m[1], device=dev) for m in metas]
+        ptrs = [0 if t is None else t.data_ptr() for t in (*ins, *new)]
+        stream = current_stream(index)
+        for go, grid, slots, head, rest in seeded:
+            p = [ptrs[i] + off for i, off in slots]
+            go(grid, stream, (*p, *head) if rest is None else (*p, *head, k0, k1, *rest))
+        return tuple(new[:n_out])
+
+    return run
 
 
 def layernorm_epilogue_forward(
@@ -839,15 +931,82 @@ def layernorm_epilogue_forward(
     its Philox number for ``seed`` (``fusedops._philox``) is >= the threshold and scales it by
     1 / (1 - p); activation None, "relu" or "gelu" (exact).
     """
-    M, N = x.shape
+    key = (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, _tensor_key(residual),
+           _tensor_key(weight), _tensor_key(bias), eps, out_dtype, dropout_p, activation,
+           need_stats, x.get_device()) if PLANS else None
+    plan = _fwd_plans.get(key)
+    if plan and not hooks_registered():
+        if plan.ops is not None and plan.ops[0] not in _replay.LAYERNORM_RESIDUAL:
+            _replay.LAYERNORM_RESIDUAL[plan.ops[0]] = plan.ops[1]  # (tables cleared since)
+        return plan(x, residual, weight, bias, seed)
+    if plan is False or key is None:
+        return _forward(x, residual, weight, bias, eps, out_dtype, dropout_p, seed, activation,
+                        need_stats)
+    with record_launches() as record:
+        out = _forward(x, residual, weight, bias, eps, out_dtype, dropout_p, seed, activation,
+                       need_stats)
+    run = _runner(record, (x, residual, weight, bias), out, (), dropout_p > 0)
+    if run is not None:
+        run.ops = _ops_runner(run, x, residual, weight, bias, eps, out_dtype, dropout_p,
+                              activation, need_stats)
+        if run.ops is not None:
+            _replay.LAYERNORM_RESIDUAL[run.ops[0]] = run.ops[1]
+    _fwd_plans.put(key, run or False)
+    return out
+
+
+def _ops_runner(run, x, residual, weight, bias, eps, out_dtype, dropout_p, activation,
+                need_stats):
+    """``(signature, replay)`` for ``fusedops._replay.LAYERNORM_RESIDUAL`` replaying the plan
+    ``run`` just made, or None unless the call was an inference add + LayerNorm the ops layer
+    can replay (residual, no dropout, activation or statistics, output in x's dtype, x and
+    residual contiguous, every tensor 16-byte aligned, parameters (N,) vectors). ``replay``
+    checks what the signature does not fix and returns None where the plan would not apply."""
+    if (residual is None or dropout_p or activation is not None or need_stats
+            or out_dtype is not x.dtype or not x.is_cuda or not x.is_contiguous()
+            or not residual.is_contiguous() or (x.data_ptr() | residual.data_ptr()) & 15):
+        return None
+    shape, dtype, device, n = x.shape, x.dtype, x.get_device(), x.shape[-1]
+    dtypes = []
+    for t in (weight, bias):
+        if t is not None and _ln._param_ptr(t, t.dtype, n, device) < 0:
+            return None
+        dtypes.append(None if t is None else t.dtype)
+    w_dtype, b_dtype = dtypes
+
+    def replay(x, residual, weight, bias):
+        if (residual.__class__ is not torch.Tensor or residual.shape != shape
+                or residual.dtype is not dtype or not residual.is_cuda
+                or residual.get_device() != device or not x.is_contiguous()
+                or not residual.is_contiguous() or (x.data_ptr() | residual.data_ptr()) & 15
+                or _ln._param_ptr(weight, w_dtype, n, device) < 0
+                or _ln._param_ptr(bias, b_dtype, n, device) < 0 or hooks_registered()):
+            return None
+        out, s, _, _ = run(x, residual, weight, bias, 0)
+        return out, s
+
+    return (shape, dtype, device, eps), replay
+
+
+def _forward(x, residual, weight, bias, eps, out_dtype, dropout_p, seed, activation,
+             need_stats):
+    """:func:`layernorm_epilogue_forward` through the launch rules."""
     dev = x.device
-    _check_rows("x", x, x.shape, x.dtype)
-    _check_rows("residual", residual, x.shape, x.dtype)
+    has_res = residual is not None
+    if x.dim() == 2:
+        M, N = x.shape
+        _check_rows("x", x, x.shape, x.dtype)
+        _check_rows("residual", residual, x.shape, x.dtype)
+        stride_x, stride_r = x.stride(0), residual.stride(0) if has_res else 0
+    else:  # contiguous rows of another rank (ROWS_ND): no 2-D views to make
+        _check_contiguous_rows(x, residual)
+        N = x.shape[-1]
+        M = x.numel() // N if N else 0
+        stride_x = stride_r = N
     act = _act_code(activation)
     dropout, scale, k0, k1, thresh = _random_args(dropout_p, seed)
-    has_res = residual is not None
-    out = torch.empty((M, N), dtype=out_dtype, device=dev)
-    s = torch.empty((M, N), dtype=x.dtype, device=dev) if has_res else None
+    out = torch.empty(x.shape, dtype=out_dtype, device=dev)
+    s = torch.empty(x.shape, dtype=x.dtype, device=dev) if has_res else None
     mean = torch.empty((M,), dtype=torch.float32, device=dev) if need_stats else None
     rstd = torch.empty((M,), dtype=torch.float32, device=dev) if need_stats else None
     if M == 0 or N == 0:
@@ -864,23 +1023,24 @@ def layernorm_epilogue_forward(
     b = bias if has_b else out
     mp = mean if need_stats else out
     rp = rstd if need_stats else out
-    stride_r = residual.stride(0) if has_res else 0
     block = next_pow2(N)
     if block <= _fwd_cap(dropout):
         rows2, warps2 = _tile_2d(block, x.element_size(), dropout)
         tiles2 = cdiv(M, rows2)
         progs2 = grid_size(tiles2, warps2, "ln_fwd", dev, block)
         _launch_fwd_2d((progs2,), (
-            x, r, w, b, out, sp, mp, rp, M, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
+            x, r, w, b, out, sp, mp, rp, M, N, stride_x, stride_r, eps, scale, k0, k1, thresh,
             tiles2, progs2, block, rows2, _slices(block, dropout), has_res, has_w, has_b, dropout,
             act, need_stats, _rne(x),
         ), warps2)
+        mark_replayable()
     else:
         groups = _looped_groups()
         _launch_fwd_looped((M,), (
-            x, r, w, b, out, sp, mp, rp, N, x.stride(0), stride_r, eps, scale, k0, k1, thresh,
+            x, r, w, b, out, sp, mp, rp, N, stride_x, stride_r, eps, scale, k0, k1, thresh,
             groups, has_res, has_w, has_b, dropout, act, need_stats, _rne(x),
         ), _warps(groups * 1024, LOOPED_ELEMS_PER_THREAD))
+        mark_replayable()
     return out, s, mean, rstd
 
 
@@ -913,6 +1073,31 @@ def layernorm_epilogue_backward(
     where not needed. Bitwise reproducible: the grid and the summation order depend on the
     shapes only.
     """
+    if not PLANS or grad_dtypes is None:
+        return _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation,
+                         need_dx, need_dw, need_db, grad_dtypes)[:3]
+    key = (s.shape, s.stride(), s.dtype, s.data_ptr() & 15, _tensor_key(dout), _tensor_key(ds),
+           _tensor_key(weight), _tensor_key(bias), _tensor_key(mean), _tensor_key(rstd),
+           dropout_p, activation, need_dx, need_dw, need_db, grad_dtypes, s.get_device(),
+           BWD_PLAN_OVERRIDE)
+    plan = _bwd_plans.get(key)
+    if plan and not hooks_registered():
+        return plan(dout, ds, s, weight, bias, mean, rstd, seed)
+    if plan is False:
+        return _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation,
+                         need_dx, need_dw, need_db, grad_dtypes)[:3]
+    with record_launches() as record:
+        *out, scratch = _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed,
+                                  activation, need_dx, need_dw, need_db, grad_dtypes)
+    _bwd_plans.put(key, _runner(record, (dout, ds, s, weight, bias, mean, rstd), tuple(out),
+                                scratch, dropout_p > 0) or False)
+    return tuple(out)
+
+
+def _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation, need_dx,
+              need_dw, need_db, grad_dtypes):
+    """:func:`layernorm_epilogue_backward` through the launch rules: ``(dx, dw, db, scratch)``,
+    scratch the tuple of temporaries its launches wrote (for :func:`_runner`)."""
     M, N = s.shape
     dev = s.device
     _check_rows("s", s, s.shape, s.dtype)
@@ -924,7 +1109,7 @@ def layernorm_epilogue_backward(
     if M == 0 or N == 0 or not (need_dx or need_dw or need_db):
         dw = torch.zeros((N,), dtype=torch.float32, device=dev) if need_dw else None
         db = torch.zeros((N,), dtype=torch.float32, device=dev) if need_db else None
-        return dx, dw, db
+        return dx, dw, db, ()
     weight, bias = _vector(weight), _vector(bias)
     mean, rstd = _vector(mean), _vector(rstd)
     has_w, has_b = weight is not None, bias is not None
@@ -942,6 +1127,7 @@ def layernorm_epilogue_backward(
         tiles2 = cdiv(M, rows2)
         progs2 = max(1, min(tiles2, num_sms(dev) * per_sm, _ln._max_partial_rows(s)))
         dw, db, dwp, dbp, part = _partials(progs2, N, need_dw, need_db, dxp)
+        scratch = ()
         _launch_bwd_2d((progs2,), (
             dout, dsp, s, w, b, mean, rstd, dxp, dwp, dbp, M, N, dout.stride(0), stride_ds,
             s.stride(0), scale, k0, k1, thresh, tiles2, progs2,
@@ -951,8 +1137,10 @@ def layernorm_epilogue_backward(
     else:
         groups = _looped_groups()
         sums = dxp
+        scratch = ()
         if need_dx:
             sums = torch.empty((M, 2), dtype=torch.float32, device=dev)
+            scratch = (sums,)
             _launch_bwd_row_sums((M,), (
                 dout, s, w, b, mean, rstd, sums, N, dout.stride(0), s.stride(0), scale, k0, k1,
                 thresh, groups, has_w, has_b, dropout, act,
@@ -970,7 +1158,9 @@ def layernorm_epilogue_backward(
         ), _warps(COLUMN_ROWS * 1024, BWD_ELEMS_PER_THREAD))
     if part is not None:
         dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
-    return dx, dw, db
+        scratch = (*scratch, part)
+    mark_replayable()
+    return dx, dw, db, scratch
 
 
 def _partials(progs: int, N: int, need_dw: bool, need_db: bool, placeholder: torch.Tensor):
