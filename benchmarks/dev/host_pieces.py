@@ -97,6 +97,21 @@ def main() -> None:
             m(**inputs)
         rows["whole model (2 layers)"] = [us_per_call(lambda m=m: m(**inputs), 10, 10)
                                           for m in (base, modules, patched)]
+        hidden = torch.randn(1, 16, d, device=dev, dtype=dt)
+        inter = torch.randn(1, 16, 4 * d, device=dev, dtype=dt)
+        ext_mask = torch.zeros(1, 1, 1, 16, device=dev, dtype=dt)
+
+        def piece(model, name):
+            layer = model.encoder.layer[0]
+            if name == "output":
+                return lambda: layer.output(inter, r)
+            if name == "self output":
+                return lambda: layer.attention.output(h, r)
+            return lambda: layer.attention.self(hidden, attention_mask=ext_mask)
+
+        for name in ("self attention", "self output", "output"):
+            rows[f"BERT {name} module"] = [us_per_call(piece(m, name))
+                                           for m in (base, modules, patched)]
         rows["add + LayerNorm"] = [
             us_per_call(lambda: ln(h + r)),
             us_per_call(lambda: fusedops.fused_layernorm(h, (d,), ln.weight, ln.bias,
@@ -113,7 +128,7 @@ def main() -> None:
             float("nan"),
         ]
     print(f"{'us per call':28s} {'torch':>10s} {'fused API':>10s} {'patched':>10s}")
-    print("(whole model: unpatched, modules only, patched; add + LayerNorm: torch, "
+    print("(model and module rows: unpatched, modules only, patched; add + LayerNorm: torch, "
           "fused_layernorm, the pattern helper)")
     for k, v in rows.items():
         print(f"{k:28s} " + " ".join(f"{x:10.1f}" for x in v))

@@ -65,6 +65,14 @@ def main() -> None:
                 m(**inputs)
             pr.disable()
             stats[name] = pstats.Stats(pr)
+    for name, st in stats.items():
+        print(f"\n{name}: cumulative us per forward of the model's and fusedops' functions")
+        rows = sorted(((v[3] / 50 * 1e6, v[1] / 50, f"{k[0].split('/')[-1]}:{k[1]}({k[2]})")
+                       for k, v in st.stats.items()
+                       if "transformers" in k[0] or "fusedops" in k[0] or "<eval" in k[0]),
+                      reverse=True)
+        for cum, n, fn in rows[:28]:
+            print(f"{cum:8.1f} {n:6.1f}  {fn}")
     base_calls = {k: v[1] for k, v in stats["unpatched"].stats.items()}
     for name in ("modules only", "patched"):
         st = stats[name]
