@@ -157,22 +157,24 @@ def _fresh_backward_plans():
         try:
             from fusedops.triton import layernorm as tln
             from fusedops.triton import layernorm_epilogue as tle
+            from fusedops.triton import softmax_masked as tsmm
         except ImportError:
             return
-        tln._bwd_plans.clear()
-        tle._fwd_plans.clear()
-        tle._bwd_plans.clear()
+        for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
+                      tsmm._bwd_plans):
+            plans.clear()
 
 
 @pytest.fixture
 def recording_entries(monkeypatch):
     """Replay plans on (as with Triton 3.6's C entries) for the sequence-replaying backends
-    (the LayerNorm backward, the LayerNorm epilogues), each entry recording its calls in the
-    returned ``log`` as ("replay", grid, raw args); normal launches log ("normal", grid, args).
-    Their plans are dropped afterwards."""
+    (the LayerNorm backward, the LayerNorm epilogues, the masked softmax), each entry recording
+    its calls in the returned ``log`` as ("replay", grid, raw args); normal launches log
+    ("normal", grid, args). Their plans are dropped afterwards."""
     from fusedops.triton import _common
     from fusedops.triton import layernorm as tln
     from fusedops.triton import layernorm_epilogue as tle
+    from fusedops.triton import softmax_masked as tsmm
 
     log = []
 
@@ -190,13 +192,16 @@ def recording_entries(monkeypatch):
 
     monkeypatch.setattr(tln, "BWD_PLANS", True)
     monkeypatch.setattr(tle, "PLANS", True)
+    monkeypatch.setattr(tsmm, "PLANS", True)
     monkeypatch.setattr(_common.Launcher, "entry", entry)
     monkeypatch.setattr(_common.Launcher, "__call__", spy)
-    for mod in (tln, tle):
-        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
+    for mod in (tln, tle, tsmm):
         monkeypatch.setattr(mod, "hooks_registered", lambda: False)
+    for mod in (tln, _common):
+        monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
     yield log
-    for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans):
+    for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
+                  tsmm._bwd_plans):
         plans.clear()
 
 

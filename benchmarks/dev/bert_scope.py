@@ -1,7 +1,7 @@
 """BERT-base (eager attention) before/after of the host-time changes of session 26, in one
 process (CUDA only): unpatched, module swaps only and the full patch, each patched variant with
-the session's host paths ("new": routing scoped to the sites found, epilogue replay plans, the
-ops layer's add + LayerNorm replay, rows of any rank) and without them ("old": the whole
+the session's host paths ("new": routing scoped to the sites found, epilogue and masked-softmax
+replay plans, the ops layer's add + LayerNorm replay, rows of any rank) and without them ("old": the whole
 forward under the routing mode, REDISCOVER_EVERY = 1, none of the rest). Interleaved rounds,
 medians; inference and a training step per batch.
 
@@ -25,6 +25,7 @@ import fusedops.triton as ftriton  # noqa: E402
 from fusedops import _replay, patching  # noqa: E402
 from fusedops.tools.demo import interleaved_latency  # noqa: E402
 from fusedops.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.triton import softmax_masked as tsmm  # noqa: E402
 
 NEW, OLD = "new", "old"
 _saved_runners: dict = {}
@@ -34,7 +35,7 @@ def host_paths(which: str) -> None:
     """Switch the session-26 host paths on ("new") or off ("old")."""
     new = which == NEW
     patching.REDISCOVER_EVERY = 64 if new else 1
-    tle.PLANS = ftriton.EPILOGUE_ROWS_ND = new
+    tle.PLANS = tsmm.PLANS = ftriton.EPILOGUE_ROWS_ND = new
     table = _replay.LAYERNORM_RESIDUAL
     if new:
         table.update(_saved_runners)

@@ -55,7 +55,7 @@ def main() -> None:
             go.raw_pointers = True
             return go
         _common.Launcher.entry = entry
-        tle.current_stream = lambda index: 0
+        _common.current_stream = lambda index: 0
     else:
         from fusedops.triton import layernorm_epilogue as tle
 

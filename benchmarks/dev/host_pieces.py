@@ -44,7 +44,7 @@ def stub_kernels() -> None:
     _common.Launcher.__call__ = (lambda self, grid, args, num_warps:
                                  _common._record(self, grid, args, num_warps))
     _common.Launcher.entry = entry
-    for mod in (tln, tle, trms, tsm, tsmm):
+    for mod in (_common, tln, tle, trms, tsm, tsmm):
         if hasattr(mod, "current_stream"):
             mod.current_stream = lambda index: 0
 

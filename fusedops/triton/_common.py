@@ -471,6 +471,49 @@ def sequence_steps(record: LaunchRecord, tensors: tuple, n_inputs: int) -> tuple
     return tuple(steps)
 
 
+def replay_runner(record: LaunchRecord, inputs: tuple, out: tuple, scratch: tuple = (),
+                  seed_at=None):
+    """``run(*inputs, words=None) -> out``: allocates outputs and scratch like the call that
+    produced ``out`` (and wrote the temporaries ``scratch``) and replays ``record`` with the
+    new tensors' addresses; None where it cannot be replayed (see :func:`sequence_steps`).
+    ``seed_at(launcher)``: for kernels that take two per-call words (a random seed), the index
+    of the first among their arguments (the second follows), else None; ``run`` passes its
+    ``words`` there, the recorded ones where ``words`` is None."""
+    made = (*out, *scratch)
+    if any(t is not None and not t.is_contiguous() for t in made):
+        return None
+    steps = sequence_steps(record, (*inputs, *made), len(inputs))
+    if steps is None:
+        return None
+    split = []
+    for (go, grid, slots, tail), (launcher, *_) in zip(steps, record, strict=True):
+        at = None if seed_at is None else seed_at(launcher)
+        if at is None:
+            split.append((go, grid, slots, tail, None))
+            continue
+        if at < len(slots):
+            return None
+        at -= len(slots)
+        split.append((go, grid, slots, tail[:at + 2], tail[at + 2:]))
+    metas = tuple(None if t is None else (t.shape, t.dtype) for t in made)
+    n_out, index = len(out), inputs[0].get_device()
+
+    def run(*ins, words=None):
+        dev = ins[0].device
+        new = [None if m is None else torch.empty(m[0], dtype=m[1], device=dev) for m in metas]
+        ptrs = [0 if t is None else t.data_ptr() for t in (*ins, *new)]
+        stream = current_stream(index)
+        for go, grid, slots, head, rest in split:
+            p = [ptrs[i] + off for i, off in slots]
+            if rest is None or words is None:
+                go(grid, stream, (*p, *head) if rest is None else (*p, *head, *rest))
+            else:
+                go(grid, stream, (*p, *head[:-2], *words, *rest))
+        return tuple(new[:n_out])
+
+    return run
+
+
 def run_steps(steps: tuple, ptrs: tuple, stream: int) -> None:
     """Launch replay ``steps`` (see :func:`sequence_steps`) with the call's tensor addresses."""
     for go, grid, slots, tail in steps:

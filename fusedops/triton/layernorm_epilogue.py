@@ -48,14 +48,13 @@ from fusedops.triton._common import (
     Launcher,
     SequencePlans,
     cdiv,
-    current_stream,
     grid_size,
     hooks_registered,
     mark_replayable,
     next_pow2,
     num_sms,
     record_launches,
-    sequence_steps,
+    replay_runner,
     single_block_limit,
 )
 from fusedops.triton._philox import element_keep, philox4x32, uint32_key
@@ -870,44 +869,6 @@ def _seed_position(launcher: Launcher) -> int | None:
     return i if names[i + 1:i + 2] == ["k1"] else -1
 
 
-def _runner(record, inputs: tuple, out: tuple, scratch: tuple, dropout: bool):
-    """``run(*inputs, seed) -> out`` replaying ``record`` (the launches of the call that
-    produced ``out`` and wrote ``scratch``) with the new call's tensors (and seed, with
-    ``dropout``; without, the seed is ignored as the launch rules ignore it), or None where it
-    cannot be replayed (see ``_common.sequence_steps``)."""
-    made = (*out, *scratch)
-    if any(t is not None and not t.is_contiguous() for t in made):
-        return None
-    steps = sequence_steps(record, (*inputs, *made), len(inputs))
-    if steps is None:
-        return None
-    seeded = []
-    for (go, grid, slots, tail), (launcher, *_) in zip(steps, record, strict=True):
-        at = _seed_position(launcher) if dropout else None
-        if at is None:
-            seeded.append((go, grid, slots, tail, None))
-            continue
-        if at < len(slots):
-            return None
-        seeded.append((go, grid, slots, tail[:at - len(slots)], tail[at - len(slots) + 2:]))
-    metas = tuple(None if t is None else (t.shape, t.dtype) for t in made)
-    n_out, index = len(out), inputs[0].get_device()
-
-    def run(*args):
-        *ins, seed = args
-        k0, k1 = _seed_words(seed) if dropout else (0, 0)
-        dev = ins[0].device
-        new = [None if m is None else torch.empty(m[0], dtype=m[1], device=dev) for m in metas]
-        ptrs = [0 if t is None else t.data_ptr() for t in (*ins, *new)]
-        stream = current_stream(index)
-        for go, grid, slots, head, rest in seeded:
-            p = [ptrs[i] + off for i, off in slots]
-            go(grid, stream, (*p, *head) if rest is None else (*p, *head, k0, k1, *rest))
-        return tuple(new[:n_out])
-
-    return run
-
-
 def layernorm_epilogue_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -938,14 +899,15 @@ def layernorm_epilogue_forward(
     if plan and not hooks_registered():
         if plan.ops is not None and plan.ops[0] not in _replay.LAYERNORM_RESIDUAL:
             _replay.LAYERNORM_RESIDUAL[plan.ops[0]] = plan.ops[1]  # (tables cleared since)
-        return plan(x, residual, weight, bias, seed)
+        return plan(x, residual, weight, bias, words=_seed_words(seed) if dropout_p else None)
     if plan is False or key is None:
         return _forward(x, residual, weight, bias, eps, out_dtype, dropout_p, seed, activation,
                         need_stats)
     with record_launches() as record:
         out = _forward(x, residual, weight, bias, eps, out_dtype, dropout_p, seed, activation,
                        need_stats)
-    run = _runner(record, (x, residual, weight, bias), out, (), dropout_p > 0)
+    run = replay_runner(record, (x, residual, weight, bias), out, (),
+                        _seed_position if dropout_p else None)
     if run is not None:
         run.ops = _ops_runner(run, x, residual, weight, bias, eps, out_dtype, dropout_p,
                               activation, need_stats)
@@ -982,7 +944,7 @@ def _ops_runner(run, x, residual, weight, bias, eps, out_dtype, dropout_p, activ
                 or _ln._param_ptr(weight, w_dtype, n, device) < 0
                 or _ln._param_ptr(bias, b_dtype, n, device) < 0 or hooks_registered()):
             return None
-        out, s, _, _ = run(x, residual, weight, bias, 0)
+        out, s, _, _ = run(x, residual, weight, bias)
         return out, s
 
     return (shape, dtype, device, eps), replay
@@ -1082,22 +1044,24 @@ def layernorm_epilogue_backward(
            BWD_PLAN_OVERRIDE)
     plan = _bwd_plans.get(key)
     if plan and not hooks_registered():
-        return plan(dout, ds, s, weight, bias, mean, rstd, seed)
+        return plan(dout, ds, s, weight, bias, mean, rstd,
+                    words=_seed_words(seed) if dropout_p else None)
     if plan is False:
         return _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation,
                          need_dx, need_dw, need_db, grad_dtypes)[:3]
     with record_launches() as record:
         *out, scratch = _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed,
                                   activation, need_dx, need_dw, need_db, grad_dtypes)
-    _bwd_plans.put(key, _runner(record, (dout, ds, s, weight, bias, mean, rstd), tuple(out),
-                                scratch, dropout_p > 0) or False)
+    _bwd_plans.put(key, replay_runner(record, (dout, ds, s, weight, bias, mean, rstd),
+                                      tuple(out), scratch,
+                                      _seed_position if dropout_p else None) or False)
     return tuple(out)
 
 
 def _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation, need_dx,
               need_dw, need_db, grad_dtypes):
     """:func:`layernorm_epilogue_backward` through the launch rules: ``(dx, dw, db, scratch)``,
-    scratch the tuple of temporaries its launches wrote (for :func:`_runner`)."""
+    scratch the tuple of temporaries its launches wrote (for ``replay_runner``)."""
     M, N = s.shape
     dev = s.device
     _check_rows("s", s, s.shape, s.dtype)

@@ -1,0 +1,170 @@
+"""Replay plans of the masked softmax kernels (fusedops.triton.softmax_masked_forward /
+_backward): a call whose signature ran before relaunches the recorded kernel with the new call's
+tensors, skipping the checks and launch rules.
+
+Under the interpreter the plans are built with a recording C entry (conftest's
+``recording_entries``) and compared with the normal path's launch (same grid, same scalars,
+pointers at the same places relative to the call's tensors); with a GPU, replayed calls are
+compared bit for bit with the normal path (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import INTERPRETING
+
+pytest.importorskip("triton")
+from fusedops import triton as tb  # noqa: E402
+
+if not tb.AVAILABLE:
+    pytest.skip("Triton not available", allow_module_level=True)
+
+import fusedops  # noqa: E402
+from fusedops.triton import softmax_masked as tsmm  # noqa: E402
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _no_plans():
+    tsmm._fwd_plans.clear()
+    tsmm._bwd_plans.clear()
+    yield
+    tsmm._fwd_plans.clear()
+    tsmm._bwd_plans.clear()
+
+
+def _mask(kind: str, shape, device="cpu", dtype=F32):
+    B, H, Q, N = shape
+    g = torch.Generator().manual_seed(1)
+    if kind == "none":
+        return None
+    if kind == "bool":
+        m = torch.rand(B, 1, Q, N, generator=g) > 0.2
+        m[..., 0] = True
+        return m.to(device).expand(shape)
+    m = torch.where(torch.rand(B, 1, 1, N, generator=g) > 0.2, 0.0, float("-inf"))
+    m[..., 0] = 0.0
+    return m.to(device, dtype).expand(shape)
+
+
+CASES = {
+    "float mask, broadcast": dict(shape=(2, 3, 5, 48), mask="float", causal=False),
+    "bool mask, causal": dict(shape=(1, 2, 7, 40), mask="bool", causal=True),
+    "no mask, causal": dict(shape=(1, 1, 3, 80), mask="none", causal=True),
+}
+
+
+def _relative(args, bases):
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.data_ptr()
+        elif not (isinstance(a, int) and a > 1 << 40):
+            out.append(a)
+            continue
+        out.append(next(((i, a - t.data_ptr()) for i, t in enumerate(bases)
+                         if t is not None and t.data_ptr() <= a
+                         < t.data_ptr() + max(1, t.numel()) * t.element_size()), "other"))
+    return tuple(out)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+@pytest.mark.parametrize("name", list(CASES))
+def test_replay_repeats_the_normal_launch(recording_entries, small_single_block_or_not, name):
+    case = CASES[name]
+    x = torch.randn(*case["shape"])
+    mask = _mask(case["mask"], case["shape"])
+    log = recording_entries
+    calls = {
+        "forward": (tsmm._fwd_plans, lambda: tsmm.softmax_masked_forward(
+            x, mask, 0.25, case["causal"], F32), (x, mask)),
+    }
+    y = calls["forward"][1]()
+    dy = torch.randn_like(y)
+    calls["backward"] = (tsmm._bwd_plans, lambda: tsmm.softmax_masked_backward(
+        y.view(-1, y.shape[-1]), dy.view(-1, y.shape[-1]), 0.25, F32),
+        (y.view(-1, y.shape[-1]), dy.view(-1, y.shape[-1])))
+    for kind, (plans, call, inputs) in calls.items():
+        log.clear()
+        plans.clear()
+        normal = call()
+        normal_log = list(log)
+        assert normal_log and all(e[0] == "normal" for e in normal_log), kind
+        assert len(plans) == 1 and next(iter(plans.values())), kind
+        log.clear()
+        replayed = call()
+        assert [e[0] for e in log] == ["replay"], kind
+        assert (replayed.shape, replayed.dtype) == (normal.shape, normal.dtype)
+        assert replayed.data_ptr() != normal.data_ptr()
+        (_, g1, a1), (_, g2, a2) = normal_log[0], log[0]
+        assert g1 == g2
+        assert _relative(a1, (*inputs, normal)) == _relative(a2, (*inputs, replayed)), kind
+
+
+@pytest.fixture(params=[False, True], ids=["single-block", "looped"])
+def small_single_block_or_not(request):
+    if not request.param:
+        yield
+        return
+    from fusedops.triton import _common
+
+    _common.set_single_block_limit(16)
+    try:
+        yield
+    finally:
+        _common.set_single_block_limit(None)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+def test_calls_that_do_not_replay(recording_entries, monkeypatch):
+    """A strided x (made contiguous for the call) records no plan; a launch hook takes the
+    normal path; PLANS = False makes none."""
+    log = recording_entries
+    x = torch.randn(2, 3, 16, 8).transpose(2, 3)
+    tsmm.softmax_masked_forward(x, None, 0.5, False, F32)
+    assert list(tsmm._fwd_plans.values()) == [False]
+    x = x.contiguous()
+    tsmm.softmax_masked_forward(x, None, 0.5, False, F32)
+    monkeypatch.setattr(tsmm, "hooks_registered", lambda: True)
+    log.clear()
+    tsmm.softmax_masked_forward(x, None, 0.5, False, F32)
+    assert [e[0] for e in log] == ["normal"]
+    monkeypatch.setattr(tsmm, "PLANS", False)
+    tsmm._fwd_plans.clear()
+    tsmm.softmax_masked_forward(x, None, 0.5, False, F32)
+    assert not tsmm._fwd_plans
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,mask,causal,dtype", [
+    ((8, 12, 128, 128), "float", False, BF16),
+    ((2, 4, 100, 300), "bool", True, F32),
+    ((1, 2, 16, 40000), "none", False, BF16),  # looped rows
+])
+def test_gpu_replay_is_bitwise_the_normal_path(shape, mask, causal, dtype):
+    """Through the public op, forward and backward: repeated steps replay and give the first
+    step's bits; with plans dropped, the normal path gives them again."""
+    x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    m = _mask(mask, shape, "cuda", dtype)
+    dy = torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def step():
+        y = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
+        return y, torch.autograd.grad(y, x, dy)[0]
+
+    first = step()
+    import triton
+
+    from fusedops.triton import _common
+
+    if triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
+        assert any(tsmm._fwd_plans.values()) and any(tsmm._bwd_plans.values())
+    again = step()
+    tsmm._fwd_plans.clear()
+    tsmm._bwd_plans.clear()
+    fresh = step()
+    for a, b, c in zip(first, again, fresh, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
