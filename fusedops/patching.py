@@ -297,16 +297,17 @@ class _ForwardWrapper:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
-# Routing scope. A mode costs every torch call made under it a trip through Python (about 10
-# µs per call on the CPU profile of a patched BERT forward: benchmarks/dev/host_bert_cpu.py),
-# while the calls it routes are a handful per layer. So the model's forward runs under the
-# mode only in *discovery* forwards, which also note the module whose call made each routable
-# call (a *site*); other forwards enter the mode only while a site runs (_SiteForward).
+# Routing scope. A mode costs every torch call made under it a trip through Python (about 5
+# µs per call on the lent GPU hosts: docs/patching.md), while the calls it routes are a
+# handful per layer. So the model's forward runs under the mode only in *discovery* forwards,
+# which also note the module whose call made each routable call (a *site*, the model itself
+# for a call made in its own forward outside every submodule). Other forwards run the mode
+# only while a site's own code runs: a site's forward enters it, and the forwards of a site's
+# children that are not sites themselves pop it while they run (_ScopeForward's roles).
 # Discovery: the first forward in each (training, grad enabled) state, every
 # REDISCOVER_EVERY-th forward (a routable call that first appears later, in a branch the
 # earlier forwards did not take, runs unfused until then: correct, only slower), every
 # verification pass, and every forward under torch.compile (which traces the mode away).
-# A routable call made outside any submodule's call makes the whole forward a site.
 REDISCOVER_EVERY = 64
 
 # Per thread: how many patched models' forwards are running (sites route only inside one).
@@ -338,57 +339,105 @@ class _RoutedForward(_ForwardWrapper):
         seen = (self.module.training, torch.is_grad_enabled())
         discover = (seen not in state.discovered or not self.calls % REDISCOVER_EVERY
                     or state.verify_counts is not None)
-        if not discover and not state.root_site:
-            _scope.depth = getattr(_scope, "depth", 0) + 1
-            try:
-                return self._call_inner(*args, **kwargs)
-            finally:
-                _scope.depth -= 1
         sites = [] if discover else None
-        with _FusedFunctionMode(state.ops, state.verify_counts, sites):
-            out = self._call_inner(*args, **kwargs)
+        _scope.depth = getattr(_scope, "depth", 0) + 1
+        try:
+            if sites is None and not state.root_site:
+                return self._call_inner(*args, **kwargs)
+            with _FusedFunctionMode(state.ops, state.verify_counts, sites):
+                out = self._call_inner(*args, **kwargs)
+        finally:
+            _scope.depth -= 1
         if sites is not None:
             state.discovered.add(seen)
             self._adopt(sites)
         return out
 
     def _adopt(self, sites: list) -> None:
-        """Give each new site a :class:`_SiteForward` (the model itself, or a module outside
-        its tree, makes every forward run under the mode)."""
+        """Make each new site's forward a "site" and its other children "child"s (see
+        _ScopeForward); a site that is the model itself, or a module outside its tree, makes
+        the model's whole forward run under the mode."""
         if not sites:
             return
         tree = {id(m) for m in self.module.modules()}
+        found = []
         for module in dict.fromkeys(sites):  # (order kept, duplicates dropped)
             if module is None or module is self.module or id(module) not in tree:
                 self.state.root_site = True
-            elif not _has_wrapper(module, _SiteForward):
-                _install(self.state, module,
-                         _SiteForward(module, module.__dict__.get("forward"), self.state))
+                module = self.module
+            else:
+                _set_role(self.state, module, "site")
+            found.append(module)
+        for site in found:
+            for child in _called_children(site):
+                if not isinstance(child, _FUSED_CLASSES) and _role(child) != "site":
+                    _set_role(self.state, child, "child")
 
 
-class _SiteForward(_ForwardWrapper):
-    """The forward of a module whose call made a routable call in a discovery forward: runs
-    under a fresh mode while a patched model's forward is running and no mode is active."""
+class _ScopeForward(_ForwardWrapper):
+    """The forward of a module in the routing scope (see REDISCOVER_EVERY). ``role`` "site": a
+    module whose call made a routable call in a discovery forward; it runs under a fresh mode
+    while a patched model's forward is running and no mode is active. "child": a child of a
+    site that is no site itself; where the site's mode is the innermost one, it is popped while
+    the child runs (sites deeper inside enter their own)."""
 
-    def __init__(self, module: nn.Module, inner: Any, state: _PatchState) -> None:
+    def __init__(self, module: nn.Module, inner: Any, state: _PatchState, role: str) -> None:
         super().__init__(module, inner)
         self.state = state
+        self.role = role
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling() or not getattr(_scope, "depth", 0) or _active_mode() is not None:
+        if _is_compiling():
             return self._call_inner(*args, **kwargs)
-        with _FusedFunctionMode(self.state.ops, self.state.verify_counts):
-            return self._call_inner(*args, **kwargs)
+        if self.role == "site":
+            if not getattr(_scope, "depth", 0) or _active_mode() is not None:
+                return self._call_inner(*args, **kwargs)
+            with _FusedFunctionMode(self.state.ops, self.state.verify_counts):
+                return self._call_inner(*args, **kwargs)
+        n = torch._C._len_torch_function_stack()
+        if n:
+            top = torch._C._get_function_stack_at(n - 1)
+            if top.__class__ is _FusedFunctionMode and top.sites is None:  # not discovering
+                torch._C._pop_torch_function_stack()
+                try:
+                    return self._call_inner(*args, **kwargs)
+                finally:
+                    torch._C._push_on_torch_function_stack(top)
+        return self._call_inner(*args, **kwargs)
 
 
-def _has_wrapper(module: nn.Module, kind: type) -> bool:
-    """Whether ``module``'s instance-level forward chain holds a wrapper of class ``kind``."""
+def _called_children(module: nn.Module) -> Iterator[nn.Module]:
+    """The submodules ``module``'s forward can call as its children: its children, with the
+    containers that are indexed rather than called (ModuleList, ModuleDict) replaced by
+    theirs."""
+    for child in module.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            yield from _called_children(child)
+        else:
+            yield child
+
+
+def _scope_wrapper(module: nn.Module) -> _ScopeForward | None:
+    """The :class:`_ScopeForward` in ``module``'s instance-level forward chain, if any."""
     current = module.__dict__.get("forward")
     while isinstance(current, _ForwardWrapper):
-        if isinstance(current, kind):
-            return True
+        if isinstance(current, _ScopeForward):
+            return current
         current = current.inner
-    return False
+    return None
+
+
+def _role(module: nn.Module) -> str | None:
+    wrapper = _scope_wrapper(module)
+    return None if wrapper is None else wrapper.role
+
+
+def _set_role(state: _PatchState, module: nn.Module, role: str) -> None:
+    wrapper = _scope_wrapper(module)
+    if wrapper is None:
+        _install(state, module, _ScopeForward(module, module.__dict__.get("forward"), state, role))
+    else:
+        wrapper.role = role
 
 
 class _GraphForward(_ForwardWrapper):

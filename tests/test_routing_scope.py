@@ -21,7 +21,7 @@ from torch import nn
 
 import fusedops
 from fusedops import patch_model, patching, unpatch_model
-from fusedops.patching import _active_mode, _SiteForward
+from fusedops.patching import _active_mode, _role
 
 
 class Attention(nn.Module):
@@ -111,8 +111,7 @@ def routed(model, x) -> dict:
 
 def sites(model) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
-    return sorted(names[id(m)] for m in model.modules()
-                  if patching._has_wrapper(m, _SiteForward))
+    return sorted(names[id(m)] for m in model.modules() if _role(m) == "site")
 
 
 def test_sites_found_and_scoped(mode_calls):
@@ -169,18 +168,47 @@ def test_late_call_routed_from_the_next_rediscovery(monkeypatch):
     assert model.__dict__[patching._STATE_ATTR].root_site
 
 
-def test_root_call_makes_every_forward_routed(mode_calls):
-    """A routable call in the model's own forward (outside every submodule's call): the whole
-    forward stays under the mode."""
+def test_root_call_scopes_the_mode_to_the_root_code(mode_calls):
+    """A routable call in the model's own forward (outside every submodule's call): the model's
+    forward runs under the mode, its children pop it while they run, and the sites inside them
+    enter their own; the mode sees the root's and the sites' own calls only."""
+    model = Net(root_call=True).to(DEV).eval()
+    ref = copy.deepcopy(model)
+    patch_model(model)
+    x = inputs()
+    with torch.no_grad():
+        first = routed(model, x)
+        calls_first = mode_calls["all"]
+        assert model.__dict__[patching._STATE_ATTR].root_site
+        assert _role(model.blocks) is None and _role(model.blocks[0]) == "child"
+        assert _role(model.blocks[0].mlp) is None
+        mode_calls.clear()
+        assert first == routed(model, x) == {"softmax_forward": 3}
+        assert 0 < mode_calls["all"] < calls_first / 2
+        torch.testing.assert_close(model(x), ref(x))
+
+
+def test_user_mode_above_ours_is_not_popped(mode_calls):
+    """A child pops the mode only where ours is the innermost: under a user's mode it stays,
+    and the user's mode sees every call."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
     model = Net(root_call=True).to(DEV).eval()
     patch_model(model)
     x = inputs()
     with torch.no_grad():
-        routed(model, x)
-        calls_first = mode_calls["all"]
-        mode_calls.clear()
-        assert routed(model, x) == {"softmax_forward": 3}
-        assert mode_calls["all"] == calls_first
+        routed(model, x)  # discovery
+        with Counting():
+            got = routed(model, x)
+    assert got == {"softmax_forward": 3} and Counting.calls > 0
+    assert _active_mode() is None
 
 
 def test_site_called_outside_the_model_is_not_routed():
