@@ -16,7 +16,9 @@ Two mechanisms, both scoped to one model (torch itself is never monkeypatched):
    ``F.softmax``, ``torch.softmax``, ``Tensor.softmax``, ``torch.special.softmax``,
    ``F.layer_norm``, ``torch.layer_norm``, ``F.rms_norm`` and ``torch.rms_norm`` to the fused
    ops and passes every other call through. Nested and re-entrant calls reuse the outermost
-   mode. Excluded subtrees get a wrapper that suspends routing while they run.
+   mode. Excluded subtrees get a wrapper that suspends routing while they run. Outside
+   discovery forwards the mode is scoped to the modules whose own code makes routable calls
+   (see ``REDISCOVER_EVERY``): every other torch call of the forward skips it.
 
 3. **Epilogue patterns** (``patterns=True``). Hugging Face models that chose eager attention
    are switched to an eager attention whose ``softmax(scores * scaling + mask)`` is one kernel,

@@ -29,6 +29,10 @@ constexpr specialisations: the plain paths carry none of the dropout or activati
   partials per row split. dout and s are read twice there (five passes of M·N elements in all,
   against three).
 
+Host path: calls of a signature seen before replay their recorded launches (``PLANS``, with
+the new call's seed words), and the forward also takes contiguous rows of any rank (the ops
+layer's ``EPILOGUE_ROWS_ND``); see docs/design.md, "Epilogue and masked-softmax replay plans".
+
 The single-block kernels first held rows as ``[Q, R, G, NI]`` column tiles too (one Philox call
 per counter); those measured 0.07-0.4 of copy bandwidth on an H200 even without dropout
 (benchmarks/results/h200-2026-11-26-s24-chains-ln.*) and were replaced by the 2-D tiles.
@@ -885,10 +889,11 @@ def layernorm_epilogue_forward(
     ``fusedops.reference.layernorm_epilogue_forward``).
 
     x, residual: (M, N) float32/float16/bfloat16, unit column stride, any row strides, the same
-    dtype (residual may be None); weight, bias: (N,) in any float dtype, or None. Returns
-    ``(out, s, mean, rstd)``: out (M, N) contiguous of ``out_dtype``; s = x + residual rounded
-    to x's dtype, (M, N) contiguous (None without residual); mean/rstd (M,) float32 (None
-    unless ``need_stats``). Dropout with ``dropout_p`` in [0, 1) (0: none) keeps an element when
+    dtype (residual may be None), or contiguous tensors of any other rank >= 1 (rows along the
+    last dim; out and s then have x's shape); weight, bias: (N,) in any float dtype, or None.
+    Returns ``(out, s, mean, rstd)``: out (M, N) contiguous of ``out_dtype``; s = x + residual
+    rounded to x's dtype, (M, N) contiguous (None without residual); mean/rstd (M,) float32
+    (None unless ``need_stats``). A call whose signature ran before is replayed. Dropout with ``dropout_p`` in [0, 1) (0: none) keeps an element when
     its Philox number for ``seed`` (``fusedops._philox``) is >= the threshold and scales it by
     1 / (1 - p); activation None, "relu" or "gelu" (exact).
     """
