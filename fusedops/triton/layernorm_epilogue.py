@@ -893,9 +893,10 @@ def layernorm_epilogue_forward(
     last dim; out and s then have x's shape); weight, bias: (N,) in any float dtype, or None.
     Returns ``(out, s, mean, rstd)``: out (M, N) contiguous of ``out_dtype``; s = x + residual
     rounded to x's dtype, (M, N) contiguous (None without residual); mean/rstd (M,) float32
-    (None unless ``need_stats``). A call whose signature ran before is replayed. Dropout with ``dropout_p`` in [0, 1) (0: none) keeps an element when
-    its Philox number for ``seed`` (``fusedops._philox``) is >= the threshold and scales it by
-    1 / (1 - p); activation None, "relu" or "gelu" (exact).
+    (None unless ``need_stats``). A call whose signature ran before is replayed. Dropout with
+    ``dropout_p`` in [0, 1) (0: none) keeps an element when its Philox number for ``seed``
+    (``fusedops._philox``) is >= the threshold and scales it by 1 / (1 - p); activation None,
+    "relu" or "gelu" (exact).
     """
     key = (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, _tensor_key(residual),
            _tensor_key(weight), _tensor_key(bias), eps, out_dtype, dropout_p, activation,
