@@ -376,6 +376,9 @@ def test_ops_layer_replays_inference_add_layernorm(ops_runner, monkeypatch):
     """A plain inference call of the signature goes straight to the runner: one replayed
     launch, no checks or dispatch; calls needing gradients take the normal path."""
     run, (x, r, w, b), log = ops_runner
+    with torch.no_grad(), pytest.raises(TypeError, match="training"):
+        fusedops.fused_layernorm(x, 32, w, b, residual=r, training="yes")  # still an error
+    assert not log
 
     def checks(*args):
         raise LookupError("the call ran the checks")

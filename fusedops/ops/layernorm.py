@@ -141,7 +141,7 @@ def fused_layernorm(
                 y = run(x, weight, bias)
                 if y is not None:
                     return y
-        else:
+        elif training.__class__ is bool:  # (a bad one must still raise)
             run = _replay.LAYERNORM_RESIDUAL.get((shape, x.dtype, x.get_device(), eps))
             if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
                     not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)

@@ -63,9 +63,9 @@ class LayerNormEpilogueFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, n, eps, p, seed, activation, out_dtype):
-        x2, r2 = _rows(x, residual, n)
-        backend, fn = _backend_fn(x2, "layernorm_epilogue_forward")
+        backend, fn = _backend_fn(x, "layernorm_epilogue_forward")
         _dispatch.record("layernorm_epilogue_forward", backend)
+        x2, r2 = _rows(x, residual, n, backend)
         out2, s2, mean, rstd = fn(x2, r2, _flat(weight), _flat(bias), eps, out_dtype, p, seed,
                                   activation, True)
         out = out2 if x2 is x else out2.view(x.shape)
@@ -146,9 +146,9 @@ def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, 
         return LayerNormEpilogueFunction.apply(x, residual, weight, bias, n, eps, p, seed,
                                                activation, out_dtype)
     # No backward will follow: no statistics written, nothing saved.
-    x2, r2 = _rows(x, residual, n)
-    backend, fn = _backend_fn(x2, "layernorm_epilogue_forward")
+    backend, fn = _backend_fn(x, "layernorm_epilogue_forward")
     _dispatch.record("layernorm_epilogue_forward", backend)
+    x2, r2 = _rows(x, residual, n, backend)
     out2, s2, _, _ = fn(x2, r2, _flat(weight), _flat(bias), eps, out_dtype, p, seed, activation,
                         False)
     out = out2 if x2 is x else out2.view(x.shape)
@@ -157,12 +157,12 @@ def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, 
     return out, s2 if x2 is x else s2.view(x.shape)
 
 
-def _rows(x: torch.Tensor, residual: torch.Tensor | None, n: int):
-    """(x, residual) as the backend's rows: as they are where the backend takes contiguous
-    rows of any rank (``EPILOGUE_ROWS_ND``: no views to make and undo), else (M, n) views."""
+def _rows(x: torch.Tensor, residual: torch.Tensor | None, n: int, backend):
+    """(x, residual) as ``backend``'s rows: as they are where it takes contiguous rows of any
+    rank (``EPILOGUE_ROWS_ND``: no views to make and undo), else (M, n) views."""
     if (x.dim() not in (0, 2) and x.shape[-1] == n and x.is_contiguous()
             and (residual is None or residual.is_contiguous())
-            and getattr(_dispatch.backend_for(x), "EPILOGUE_ROWS_ND", False)):
+            and getattr(backend, "EPILOGUE_ROWS_ND", False)):
         return x, residual
     return as_rows(x, n), None if residual is None else as_rows(residual, n)
 
