@@ -474,6 +474,9 @@ class FusedForward:
     sites: list[str]
     children: dict[str, nn.Module]  # the child modules the traces call, as they were
     tensors: dict[str, torch.Tensor]  # the module's own parameters/buffers the traces read
+    # (names, defaults, indices of info.tested among names) where every argument after self is
+    # positional-or-keyword: calls without keywords then skip Signature.bind (host time)
+    positional: tuple | None = None
 
 
 def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
@@ -508,8 +511,20 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
     children = dict(module._modules)
     tensors = {name: t for name, t in itertools.chain(module._parameters.items(),
                                                        module._buffers.items())}
-    return FusedForward(info, inspect.signature(type(module).forward), variants, sites,
-                        children, tensors), None
+    signature = inspect.signature(type(module).forward)
+    return FusedForward(info, signature, variants, sites, children, tensors,
+                        _positional_layout(signature, info.tested)), None
+
+
+def _positional_layout(signature: inspect.Signature, tested: tuple[str, ...]) -> tuple | None:
+    """FusedForward.positional for ``signature`` (a forward's, self first), or None."""
+    params = list(signature.parameters.values())[1:]
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    names = tuple(p.name for p in params)
+    if any(t not in names for t in tested):
+        return None
+    return names, tuple(p.default for p in params), tuple(names.index(t) for t in tested)
 
 
 def select_variant(fused: FusedForward, module: nn.Module, args: tuple, kwargs: dict
@@ -533,6 +548,15 @@ def select_variant(fused: FusedForward, module: nn.Module, args: tuple, kwargs: 
     if not fused.info.tested and not kwargs:
         gm = fused.variants.get(())
         return None if gm is None else (gm, args)
+    layout = fused.positional
+    if layout is not None and not kwargs and len(args) <= len(layout[0]):
+        # What Signature.bind + apply_defaults gives for a positional call, without it.
+        names, defaults, tested_at = layout
+        full = args + defaults[len(args):]
+        # (a missing argument: bind below fails, and the original forward raises the error)
+        if not any(v is inspect.Parameter.empty for v in defaults[len(args):]):
+            gm = fused.variants.get(tuple(full[i] is None for i in tested_at))
+            return None if gm is None else (gm, full)
     try:
         bound = fused.signature.bind(module, *args, **kwargs)
     except TypeError:

@@ -351,6 +351,31 @@ def test_none_pattern_variants_used_correctly(cls, monkeypatch):
     assert_same_training(model, ref, (x,))
 
 
+def test_positional_calls_select_as_signature_bind_does():
+    """The positional fast path of select_variant picks the trace and the positional arguments
+    Signature.bind + apply_defaults gives; a missing argument still reaches the original
+    forward's own error."""
+    import dataclasses
+
+    model, _ = twins(MaskedAttn)
+    patch_model(model, functional=False)
+    fused = graph_forward(model).fused
+    assert fused.positional is not None
+    slow = dataclasses.replace(fused, positional=None)
+    x, mask = scores_mask()
+    for args in ((x, mask), (x,), (x, None)):
+        fast_pick = _fx_patterns.select_variant(fused, model, args, {})
+        slow_pick = _fx_patterns.select_variant(slow, model, args, {})
+        assert fast_pick[0] is slow_pick[0]
+        assert len(fast_pick[1]) == len(slow_pick[1])
+        assert all(a is b for a, b in zip(fast_pick[1], slow_pick[1], strict=True))
+    assert _fx_patterns.select_variant(fused, model, (), {}) is None
+    with pytest.raises(TypeError):
+        model()
+    assert _fx_patterns._positional_layout(
+        inspect.signature(lambda self, x, *rest: x), ("x",)) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # check_forward / patch_model: what they reject
 # ---------------------------------------------------------------------------------------------
