@@ -471,6 +471,14 @@ def sequence_steps(record: LaunchRecord, tensors: tuple, n_inputs: int) -> tuple
     return tuple(steps)
 
 
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What launch rules read of an optional tensor argument (shape, strides, dtype, 16-byte
+    alignment), for replay plans' signatures."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
+
+
 def replay_runner(record: LaunchRecord, inputs: tuple, out: tuple, scratch: tuple = (),
                   seed_at=None):
     """``run(*inputs, words=None) -> out``: allocates outputs and scratch like the call that

@@ -60,6 +60,7 @@ from fusedops.triton._common import (
     record_launches,
     replay_runner,
     single_block_limit,
+    tensor_key,
 )
 from fusedops.triton._philox import element_keep, philox4x32, uint32_key
 from fusedops.triton.layernorm import _over_rows, _reduce_partials, _row_sums
@@ -848,13 +849,6 @@ _fwd_plans = SequencePlans(_replay.LAYERNORM_RESIDUAL)
 _bwd_plans = SequencePlans()
 
 
-def _tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What the launch rules read of an optional tensor argument, for the plans' keys."""
-    if t is None:
-        return None
-    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
-
-
 def _seed_words(seed: int) -> tuple[int, int]:
     """The Philox key of ``seed`` as two int32 bit patterns (the kernels' k0, k1)."""
     seed = int(seed)
@@ -898,8 +892,8 @@ def layernorm_epilogue_forward(
     (``fusedops._philox``) is >= the threshold and scales it by 1 / (1 - p); activation None,
     "relu" or "gelu" (exact).
     """
-    key = (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, _tensor_key(residual),
-           _tensor_key(weight), _tensor_key(bias), eps, out_dtype, dropout_p, activation,
+    key = (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, tensor_key(residual),
+           tensor_key(weight), tensor_key(bias), eps, out_dtype, dropout_p, activation,
            need_stats, x.get_device()) if PLANS else None
     plan = _fwd_plans.get(key)
     if plan and not hooks_registered():
@@ -1044,8 +1038,8 @@ def layernorm_epilogue_backward(
     if not PLANS or grad_dtypes is None:
         return _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation,
                          need_dx, need_dw, need_db, grad_dtypes)[:3]
-    key = (s.shape, s.stride(), s.dtype, s.data_ptr() & 15, _tensor_key(dout), _tensor_key(ds),
-           _tensor_key(weight), _tensor_key(bias), _tensor_key(mean), _tensor_key(rstd),
+    key = (s.shape, s.stride(), s.dtype, s.data_ptr() & 15, tensor_key(dout), tensor_key(ds),
+           tensor_key(weight), tensor_key(bias), tensor_key(mean), tensor_key(rstd),
            dropout_p, activation, need_dx, need_dw, need_db, grad_dtypes, s.get_device(),
            BWD_PLAN_OVERRIDE)
     plan = _bwd_plans.get(key)

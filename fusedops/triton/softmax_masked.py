@@ -50,6 +50,7 @@ from fusedops.triton._common import (
     replay_runner,
     row_config,
     single_block_limit,
+    tensor_key,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -300,12 +301,6 @@ _fwd_plans = SequencePlans()
 _bwd_plans = SequencePlans()
 
 
-def _tensor_key(t: torch.Tensor | None) -> tuple | None:
-    if t is None:
-        return None
-    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
-
-
 def _planned(plans, key, inputs: tuple, normal):
     """``normal()``'s result, replayed from ``plans[key]`` where a call of ``key`` ran before
     through launches alone (``inputs``: the call's tensors, in the order the plan takes them;
@@ -329,7 +324,7 @@ def softmax_masked_forward(x: torch.Tensor, mask: torch.Tensor | None, scale: fl
     (B, H, Q, N) view, any strides, bool or float. Returns (B, H, Q, N) contiguous of
     ``out_dtype``. A call whose signature ran before is replayed (see ``_planned``).
     """
-    key = (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, _tensor_key(mask), scale, causal,
+    key = (x.shape, x.stride(), x.dtype, x.data_ptr() & 15, tensor_key(mask), scale, causal,
            out_dtype, x.get_device()) if PLANS else None
     return _planned(_fwd_plans, key, (x, mask),
                     lambda: _forward(x, mask, scale, causal, out_dtype))
@@ -379,7 +374,7 @@ def softmax_masked_backward(y: torch.Tensor, dy: torch.Tensor, scale: float,
     """dx = scale · y · (dy - Σ dy·y) per row. y: (M, N) contiguous; dy: (M, N) unit column
     stride, any row stride (0 for expanded gradients). Returns contiguous (M, N) of
     ``out_dtype``. A call whose signature ran before is replayed (see ``_planned``)."""
-    key = (y.shape, y.stride(), y.dtype, y.data_ptr() & 15, _tensor_key(dy), scale, out_dtype,
+    key = (y.shape, y.stride(), y.dtype, y.data_ptr() & 15, tensor_key(dy), scale, out_dtype,
            y.get_device()) if PLANS else None
     return _planned(_bwd_plans, key, (y, dy), lambda: _backward(y, dy, scale, out_dtype))
 
