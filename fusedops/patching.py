@@ -419,14 +419,18 @@ def _called_children(module: nn.Module) -> Iterator[nn.Module]:
             yield child
 
 
-def _scope_wrapper(module: nn.Module) -> _ScopeForward | None:
-    """The :class:`_ScopeForward` in ``module``'s instance-level forward chain, if any."""
+def _find_wrapper(module: nn.Module, kind: type) -> Any:
+    """The wrapper of class ``kind`` in ``module``'s instance-level forward chain, or None."""
     current = module.__dict__.get("forward")
     while isinstance(current, _ForwardWrapper):
-        if isinstance(current, _ScopeForward):
+        if isinstance(current, kind):
             return current
         current = current.inner
     return None
+
+
+def _scope_wrapper(module: nn.Module) -> _ScopeForward | None:
+    return _find_wrapper(module, _ScopeForward)
 
 
 def _role(module: nn.Module) -> str | None:

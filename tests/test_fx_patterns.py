@@ -27,9 +27,9 @@ from conftest import tol
 from torch import nn
 
 import fusedops
-from fusedops import _fx_patterns, _hf_attention, patch_model, unpatch_model
+from fusedops import _fx_patterns, _hf_attention, patch_model, patching, unpatch_model
 from fusedops._fx_patterns import check_forward
-from fusedops.patching import _ForwardWrapper, _GraphForward
+from fusedops.patching import _GraphForward
 
 B, L, D = 2, 5, 8
 SCALE = 0.125  # exact in binary: the report prints it as "0.125"
@@ -71,12 +71,7 @@ def twins(factory, seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 def graph_forward(module: nn.Module) -> _GraphForward | None:
     """The traced-forward wrapper installed on ``module`` (also under a routing wrapper)."""
-    fwd = module.__dict__.get("forward")
-    while isinstance(fwd, _ForwardWrapper):
-        if isinstance(fwd, _GraphForward):
-            return fwd
-        fwd = fwd.inner
-    return None
+    return patching._find_wrapper(module, _GraphForward)
 
 
 def scores_mask(seed: int = 1, mask_shape=(B, 1, L)) -> tuple[torch.Tensor, torch.Tensor]:
