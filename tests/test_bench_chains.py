@@ -225,7 +225,9 @@ def test_cli_correctness_small(tiny_run):
         # gradients of w and b are sums over the rows: absolute error scales with them
         assert r["max_abs_err"] <= (1e-4 if r["dtype"] == "fp32" else 0.5), r
         if r["provider"] == "fusedops" and bc.CHAINS[r["chain"]].dropout_p:
-            assert r["check"] == "vs eager, dropout p = 0 for both"
+            assert r["check"].startswith("vs eager, dropout p = 0 for both")
+            relu_bwd = r["chain"] == "layernorm_dropout_relu" and r["mode"] == "fwd_bwd"
+            assert (r["relu_ties"] == 0) if relu_bwd else r["relu_ties"] is None, r
             if r["mode"] == "fwd":
                 dc = r["dropout_check"]
                 assert dc["ok"] is True, dc
@@ -352,3 +354,76 @@ def test_a_failing_provider_is_recorded(monkeypatch):
     assert "unexpected keyword argument" in fused[0]["error"]
     assert all(x["status"] == "ok" for x in r["records"] if x["provider"] == "eager")
     assert "error" in bc.format_table(r)  # the table still renders
+
+
+def _tie_inputs():
+    """LayerNorm + ReLU inputs (32 x 64, fp32) whose pre-activation at (3, 5) is 1e-7 of its
+    max |y|: within rounding of 0, where two correct kernels may take opposite sides."""
+    import torch.nn.functional as F
+
+    inp = bc.make_inputs("layernorm_dropout_relu", (32, 64), torch.float32, "cpu", seed=1)
+    x, w, b = inp["args"]
+    y = F.layer_norm(x, (64,), w, b, bc.EPS)
+    b[5] = b[5] - y[3, 5] + 1e-7 * y.abs().max()
+    bc._grad_out(inp, "cpu", torch.float32)
+    return inp, F.layer_norm(x, (64,), w, b, bc.EPS)
+
+
+def test_relu_tie_reference_keeps_the_fused_pattern():
+    inp, y = _tie_inputs()
+    assert 0 < y[3, 5] < 1e-6 * y.abs().max()
+    tied = torch.relu(y)
+    tied[3, 5] = 0.0  # a fused forward whose pre-activation rounded just below 0 there
+    ref, ties, worst = bc.relu_tie_reference("layernorm_dropout_relu", inp, tied, "cpu",
+                                             torch.float32)
+    assert ties == 1 and 0 < worst <= bc.RELU_TIE_TOL[torch.float32]
+    eager = bc._run(bc.make_eager("layernorm_dropout_relu", p=0.0), inp, "fwd_bwd", "cpu",
+                    torch.float32)
+    eager = eager[0] + eager[1]
+    # Against eager, dx at the tied element differs by the whole upstream gradient (the
+    # session-26 "wrong" flag); against the tie-aware reference the same gradients agree.
+    dx_gap = (ref[1] - eager[1]).abs()
+    assert dx_gap[3, 5] > 0.1 * eager[1].abs().max()
+    assert bc.compare(ref, eager)[1] > bc.CHECK_TOL[torch.float32]
+    keep = (tied > 0).float()
+    x = inp["args"][0].detach().requires_grad_(True)
+    w = inp["args"][1].detach().requires_grad_(True)
+    b = inp["args"][2].detach().requires_grad_(True)
+    out = torch.nn.functional.layer_norm(x, (64,), w, b, bc.EPS) * keep
+    grads = torch.autograd.grad(out, (x, w, b), inp["grad_out"][0])
+    assert bc.compare((out.detach(), *grads), ref)[1] < 1e-6
+
+
+def test_relu_tie_reference_flags_a_wrong_mask():
+    inp, y = _tie_inputs()
+    wrong = torch.relu(y)
+    big = y.argmax()
+    wrong.view(-1)[big] = 0.0  # dropped an element far from 0: a real bug, not a tie
+    _, ties, worst = bc.relu_tie_reference("layernorm_dropout_relu", inp, wrong, "cpu",
+                                           torch.float32)
+    assert ties == 1 and worst > 0.5  # y.max() over max |y|
+    with pytest.raises(ValueError, match="not a LayerNorm \\+ ReLU chain"):
+        bc.relu_tie_reference("add_layernorm", inp, wrong, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("flip", ["tie", "far"])
+def test_relu_ties_in_a_run(monkeypatch, flip):
+    """run_chains's fwd_bwd check of the ReLU chain passes a fused forward that broke a tie the
+    other way and fails one that dropped an element far from 0."""
+    inp, y = _tie_inputs()
+    monkeypatch.setattr(bc, "make_inputs", lambda *a, **k: inp)
+    where = (3, 5) if flip == "tie" else divmod(int(y.argmax()), 64)
+    mask = torch.ones_like(y)
+    mask[where] = 0.0
+
+    def flipped(chain, p=None):
+        eager = bc.make_eager(chain, p=p)
+        return lambda *args: eager(*args) * mask
+
+    monkeypatch.setattr(bc, "make_fused", flipped)
+    r = bc.run_chains(chains="layernorm_dropout_relu", dtypes="fp32", sizes="32x64",
+                      device="cpu", providers="fusedops", modes="fwd_bwd", warmup_ms=0.1,
+                      rep_ms=0.2, progress=False)
+    (rec,) = r["records"]
+    assert rec["relu_ties"] == 1 and "ReLU ties" in rec["check"]
+    assert rec["ok"] is (flip == "tie"), rec
