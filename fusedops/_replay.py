@@ -18,6 +18,11 @@ hundred nanoseconds. The next call with that signature goes straight to the runn
   weight, bias) -> (y, x + residual) or None``: LayerNorm of ``x + residual`` over the last
   dim, no dropout or activation, ``y`` in ``x.dtype`` (``residual`` is not checked by the ops
   layer before the runner: the runner checks it).
+* ``SOFTMAX_MASKED``: ``(x.shape, x.dtype, x.get_device(), scale, causal, mask signature)`` ->
+  ``run(x, mask) -> y or None``: ``softmax(x * scale + mask)`` over the last dim of a 4-d ``x``
+  (attention scores), ``scale`` a float (None resolved to 1.0), ``causal`` a bool, the mask
+  signature None or ``(mask.shape, mask.stride(), mask.dtype)``; ``y`` in ``x.dtype``. A value
+  of False marks a signature the backend cannot replay (not looked up again).
 
 The ops consult a table only for plain eager inference calls (``fusedops._dispatch.plain_eager``,
 no gradient needed, arguments of the exact types the signature assumes). A runner re-checks what
@@ -37,6 +42,7 @@ SOFTMAX: dict = {}
 LAYERNORM: dict = {}
 RMSNORM: dict = {}
 LAYERNORM_RESIDUAL: dict = {}
+SOFTMAX_MASKED: dict = {}
 
 
 def clear() -> None:
@@ -45,3 +51,4 @@ def clear() -> None:
     LAYERNORM.clear()
     RMSNORM.clear()
     LAYERNORM_RESIDUAL.clear()
+    SOFTMAX_MASKED.clear()

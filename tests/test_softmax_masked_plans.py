@@ -168,3 +168,137 @@ def test_gpu_replay_is_bitwise_the_normal_path(shape, mask, causal, dtype):
     fresh = step()
     for a, b, c in zip(first, again, fresh, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ------------------------------------------------------------------ the ops-level replay
+
+@pytest.fixture
+def masked_runner(recording_entries, monkeypatch):
+    """An inference attention softmax of (2, 3, 5, 48) float32 scores with a (2, 1, 1, 48)
+    additive mask, recorded and registered in ``fusedops._replay.SOFTMAX_MASKED`` (CPU tensors
+    pass the runner's CUDA check while registering)."""
+    from fusedops import _replay
+
+    _replay.SOFTMAX_MASKED.clear()
+    x = torch.randn(2, 3, 5, 48)
+    m = _mask("float", (2, 1, 1, 48))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with torch.no_grad():
+        fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
+    (sig,) = _replay.SOFTMAX_MASKED
+    assert sig == (x.shape, F32, -1, 0.25, False, (m.shape, m.stride(), F32))
+    recording_entries.clear()
+    yield _replay.SOFTMAX_MASKED[sig], x, m, recording_entries
+    _replay.SOFTMAX_MASKED.clear()
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+def test_ops_layer_replays_inference_masked_softmax(masked_runner, monkeypatch):
+    """A plain inference call of the signature goes straight to the runner (one replayed
+    launch, no checks, views or dispatch); bad arguments still raise; calls needing gradients,
+    an int scale or counting take the normal path."""
+    run, x, m, log = masked_runner
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="scale"):
+            fusedops.fused_softmax(x, -1, scale=True, mask=m)
+        with pytest.raises(TypeError, match="causal"):
+            fusedops.fused_softmax(x, -1, scale=0.25, mask=m, causal=0)
+        with pytest.raises(ValueError, match="finite"):
+            fusedops.fused_softmax(x, -1, scale=float("nan"), mask=m)
+    assert not log
+
+    def checks(*args):
+        raise LookupError("the call ran the checks")
+
+    monkeypatch.setattr(fusedops.ops.softmax, "check_mask_args", checks)
+    with torch.no_grad():
+        y = fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
+    assert [e[0] for e in log] == ["replay"]
+    assert y.shape == x.shape and y.dtype == x.dtype
+    with torch.no_grad(), pytest.raises(LookupError, match="ran the checks"):
+        fusedops.fused_softmax(x, -1, scale=1, mask=m)  # an int scale: not the signature's
+    with pytest.raises(LookupError, match="ran the checks"):
+        fusedops.fused_softmax(x.requires_grad_(), -1, scale=0.25, mask=m)
+    x.requires_grad_(False)
+    with torch.no_grad(), fusedops.count_fused_calls(), pytest.raises(LookupError):
+        fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+def test_masked_ops_runner_declines_what_the_signature_does_not_fix(masked_runner, monkeypatch):
+    run, x, m, log = masked_runner
+    assert run(x, m) is not None
+    misaligned_x = torch.randn(x.numel() + 1)[1:].view(x.shape)
+    misaligned_m = torch.randn(m.numel() + 1)[1:].view(m.shape)
+    strided_x = torch.randn(2, 3, 48, 5).transpose(2, 3)
+    assert [run(*call) for call in ((misaligned_x, m), (x, misaligned_m),
+                                    (strided_x, m))] == [None] * 3
+    monkeypatch.setattr(tsmm, "hooks_registered", lambda: True)
+    assert run(x, m) is None
+    assert [e[0] for e in log] == ["replay"]
+    from fusedops import _replay
+
+    tsmm._fwd_plans.clear()  # plans dropped: their runners go too
+    assert not _replay.SOFTMAX_MASKED
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+def test_masked_ops_runner_registration(recording_entries, monkeypatch):
+    """What gets a runner: 4-d scores whose views the kernel reads are the caller's tensors. A
+    float64 mask (converted for the kernel) is marked False; a strided x (copied) is asked
+    again; other ranks, CPU tensors and plans off register nothing usable."""
+    from fusedops import _replay
+
+    _replay.SOFTMAX_MASKED.clear()
+    m64 = _mask("float", (2, 1, 1, 48), dtype=torch.float64)
+    with torch.no_grad():
+        fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, scale=0.5, mask=m64)
+        assert list(_replay.SOFTMAX_MASKED.values()) == [False]  # CPU tensors
+        _replay.SOFTMAX_MASKED.clear()
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, scale=0.5, mask=m64)
+        assert list(_replay.SOFTMAX_MASKED.values()) == [False]  # converted mask
+        _replay.SOFTMAX_MASKED.clear()
+        fusedops.fused_softmax(torch.randn(2, 3, 48, 5).transpose(2, 3), -1, scale=0.5)
+        assert not _replay.SOFTMAX_MASKED  # copied x: undecided
+        fusedops.fused_softmax(torch.randn(3, 5, 48), -1, scale=0.5)
+        assert not _replay.SOFTMAX_MASKED  # 3-d: the ops layer views it, no runner
+        fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, causal=True)
+        (sig,) = _replay.SOFTMAX_MASKED
+        assert sig == ((2, 3, 5, 48), F32, -1, 1.0, True, None) and _replay.SOFTMAX_MASKED[sig]
+        _replay.SOFTMAX_MASKED.clear()
+        monkeypatch.setattr(tsmm, "PLANS", False)
+        fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, causal=True)
+        assert not _replay.SOFTMAX_MASKED
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask,causal,dtype", [("float", False, BF16), ("bool", True, F32),
+                                               ("none", True, BF16)])
+def test_gpu_ops_replay_is_bitwise_the_normal_path(mask, causal, dtype):
+    """Inference calls through the ops-level runner give the normal path's bits, also on a side
+    stream."""
+    import triton
+
+    from fusedops import _replay
+    from fusedops.triton import _common
+
+    shape = (4, 6, 64, 200)
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    m = _mask(mask, shape, "cuda", dtype)
+    m = None if m is None else m[:, :1, :, :] if mask == "float" else m
+    with torch.no_grad():
+        first = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
+        if triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
+            assert any(_replay.SOFTMAX_MASKED.values())
+        again = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
+        torch.cuda.current_stream().wait_stream(side)
+        tsmm._fwd_plans.clear()
+        fresh = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
+    assert torch.equal(first, again) and torch.equal(first, on_side)
+    assert torch.equal(first, fresh)

@@ -119,13 +119,25 @@ def fused_softmax(
         the mask's dtype does not promote it. Accumulation is float32 for every dtype.
     """
     if dtype is None and dim.__class__ is int and dim == -1 and x.__class__ is torch.Tensor \
-            and mask is None and scale is None and causal is False and _dispatch.plain_eager():
+            and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
-        run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
-        if run is not None and (not x.requires_grad or not torch.is_grad_enabled()):
-            y = run(x)
-            if y is not None:
-                return y
+        if mask is None and scale is None and causal is False:
+            run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
+            if run is not None and (not x.requires_grad or not torch.is_grad_enabled()):
+                y = run(x)
+                if y is not None:
+                    return y
+        elif (scale is None or scale.__class__ is float) and causal.__class__ is bool and (
+                mask is None or mask.__class__ is torch.Tensor):
+            # (Exact classes: a bool scale or a non-bool causal must still raise.)
+            run = _replay.SOFTMAX_MASKED.get((
+                x.shape, x.dtype, x.get_device(), 1.0 if scale is None else scale, causal,
+                None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
+            if run and (not torch.is_grad_enabled() or not x.requires_grad
+                        and (mask is None or not mask.requires_grad)):
+                y = run(x, mask)
+                if y is not None:
+                    return y
     check_float_tensor(x, "x")
     dim = normalize_dim(dim, x.dim())
     dtype = check_float_dtype(dtype)

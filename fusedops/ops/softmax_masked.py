@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from fusedops import _dispatch, reference
+from fusedops import _dispatch, _replay, reference
 from fusedops._validate import broadcasts_to
 from fusedops.ops._rows import as_rows
 
@@ -82,7 +82,23 @@ def _forward(x, mask, scale, causal, out_dtype):
     x4, mask4 = _as_4d(x, mask)
     backend, fn = _backend_fn(x4, "softmax_masked_forward")
     _dispatch.record("softmax_masked_forward", backend)
-    return fn(x4, mask4, scale, causal, out_dtype).view(x.shape)
+    y = fn(x4, mask4, scale, causal, out_dtype)
+    if x.dim() == 4 and out_dtype is x.dtype:
+        _register_replay(backend, x, mask, x4, mask4, scale, causal)
+    return y if y.shape == x.shape else y.view(x.shape)
+
+
+def _register_replay(backend, x, mask, x4, mask4, scale, causal) -> None:
+    """Enter this call's signature in ``fusedops._replay.SOFTMAX_MASKED`` once: the backend's
+    runner replaying the plan it made for the call, or False where it will have none."""
+    key = (x.shape, x.dtype, x.get_device(), scale, causal,
+           None if mask is None else (mask.shape, mask.stride(), mask.dtype))
+    if key in _replay.SOFTMAX_MASKED:
+        return
+    make = getattr(backend, "softmax_masked_ops_runner", None)
+    runner = False if make is None else make(x, mask, x4, mask4, scale, causal)
+    if runner is not None:  # (None: not decided yet, asked again next call)
+        _replay.SOFTMAX_MASKED[key] = runner
 
 
 class MaskedSoftmaxFunction(torch.autograd.Function):

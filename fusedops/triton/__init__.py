@@ -61,6 +61,8 @@ if AVAILABLE:
     softmax_backward = _on_tensor_device(_softmax.softmax_backward)
     softmax_masked_forward = _on_tensor_device(_softmax_masked.softmax_masked_forward)
     softmax_masked_backward = _on_tensor_device(_softmax_masked.softmax_masked_backward)
+    # (Makes the ops layer's fusedops._replay.SOFTMAX_MASKED runners; launches nothing.)
+    softmax_masked_ops_runner = _softmax_masked.softmax_masked_ops_runner
 
 __all__ = [
     "AVAILABLE",
@@ -77,4 +79,5 @@ __all__ = [
     "softmax_forward",
     "softmax_masked_backward",
     "softmax_masked_forward",
+    "softmax_masked_ops_runner",
 ]

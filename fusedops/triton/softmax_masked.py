@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedops import _replay
 from fusedops.triton._common import (
     Launcher,
     SequencePlans,
@@ -297,7 +298,7 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
 # addresses (the launch rules and checks cost more host time than the kernel takes on a small
 # batch's attention). PLANS = False turns them off.
 PLANS = True
-_fwd_plans = SequencePlans()
+_fwd_plans = SequencePlans(_replay.SOFTMAX_MASKED)  # (clearing the plans clears the runners)
 _bwd_plans = SequencePlans()
 
 
@@ -328,6 +329,47 @@ def softmax_masked_forward(x: torch.Tensor, mask: torch.Tensor | None, scale: fl
            out_dtype, x.get_device()) if PLANS else None
     return _planned(_fwd_plans, key, (x, mask),
                     lambda: _forward(x, mask, scale, causal, out_dtype))
+
+
+def softmax_masked_ops_runner(x: torch.Tensor, mask: torch.Tensor | None, x4: torch.Tensor,
+                              mask4: torch.Tensor | None, scale: float, causal: bool):
+    """The ``fusedops._replay.SOFTMAX_MASKED`` runner for an inference call just made: the ops
+    layer's 4-d ``x`` and ``mask`` (as the user passed it), which it sent here as ``x4`` and
+    ``mask4`` (the mask expanded to x's shape), output in x's dtype. Returns ``run(x, mask)``
+    replaying this call's plan with the new tensors' addresses, False where the call has no
+    plan and will not get one, None where that is not decided yet (plans off, or hooks kept
+    this call from recording). The signature fixes x's shape and dtype and the mask's shape,
+    strides and dtype; ``run`` checks the rest (x contiguous, both on x's device at the
+    recorded 16-byte alignment, no launch hooks) and returns None where it cannot run the call
+    as recorded."""
+    if not PLANS:
+        return None
+    if not x.is_cuda:
+        return False  # (the interpreter's CPU tensors)
+    if x4.data_ptr() != x.data_ptr():
+        return None  # x was copied to be contiguous; a later call's x may not need it
+    if mask is not None and (mask4.data_ptr() != mask.data_ptr()
+                             or mask.get_device() != x.get_device()):
+        return False  # the mask was converted (its signature fixes that), or on another device
+    plan = _fwd_plans.get((x4.shape, x4.stride(), x4.dtype, x4.data_ptr() & 15,
+                           tensor_key(mask4), scale, causal, x.dtype, x4.get_device()))
+    if not plan:
+        return None if plan is None else False
+    device, x_align = x.get_device(), x.data_ptr() & 15
+    if mask is None:
+        def run(x: torch.Tensor, mask: None) -> torch.Tensor | None:
+            if (x.data_ptr() & 15) != x_align or not x.is_contiguous() or hooks_registered():
+                return None
+            return plan(x, None)[0]
+        return run
+    m_align = mask.data_ptr() & 15
+
+    def run_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        if ((x.data_ptr() & 15) != x_align or (mask.data_ptr() & 15) != m_align
+                or not x.is_contiguous() or mask.get_device() != device or hooks_registered()):
+            return None
+        return plan(x, mask)[0]
+    return run_masked
 
 
 def _forward(x, mask, scale, causal, out_dtype):
