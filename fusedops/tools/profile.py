@@ -117,8 +117,10 @@ def model_device(model: nn.Module) -> torch.device:
 
 _PATTERNS = [
     ("other", re.compile(r"log_?softmax")),
-    ("softmax", re.compile(r"softmax")),
-    ("layernorm", re.compile(r"layer_?norm|(^|_)ln_(fwd|bwd)")),
+    # (fusedops' kernels: _softmax_*, _smm_* the masked softmax; _ln_*, _ln_epi_* the
+    # LayerNorm epilogues.)
+    ("softmax", re.compile(r"softmax|(^|_)smm_(fwd|bwd)")),
+    ("layernorm", re.compile(r"layer_?norm|(^|_)ln_(epi_)?(fwd|bwd)")),
     ("matmul", re.compile(
         r"gemm|matmul|cutlass|xmma|cublas|nvjet|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|linear|"
         r"_addmm_activation|scaled_dot_product)")),
