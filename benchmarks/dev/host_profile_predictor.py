@@ -1,15 +1,17 @@
-"""Where the demo predictor's patched forward spends host time: the GPU preset's model
-(bf16, batch 16 x 1024 positions, padded) unpatched and patched, inference. Prints per-forward
-issue time (no synchronisation inside the timed loop) and wall time, the synchronising calls
-torch's sync debug mode reports, then a cProfile diff: every function whose per-forward call
-count differs from the unpatched model's, by cumulative time.
+"""Where the demo predictor's patched forward spends host time: the GPU preset's model (bf16,
+inference, padded batches) unpatched, patched without the ops-level masked-softmax replay
+(``fusedops._replay.SOFTMAX_MASKED`` lookups always missing) and patched. Per shape: forward
+issue time (no synchronisation inside a round of forwards) and wall time, medians over
+interleaved rounds (the lent hosts drift), and the synchronising calls torch's sync debug mode
+reports; then a cProfile diff at the first shape: every function whose per-forward call count
+differs from the unpatched model's, by cumulative and by own time.
 
 Without CUDA (``--cpu-proxy``, needs ``TRITON_INTERPRET=1``): a narrow model on CPU tensors with
 the Triton backend's kernels stubbed out (:func:`host_pieces.stub_kernels`) and CPU tensors
 passing the replay runners' CUDA checks, so only Python and torch-dispatch time is real; torch's
 CPU ops are cheaper to dispatch than its CUDA ones, and its matmuls really compute.
 
-    python benchmarks/dev/host_profile_predictor.py [--cpu-proxy] [--top 40]
+    python benchmarks/dev/host_profile_predictor.py [--shapes 16x1024,1x128] [--cpu-proxy]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import copy
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 import warnings
@@ -26,9 +29,21 @@ from dataclasses import replace
 import torch
 
 import fusedops
+from fusedops import _replay
 from fusedops.models.predictor import Predictor, get_preset
 
-FORWARDS = 50
+FORWARDS = 20  # per round
+ROUNDS = 12
+
+
+class _Missing(dict):
+    """A replay table whose lookups always miss (and which keeps nothing)."""
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value):
+        pass
 
 
 def inputs(batch: int, length: int, dev: str, dtype: torch.dtype):
@@ -40,34 +55,46 @@ def inputs(batch: int, length: int, dev: str, dtype: torch.dtype):
     return x, mask.to(dev)
 
 
-def timed(m, args, cuda: bool) -> tuple[float, float]:
-    """(issue, wall) seconds per forward over FORWARDS forwards, best of 5 rounds."""
-    best_issue = best_wall = float("inf")
-    for _ in range(5):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(FORWARDS):
-            m(*args)
-        t1 = time.perf_counter()
-        if cuda:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        best_issue = min(best_issue, (t1 - t0) / FORWARDS)
-        best_wall = min(best_wall, (t2 - t0) / FORWARDS)
-    return best_issue, best_wall
+def one_round(m, args, cuda: bool) -> tuple[float, float]:
+    """(issue, wall) seconds per forward of FORWARDS back-to-back forwards."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(FORWARDS):
+        m(*args)
+    t1 = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / FORWARDS, (t2 - t0) / FORWARDS
+
+
+def variant(name: str, m, real: dict):
+    """``m`` as a callable, with the masked-softmax ops replay off for the 'no masked' one."""
+    if name != "patched, no masked ops replay":
+        return m
+
+    def call(*args):
+        _replay.SOFTMAX_MASKED = _Missing()
+        try:
+            return m(*args)
+        finally:
+            _replay.SOFTMAX_MASKED = real["table"]
+    return call
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-proxy", action="store_true")
+    ap.add_argument("--shapes", default=None, help="batch x length, comma separated")
     ap.add_argument("--top", type=int, default=40)
     a = ap.parse_args()
     preset = get_preset("gpu")
     cfg = preset.config
     cuda = not a.cpu_proxy
     if cuda:
-        dev, dtype, batch, length = "cuda", torch.bfloat16, preset.batch_size, cfg.max_len
+        dev, dtype = "cuda", torch.bfloat16
+        shapes = a.shapes or f"{preset.batch_size}x{cfg.max_len},1x128"
     else:
         sys.path.insert(0, "benchmarks/dev")
         from host_pieces import stub_kernels
@@ -81,41 +108,58 @@ def main() -> None:
         torch.Tensor.is_cuda = property(lambda self: True)
         torch.set_num_threads(1)
         cfg = replace(cfg, max_len=32, d_model=64, d_ff=128)
-        dev, dtype, batch, length = "cpu", torch.float32, 2, 32
+        dev, dtype = "cpu", torch.float32
+        shapes = a.shapes or "2x32"
     torch.manual_seed(0)
     base = Predictor(cfg).to(dev, dtype).eval()
     patched = copy.deepcopy(base)
-    report = fusedops.patch_model(patched)
-    print(str(report).splitlines()[0] if str(report) else "")
-    args = inputs(batch, length, dev, dtype)
+    fusedops.patch_model(patched)
+    real = {"table": _replay.SOFTMAX_MASKED}
+    models = {name: variant(name, m, real) for name, m in (
+        ("unpatched", base), ("patched, no masked ops replay", patched), ("patched", patched))}
     stats = {}
-    with torch.no_grad():
-        for name, m in (("unpatched", base), ("patched", patched)):
-            for _ in range(10):
-                m(*args)
-            caught = []
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode(1)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
+    for si, shape in enumerate(shapes.split(",")):
+        batch, length = (int(v) for v in shape.split("x"))
+        args = inputs(batch, length, dev, dtype)
+        print(f"\nbatch {batch} x {length} positions, {dtype}, {dev}: medians of {ROUNDS} "
+              f"interleaved rounds of {FORWARDS} forwards")
+        with torch.no_grad():
+            for name, m in models.items():
+                for _ in range(10):
                     m(*args)
-                torch.cuda.set_sync_debug_mode(0)
-            issue, wall = timed(m, args, cuda)
-            print(f"{name:10s} issue {issue * 1e6:8.1f} us, wall {wall * 1e6:8.1f} us per "
-                  f"forward, {len(caught)} synchronising calls "
-                  f"{[str(w.message)[:60] for w in caught]}")
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(FORWARDS):
-                m(*args)
-            pr.disable()
-            if cuda:
-                torch.cuda.synchronize()
-            stats[name] = pstats.Stats(pr)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode(1)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        m(*args)
+                    torch.cuda.set_sync_debug_mode(0)
+                    if caught:
+                        print(f"  {name}: {len(caught)} synchronising calls "
+                              f"{[str(w.message)[:60] for w in caught]}")
+            times: dict = {name: [] for name in models}
+            for r in range(ROUNDS):
+                order = list(models) if r % 2 == 0 else list(models)[::-1]
+                for name in order:
+                    times[name].append(one_round(models[name], args, cuda))
+            for name, t in times.items():
+                issue = statistics.median(v[0] for v in t)
+                wall = statistics.median(v[1] for v in t)
+                print(f"  {name:30s} issue {issue * 1e6:8.1f} us, wall {wall * 1e6:8.1f} us "
+                      "per forward")
+            if si == 0:
+                for name in ("unpatched", "patched"):
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    for _ in range(FORWARDS):
+                        models[name](*args)
+                    pr.disable()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    stats[name] = pstats.Stats(pr)
     base_calls = {k: v[1] for k, v in stats["unpatched"].stats.items()}
     st = stats["patched"]
-    print(f"\npatched: {st.total_calls / FORWARDS:.0f} calls per forward (unpatched "
+    print(f"\npatched, first shape: {st.total_calls / FORWARDS:.0f} calls per forward (unpatched "
           f"{stats['unpatched'].total_calls / FORWARDS:.0f}); profiled "
           f"{st.total_tt / FORWARDS * 1e6:.0f} us per forward (unpatched "
           f"{stats['unpatched'].total_tt / FORWARDS * 1e6:.0f})")
@@ -125,12 +169,10 @@ def main() -> None:
         if n != base_calls.get(k, 0) / FORWARDS:
             rows.append((v[3] / FORWARDS * 1e6, v[2] / FORWARDS * 1e6, n,
                          base_calls.get(k, 0) / FORWARDS, f"{k[0].split('/')[-1]}:{k[1]}({k[2]})"))
-    print(f"{'cum us':>8} {'own us':>8} {'calls':>6} {'was':>6}  function")
-    for r in sorted(rows, reverse=True)[:a.top]:
-        print(f"{r[0]:8.1f} {r[1]:8.1f} {r[2]:6.1f} {r[3]:6.1f}  {r[4]}")
-    print("\nthe same functions by own time")
-    for r in sorted(rows, key=lambda r: -r[1])[:a.top]:
-        print(f"{r[0]:8.1f} {r[1]:8.1f} {r[2]:6.1f} {r[3]:6.1f}  {r[4]}")
+    for title, order in (("by cumulative time", lambda r: -r[0]), ("by own time", lambda r: -r[1])):
+        print(f"\n{title}\n{'cum us':>8} {'own us':>8} {'calls':>6} {'was':>6}  function")
+        for r in sorted(rows, key=order)[:a.top]:
+            print(f"{r[0]:8.1f} {r[1]:8.1f} {r[2]:6.1f} {r[3]:6.1f}  {r[4]}")
 
 
 if __name__ == "__main__":
