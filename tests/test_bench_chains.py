@@ -252,6 +252,29 @@ def test_cli_csv(tiny_run):
             assert row["B"] == "2" and row["M"] == ""
         else:
             assert row["M"] == "32" and row["N"] == "64" and row["S"] == ""
+        assert row["ms_gpu"] == "" and row["gpu_speedup_vs_eager"] == ""  # (CUDA only)
+
+
+def test_gpu_ahead_speedups_and_table():
+    """speedup_gpu compares the GPU-ahead times as speedup compares the do_bench medians; the
+    table shows fused vs eager of both."""
+    def rec(provider, ms, ms_gpu):
+        return {"chain": "add_layernorm", "mode": "fwd_bwd", "dtype": "bf16",
+                "shape": "16384x768", "provider": provider, "ms": ms, "ms_gpu": ms_gpu,
+                "traffic_ratio": 1.37, "tbps": 1.0, "frac_copy": 0.25, "status": "ok",
+                "ok": True, "max_abs_err": 0.0, "max_rel_err": 0.0}
+
+    records = [rec("fusedops", 0.5, 0.08), rec("eager", 0.25, 0.12), rec("compile", 0.4, None)]
+    bc.annotate_speedups(records)
+    fused, eager, compiled = records
+    assert fused["speedup"] == {"eager": 0.5, "compile": 0.8}
+    assert fused["speedup_gpu"] == {"eager": pytest.approx(1.5)}  # compile has no ms_gpu
+    assert compiled["speedup_gpu"] == {} and eager["speedup_gpu"] == {
+        "fusedops": pytest.approx(0.08 / 0.12)}
+    table = bc.format_table({"records": records, "device": "X", "date": "d", "copy_tbps": 4.0})
+    head, row = table.splitlines()[1:3]
+    assert "gpu vs eager" in head
+    assert "0.50x" in row and "1.50x" in row
 
 
 def test_compile_provider():
