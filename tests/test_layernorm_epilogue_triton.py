@@ -350,12 +350,24 @@ def test_bad_arguments():
 
 
 def test_launch_rules():
-    """The single-block caps: 16K plain forward, 8K forward with dropout; 8K plain backward, 4K
-    with dropout or an activation (the project's single-block limit caps them all)."""
+    """The single-block caps: 16K plain forward, 8K forward with dropout; 8K backward, with or
+    without dropout or an activation (the project's single-block limit caps them all). The
+    epilogue backward's plans (s27, H200): 8K-element tiles; without GELU up to 2K columns on 8
+    warps, pipelined with ds or at 2K; GELU and rows of 4K-8K on 16 warps, pipelined."""
     assert tle._fwd_cap(False) == min(16384, tle.single_block_limit())
     assert tle._fwd_cap(True) == min(8192, tle.single_block_limit())
     assert tle._bwd_cap(False, 0) == min(8192, tle.single_block_limit())
-    assert tle._bwd_cap(True, 0) == tle._bwd_cap(False, 2) == min(4096, tle.single_block_limit())
+    assert tle._bwd_cap(True, 0) == tle._bwd_cap(False, 2) == min(8192, tle.single_block_limit())
+    plan = tle._bwd_plan
+    assert plan(1024, 2, True, 1, (1024, 1024)) == (8, 8, 2, False, True, 1)
+    assert plan(1024, 2, True, 1, (1024, 1024, 1024)) == (8, 8, 2, False, True, 2)  # ds
+    assert plan(2048, 4, True, 0, (2048, 2048)) == (4, 8, 2, False, True, 2)
+    for block in (1024, 2048, 4096, 8192):
+        assert plan(block, 2, True, 2, (block, block)) == (8192 // block, 16, 2, False, True, 2)
+        assert plan(block, 2, False, 2, (block, block)) == (8192 // block, 16, 2, False, True, 2)
+    assert plan(4096, 4, True, 1, (4096, 4096)) == (2, 16, 2, False, True, 2)
+    assert plan(512, 2, True, 1, (512, 512)) == (16, 8, 2, False, True, 1)  # (unmeasured: as s25)
+    assert plan(512, 2, True, 2, (512, 512))[5] == 1
     # The column tiles: col = g * 1024 + q * 256 + i covers the padded row exactly.
     for block in (1, 64, 256, 512, 1024, 4096, 8192):
         g, q, i = tphilox.column_tile(block)
@@ -423,7 +435,7 @@ def test_deterministic_partials():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n", [(4096, 768), (4096, 1024), (2048, 4096), (1024, 4097),
                                   (1024, 8192), (512, 8193), (256, 16384), (128, 16385),
-                                  (64, 32768), (3000, 1000)])
+                                  (64, 32768), (3000, 1000), (1001, 2048), (999, 4000)])
 @pytest.mark.parametrize("dtype, w_mode", [(torch.bfloat16, "fp32"), (torch.float16, "same"),
                                            (torch.float32, "none")],
                          ids=["bf16-fp32w", "fp16", "fp32-now"])

@@ -692,12 +692,16 @@ _launch_bwd_columns = Launcher(_ln_epi_bwd_columns)
 # Padded rows up to these many columns are held whole in registers; longer rows take the
 # looped kernels. Forward: FWD_MAX_BLOCK, with dropout FWD_MAX_BLOCK_DROPOUT.
 # Backward: BWD_MAX_BLOCK, with dropout or an activation BWD_MAX_BLOCK_EPILOGUE. Chosen so that
-# no variant spills registers (ptxas for sm_90, Triton 3.6 and 3.9). All are also capped by the
-# project's single-block limit (tests shrink it to exercise the looped kernels on short rows).
+# no variant spills registers (ptxas for sm_90, Triton 3.6 and 3.9), except the 16-warp plans of
+# the epilogue backward (_bwd_plan: GELU, or rows of 4K-8K), which are capped at 128 registers
+# and keep 8-72 B of stack with Triton 3.6 (32-112 B with 3.9; benchmarks/dev/regs_epi_bwd.py)
+# yet run 1.3-1.8x faster than the plans without spills (s27, H200: 8K-column rows 1.8x faster
+# than the looped kernels, which they took before). All are also capped by the project's
+# single-block limit (tests shrink it to exercise the looped kernels on short rows).
 FWD_MAX_BLOCK = 16384
 FWD_MAX_BLOCK_DROPOUT = 8192
 BWD_MAX_BLOCK = 8192
-BWD_MAX_BLOCK_EPILOGUE = 4096
+BWD_MAX_BLOCK_EPILOGUE = 8192
 # Elements per row tile of the single-block kernels (R rows of the padded row, up to MAX_ROWS).
 FWD_TILE = 4096
 BWD_TILE = 2048
@@ -750,11 +754,19 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
     if dropout or act:
         # (ROWS, BLOCK) accumulators and paired row sums: Q slices folded into 1-D accumulators
         # every tile cost 2·Q cross-warp reductions per tile (H200, bf16 65536 x 768, p = 0.1,
-        # ReLU: 524 us; 322 with these; benchmarks/dev/epi_bwd_plans.py). Rows up to 2K without
-        # GELU: 8K-element tiles on 8 warps (247 us; 210-255 registers, no spills on sm_90 with
-        # Triton 3.6); GELU's, and longer rows', registers take the 2K-element tiles.
+        # ReLU: 524 us; 322 with these; benchmarks/dev/epi_bwd_plans.py). 8K-element tiles, two
+        # programs per SM. Up to 2K columns without GELU on 8 warps (247 us at 768 ReLU;
+        # 210-255 registers, no spills on sm_90 with Triton 3.6), software-pipelined where ds
+        # is read too or rows are 2K (s27: bf16 2048 ReLU with ds 464 -> 323 us; 1K without
+        # ds it is 4-15% slower). GELU's registers, and rows of 4K-8K, take 16 warps,
+        # pipelined (s27, H200, µs, bf16 with ds: GELU 1K 761 -> 441, 2K 762 -> 433, 4K
+        # 771 -> 428, ReLU 4K 651 -> 305; the 2K-element tiles on 4-8 warps before).
+        rows = max(1, 8192 // block)
         if act != 2 and block <= 2048:
-            return 8192 // block, 8, 2, False, True, 1
+            stages = 2 if block >= 1024 and (len(strides) > 2 or block == 2048) else 1
+            return rows, 8, 2, False, True, stages
+        if block >= 1024:
+            return rows, 16, 2, False, True, 2
         rows, warps = _tile_2d(block, elt_size, dropout, backward=True)
         return rows, warps, max(BWD_PER_SM, 32 // warps), False, True, 1
     # ds's loads add registers: 16-bit rows of 4K+ columns take float32 rows' 8K-element tiles
