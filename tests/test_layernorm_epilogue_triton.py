@@ -368,6 +368,7 @@ def test_launch_rules():
     assert plan(4096, 4, True, 1, (4096, 4096)) == (2, 16, 2, False, True, 2)
     assert plan(512, 2, True, 1, (512, 512)) == (16, 8, 2, False, True, 1)  # (unmeasured: as s25)
     assert plan(512, 2, True, 2, (512, 512))[5] == 1
+    assert plan(8192, 4, False, 0, (8192, 8192, 8192)) == (1, 16, 1, False, True, 2)  # add + LN
     # The column tiles: col = g * 1024 + q * 256 + i covers the padded row exactly.
     for block in (1, 64, 256, 512, 1024, 4096, 8192):
         g, q, i = tphilox.column_tile(block)

@@ -769,6 +769,11 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
             return rows, 16, 2, False, True, 2
         rows, warps = _tile_2d(block, elt_size, dropout, backward=True)
         return rows, warps, max(BWD_PER_SM, 32 // warps), False, True, 1
+    if block >= 8192:
+        # One 8K row per tile on 16 warps, pipelined, paired sums (s27, H200, with ds: fp32
+        # 614 -> 510 us, bf16 393 -> 328 at 16384 x 8192; LayerNorm's plan below was level at
+        # 4K).
+        return 1, 16, 1, False, True, 2
     # ds's loads add registers: 16-bit rows of 4K+ columns take float32 rows' 8K-element tiles
     # (the 16K-element ones spill, ptxas sm_90 with Triton 3.6: 32 B at 4K, 104 B at 8K).
     rows, warps, per_sm, acc_1d = _ln._fused_bwd_config(block, False,
