@@ -369,6 +369,11 @@ def test_launch_rules():
     assert plan(512, 2, True, 1, (512, 512)) == (16, 8, 2, False, True, 1)  # (unmeasured: as s25)
     assert plan(512, 2, True, 2, (512, 512))[5] == 1
     assert plan(8192, 4, False, 0, (8192, 8192, 8192)) == (1, 16, 1, False, True, 2)  # add + LN
+    fwd = tle._fwd_plan  # (ROWS, warps, programs per SM or None, STAGES or None)
+    assert fwd(1024, 2, False, True) == (*tle._tile_2d(1024, 2, False), None, None)
+    assert fwd(1024, 2, True, True) == (*tle._tile_2d(1024, 2, True), None, 2)
+    assert fwd(4096, 2, True, False) == (*tle._tile_2d(4096, 2, True), None, None)
+    assert fwd(8192, 2, True, False) == (*tle._tile_2d(8192, 2, True), None, None)
     # The column tiles: col = g * 1024 + q * 256 + i covers the padded row exactly.
     for block in (1, 64, 256, 512, 1024, 4096, 8192):
         g, q, i = tphilox.column_tile(block)
