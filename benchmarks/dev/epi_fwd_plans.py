@@ -5,6 +5,7 @@ plan and the fraction of copy bandwidth of the best one (bytes: read x (+ residu
 (+ the sum)).
 
     python benchmarks/dev/epi_fwd_plans.py [--cases bf16:16384x4096:relu:0.1:res,...]
+                                           [--plans "4096,8,0;2048,4,2"]
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ def copy_tbps() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=CASES)
+    ap.add_argument("--plans", default=None,
+                    help="tile elements,warps,stages (0: None);... (the shipped rule first)")
     a = ap.parse_args()
+    plans = PLANS if a.plans is None else (None, *(
+        tuple(None if (i == 2 and v == "0") else int(v) for i, v in enumerate(p.split(",")))
+        for p in a.plans.split(";")))
     copy = copy_tbps()
     print(f"copy {copy:.3f} TB/s")
     for case in a.cases.split(","):
@@ -49,7 +55,7 @@ def main() -> None:
         block = E.next_pow2(N)
         nbytes = x.numel() * x.element_size() * (4 if r is not None else 2)
         row, best = [], None
-        for plan in PLANS:
+        for plan in plans:
             E.FWD_PLAN_OVERRIDE = None if plan is None else (
                 max(1, plan[0] // block), plan[1], None, plan[2])
             us = 1e3 * do_bench(lambda: E.layernorm_epilogue_forward(
