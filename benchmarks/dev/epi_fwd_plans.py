@@ -47,7 +47,7 @@ def main() -> None:
     for case in a.cases.split(","):
         dt, shape, act, p, res = case.split(":")
         M, N = (int(v) for v in shape.split("x"))
-        dtype, p = DT[dt], float(p)
+        dtype, p, act = DT[dt], float(p), None if act == "none" else act
         x = torch.randn(M, N, device="cuda", dtype=dtype)
         r = torch.randn_like(x) if res == "res" else None
         w = torch.randn(N, device="cuda", dtype=dtype)
