@@ -244,9 +244,10 @@ def test_masked_ops_runner_declines_what_the_signature_does_not_fix(masked_runne
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
 def test_masked_ops_runner_registration(recording_entries, monkeypatch):
-    """What gets a runner: 4-d scores whose views the kernel reads are the caller's tensors. A
-    float64 mask (converted for the kernel) is marked False; a strided x (copied) is asked
-    again; other ranks, CPU tensors and plans off register nothing usable."""
+    """What gets a runner: inference calls on 4-d scores whose views the kernel reads are the
+    caller's tensors. A float64 mask (converted for the kernel) is marked False; a strided x
+    (copied) is asked again; other ranks, training calls, CPU tensors and plans off register
+    nothing usable."""
     from fusedops import _replay
 
     _replay.SOFTMAX_MASKED.clear()
@@ -267,6 +268,9 @@ def test_masked_ops_runner_registration(recording_entries, monkeypatch):
         (sig,) = _replay.SOFTMAX_MASKED
         assert sig == ((2, 3, 5, 48), F32, -1, 1.0, True, None) and _replay.SOFTMAX_MASKED[sig]
         _replay.SOFTMAX_MASKED.clear()
+        with torch.enable_grad():  # a training call (the Function's forward) registers nothing
+            fusedops.fused_softmax(torch.randn(2, 3, 5, 48, requires_grad=True), -1, causal=True)
+        assert not _replay.SOFTMAX_MASKED
         monkeypatch.setattr(tsmm, "PLANS", False)
         fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, causal=True)
         assert not _replay.SOFTMAX_MASKED

@@ -78,12 +78,13 @@ def _as_4d(x: torch.Tensor, mask: torch.Tensor | None):
     return x4, mask4
 
 
-def _forward(x, mask, scale, causal, out_dtype):
+def _forward(x, mask, scale, causal, out_dtype, inference=False):
     x4, mask4 = _as_4d(x, mask)
     backend, fn = _backend_fn(x4, "softmax_masked_forward")
     _dispatch.record("softmax_masked_forward", backend)
     y = fn(x4, mask4, scale, causal, out_dtype)
-    if x.dim() == 4 and out_dtype is x.dtype:
+    if inference and x.dim() == 4 and out_dtype is x.dtype:
+        # (Only inference calls can take the replay: training calls skip registering.)
         _register_replay(backend, x, mask, x4, mask4, scale, causal)
     return y if y.shape == x.shape else y.view(x.shape)
 
@@ -170,4 +171,4 @@ def masked_softmax(x: torch.Tensor, dim: int, out_dtype: torch.dtype, scale: flo
         return compose(x, dim, scale, mask, causal, out_dtype)
     if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
         return MaskedSoftmaxFunction.apply(x, mask, scale, causal, out_dtype)
-    return _forward(x, mask, scale, causal, out_dtype)
+    return _forward(x, mask, scale, causal, out_dtype, inference=True)
