@@ -20,6 +20,8 @@ import warnings
 import torch
 
 sys.path.insert(0, "examples")
+sys.path.insert(0, "benchmarks/dev")
+from _profile_diff import print_diff  # noqa: E402
 from bert_before_after import inputs_for  # noqa: E402
 
 import fusedops  # noqa: E402
@@ -73,22 +75,8 @@ def main() -> None:
                       reverse=True)
         for cum, n, fn in rows[:28]:
             print(f"{cum:8.1f} {n:6.1f}  {fn}")
-    base_calls = {k: v[1] for k, v in stats["unpatched"].stats.items()}
     for name in ("modules only", "patched"):
-        st = stats[name]
-        print(f"\n{name}: {st.total_calls / 50:.0f} calls per forward "
-              f"(unpatched {stats['unpatched'].total_calls / 50:.0f}); profiled "
-              f"{st.total_tt / 50 * 1e6:.0f} us per forward "
-              f"(unpatched {stats['unpatched'].total_tt / 50 * 1e6:.0f})")
-        rows = []
-        for k, v in st.stats.items():
-            n = v[1] / 50
-            if n != base_calls.get(k, 0) / 50:
-                rows.append((v[3] / 50 * 1e6, v[2] / 50 * 1e6, n, base_calls.get(k, 0) / 50,
-                             f"{k[0].split('/')[-1]}:{k[1]}({k[2]})"))
-        print(f"{'cum us':>8} {'own us':>8} {'calls':>6} {'was':>6}  function")
-        for r in sorted(rows, reverse=True)[:30]:
-            print(f"{r[0]:8.1f} {r[1]:8.1f} {r[2]:6.1f} {r[3]:6.1f}  {r[4]}")
+        print_diff(stats[name], stats["unpatched"], 50, name)
 
 
 if __name__ == "__main__":

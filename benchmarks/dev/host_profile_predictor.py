@@ -32,6 +32,9 @@ import fusedops
 from fusedops import _replay
 from fusedops.models.predictor import Predictor, get_preset
 
+sys.path.insert(0, "benchmarks/dev")
+from _profile_diff import print_diff  # noqa: E402
+
 FORWARDS = 20  # per round
 ROUNDS = 12
 
@@ -157,23 +160,8 @@ def main() -> None:
                     if cuda:
                         torch.cuda.synchronize()
                     stats[name] = pstats.Stats(pr)
-    base_calls = {k: v[1] for k, v in stats["unpatched"].stats.items()}
-    st = stats["patched"]
-    print(f"\npatched, first shape: {st.total_calls / FORWARDS:.0f} calls per forward (unpatched "
-          f"{stats['unpatched'].total_calls / FORWARDS:.0f}); profiled "
-          f"{st.total_tt / FORWARDS * 1e6:.0f} us per forward (unpatched "
-          f"{stats['unpatched'].total_tt / FORWARDS * 1e6:.0f})")
-    rows = []
-    for k, v in st.stats.items():
-        n = v[1] / FORWARDS
-        if n != base_calls.get(k, 0) / FORWARDS:
-            rows.append((v[3] / FORWARDS * 1e6, v[2] / FORWARDS * 1e6, n,
-                         base_calls.get(k, 0) / FORWARDS, f"{k[0].split('/')[-1]}:{k[1]}({k[2]})"))
-    for title, order in (("by cumulative time", lambda r: -r[0]), ("by own time", lambda r: -r[1])):
-        print(f"\n{title}\n{'cum us':>8} {'own us':>8} {'calls':>6} {'was':>6}  function")
-        for r in sorted(rows, key=order)[:a.top]:
-            print(f"{r[0]:8.1f} {r[1]:8.1f} {r[2]:6.1f} {r[3]:6.1f}  {r[4]}")
-
+    print_diff(stats["patched"], stats["unpatched"], FORWARDS, "patched, first shape",
+               top=a.top, by_own=True)
 
 if __name__ == "__main__":
     main()
