@@ -18,7 +18,11 @@ contiguous, ``mean``/``rstd`` are ``(M,)`` float32 and ``dw``/``db`` come back a
 (or already in ``grad_dtypes``, the parameters' dtypes, where a backend chose to cast them).
 The autograd Functions in ``fusedops.ops`` reduce every user call to this contract.
 
-The choice is cached per (device type, dtype) so the hot path is one dict lookup.
+The public ops ask :func:`fused_backend` first: it answers None where PyTorch's own op is the
+better choice for the call (no fused backend for the device or dtype, a call too small for the
+fused kernel to pay for its host cost, torch.compile tracing, torch.func transforms), and the
+op then calls torch's native op itself. Choices are cached per (device type, dtype), so the hot
+path is a dict lookup and a size test.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _forced: str | None = None
 _cache: dict[tuple[str, torch.dtype], ModuleType] = {}
+# (device type, dtype) -> the fused backend for public calls, or None (PyTorch's own ops)
+_fused: dict[tuple[str, torch.dtype], ModuleType | None] = {}
 _warned: set[str] = set()
 # Per-op counts of calls that ran on a fused backend; None (the default) means "not counting",
 # which keeps the hot path to one `is None` test.
@@ -60,11 +66,15 @@ def set_backend(name: str | None) -> None:
 
     ``None`` restores automatic selection from each tensor's device. The environment variable
     ``FUSEDOPS_BACKEND`` sets the initial value. Forcing ``"triton"`` on CPU tensors needs
-    ``TRITON_INTERPRET=1`` (set before Triton is imported).
+    ``TRITON_INTERPRET=1`` (set before Triton is imported); without it such calls fall back to
+    PyTorch's ops with a one-time warning saying so. A forced backend runs every call it can
+    take, whatever its size (the size rule of :data:`NATIVE_BELOW` is for automatic selection).
     """
-    global _forced
+    global _forced, _below
     _forced = _check_name(name)
+    _below = NATIVE_BELOW if _forced is None else _NEVER_NATIVE
     _cache.clear()
+    _fused.clear()
     _replay.clear()  # runners were registered by the backends chosen before
 
 
@@ -132,6 +142,14 @@ def _select(device_type: str, dtype: torch.dtype) -> ModuleType:
     if wanted == "reference":
         return reference
     backend = _load(wanted)
+    if backend is not None and wanted == "triton" and device_type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        warn_once(
+            f"no-interpreter:{device_type}",
+            f"fusedops: the triton backend runs {device_type} tensors only through Triton's "
+            "interpreter; set TRITON_INTERPRET=1 before importing triton (or move the tensors "
+            "to CUDA). Using PyTorch's ops for these calls.")
+        return reference
     if backend is None:
         warn_once(
             f"missing:{wanted}:{device_type}",
@@ -157,6 +175,61 @@ def backend_for(x: torch.Tensor) -> ModuleType:
     if backend is None:
         backend = _cache[key] = _select(*key)
     return backend
+
+
+# Calls on a fused backend's device with fewer elements than this, per (op, autograd will need
+# the call), run PyTorch's own op: the fused call costs the host more (a Python
+# autograd.Function, and a backward run by autograd's device thread) than its kernel saves on
+# the GPU, so it could only lose where the model is host-bound and gain little where it is
+# not. Per-call host and GPU times of both: benchmarks/results/h200/host_costs.json. Calls
+# with dropout always run fused (the dropout mask's generator is part of the op).
+NATIVE_BELOW: dict[tuple[str, bool], int] = {
+    ("softmax", False): 1 << 16, ("softmax", True): 1 << 24,
+    ("layernorm", False): 0, ("layernorm", True): 1 << 26,
+    ("rmsnorm", False): 0, ("rmsnorm", True): 1 << 26,
+    ("layernorm_epilogue", False): 0, ("layernorm_epilogue", True): 1 << 26,
+    ("softmax_masked", False): 0, ("softmax_masked", True): 0,
+    ("dropout", False): 0, ("dropout", True): 0,
+}
+_NEVER_NATIVE = dict.fromkeys(NATIVE_BELOW, 0)
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def fused_backend(x: torch.Tensor, op: str, grad: bool) -> ModuleType | None:
+    """The fused backend that should run this public call of ``op`` on ``x``, or None when
+    PyTorch's own op should (see the module docstring). ``grad``: autograd will need the call.
+
+    A forced backend (:func:`set_backend`) always runs, whatever the size, also under
+    torch.compile (through the custom ops of ``fusedops.ops._library``)."""
+    compiling = _is_compiling()
+    if compiling and _forced is None:
+        return None
+    key = ("cuda" if x.is_cuda else x.device.type, x.dtype)
+    backend = _fused.get(key, _MISSING)
+    if backend is _MISSING:
+        backend = _select_fused(*key)
+        if not compiling:  # (a cache filled while Dynamo traces would make it recompile)
+            _fused[key] = backend
+    if backend is None or _functorch_active():
+        return None
+    if _forced is None and x.numel() < _below[op, grad]:
+        return None
+    return backend
+
+
+_MISSING = object()
+
+
+def _select_fused(device_type: str, dtype: torch.dtype) -> ModuleType | None:
+    backend = _select(device_type, dtype)
+    if backend.NAME == "reference":
+        return None
+    return backend
+
+
+def native_below() -> dict[tuple[str, bool], int]:
+    """The size rule in force: :data:`NATIVE_BELOW`, or zeros while a backend is forced."""
+    return _below
 
 
 def backend_fn(x: torch.Tensor, name: str) -> tuple[ModuleType, object]:
@@ -219,5 +292,7 @@ def count_fused_calls() -> Iterator[Counter]:
             previous.update(counts)
         _counts = previous
 
+
+_below: dict[tuple[str, bool], int] = NATIVE_BELOW
 
 set_backend(os.environ.get("FUSEDOPS_BACKEND"))

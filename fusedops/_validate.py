@@ -82,8 +82,13 @@ def check_layernorm_args(
         _check_param(weight, "weight", shape, x)
     if bias is not None:
         _check_param(bias, "bias", shape, x)
-    if eps.__class__ is not float and (
-            isinstance(eps, bool) or not isinstance(eps, int | float)) or not eps >= 0:
+    if eps.__class__ is not float or not eps >= 0:
+        check_eps(eps)
+
+
+def check_eps(eps: object) -> None:
+    """Raise unless ``eps`` is a non-negative real number (bool excluded)."""
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
 
 

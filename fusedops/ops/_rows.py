@@ -33,3 +33,21 @@ def autocast_fp32(x: torch.Tensor) -> bool:
     low-precision input as is and write float32, which matches torch without an extra cast pass.
     """
     return x.is_cuda and torch.is_autocast_enabled("cuda")
+
+
+# Casting these to float32 loses nothing, so the kernels read them directly and write float32.
+_EXACT_UPCAST = (torch.float16, torch.bfloat16)
+
+
+def softmax_input(x: torch.Tensor, dtype: torch.dtype | None
+                  ) -> tuple[torch.Tensor, torch.dtype]:
+    """(the tensor the softmax kernels read, the result dtype) for ``torch.softmax``'s
+    ``dtype=`` argument (already checked): x is cast first, as in torch, unless the kernel can
+    read it as is (16-bit -> float32); under CUDA autocast the result is float32."""
+    if dtype is not None and dtype != x.dtype:
+        if not (dtype == torch.float32 and x.dtype in _EXACT_UPCAST):
+            x = x.to(dtype)
+        return x, dtype
+    if dtype is None and autocast_fp32(x):
+        return x, torch.float32
+    return x, x.dtype

@@ -8,11 +8,18 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import check_layernorm_args, normalize_shape
-from fusedops.ops import _library
+from fusedops._validate import (
+    check_eps,
+    check_float_tensor,
+    check_layernorm_args,
+    normalize_shape,
+)
+from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
+
+_fused_backend = _dispatch.fused_backend
 
 
 def _forward_rows(x2, w, b, eps, out_dtype):
@@ -33,8 +40,6 @@ def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db, grad_dtype
     _dispatch.record("layernorm_backward", backend)
     return backend.layernorm_backward(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db,
                                       grad_dtypes=grad_dtypes)
-
-
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -130,47 +135,63 @@ def fused_layernorm(
         pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and
         rstd are computed and saved in float32.
     """
-    if x.__class__ is torch.Tensor and eps.__class__ is float and activation is None \
-            and dropout_p == 0.0 and _dispatch.plain_eager():
+    if residual is not None or activation is not None or dropout_p.__class__ is not float \
+            or dropout_p != 0.0 or training is not True:
+        return _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p,
+                         activation, training)
+    check_float_tensor(x, "x")
+    grad = torch.is_grad_enabled() and (x.requires_grad or getattr(weight, "requires_grad", False)
+                                        or getattr(bias, "requires_grad", False))
+    backend = _fused_backend(x, "layernorm", grad)
+    if backend is None:
+        shape = normalize_shape(normalized_shape)
+        if eps.__class__ is not float or eps < 0.0:
+            check_eps(eps)
+        return _native.layer_norm(x, shape, weight, bias, eps)
+    if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
+            and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
-        shape = x.shape
-        if residual is None:
-            run = _replay.LAYERNORM.get((shape, x.dtype, x.get_device(), eps))
-            if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
-                    not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)):
-                y = run(x, weight, bias)
-                if y is not None:
-                    return y
-        elif training.__class__ is bool:  # (a bad one must still raise)
-            run = _replay.LAYERNORM_RESIDUAL.get((shape, x.dtype, x.get_device(), eps))
-            if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
-                    not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)
-                    and not getattr(residual, "requires_grad", False)):
-                pair = run(x, residual, weight, bias)
-                if pair is not None:
-                    return pair
+        run = _replay.LAYERNORM.get((x.shape, x.dtype, x.get_device(), eps))
+        if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
+            y = run(x, weight, bias)
+            if y is not None:
+                return y
     shape = normalize_shape(normalized_shape)
     check_layernorm_args(x, shape, weight, bias, eps)
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
     n = math.prod(shape)
-    if residual is not None or activation is not None or dropout_p.__class__ is not float \
-            or dropout_p != 0.0 or training is not True:
-        check_epilogue_args(x, residual, dropout_p, activation, training)
-        p = dropout_p if training else 0.0
-        if residual is not None or activation is not None or p != 0.0:
-            return layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation,
-                                      out_dtype)
     if x.numel() == 0 or n == 0:
         # Nothing to compute, but keep autograd's graph (and torch's result) intact.
         return torch.nn.functional.layer_norm(x, shape, weight, bias, eps).to(out_dtype)
     eps = float(eps)
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    if grad:
         return LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)
     return _forward_inference(x, len(shape), n, weight, bias, eps, out_dtype)
+
+
+def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activation,
+              training):
+    """fused_layernorm with residual/dropout/activation (arguments as the user gave them)."""
+    if residual is not None and activation is None and dropout_p == 0.0 \
+            and x.__class__ is torch.Tensor and eps.__class__ is float \
+            and training.__class__ is bool and _dispatch.plain_eager() \
+            and (not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)
+                 and not getattr(residual, "requires_grad", False)):
+        # An inference add + LayerNorm seen before, replayed (fusedops._replay).
+        run = _replay.LAYERNORM_RESIDUAL.get((x.shape, x.dtype, x.get_device(), eps))
+        if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
+            pair = run(x, residual, weight, bias)
+            if pair is not None:
+                return pair
+    shape = normalize_shape(normalized_shape)
+    check_layernorm_args(x, shape, weight, bias, eps)
+    check_epilogue_args(x, residual, dropout_p, activation, training)
+    out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
+    p = dropout_p if training else 0.0
+    if residual is None and activation is None and p == 0.0:
+        return fused_layernorm(x, shape, weight, bias, eps)
+    return layernorm_epilogue(x, shape, math.prod(shape), weight, bias, eps, residual, p,
+                              activation, out_dtype)
 
 
 def _is_last_dim(normalized_shape: object, last: int) -> bool:
@@ -186,10 +207,12 @@ def _is_last_dim(normalized_shape: object, last: int) -> bool:
     return n.__class__ is int and n == last
 
 
-def _needs_grad(x: torch.Tensor, weight: object, bias: object) -> bool:
-    # getattr: the parameters are not checked yet (a runner declines anything but tensors).
-    return (x.requires_grad or getattr(weight, "requires_grad", False)
-            or getattr(bias, "requires_grad", False))
+def _needs_grad(*tensors: object) -> bool:
+    # getattr: the arguments are not checked yet (bad ones raise later, naming themselves).
+    for t in tensors:
+        if t is not None and getattr(t, "requires_grad", False):
+            return True
+    return False
 
 
 def _forward_inference(x, dims: int, n: int, weight, bias, eps: float, out_dtype):

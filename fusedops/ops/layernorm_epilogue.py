@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedops import _dispatch, _philox, reference
+from fusedops.ops import _native
 from fusedops.ops._rows import as_rows
 from fusedops.ops._rows import flat_param as _flat
 
@@ -44,7 +45,9 @@ def compose(x, shape, weight, bias, eps, residual, p, activation, keep):
     """The chain in differentiable torch ops (double backward, p == 1, the reference of last
     resort). ``keep``: the boolean keep-mask of x's shape, or None for no dropout."""
     s = x if residual is None else x + residual
-    y = F.layer_norm(s, shape, weight, bias, eps)
+    # In float32 for 16-bit inputs (rounded once by the caller), as the kernels compute.
+    acc = s if s.dtype in (torch.float32, torch.float64) else s.float()
+    y = _native.layer_norm(acc, shape, weight, bias, eps)
     if keep is not None:
         y = y * keep * (1.0 / (1.0 - p)) if p < 1.0 else y * 0.0
     y = _activate(y, activation)
@@ -127,22 +130,31 @@ def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, 
     """fused_layernorm's path for residual/dropout/activation; arguments already checked,
     ``p`` already 0 outside training."""
     eps, p = float(eps), float(p)
-    if torch.compiler.is_compiling():
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, weight, bias))
+    # With dropout, PyTorch's ops stand in only where no fused kernel can run: the mask's
+    # generator (Philox, fusedops._philox) is part of the op.
+    backend = _dispatch.fused_backend(x, "layernorm_epilogue" if p == 0.0 else "dropout", grad)
+    if backend is None and torch.compiler.is_compiling():
         # Inductor fuses the chain itself; dropout there draws from torch's generator.
         s = x if residual is None else x + residual
-        y = F.layer_norm(s, shape, weight, bias, eps)
+        y = _native.layer_norm(s, shape, weight, bias, eps)
         y = _activate(F.dropout(y, p) if p else y, activation).to(out_dtype)
         return y if residual is None else (y, s)
-    if x.numel() == 0 or n == 0 or p == 1.0:
-        # Nothing to compute, or nothing kept: torch ops keep autograd's graph intact.
-        keep = None if p == 0.0 else torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    if backend is None or x.numel() == 0 or n == 0 or p == 1.0:
+        # PyTorch's ops (nothing to compute or nothing kept: they keep autograd's graph).
+        keep = None
+        if p == 1.0 or x.numel() == 0:
+            keep = None if p == 0.0 else torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        elif p > 0.0:
+            keep = _philox.keep_mask(_philox.draw_seed(), x.numel() // n, n, p,
+                                     x.device).view(x.shape)
         result = compose(x, shape, weight, bias, eps, residual, p, activation, keep)
         if residual is None:
             return result.to(out_dtype)
         return result[0].to(out_dtype), result[1]
     seed = _philox.draw_seed() if p > 0.0 else 0
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, residual, weight, bias)):
+    if grad:
         return LayerNormEpilogueFunction.apply(x, residual, weight, bias, n, eps, p, seed,
                                                activation, out_dtype)
     # No backward will follow: no statistics written, nothing saved.

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import check_rmsnorm_args, normalize_shape
-from fusedops.ops import _library
+from fusedops._validate import check_eps, check_float_tensor, check_rmsnorm_args, normalize_shape
+from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm import _is_last_dim
@@ -18,6 +18,9 @@ from fusedops.ops.layernorm import _is_last_dim
 # and float32 inputs, float64 for float64).
 _EPS_FLOAT32 = torch.finfo(torch.float32).eps
 _EPS_FLOAT64 = torch.finfo(torch.float64).eps
+
+
+_fused_backend = _dispatch.fused_backend
 
 
 def _forward_rows(x2, w, eps, out_dtype):
@@ -101,15 +104,21 @@ def fused_rmsnorm(
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). The mean square is
         accumulated in float32 and its reciprocal root saved in float32.
     """
-    if x.__class__ is torch.Tensor and (eps is None or eps.__class__ is float) and \
-            _dispatch.plain_eager():
+    check_float_tensor(x, "x")
+    grad = torch.is_grad_enabled() and (x.requires_grad
+                                        or getattr(weight, "requires_grad", False))
+    backend = _fused_backend(x, "rmsnorm", grad)
+    if backend is None:
+        shape = normalize_shape(normalized_shape)
+        if eps is not None and (eps.__class__ is not float or eps < 0.0):
+            check_eps(eps)
+        return _native.rms_norm(x, shape, weight, eps)
+    if not grad and (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
+            and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
-        shape = x.shape
-        run = _replay.RMSNORM.get((shape, x.dtype, x.get_device(),
+        run = _replay.RMSNORM.get((x.shape, x.dtype, x.get_device(),
                                    _EPS_FLOAT32 if eps is None else eps))
-        if run is not None and _is_last_dim(normalized_shape, shape[-1]) and (
-                not torch.is_grad_enabled() or not (
-                    x.requires_grad or getattr(weight, "requires_grad", False))):
+        if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
             y = run(x, weight)
             if y is not None:
                 return y
@@ -123,8 +132,7 @@ def fused_rmsnorm(
     if x.numel() == 0 or n == 0:
         # Nothing to compute, but keep autograd's graph (and torch's result) intact.
         return torch.nn.functional.rms_norm(x, shape, weight, eps).to(out_dtype)
-    if torch.is_grad_enabled() and (
-            x.requires_grad or (weight is not None and weight.requires_grad)):
+    if grad:
         return RMSNormFunction.apply(x, n, weight, eps, out_dtype)
     return _forward_inference(x, len(shape), n, weight, eps, out_dtype)
 

@@ -7,11 +7,10 @@ import torch
 from fusedops import _dispatch, _replay, reference
 from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
 from fusedops.ops import _library
-from fusedops.ops._rows import as_rows, autocast_fp32
-from fusedops.ops.softmax_masked import check_mask_args, masked_softmax
+from fusedops.ops._rows import as_rows, softmax_input
+from fusedops.ops.softmax_masked import masked_softmax
 
-# Casting these to float32 loses nothing, so the kernel reads them directly and writes float32.
-_EXACT_UPCAST = {torch.float16, torch.bfloat16}
+_fused_backend = _dispatch.fused_backend
 
 
 def _forward_rows(x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -98,8 +97,10 @@ def fused_softmax(
     one kernel.
 
     Args:
-        x: float tensor of any shape (0-d and empty included), float32/float16/bfloat16 on the
-            fused backends; float64 and other devices use the PyTorch reference.
+        x: float tensor of any shape (0-d and empty included). float32/float16/bfloat16 on
+            CUDA (or MPS) run the fused kernel; other dtypes and devices, and calls where
+            PyTorch's own op is cheaper (``fusedops._dispatch.NATIVE_BELOW``), run
+            ``torch.softmax`` itself.
         dim: the dimension to normalise over; any valid dim, negative allowed.
         dtype: if given, the input is cast to it first and the result has this dtype (as in
             torch); float16/bfloat16 -> float32 is done inside the kernel without a cast pass.
@@ -112,50 +113,34 @@ def fused_softmax(
 
     With any of ``scale``/``mask``/``causal``, a row whose every element is ``-inf`` after them
     (nothing kept) comes out as zeros, not torch's NaN, and its gradient is zero. These are
-    fused over the last dim; another ``dim`` runs the PyTorch reference with a one-time warning.
+    fused over the last dim; another ``dim`` runs PyTorch's ops with a one-time warning.
 
     Returns:
         Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast);
         the mask's dtype does not promote it. Accumulation is float32 for every dtype.
     """
-    if dtype is None and dim.__class__ is int and dim == -1 and x.__class__ is torch.Tensor \
-            and _dispatch.plain_eager():
-        # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
-        if mask is None and scale is None and causal is False:
-            run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
-            if run is not None and (not x.requires_grad or not torch.is_grad_enabled()):
-                y = run(x)
-                if y is not None:
-                    return y
-        elif (scale is None or scale.__class__ is float) and causal.__class__ is bool and (
-                mask is None or mask.__class__ is torch.Tensor):
-            # (Exact classes: a bool scale or a non-bool causal must still raise.)
-            run = _replay.SOFTMAX_MASKED.get((
-                x.shape, x.dtype, x.get_device(), 1.0 if scale is None else scale, causal,
-                None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
-            if run and (not torch.is_grad_enabled() or not x.requires_grad
-                        and (mask is None or not mask.requires_grad)):
-                y = run(x, mask)
-                if y is not None:
-                    return y
+    if scale is not None or mask is not None or causal is not False:
+        return masked_softmax(x, dim, dtype, scale, mask, causal)
     check_float_tensor(x, "x")
+    grad = x.requires_grad and torch.is_grad_enabled()
+    backend = _fused_backend(x, "softmax", grad)
+    if backend is None:
+        return torch.softmax(x, normalize_dim(dim, x.dim()), dtype=check_float_dtype(dtype))
+    if not grad and dtype is None and dim.__class__ is int and dim == -1 \
+            and x.__class__ is torch.Tensor and _dispatch.plain_eager():
+        # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
+        run = _replay.SOFTMAX.get((x.shape, x.dtype, x.get_device()))
+        if run is not None:
+            y = run(x)
+            if y is not None:
+                return y
     dim = normalize_dim(dim, x.dim())
     dtype = check_float_dtype(dtype)
-    if dtype is not None and dtype != x.dtype:
-        if not (dtype == torch.float32 and x.dtype in _EXACT_UPCAST):
-            x = x.to(dtype)
-        out_dtype = dtype
-    elif dtype is None and autocast_fp32(x):
-        out_dtype = torch.float32
-    else:
-        out_dtype = x.dtype
-    if scale is not None or mask is not None or causal is not False:
-        check_mask_args(x, scale, mask, causal)
-        return masked_softmax(x, dim, out_dtype, scale, mask, causal)
+    x, out_dtype = softmax_input(x, dtype)
     if x.numel() == 0:
         # Nothing to compute, but keep autograd's graph (and torch's result) intact.
         return torch.softmax(x, dim).to(out_dtype)
-    if x.requires_grad and torch.is_grad_enabled():
+    if grad:
         return SoftmaxFunction.apply(x, dim, out_dtype)
     return _forward_inference(x, dim, out_dtype)
 

@@ -9,8 +9,13 @@ import math
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import broadcasts_to
-from fusedops.ops._rows import as_rows
+from fusedops._validate import (
+    broadcasts_to,
+    check_float_dtype,
+    check_float_tensor,
+    normalize_dim,
+)
+from fusedops.ops._rows import as_rows, softmax_input
 
 _backend_fn = _dispatch.backend_fn
 
@@ -156,19 +161,40 @@ class MaskedSoftmaxFunction(torch.autograd.Function):
         return dx2.view(y.shape), None, None, None, None
 
 
-def masked_softmax(x: torch.Tensor, dim: int, out_dtype: torch.dtype, scale: float | None,
+def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: float | None,
                    mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """fused_softmax's path for scale/mask/causal; arguments already checked, ``dim`` normalised
-    and ``x`` cast as the result dtype requires."""
+    """fused_softmax's path for scale/mask/causal (its arguments as the user gave them)."""
+    if x.__class__ is torch.Tensor and dtype is None and dim.__class__ is int and dim == -1 \
+            and (scale is None or scale.__class__ is float) and causal.__class__ is bool \
+            and (mask is None or mask.__class__ is torch.Tensor) and _dispatch.plain_eager() \
+            and (not torch.is_grad_enabled() or not x.requires_grad
+                 and (mask is None or not mask.requires_grad)):
+        # An inference call seen before, replayed (fusedops._replay): no checks or launch
+        # rules. (Exact classes: a bool scale or a non-bool causal must still raise.)
+        run = _replay.SOFTMAX_MASKED.get((
+            x.shape, x.dtype, x.get_device(), 1.0 if scale is None else scale, causal,
+            None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
+        if run:
+            y = run(x, mask)
+            if y is not None:
+                return y
+    check_float_tensor(x, "x")
+    dim = normalize_dim(dim, x.dim())
+    dtype = check_float_dtype(dtype)
+    check_mask_args(x, scale, mask, causal)
+    x, out_dtype = softmax_input(x, dtype)
     scale = 1.0 if scale is None else float(scale)
-    if x.numel() == 0 or torch.compiler.is_compiling():
+    grad = torch.is_grad_enabled() and (x.requires_grad or (mask is not None
+                                                            and mask.requires_grad))
+    backend = _dispatch.fused_backend(x, "softmax_masked", grad)
+    if backend is None or x.numel() == 0 or torch.compiler.is_compiling():
         return compose(x, dim, scale, mask, causal, out_dtype)
     if dim != x.dim() - 1:
         _dispatch.warn_once(
             "masked-softmax-dim",
             "fusedops: fused_softmax with scale/mask/causal runs fused over the last dim only; "
-            f"dim={dim} of a {x.dim()}-d tensor uses the PyTorch reference (correct, not fused).")
+            f"dim={dim} of a {x.dim()}-d tensor uses PyTorch's ops (correct, not fused).")
         return compose(x, dim, scale, mask, causal, out_dtype)
-    if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
+    if grad:
         return MaskedSoftmaxFunction.apply(x, mask, scale, causal, out_dtype)
     return _forward(x, mask, scale, causal, out_dtype, inference=True)
