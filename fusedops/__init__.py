@@ -20,7 +20,7 @@ from fusedops.ops import (
     fused_rmsnorm,
     fused_softmax,
 )
-from fusedops.patching import PatchReport, patch_model, patched, unpatch_model
+from fusedops.patching import PatchReport, is_patched, patch_model, patched, unpatch_model
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,7 @@ __all__ = [
     "fused_softmax",
     "get_backend",
     "get_layernorm_backward",
+    "is_patched",
     "layernorm_backward_mode",
     "patch_model",
     "patched",

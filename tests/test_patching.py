@@ -28,9 +28,11 @@ from test_patching_utils import (
     PlainSubSoftmax,
     assert_outputs_close,
     assert_same_training,
+    force_patch,  # noqa: F401 - a fixture
     fused_counts,
     handwritten_inputs,
     has_cxx_compiler,
+    python_calls,
     run,
     structure,
     twins,
@@ -38,8 +40,17 @@ from test_patching_utils import (
 from torch import nn
 
 import fusedops
-from fusedops import FusedLayerNorm, FusedSoftmax, PatchReport, patch_model, patching, unpatch_model
-from fusedops.patching import _active_mode, _RoutedForward, is_patched
+from fusedops import FusedLayerNorm, FusedSoftmax, PatchReport, patch_model, unpatch_model
+from fusedops.patching import is_patched, routing, wrappers
+from fusedops.patching.routing import active_mode as _active_mode
+
+pytestmark = pytest.mark.usefixtures("force_patch")
+
+
+def all_calls(verification: dict) -> dict:
+    """Calls that reached fusedops per op: swapped modules' and routed functional calls."""
+    return {op: verification["module_calls"][op] + verification["routed_calls"][op]
+            for op in ("softmax", "layernorm", "rmsnorm")}
 
 
 def handwritten(bias: bool = True):
@@ -90,7 +101,7 @@ def test_handwritten_report_and_module_swaps():
     assert repr(model.ln_sub).startswith("FusedPlainSubLayerNorm((8,)")
     assert repr(model.sm) == "FusedSoftmax(dim=-1)"
     v = report.verification
-    assert v["routed_calls"] == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
+    assert all_calls(v) == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
                                  "layernorm": HANDWRITTEN_LN_CALLS, "rmsnorm": 0}
     assert report.max_abs_diff is not None and report.max_rel_diff < 1e-5
 
@@ -127,10 +138,8 @@ def test_verification_counts_fused_kernels(triton_on_cpu):
     v = report.verification
     assert v["backend"].startswith("triton")
     assert v["fused_calls"] == {
-        "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS, "softmax_backward": 0,
-        "layernorm_forward": HANDWRITTEN_LN_CALLS, "layernorm_backward": 0,
-        "rmsnorm_forward": 0, "rmsnorm_backward": 0, "softmax_masked_forward": 0,
-        "layernorm_epilogue_forward": 0,
+        "softmax_forward": HANDWRITTEN_SOFTMAX_CALLS, "layernorm_forward": HANDWRITTEN_LN_CALLS,
+        "rmsnorm_forward": 0, "softmax_masked_forward": 0, "layernorm_epilogue_forward": 0,
     }
     assert v["note"] is None
     assert report.max_rel_diff < 1e-4
@@ -150,7 +159,8 @@ def test_functional_false_routes_modules_only():
     model, ref, inputs = twins(handwritten)
     report = patch_model(model, functional=False, example_inputs=inputs)
     assert not report.functional
-    assert report.verification["routed_calls"] == {"softmax": 2, "layernorm": 2, "rmsnorm": 0}
+    assert report.verification["module_calls"] == {"softmax": 2, "layernorm": 2, "rmsnorm": 0}
+    assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 0, "rmsnorm": 0}
     assert "functional calls are routed" not in report.skipped[0]["reason"]
     assert model._forward_pre_hooks == {} and model._forward_hooks == {}
     assert_same_training(model, ref, inputs)
@@ -161,9 +171,9 @@ def test_ops_subset():
     report = patch_model(model, ops=("layernorm",), example_inputs=inputs)
     assert {r["name"] for r in report.replaced} == {"ln_sub", "ln_plain"}
     assert {s["name"] for s in report.skipped} == {"ln2d", "sm", "sm_sub"}
-    assert report.verification["routed_calls"] == {"softmax": 0, "layernorm": 4, "rmsnorm": 0}
+    assert all_calls(report.verification) == {"softmax": 0, "layernorm": 4, "rmsnorm": 0}
     report = patch_model(model, ops="softmax", example_inputs=inputs)
-    assert report.verification["routed_calls"] == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
+    assert all_calls(report.verification) == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
                                                    "layernorm": 0, "rmsnorm": 0}
     assert_same_training(model, ref, inputs)
     with pytest.raises(ValueError, match="ops"):
@@ -401,18 +411,23 @@ def test_reentrant_and_nested_patched_models(triton_on_cpu):
     x = torch.randn(2, 4)
     expected = model(x)
     patch_model(model.child)
-    patch_model(model)
+    patch_model(model)  # takes over the child's own patch
+    assert not fusedops.is_patched(model.child)
     with fusedops.count_fused_calls() as counts:
         out = model(x)
     # 3 softmax (one per recursion level) and 3 layer norms, each routed exactly once.
     assert counts == {"softmax_forward": 3, "layernorm_forward": 3}
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert stack_len() == 0
+    # A module of a patched model is patched and unpatched with it, never on its own.
+    with pytest.raises(ValueError, match="part of a model"):
+        patch_model(model.child)
+    with pytest.raises(ValueError, match="part of a model"):
+        unpatch_model(model.child)
     unpatch_model(model)
     with fusedops.count_fused_calls() as counts:
-        model.child(x)  # still patched on its own
-    assert counts == {"layernorm_forward": 1}
-    unpatch_model(model.child)
+        model.child(x)
+    assert counts == {}
 
 
 def test_reference_backend_does_not_reroute_module_softmax():
@@ -420,7 +435,7 @@ def test_reference_backend_does_not_reroute_module_softmax():
     # must not be routed again by the functional mode.
     model = nn.Sequential(nn.Softmax(dim=-1))
     report = patch_model(model, example_inputs=(torch.randn(2, 3),))
-    assert report.verification["routed_calls"] == {"softmax": 1, "layernorm": 0, "rmsnorm": 0}
+    assert all_calls(report.verification) == {"softmax": 1, "layernorm": 0, "rmsnorm": 0}
 
 
 def test_threads_each_get_their_own_mode():
@@ -498,22 +513,22 @@ class CountingDict(dict):
         return super().get(key, default)
 
 
-def test_mode_not_active_around_compiled_code(monkeypatch):
+def test_mode_not_active_around_compiled_code():
     # The mode is entered and left inside the traced forward, so compiled code runs without it
     # (no per-op Python dispatch at run time).
     torch._dynamo.reset()
-    routed = CountingDict(patching._ROUTED)
-    monkeypatch.setattr(patching, "_ROUTED", routed)
     model, _, inputs = twins(handwritten)
     model.eval()
     patch_model(model)
-    model(*inputs)
-    assert routed.lookups > 0  # eager: every torch call passes through the mode
+    watched = {routing.FusedFunctionMode.__torch_function__.__code__, routing.route.__code__}
+    with python_calls(watched) as calls:
+        model(*inputs)
+    assert calls  # eager: the tensor.softmax site's torch calls pass through the mode
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     compiled(*inputs)
-    routed.lookups = 0
-    compiled(*inputs)
-    assert routed.lookups == 0
+    with python_calls(watched) as calls:
+        compiled(*inputs)
+    assert not calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +557,7 @@ def test_exclude_by_name_prefix():
     assert report.unmatched_exclude == ["nope"]
     reasons = {s["name"]: s["reason"] for s in report.skipped}
     assert reasons["block1.ln_plain"] == "excluded by name 'block1'"
-    routed = report.verification["routed_calls"]
+    routed = all_calls(report.verification)
     # Functional calls inside the excluded block are not routed either.
     assert routed == {
         "softmax": 2 * HANDWRITTEN_SOFTMAX_CALLS, "layernorm": 2 * HANDWRITTEN_LN_CALLS,
@@ -571,8 +586,12 @@ def test_exclude_validation():
     with pytest.raises(TypeError, match="exclude"):
         patch_model(model, exclude=[3])
     report = patch_model(model, exclude="")  # the whole model
-    assert report.replaced == [] and not report.functional
-    assert model._forward_pre_hooks == {}
+    assert report.replaced == [] and report.routed_functions == []
+    assert model._forward_pre_hooks == {} and "forward" not in model.__dict__
+    with pytest.raises(TypeError, match="exclude must be"):
+        patch_model(model, exclude=5)
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+        unpatch_model("x")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,8 +629,9 @@ def test_patch_twice_is_harmless_and_unpatch_restores():
     r2 = patch_model(model)
     assert structure(model) == once  # same classes, same number of hooks
     assert r1.replaced == r2.replaced
-    wrapper = model.__dict__["forward"]
-    assert type(wrapper) is _RoutedForward and wrapper.inner is None  # not wrapped twice
+    wrapper = model.variants.__dict__["forward"]  # (its code calls tensor.softmax)
+    assert type(wrapper) is wrappers.ModeSite  # not wrapped twice:
+    assert type(wrapper.inner) is wrappers.RoutedFunction and wrapper.inner.inner is None
     assert model._forward_pre_hooks == {} and model._forward_hooks == {}
     assert_same_training(model, ref, inputs)
     unpatch_model(model)
@@ -691,8 +711,9 @@ def test_report_formats():
     report = patch_model(model, example_inputs=inputs)
     text = str(report)
     for needle in ("Replaced modules (4)", "ln_plain", "FusedLayerNorm", "Skipped modules (1)",
-                   "overrides forward", "functional interception on", "max abs diff",
-                   "calls routed to fusedops: softmax=8, layernorm=4"):
+                   "overrides forward", "functional routing on", "max abs diff",
+                   "swapped module calls: softmax=2, layernorm=2",
+                   "calls routed to fusedops: softmax=6, layernorm=2"):
         assert needle in text, needle
     d = report.to_dict()
     assert d == json.loads(report.to_json())
@@ -736,8 +757,12 @@ def test_verification_restores_training_flags_and_rng():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["auto", "forced"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-def test_compile_fullgraph_no_graph_break(training):
+def test_compile_fullgraph_no_graph_break(training, forced):
+    """One graph, no recompiles. Chosen automatically, the fused ops step aside under
+    torch.compile (torch's own softmax / layer_norm in the graph, for Inductor to fuse); a
+    forced backend keeps every one of them as a fusedops op."""
     torch._dynamo.reset()
     model, ref, inputs = twins(handwritten)
     model.train(training)
@@ -745,19 +770,22 @@ def test_compile_fullgraph_no_graph_break(training):
     patch_model(model)
     recorder = GraphRecorder()
     compiled = torch.compile(model, fullgraph=True, backend=recorder)
-    out = run(compiled, inputs)
-    assert_outputs_close(out, run(ref, inputs))
-    # One graph for the forward; every softmax / layer norm in it is a fusedops op.
-    assert len(recorder.graphs) == 1
-    assert recorder.count("softmax_forward") == HANDWRITTEN_SOFTMAX_CALLS
-    assert recorder.count("layernorm_forward") == HANDWRITTEN_LN_CALLS
-    assert "aten.softmax" not in recorder.code() and "layer_norm(" not in recorder.code()
-    # Later calls reuse the graph (a fresh mode per call does not trigger recompiles).
-    for _ in range(2):
-        run(compiled, inputs)
-    assert len(recorder.graphs) == 1
-    # Gradients through the compiled model match eager torch.
-    assert_same_training(compiled, ref, inputs)
+    with fusedops.use_backend("triton" if forced else None):
+        out = run(compiled, inputs)
+        assert_outputs_close(out, run(ref, inputs))
+        assert len(recorder.graphs) == 1
+        assert recorder.count("softmax_forward") == (HANDWRITTEN_SOFTMAX_CALLS if forced else 0)
+        assert recorder.count("layernorm_forward") == (HANDWRITTEN_LN_CALLS if forced else 0)
+        if forced:
+            assert "aten.softmax" not in recorder.code() and "layer_norm(" not in recorder.code()
+        else:
+            assert "softmax" in recorder.code() and "layer_norm" in recorder.code()
+        # Later calls reuse the graph (nothing per call triggers a recompile).
+        for _ in range(2):
+            run(compiled, inputs)
+        assert len(recorder.graphs) == 1
+        # Gradients through the compiled model match eager torch.
+        assert_same_training(compiled, ref, inputs)
     assert stack_len() == 0
 
 
@@ -773,7 +801,8 @@ def test_compile_function_calling_patched_model():
     def step(x):
         return model(x).sum(-1)
 
-    torch.testing.assert_close(step(*inputs), ref(*inputs).sum(-1), **FP32_TOL)
+    with fusedops.use_backend("triton"):
+        torch.testing.assert_close(step(*inputs), ref(*inputs).sum(-1), **FP32_TOL)
     assert recorder.count("softmax_forward") == HANDWRITTEN_SOFTMAX_CALLS
     assert stack_len() == 0
 

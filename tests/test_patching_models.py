@@ -12,6 +12,7 @@ from test_patching_utils import (
     GraphRecorder,
     assert_outputs_close,
     assert_same_training,
+    force_patch,  # noqa: F401 - a fixture
     fused_counts,
     run,
     structure,
@@ -28,6 +29,8 @@ MODELS = list(HF_MODELS)
 # name -> traced-forward LayerNorm(a + b) sites (BERT's BertSelfOutput and BertOutput per
 # layer; GPT-2's and ViT's blocks have decorated forwards, which are left alone).
 HF_LN_PATTERNS = {"bert": 4, "gpt2": 0, "vit": 0}
+
+pytestmark = pytest.mark.usefixtures("force_patch")
 
 
 def make(name: str):
@@ -49,7 +52,9 @@ def test_hf_matches_unpatched(name, training):
     assert all(r["fused_type"] == "FusedLayerNorm" for r in report.replaced)
     assert report.skipped == []
     # The eager attention's functional softmax and every LayerNorm go through fusedops.
-    assert report.verification["routed_calls"] == {"softmax": n_softmax, "layernorm": n_ln,
+    assert report.verification["module_calls"] == {"softmax": 0, "layernorm": n_ln,
+                                                   "rmsnorm": 0}
+    assert report.verification["routed_calls"] == {"softmax": n_softmax, "layernorm": 0,
                                                    "rmsnorm": 0}
     assert report.max_rel_diff < 1e-5
     assert model.training == training  # the verification pass restores the mode
@@ -97,21 +102,27 @@ def test_hf_structure_unpatch_and_optimizer(name, triton_backend):
         assert_same_training(model, ref, inputs)
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["auto", "forced"])
 @pytest.mark.parametrize("name", MODELS)
-def test_hf_compile_fullgraph(name):
+def test_hf_compile_fullgraph(name, forced):
+    """No graph break. Chosen automatically, the fused ops step aside under torch.compile (the
+    graph holds torch's own ops, which Inductor fuses with their neighbours as it does for the
+    unpatched model); a forced backend keeps its kernels as custom ops."""
     torch._dynamo.reset()
     model, ref, inputs, n_ln, n_softmax = make(name)
     model.eval()
     ref.eval()
-    patch_model(model)
+    patch_model(model, patterns=False)
     recorder = GraphRecorder()
     compiled = torch.compile(model, fullgraph=True, backend=recorder)
-    with torch.no_grad():
+    with torch.no_grad(), fusedops.use_backend("triton" if forced else None):
         assert_outputs_close(compiled(*inputs), ref(*inputs))
         compiled(*inputs)
     assert len(recorder.graphs) == 1  # no graph break, no recompile
-    assert recorder.count("layernorm_forward") == n_ln
-    assert recorder.count("softmax_forward") == n_softmax
+    assert recorder.count("layernorm_forward") == (n_ln if forced else 0)
+    assert recorder.count("softmax_forward") == (n_softmax if forced else 0)
+    if not forced:
+        assert recorder.code().count("layer_norm") >= n_ln
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +186,12 @@ def test_hf_epilogue_patterns(name, triton_on_cpu):
     assert report.verification["pattern_calls"].get("add_layernorm", 0) == HF_LN_PATTERNS[name]
     assert not any(k.endswith(":unfused") for k in report.verification["pattern_calls"])
     assert report.max_rel_diff < 1e-5
-    assert model.config._attn_implementation == "fusedops_eager"
+    # Each attention module reads a private view of the config; the shared one is untouched.
+    assert model.config._attn_implementation == "eager"
+    views = {id(m.config) for m in model.modules() if "config" in m.__dict__
+             and m.config is not model.config and hasattr(m.config, "_attn_implementation")}
+    assert views and all(m.config._attn_implementation == "fusedops_eager"
+                         for m in model.modules() if id(getattr(m, "config", None)) in views)
     counts = fused_counts(model, inputs)
     assert counts.get("softmax_masked_forward") == n_softmax
     assert counts.get("layernorm_epilogue_forward", 0) == HF_LN_PATTERNS[name]
@@ -183,6 +199,8 @@ def test_hf_epilogue_patterns(name, triton_on_cpu):
     assert_same_training(model, ref, inputs, atol=1e-4, rtol=1e-3)
     unpatch_model(model)
     assert model.config._attn_implementation == "eager"
+    assert all(getattr(m, "config", model.config) is model.config for m in model.modules()
+               if "config" in m.__dict__)
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 

@@ -6,17 +6,31 @@ No tests live here; ``test_patching.py`` and ``test_patching_models.py`` import 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fusedops
-from fusedops.patching import _flatten
+from fusedops.patching.verify import flatten as _flatten
+
+
+@pytest.fixture
+def force_patch(monkeypatch):
+    """patch_model patches CPU models (``force=True``) unless a test passes ``force`` itself:
+    these tests exercise the patching, which on CPU runs PyTorch's own ops (without ``force``,
+    patch_model leaves a model with no fused backend as it is)."""
+    import fusedops.patching.api
+
+    monkeypatch.setitem(fusedops.patching.api.patch_model.__kwdefaults__, "force", True)
+
 
 # ---------------------------------------------------------------------------------------------
 # Hand-written modules of the kinds patch_model must handle
@@ -273,6 +287,24 @@ class GraphRecorder:
 
     def count(self, op: str) -> int:
         return self.code().count(f"fusedops.{op}")
+
+
+@contextlib.contextmanager
+def python_calls(codes: set) -> Any:
+    """Collects the Python calls made in the block to functions whose code is in ``codes``
+    (a profile hook: nothing torch.compile traces or replays)."""
+    seen: list = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            seen.append(frame.f_code.co_name)
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
 
 
 def has_cxx_compiler() -> bool:

@@ -6,8 +6,9 @@ eager function's: ``fn(module, query, key, value, attention_mask, scaling, dropo
 -> (attn_output, attn_weights)``, query/key/value ``(B, heads, L, head_dim)``, the output
 ``(B, L, heads, head_dim)``. That registry is Transformers' documented extension point (it is how
 SDPA and flash attention plug in). :func:`patch_model` registers :func:`fused_eager_attention`
-there under :data:`NAME` and switches configs that chose ``"eager"`` to it; unpatching switches
-them back.
+there under :data:`NAME` and gives each attention module whose config chose ``"eager"`` a
+private view of that config (:func:`config_view`) that names it, so the shared config object,
+and every other model built from it, stays as it was; unpatching puts the shared config back.
 
 The function computes what the model's own ``eager_attention_forward`` does, with the scale,
 mask add and softmax in one kernel (in float32, rounded once). Calls with arguments it does not
@@ -17,13 +18,16 @@ handed to the model's own eager function unchanged.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from fusedops import _fx_patterns
+from fusedops.patching import fx_patterns
+from fusedops.patching.routing import routing_off
 
 NAME = "fusedops_eager"
 _DELEGATED_KWARGS = ("softcap", "s_aux", "sinks", "head_mask")
@@ -52,6 +56,15 @@ def register() -> None:
     _registered = True
 
 
+def config_view(config: Any) -> Any:
+    """A shallow copy of ``config`` whose attention implementation is :data:`NAME` (set
+    directly: the property's setter would also switch the sub-configs it shares)."""
+    view = copy.copy(config)
+    slot = "_attn_implementation_internal"
+    view.__dict__[slot if slot in config.__dict__ else "_attn_implementation"] = NAME
+    return view
+
+
 def model_eager_function(module: nn.Module) -> Any:
     """The ``eager_attention_forward`` of the module's own modeling file, or None."""
     mod = sys.modules.get(type(module).__module__)
@@ -61,8 +74,6 @@ def model_eager_function(module: nn.Module) -> Any:
 def uses_attention_registry(module: nn.Module) -> bool:
     """Whether the module's forward reads ``ALL_ATTENTION_FUNCTIONS`` (so the config's
     ``_attn_implementation`` picks its attention function)."""
-    import inspect
-
     fn = inspect.unwrap(type(module).forward)
     code = getattr(fn, "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
@@ -81,16 +92,16 @@ def fused_eager_attention(
     """Eager attention, ``softmax(q @ k^T * scaling + mask) @ v``, its softmax fused."""
     if (any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS) or query.dim() != 4
             or (attention_mask is not None and attention_mask.dim() != 4)):
-        _fx_patterns._count("hf_attention:unfused")
+        fx_patterns.count("hf_attention:unfused")
         eager = model_eager_function(module)
         return eager(module, query, key, value, attention_mask, scaling=scaling,
                      dropout=dropout, **kwargs)
     from fusedops.ops.softmax import fused_softmax
 
-    _fx_patterns._count("hf_attention")
+    fx_patterns.count("hf_attention")
     # Routing off for the whole body: its one softmax is the fused op already, and none of its
     # other torch calls is routed (each would otherwise pass through the routing mode).
-    with _fx_patterns.routing_off():
+    with routing_off():
         if scaling is None:
             scaling = query.size(-1) ** -0.5
         if key.shape[1] != query.shape[1]:  # grouped-query attention: a KV head per group

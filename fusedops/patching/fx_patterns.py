@@ -36,6 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedops._validate import broadcasts_to
+from fusedops.patching import routing
+from fusedops.patching.routing import routing_off
+from fusedops.patching.wrappers import ForwardWrapper
 
 _BANNED_OPS = {
     "FOR_ITER", "GET_ITER", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE",
@@ -85,7 +88,8 @@ def _global_ok(obj: Any) -> bool:
 def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
     """(info, None) when ``type(module).forward`` can be traced exactly, else (None, why)."""
     cls = type(module)
-    if "forward" in module.__dict__:
+    own = module.__dict__.get("forward")
+    if own is not None and not isinstance(own, GraphForward):  # (ours: rebuilding after load)
         return None, "has an instance-level forward"
     fn = cls.forward
     if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__"):
@@ -202,51 +206,9 @@ class _LeafTracer(fx.Tracer):
 counts: Counter | None = None
 
 
-def _count(key: str) -> None:
+def count(key: str) -> None:
     if counts is not None:
         counts[key] += 1
-
-
-_patching = None  # fusedops.patching, once routing_off first runs
-
-
-class routing_off:
-    """Suspends patch_model's functional routing while a fused helper runs: the fused op is
-    already what the pattern asked for, and a backend that computes with torch ops (the
-    reference) must not have its own softmax/layer_norm calls routed again.
-
-    Where patch_model's mode is the innermost torch-function mode (the usual case) it is popped
-    off the stack for the duration, as torch itself does inside a mode's ``__torch_function__``:
-    the helper's own torch calls (a few dozen tensor methods per fused op) then skip a Python
-    ``__torch_function__`` call each. Under another mode it is only marked suspended."""
-
-    __slots__ = ("mode", "popped")
-
-    def __enter__(self) -> None:
-        self.mode = self.popped = None
-        if torch.compiler.is_compiling():
-            # (First: Dynamo would guard on the module global set below, and recompile once.)
-            return
-        global _patching
-        if _patching is None:  # fusedops.patching imports this module
-            from fusedops import patching as _patching
-        patching = _patching
-        depth = torch._C._len_torch_function_stack()
-        if not depth:
-            return
-        top = torch._C._get_function_stack_at(depth - 1)
-        if isinstance(top, patching._FusedFunctionMode):
-            self.popped = torch._C._pop_torch_function_stack()
-            return
-        self.mode = patching._active_mode()
-        if self.mode is not None:
-            self.mode.suspended += 1
-
-    def __exit__(self, *exc: object) -> None:
-        if self.popped is not None:
-            torch._C._push_on_torch_function_stack(self.popped)
-        elif self.mode is not None:
-            self.mode.suspended -= 1
 
 
 def _softmax_fusable(scores: Any, scale: Any, mask: Any, dim: int) -> bool:
@@ -267,7 +229,7 @@ def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
     from fusedops.ops.softmax import fused_softmax
 
     if module is not None and (module.dim != dim or _has_hooks(module)):
-        _count("softmax_epilogue:unfused")
+        count("softmax_epilogue:unfused")
         z = scores if scale is None else scores * scale
         return module(z if mask is None else z + mask)
     # The checks too run with routing off (each tensor attribute read would otherwise pass
@@ -275,9 +237,9 @@ def softmax_epilogue(scores: Any, scale: Any, mask: Any, dim: int,
     with routing_off():
         fusable = _softmax_fusable(scores, scale, mask, dim)
         if fusable:
-            _count("softmax_epilogue")
+            count("softmax_epilogue")
             return fused_softmax(scores, -1, scale=scale, mask=mask)
-    _count("softmax_epilogue:unfused")
+    count("softmax_epilogue:unfused")
     z = scores if scale is None else scores * scale
     return torch.softmax(z if mask is None else z + mask, dim)
 
@@ -323,10 +285,10 @@ def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
         if _ln_fusable(a, b, ln):
             from fusedops.ops.layernorm import fused_layernorm
 
-            _count("add_layernorm")
+            count("add_layernorm")
             return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
                                    residual=a)[0]
-    _count("add_layernorm:unfused")
+    count("add_layernorm:unfused")
     return ln(a + b)
 
 
@@ -336,10 +298,10 @@ def add_layernorm_pair(a: Any, b: Any, ln: nn.Module) -> tuple[Any, Any]:
         if _ln_fusable(a, b, ln):
             from fusedops.ops.layernorm import fused_layernorm
 
-            _count("add_layernorm")
+            count("add_layernorm")
             return fused_layernorm(b, ln.normalized_shape, ln.weight, ln.bias, ln.eps,
                                    residual=a)
-    _count("add_layernorm:unfused")
+    count("add_layernorm:unfused")
     s = a + b
     return ln(s), s
 
@@ -479,9 +441,11 @@ class FusedForward:
     positional: tuple | None = None
 
 
-def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
-                ) -> tuple[FusedForward | None, str | None]:
-    """Trace and rewrite ``module``'s forward; (None, why) when nothing provable was fused."""
+def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
+                route_ops: tuple[str, ...] = ()) -> tuple[FusedForward | None, str | None]:
+    """Trace and rewrite ``module``'s forward; (None, why) when nothing provable was fused.
+    ``route_ops``: the ops whose remaining functional calls in the traces go to the fused ops
+    (``fusedops.patching.routing``), as the module's routed forward would have sent them."""
     info, why = check_forward(module)
     if info is None:
         return None, why
@@ -503,6 +467,7 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
         if layernorm:
             found += rewrite_layernorm(graph, module)
         if found:
+            _route_calls(graph, route_ops)
             graph.lint()
             variants[pattern] = fx.GraphModule(module, graph, class_name=type(module).__name__)
             sites += [s for s in found if s not in sites]
@@ -514,6 +479,16 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool
     signature = inspect.signature(type(module).forward)
     return FusedForward(info, signature, variants, sites, children, tensors,
                         _positional_layout(signature, info.tested)), None
+
+
+def _route_calls(graph: fx.Graph, ops: tuple[str, ...]) -> None:
+    """Point the graph's routable calls (``F.softmax``, ``x.softmax``, ...) of ``ops`` at
+    their routing wrappers."""
+    for node in graph.nodes:
+        if node.op == "call_function" and routing.ROUTED.get(node.target) in ops:
+            node.target = routing.routing_wrapper(node.target)
+        elif node.op == "call_method" and node.target == "softmax" and "softmax" in ops:
+            node.op, node.target = "call_function", routing.routing_wrapper(torch.Tensor.softmax)
 
 
 def _positional_layout(signature: inspect.Signature, tested: tuple[str, ...]) -> tuple | None:
@@ -569,3 +544,30 @@ def select_variant(fused: FusedForward, module: nn.Module, args: tuple, kwargs: 
 
 
 _MISSING = object()
+
+
+class GraphForward(ForwardWrapper):
+    """A module's forward rewritten to call the fused epilogues; the original runs whenever a
+    guard fails. The traces are rebuilt after unpickling (a pickled GraphModule re-traces its
+    code on load, which would call the fused helpers instead of recording them)."""
+
+    def __init__(self, module: nn.Module, inner: Any, fused: FusedForward,
+                 softmax: bool, layernorm: bool, route_ops: tuple[str, ...]) -> None:
+        super().__init__(module, inner)
+        self.fused: FusedForward | None = fused
+        self.ops = (softmax, layernorm, route_ops)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fused = self.fused
+        if fused is None:
+            fused = self.fused = fuse_module(self.module, *self.ops)[0] or False
+        chosen = select_variant(fused, self.module, args, kwargs) if fused else None
+        if chosen is None:
+            return self.call_inner(*args, **kwargs)
+        gm, positional = chosen
+        return gm.forward(*positional)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["fused"] = None
+        return state
