@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one script to run on the lent GPU (H100/H200): GPU tests, then the benchmark sweep.
+# The one script to run on a GPU machine (H100/H200): GPU tests, then the benchmark sweep.
 #
 #   benchmarks/run_gpu.sh [--tests gpu|all|none] [--budget SECONDS] [--compile-budget SECONDS]
 #                         [--] [extra `python -m fusedops bench` flags...]
@@ -13,9 +13,10 @@
 #                   (default 200 s; the compile baseline is the slow part of the sweep)
 #
 # Writes into $OUT (default out/gpu): <gpu>-<date>.json/.csv/.txt, PNGs (one per op for up to
-# four ops, else one per family: see --plot-by), pytest.log:
-# 8 files, the most a lent-machine run brings back. Prints a short table last.
-# Liger-Kernel: if .whl/ holds wheels (carried with the call), they are installed to /tmp/site.
+# four ops, else one per family: see --plot-by) and pytest.log; prints a short table last.
+# Committed results go to benchmarks/results/<gpu>/ (see its README).
+# Liger-Kernel: if .whl/ holds wheels (the machine needs no network), they are installed to
+# /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)

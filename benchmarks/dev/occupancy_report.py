@@ -1,19 +1,21 @@
-"""Developer probe (GPU): what the compiler and the hardware say about every sweep point that
-misses the issue's targets (>= 0.90 of copy for 1K <= N <= 64K, >= 0.75 above).
+"""Developer tool (GPU): what the compiler and the hardware say about every point of a sweep
+that misses the bandwidth targets (>= 0.90 of copy for 1K <= N <= 64K, >= 0.75 above).
 
     python benchmarks/dev/occupancy_report.py [SWEEP.json] [--all]
 
-For each fusedops point of the sweep below its target (every point with --all) it runs the op
-once on fresh data of the sweep's shape (M·N = 2^27) under torch.profiler and reads, for every
-CUDA kernel launched, what CUPTI recorded: grid, block, registers per thread, shared memory,
-resident blocks and warps per SM and the estimated achieved occupancy, with the kernel's time.
-Triton's compiled kernels add spilled bytes (matched by kernel name and register count). The
-header states the bytes each SM must keep in flight by Little's law (copy bandwidth x ~0.7 us
-loaded DRAM latency / SMs). Writes $OUT/occupancy.json and prints one line per kernel.
+For each fusedops softmax or LayerNorm point of the sweep below its target (every such point with
+--all) it runs the op once on fresh data of the sweep's shape (M·N = 2^27) under torch.profiler
+and reads, for every CUDA kernel launched, what CUPTI recorded: grid, block, registers per
+thread, shared memory, resident blocks and warps per SM and the estimated achieved occupancy,
+with the kernel's time. Triton's compiled kernels add spilled bytes (matched by kernel name and
+register count). The header states the bytes each SM must keep in flight by Little's law (copy
+bandwidth x ~0.7 us loaded DRAM latency / SMs). Writes $OUT/occupancy.json when OUT is set and
+prints one line per kernel. Other ops in the sweep (RMSNorm) are skipped. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -27,7 +29,8 @@ from fusedops.triton import layernorm as tln
 from fusedops.triton import softmax as tsm
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_SWEEP = REPO / "benchmarks" / "results" / "h200-2026-11-22-s15.json"
+DEFAULT_SWEEP = REPO / "benchmarks" / "results" / "h200" / "sweep.json"
+OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOTAL = 1 << 27
 
@@ -101,8 +104,16 @@ def triton_spills() -> dict[tuple[str, int], tuple[int, int]]:
     return found
 
 
-def main(argv: list[str]) -> int:
-    sweep_path = Path(next((a for a in argv if not a.startswith("--")), DEFAULT_SWEEP))
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep", nargs="?", type=Path, default=DEFAULT_SWEEP,
+                   help="a `python -m fusedops bench` JSON (default: %(default)s)")
+    p.add_argument("--all", action="store_true", help="every point, not only those below target")
+    return p.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    sweep_path = args.sweep
     sweep = json.loads(sweep_path.read_text())
     copy = sweep["copy_tbps"]
     props = torch.cuda.get_device_properties(0)
@@ -111,7 +122,8 @@ def main(argv: list[str]) -> int:
     # at 0.6-0.8 us under load): the bytes every SM must have requested and not yet received.
     need_per_sm = copy * 1e12 * 0.7e-6 / sms
     points = [r for r in sweep["records"] if r["provider"] == "fusedops" and r.get("ok")
-              and (("--all" in argv) or (target(r["N"]) and r["frac_copy"] < target(r["N"])))]
+              and r["op"] in OPS
+              and (args.all or (target(r["N"]) and r["frac_copy"] < target(r["N"])))]
     print(f"{props.name}, {sms} SMs, torch {torch.__version__}, Triton {triton.__version__}; "
           f"sweep {sweep_path.name} (copy {copy:.3f} TB/s); {len(points)} points; Little's law "
           f"needs ~{need_per_sm / 1024:.0f} KiB in flight per SM", flush=True)
@@ -149,7 +161,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    ARGS = parse_args(sys.argv[1:])
     if not torch.cuda.is_available():
         print("occupancy_report.py needs a CUDA GPU")
         sys.exit(2)
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(ARGS))

@@ -7,9 +7,11 @@ Meant to run under NVIDIA's compute-sanitizer (see docs/reliability.md):
 
 Shapes are small (a few rows) so the sanitizer's slowdown stays bearable; each case is still
 checked against a float64 reference with the tests' tolerance table (tests/conftest.py), so a
-kernel that silently skips work fails here too. Every launcher in fusedops/triton (the module
-attributes named ``_launch_*``) is wrapped to count its launches; the run fails if any of them
-never launched, so a new kernel variant without a case here is noticed.
+kernel that skips work without an error fails here too. Every launcher of fusedops/triton/softmax.py
+and layernorm.py (the module attributes named ``_launch_*``) is wrapped to count its launches;
+the run fails if any of them never launched, so a new variant of those kernels without a case
+here is noticed. The RMSNorm, masked-softmax, LayerNorm-epilogue and cluster kernels have no
+cases here yet.
 
 Variants: softmax forward/backward single-block (aligned rows and, as an aligned body
 plus element-wise edges, unaligned ones), looped (single-block limit shrunk to 256), the
@@ -185,7 +187,7 @@ def softmax_cases(dtype: torch.dtype) -> None:
 def layernorm_cases(dtype: torch.dtype) -> None:
     t = str(dtype).replace("torch.", "")
     for affine in ("none", "weight", "bias", "both"):
-        def params(n: int, pdtype: torch.dtype = dtype):
+        def params(n: int, pdtype: torch.dtype = dtype, affine: str = affine):
             w = randn(n, dtype=pdtype, seed=10) if affine in ("weight", "both") else None
             b = randn(n, dtype=pdtype, seed=11) if affine in ("bias", "both") else None
             return w, b

@@ -26,7 +26,7 @@ def predict(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Model outputs for ``x`` (in chunks of ``batch_size``; default: chunks whose attention
-    scores stay around 2^26 elements), returned as float32 on CPU."""
+    scores stay near 2^26 elements), returned as float32 on CPU."""
     param = next(model.parameters())
     device, dtype = param.device, dtype or param.dtype
     if batch_size is None:

@@ -270,8 +270,8 @@ def _other_kinds():
 # ``CudaLauncher`` whose ``launch`` attribute is its C entry point, taking (grid x, y, z,
 # stream, function, cooperative, pdl, global scratch, profile scratch, packed metadata, launch
 # metadata, enter hook, exit hook, *args): calling it directly skips the Python wrapper (which
-# allocates the scratch buffers these kernels do not use): 0.8-1.5 µs per launch on an H100 host
-# (benchmarks/dev/launch_paths.py). Other versions call ``run`` itself.
+# allocates the scratch buffers these kernels do not use): 0.8-1.5 µs per launch on an H100
+# host. Other versions call ``run`` itself.
 _C_ENTRY_VERSIONS = ("3.6.",)
 
 
@@ -367,8 +367,8 @@ class PlanCache(dict):
 # A call whose results come from kernel launches alone (its outputs allocated, scratch parked
 # inside them) can be replayed from its launches: the same grids and scalar arguments, the
 # pointers moved to the new call's tensors. The LayerNorm backward does this (three to five
-# launches and their planning cost 40-110 µs of Python per call on the dev machine, several
-# times that on the lent GPU hosts: as much as the kernels' GPU time at 2^27 elements).
+# launches and their planning cost 40-110 µs of Python per call on a fast CPU, several times
+# that on slower GPU hosts: as much as the kernels' GPU time at 2^27 elements).
 
 # The LaunchRecord being filled per thread (record_launches): the autograd engine runs CUDA
 # backward functions on one worker thread per device, so two recordings can overlap, and each
@@ -544,30 +544,32 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Launch configurations, from the H200 measurements in benchmarks/dev/probe.py and
-# benchmarks/dev/tune.py (see docs/performance.md). Per kernel kind: the largest padded row kept
+# Launch configurations, measured on an H200 with each candidate timed next to torch eager in
+# one process (docs/performance.md, method). Per kernel kind: the largest padded row kept
 # in registers (above it the split-row or looped kernels win), the program tile (several short
 # rows per program so every thread holds a few 16-byte vectors), the threads per program, and
 # whether the grid is persistent (about one resident wave of programs looping over row tiles) or
 # one program per tile.
 KIND_CAPS = {"softmax_fwd": 32768, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
-# (softmax forward rows of 64K run split: H100 round 22, 16-bit 2.50 vs 1.84-2.28 TB/s in one
-# program; float32 H200 round 11, 3.29 vs 2.89.)
+# (softmax forward rows of 64K run split: measured faster than one program per row, H100
+# 16-bit 2.50 vs 1.84-2.28 TB/s, H200 float32 3.29 vs 2.89.)
 _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
 # Tiles of this many bytes, for kinds listed here (measured: softmax forward peaks at 4 KB per
 # program with one program per tile, 0.96-0.99 of copy bandwidth at N <= 8K).
 _TILE_BYTES = {"softmax_fwd": 4096}
-# Measured on H200 (benchmarks/dev/tune.py): one program per tile is 2-10% faster for softmax
-# and LayerNorm forward; the LayerNorm backward row kernel stays persistent.
+# Measured on H200: one program per tile is 2-10% faster for softmax and LayerNorm forward
+# (each program's loads do not wait for a previous tile's reduction); the LayerNorm backward
+# row kernel stays persistent.
 PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_bwd": True}
 
 
-# Experiments only (benchmarks/dev/tune.py): per kind, "tile" (elements per program), "warps"
-# and "looped" ((chunk, warps) of the looped kernels) replace the measured rules below.
+# Experiments only (a launch-rule sweep sets it, then restores it): per kind, "tile" (elements
+# per program), "warps" and "looped" ((chunk, warps) of the looped kernels) replace the
+# measured rules below.
 OVERRIDES: dict[str, dict[str, object]] = {}
 
 
-# Short 16-bit rows: (tile elements, warps) by padded row length (H200, tune round 7). One or
+# Short 16-bit rows: (tile elements, warps) by padded row length (measured on H200). One or
 # two warps per program, as Inductor does here, so a row's reductions stay within a warp or two
 # (LayerNorm forward bf16 512: 3.91 vs 3.28 TB/s at 4 warps; 1K: 3.95 vs 3.67; softmax forward
 # bf16 256/512: 4.10-4.11 vs 3.95-3.96). float32 rows measured no better (4.06-4.15 either way).
@@ -582,7 +584,7 @@ def _warps_for(tile: int, kind: str, elt_size: int, block: int) -> int:
     if forced:
         return forced
     if kind == "softmax_bwd" and elt_size == 2 and block >= 2048:
-        # 16-bit rows of 2K-32K (round 7, bf16/fp16): 16 warps up to 8K-element tiles
+        # 16-bit rows of 2K-32K (H200, bf16/fp16): 16 warps up to 8K-element tiles
         # (4.24-4.26 vs 4.20-4.23 TB/s at 8), 8 warps for 16K/32K rows (32K: 3.84-3.89 vs
         # 3.73-3.82 at 16).
         return 16 if tile <= 8192 else 8
@@ -1009,7 +1011,7 @@ def body_len(n: int, vec: int) -> int:
 def unaligned_config(n: int, kind: str, elt_size: int, vec: int) -> tuple[int, int, int, int, int]:
     """(single_block, BLOCK, ROWS, num_warps, VEC) for rows of ``n`` with VEC from
     :func:`unaligned_vec`: :func:`row_config` for the aligned body, with the warps measured for
-    the body/edge kernels on H200 (tune round 9, bf16/fp16/fp32 at N = 1025-8193). VEC comes
+    the body/edge kernels on H200 (bf16/fp16/fp32 at N = 1025-8193). VEC comes
     back 0 where scalar access measured faster (short float32 rows in the backward kernels)."""
     single, block, rows, warps = row_config(body_len(n, vec), kind, elt_size)
     if not vec:

@@ -268,7 +268,7 @@ def _ln_fwd_reload(
     if THIRD_READ:  # read x again (L2) for the variance instead of keeping it: half the
         # registers at 16-bit 16K (ptxas: 32 vs 63 on 16 warps), a third read from L2. Measured
         # slower at 4K-16K (bf16 16K 3.36-3.63 vs 3.75 TB/s) but faster at 16-bit 32K on 32
-        # warps (rounds 17/18: bf16 3.51-3.54 vs 3.17-3.19 single-block, fp16 3.55 vs 3.20).
+        # warps (H200: bf16 3.51-3.54 vs 3.17-3.19 single-block, fp16 3.55 vs 3.20).
         x = tl.load(x_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xc = tl.where(mask, x.to(tl.float32) - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
@@ -656,7 +656,7 @@ def _ln_bwd_single(
             if ROWS == 1:
                 # One row: a 1-D edge tile with its own statistics. As a [1, 2·VEC] slice of
                 # the body's layout, Triton 3.6 gave every thread 8 of its elements (26 scalar
-                # loads per thread per row; docs/performance.md, sixteenth and twentieth sessions).
+                # loads per thread per row in the SASS; docs/performance.md, "Known gaps").
                 e_row = tile
                 j = tl.arange(0, 2 * VEC)
                 e_col = tl.where(j < VEC, j, head + ((N - head) // VEC) * VEC + (j - VEC))
@@ -673,8 +673,8 @@ def _ln_bwd_single(
             xhe = tl.where(e_mask, (xe - e_mean) * e_rstd, 0.0)
         # No tl.where on the masked lanes: there dy is 0 (and rows past M have mean = rstd = 0),
         # so they add nothing to any sum unless xhat is not finite, which it then also is on
-        # the row's own lanes (a NaN row either way). One select per element less (tune round
-        # 37, bf16 768: 2.15 -> 2.58 TB/s).
+        # the row's own lanes (a NaN row either way). One select per element less (H200, bf16
+        # 768: 2.15 -> 2.58 TB/s).
         xhat = (x - mean[:, None]) * rstd[:, None]
         if NEED_DX:
             if HAS_W:
@@ -1209,8 +1209,8 @@ SPLIT_CONFIG: tuple[int, int, int] | None = None
 SPLIT_BWD_CONFIG: tuple | None = None
 # The backward's split kernel on unaligned rows as aligned-body pieces plus the edges (VEC > 0):
 # element size -> (config, shortest body it runs from); elsewhere scalar pieces, or PyTorch's
-# native kernel for 16-bit rows (NATIVE_UNALIGNED_16BIT_BWD). H200, tune rounds 28-29 (twelfth
-# session), float32, TB/s on 4096 x 4 prefetching after the wait against scalar pieces: 16385
+# native kernel for 16-bit rows (NATIVE_UNALIGNED_16BIT_BWD). H200, float32, TB/s on 4096 x 4
+# prefetching after the wait against scalar pieces: 16385
 # 2.81 vs 1.78, 32769 2.81 vs 2.02, 65537 2.51 vs 1.89 (8192 x 8: 2.53), 131073 2.51 vs 1.80,
 # 262145 2.35 vs 1.64 (C·VEC = 260 programs: two per SM on 132 SMs). 16-bit rows gained
 # nothing: 1.10 at best at 65537 (2048 x 8, 112-117 registers) against the native kernel's
@@ -1226,25 +1226,24 @@ VEC_SPLIT_BWD: dict[int, tuple[tuple, int]] = {4: ((4096, 4, 2), 16384)}
 def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
                   vec: int = 0) -> tuple | None:
     """(piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
-    where the other kernels measured faster (H200, benchmarks/dev/tune.py rounds 4 and 11;
-    PREFETCH: see _common.py).
+    where the other kernels measured faster (H200 unless noted; PREFETCH: see _common.py).
 
     Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
     256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
-    128K: 2.23 vs 2.08 on 4; H100 round 23, 64K: 2.11-2.14 vs 2.04 on 4, 1.94 looped); aligned
+    128K: 2.23 vs 2.08 on 4; H100, 64K: 2.11-2.14 vs 2.04 on 4, 1.94 looped); aligned
     16-bit rows of 256K+ stream faster looped (2.37 vs 2.00); unaligned rows (aligned-body
-    pieces) 8192 on 4 warps prefetching between publishing and waiting (H100 round 22, N =
+    pieces) 8192 on 4 warps prefetching between publishing and waiting (H100, N =
     65537: bf16 1.56 vs 1.38 at 16384 x 16 prefetching before publishing, fp16 1.59 vs 1.40,
     float32 1.86 vs 1.76).
     Backward (a fourth value: a register cap, see Launcher): 16-bit rows up to 64K on 4096 x 8
-    prefetching before publishing, capped at 128 registers (H100 round 22, bf16 16K / 32K /
+    prefetching before publishing, capped at 128 registers (H100, bf16 16K / 32K /
     64K: 2.00 / 2.00 / 1.95 vs 1.65 dx + column kernels / 1.67 at 8192 x 8 / 1.88 at 8192 x
     16), 128K 8192 x 16 (1.86), longer 8192 x 8 prefetching between publishing and waiting
     (256K: 1.75 vs 1.62); float32 from 2048 x 4 to 8192 x 8 as rows grow (H200: 8193: 1.86 vs
     1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47).
     A fifth value True: the pieces of a row run as one thread-block cluster exchanging on chip
     (``_clusters.py``; aligned rows on Hopper, else the same pieces on a cooperative grid).
-    H100, benchmarks/dev/cluster_rows.py, against the cooperative rules above in the same run
+    H100, a probe of the cluster kernel against the cooperative rules above in the same run
     (TB/s of 3·M·N·size bytes, copy 3.01): 16-bit 16K and 32K 2048 x 4 capped at 128 (bf16
     2.34 / 2.27 vs 2.08 / 2.04; 4096 x 8: 2.28 / 2.18), 64K 4096 x 8 (2.10 vs 1.98; 128K on
     8192 x 16 measured level, 1.81 vs 1.85, and stays cooperative); float32 16K-64K 8192 x 8
@@ -1296,9 +1295,10 @@ NATIVE_UNALIGNED_16BIT_BWD = True
 # accesses (see unaligned_vec): dx from _ln_bwd_dx_pieces, one program per row reading its
 # aligned body plus edges twice (the second time from L2) in pieces of (piece, warps), then the
 # column kernel for dweight/dbias (x and dy read again: 5 passes, but every dx access a 16-byte
-# vector). H200, TB/s of the op's 3·M·N·2 bytes against PyTorch's native backward (the sweep's
-# torch.compile: 1.21 at 65537): benchmarks/dev/cols_path.py, bf16 16385 1.63 vs 1.21, 65537
-# 1.46 vs 1.11, 131073 1.41 vs 0.84; tune round 40, pieces (4096, 8) / (4096, 4) / (8192, 8):
+# vector). H200, TB/s of the op's 3·M·N·2 bytes against PyTorch's native backward (and
+# torch.compile: benchmarks/results/h200/sweep.json, bf16 65537: 1.46 vs torch 1.10, compile
+# 1.21): bf16 16385 1.63 vs 1.21, 65537 1.46 vs 1.11, 131073 1.41 vs 0.84; pieces (4096, 8) /
+# (4096, 4) / (8192, 8):
 # 16385 1.59 / 1.56 / 1.38, 32769 1.49 / 1.48 / 1.46, 131073 1.40 / - / 1.38, 65537 (2048, 4)
 # 1.45, (4096, 4) 1.43, (8192, 8) 1.42. None: off (the paths below).
 DX_PIECES_BWD: tuple[int, int] | None = (4096, 8)
@@ -1342,7 +1342,7 @@ def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
 # _split_config says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy
 # read twice: 5 passes).
 FUSED_BWD_MAX_BLOCK = 8192
-# Overrides for experiments (benchmarks/dev/tune.py): (tile elements, programs per SM, ACC_1D).
+# Override for experiments (a launch-rule sweep): (tile elements, programs per SM, ACC_1D).
 FUSED_BWD_OVERRIDE: tuple[int, int, bool] | None = None
 
 
@@ -1357,7 +1357,7 @@ def _fused_bwd_config(block: int, body: bool = False,
                       elt_size: int = 2) -> tuple[int, int, int, bool]:
     """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
     ``block`` (``body``: the aligned body of unaligned rows, on ``elt_size``-byte elements).
-    Measured on H200 (benchmarks/dev/tune.py, 2026-11-21): 4096-element tiles at two
+    Measured on H200: 4096-element tiles at two
     programs per SM up to 2K columns, with (ROWS, BLOCK) accumulators while a tile holds 4+ rows
     (folding rows every tile costs a cross-warp reduction); above, one 16-warp program per SM
     on 16K-element tiles (4 rows of 4K, 2 of 8K). More programs per SM write more partial rows
@@ -1365,19 +1365,19 @@ def _fused_bwd_config(block: int, body: bool = False,
 
     The body variant keeps edge accumulators and addresses besides the body's, and spills on
     multi-row tiles (ptxas sm_90: 208 bytes at an 8K body on 2 rows, 656 at 4K on 4 rows): one
-    row per tile, two programs per SM, except float32 bodies of 4K+ on 8K-element tiles (tune
-    round 16 on H100, TB/s vs the shipped multi-row tiles: 8193 bf16 1.75 vs 1.08, float32 2.81
+    row per tile, two programs per SM, except float32 bodies of 4K+ on 8K-element tiles (H100,
+    TB/s vs the earlier multi-row tiles: 8193 bf16 1.75 vs 1.08, float32 2.81
     vs 1.86; 4097 float32 2.81 vs 2.51, 16-bit 1.42 vs 0.83-1.44; 2049 within 3%).
-    Aligned float32 rows of 4K-8K take the same 8K-element tiles (round 51, H100, two runs:
-    8K 2.85-2.86 vs 2.72-2.73 on 16K-element tiles, Liger 2.76-2.78 in the sweeps; 4K 2.87 vs
-    2.83-2.84)."""
+    Aligned float32 rows of 4K-8K take the same 8K-element tiles (H100, two runs: 8K
+    2.85-2.86 vs 2.72-2.73 on 16K-element tiles, where Liger was faster; 4K 2.87 vs 2.83-2.84;
+    benchmarks/results/h100/sweep.json: float32 8K at 0.96 of copy, ahead of every provider)."""
     if FUSED_BWD_OVERRIDE is not None:
         tile, per_sm, acc_1d = FUSED_BWD_OVERRIDE
     elif elt_size == 4 and block >= 4096:
         tile, per_sm, acc_1d = 8192, 1, True
     elif body:
         tile, per_sm, acc_1d = block, 2, True
-    elif block == 512 and elt_size == 2:  # round 18: bf16 3.15 vs 2.96, fp16 3.20 vs 3.02
+    elif block == 512 and elt_size == 2:  # H200: bf16 3.15 vs 2.96, fp16 3.20 vs 3.02
         tile, per_sm, acc_1d = 2048, 4, False
     elif block <= 2048:
         tile, per_sm, acc_1d = 4096, 2, block > 1024
@@ -1389,33 +1389,33 @@ def _fused_bwd_config(block: int, body: bool = False,
 
 # Unaligned rows take the fused kernel's aligned-body variant only from bodies of this many
 # elements. With multi-row tiles it measured slower than the padded scalar variant below 8K
-# (H200, round 13: 4097 bf16 0.56 vs 1.49); on one-row tiles (round 16, H100) it is level at
-# 2049 and ahead from 4097.
+# (H200: 4097 bf16 0.56 vs 1.49); on one-row tiles (H100) it is level at 2049 and ahead from
+# 4097.
 FUSED_BWD_UNALIGNED_MIN_BLOCK = 2048
 
 
 def _paired_sums(elt_size: int, vec: int, block: int) -> bool:
     """Whether the fused backward forms its two row sums in one paired reduction (PAIRED):
-    aligned 16-bit rows of blocks up to 4K. Tune rounds 37-38 (H200, TB/s, separate ->
+    aligned 16-bit rows of blocks up to 4K. H200, TB/s, separate ->
     paired): bf16 4K 3.42 -> 3.65, 2K 3.06 -> 3.19, 1K 3.06 -> 3.16, 768 2.59 -> 2.70 (fp16
     alike); where both operands live at once cost registers it is slower: 5120 (8K blocks)
     2.74 -> 2.45, float32 8K 3.83 -> 3.44, 16-bit 8193 bodies 1.83 -> 1.69 (8192: 3.51 -> 3.58,
     within noise, left separate with its padded neighbours). Unaligned 16-bit bodies (one-row
-    tiles) pair since their edge tile is 1-D (twentieth session, H100, same process, three
+    tiles) pair since their edge tile is 1-D (H100, same process, three
     alternations, fraction of copy separate -> paired: 8193 0.72 -> 0.73, 4097 0.57 -> 0.59,
     2049 0.63 -> 0.65; half the barriers per row, the same instruction count, no spills)."""
     return PAIRED_SUMS and elt_size == 2 and (vec > 0 or block <= 4096)
 
 
-PAIRED_SUMS = True  # off: the separate reductions (benchmarks/dev/tune.py)
+PAIRED_SUMS = True  # off: the separate reductions (for experiments)
 
 # The fused backward's tile loop pipelined by Triton (num_stages) for these padded blocks of
-# 16-bit rows whose starts are 16-byte aligned. H100, TB/s (tune rounds 47b/48: shipped ->
-# three stages, the same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.65-2.69 (five
+# 16-bit rows whose starts are 16-byte aligned. H100, TB/s (not pipelined -> three stages, the
+# same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.65-2.69 (five
 # runs), 2K 2.58-2.60 -> 2.69-2.72, fp16 alike; slower at 256/512 (2.69 -> 2.61) and 4K (2.78
 # -> 2.72), level on float32 (whose 4K+ tiles also do not fit shared memory three deep).
 PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({1024, 2048})
-FUSED_BWD_STAGES: int | None = None  # override for experiments (benchmarks/dev/tune.py)
+FUSED_BWD_STAGES: int | None = None  # override for experiments
 
 
 def _fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> int:
@@ -1427,8 +1427,8 @@ def _fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> in
     return 3 if elt_size == 2 and aligned and block in PIPELINED_BWD_BLOCKS else 1
 
 
-# The split-row backward's two piece sums in one paired reduction. Tune round 39 (H200, TB/s,
-# separate -> paired): float32 16K 3.16 -> 3.23, 64K 3.11 -> 3.15, bf16 32K 2.24 -> 2.30; the
+# The split-row backward's two piece sums in one paired reduction. H200, TB/s, separate ->
+# paired: float32 16K 3.16 -> 3.23, 64K 3.11 -> 3.15, bf16 32K 2.24 -> 2.30; the
 # rest within 1% either way.
 SPLIT_PAIRED = True
 
@@ -1459,7 +1459,7 @@ def _fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
 
 
 # The dweight/dbias column kernel: (columns, rows) per iteration, warps, programs per SM.
-# H200 (benchmarks/dev/cols_path.py, 2026-11-22; bf16, us for dweight + dbias): N = 65537
+# H200 (bf16, µs for dweight + dbias, the column kernel timed alone): N = 65537
 # 187 on (128, 64) x 16 warps, one program per column block, vs 622 on the earlier (256, 32) x 8
 # at eight programs per SM; N = 16384 140 on (64, 64) x 16 at two per SM vs 167.
 COLUMN_TILE = (128, 64)
@@ -1636,10 +1636,10 @@ def layernorm_forward_y(
 
 
 # Aligned rows read whole, then again from L2 (_ln_fwd_reload): (element size, padded row) ->
-# (second-pass chunk, warps[, THIRD_READ]). H200, tune rounds
-# 16/16b, TB/s vs the kernels before it: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96
+# (second-pass chunk, warps[, THIRD_READ]). H200, TB/s vs the kernels these rows ran
+# before: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96
 # vs 3.62; 16K 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51,
-# 32K 3.73 vs 3.24 (single-block); 16-bit 32K with THIRD_READ (round 18: bf16 3.51 vs 3.17,
+# 32K 3.73 vs 3.24 (single-block); 16-bit 32K with THIRD_READ (bf16 3.51 vs 3.17,
 # fp16 3.55 vs 3.20; without it 2.96-3.07). Float32 4K (4.12 vs 3.86-4.10) stays.
 RELOAD_FWD: dict[tuple[int, int], tuple] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16),
@@ -1649,7 +1649,7 @@ RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves
 
 # Aligned rows on _ln_fwd_unrolled (N compile-time): (element size, padded row) -> (chunk,
 # warps) configs, the first whose chunk divides N taken; warps 0 sends those rows to the other
-# kernels (RELOAD_FWD and below), as do rows no chunk divides. H200, tune rounds 31-34 (TB/s;
+# kernels (RELOAD_FWD and below), as do rows no chunk divides. H200 (TB/s;
 # "was": the kernels these rows ran before, same run; compile: torch.compile, same run):
 #   16-bit  1K 4.08-4.17 was 3.91-4.03 | 2K 3.85-4.17 was 3.66-4.06 | 8K 3.91-4.07 was
 #   3.81-3.98 (compile 3.62) | 16K 4.04-4.10 was 3.76-3.88 (compile 3.95-3.99) | 32K 3.76-3.90
@@ -1659,11 +1659,11 @@ RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves
 #   3.91-3.93 was 3.07, 20480 on 1K x 8 3.03 was 2.77, 24576 3.84 was 3.18.
 #   float32 1K 4.22-4.25 was 4.05-4.07 (compile 4.18) | 2K 4.11-4.24 was 4.08-4.09 | 4K on 2K x
 #   16 4.16-4.21 was 4.06-4.16 (compile 4.23-4.25; the whole row in one 4096 x 16 chunk: 4.18
-#   with statistics, 3.86-3.91 without, round 34) | 8K 4.19-4.21 was 4.04-4.05 (compile 4.22) |
+#   with statistics, 3.86-3.91 without) | 8K 4.19-4.21 was 4.04-4.05 (compile 4.22) |
 #   64K on 16K x 32 3.07-3.13 was 2.94-2.99 (8K x 32: 2.71-3.08) | 2560 on 512 x 4 3.88 was
 #   3.50, 3072 on 1K x 8 4.14 was 3.88, 5120 4.06 was 3.26, 6144 4.20 was 3.68, 7168 3.81 was
 #   3.93 (the one length measured slower). 16K-32K: level or slower, no rule.
-#   Round 41: bf16 128K on 16K x 32 2.98 was 2.23 (split rows; 8K x 32 2.56), 256K 2.66 was
+#   Long rows: bf16 128K on 16K x 32 2.98 was 2.23 (split rows; 8K x 32 2.56), 256K 2.66 was
 #   2.36 (8K x 16 2.48).
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
@@ -1676,12 +1676,13 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
 }
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
-# Entries of UNROLLED_FWD replaced on GPUs whose name contains the key. H100 (tune round 50,
-# 2026-11-25, inference calls, TB/s, torch.compile in the same run), where the H200's rules
-# were 2-3% behind compile (8K) and Liger (4K) in the s17 and s18 sweeps: 16-bit 8K on
+# Entries of UNROLLED_FWD replaced on GPUs whose name contains the key. H100 (inference calls,
+# TB/s, torch.compile in the same run), where the H200's rules left the 16-bit forward 2-3%
+# behind compile at 8K and Liger at 4K: 16-bit 8K on
 # 2048 x 16 2.93-2.96 vs 2.85-2.88 on 2048 x 8 (compile 2.95-2.96), 4K on 2048 x 8 2.94 vs
 # 2.88-2.89 on the reload kernel. (The H200 measured the other way: 8K 2048 x 16 3.72-3.84 vs
-# 2048 x 8 4.06-4.07, 4K 2048 x 8 3.86 vs 4.02-4.04; rounds 31-32.)
+# 2048 x 8 4.06-4.07, 4K 2048 x 8 3.86 vs 4.02-4.04.) benchmarks/results/h100/sweep.json:
+# 16-bit 4K and 8K at 0.99 of copy, level with or ahead of compile and Liger.
 UNROLLED_FWD_GPU: dict[str, dict[tuple[int, int], tuple[tuple[int, int], ...]]] = {
     "H100": {(2, 4096): ((2048, 8), (1024, 4), (512, 4)), (2, 8192): ((2048, 16), (1024, 8))},
 }
@@ -1733,8 +1734,8 @@ def _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, c
 # Unaligned rows (VEC > 0) on _ln_fwd_reload_vec: (element size, padded body) -> (chunk, warps).
 # The single-block kernel's body loads of weight/bias start at the row's head column, which
 # only scalar loads can do (ptxas sm_90, 16-bit 8193 on 4 warps: 153 scalar loads, 255
-# registers, two 4-warp programs per SM; too few bytes in flight). H100, tune round 19, TB/s
-# against the single-block kernel: bf16 / fp16 4097 2.87 / 2.88 vs 2.27 / 1.96, 8193 2.72 /
+# registers, two 4-warp programs per SM; too few bytes in flight). H100, TB/s against the
+# single-block kernel: bf16 / fp16 4097 2.87 / 2.88 vs 2.27 / 1.96, 8193 2.72 /
 # 2.74 vs 1.71 / 1.97, 16385 2.65 / 2.68 vs 1.83 / 1.87, 32769 2.49 / 2.52 vs 0.52 / 0.56 (the
 # chunk/warps neighbours within 3%). Float32 rows stay: 8193 2.82 vs 2.92 (4-byte scalar
 # loads are half as many per byte of x).
@@ -1743,9 +1744,8 @@ RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
 }
 # ... for calls of at least this many elements: the shifted copies cost a launch and an
 # allocation (14.5 µs of host time per call on an H100 host), which small calls do not win
-# back. Wall time per call, bf16 rows of 8193 (benchmarks/dev/launch_paths.py, results in
-# benchmarks/results/tune-h100-2026-11-21/launch-paths-before-threshold.json): 512 rows 36.4
-# vs 22.2 µs single-block, 2048 rows 40.6 vs 48.2, 8192 rows 101 vs 156.
+# back. Wall time per call on an H100 host, bf16 rows of 8193: 512 rows 36.4 vs 22.2 µs
+# single-block, 2048 rows 40.6 vs 48.2, 8192 rows 101 vs 156.
 RELOAD_VEC_MIN_ELEMS = 1 << 24
 
 
@@ -1773,11 +1773,11 @@ def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, w
 
 # Unaligned rows (VEC > 0) with longer bodies on _ln_fwd_unrolled_vec (N compile-time, like
 # UNROLLED_FWD): (element size, padded body) -> (chunk, warps), for calls of at least
-# RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. H200, tune round 41, TB/s against
+# RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. H200, TB/s against
 # the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.89 / 2.97 vs 1.64 / 1.66
 # (8192 x 16: 2.54 / 2.73, 16384 x 32: 2.79 / 2.82), float32 65537 2.99 vs 2.05 (8192 x 32:
 # 2.69), bf16 131073 2.63 vs 1.14 (8192 x 32: 2.24), 262145 2.17 vs 1.81 (16384 x 32: 2.15);
-# round 42: float32 131073 2.36 vs 1.83 (16384 x 32: 2.35), 262145 2.30 vs 2.08 (2.24).
+# float32 131073 2.36 vs 1.83 (16384 x 32: 2.35), 262145 2.30 vs 2.08 (2.24).
 # (Aligned float32 128K / 256K stay on split rows: 2.84 / 2.72 vs 2.50-2.68 unrolled.)
 UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 65536): (8192, 32), (4, 65536): (16384, 32), (2, 131072): (16384, 32),
@@ -1841,7 +1841,7 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         return y, mean, rstd
     if single:
         tiles = num_row_tiles(M, rows, vec)
-        # Unaligned 16-bit rows of 4K+: a persistent grid (tune round 13, TB/s: bf16 4097 2.51
+        # Unaligned 16-bit rows of 4K+: a persistent grid (H200, TB/s: bf16 4097 2.51
         # vs 2.29 one program per row, 8193 1.93 vs 1.77; float32 within 2%).
         persist = vec and x.element_size() == 2 and block >= 4096
         progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec, persist)
@@ -2034,9 +2034,8 @@ def _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
 # it (M_dx), the partials are summed into dweight/dbias, and a second launch writes the dx of the
 # remaining rows with the same arithmetic (bitwise the rows the fast mode's single launch
 # writes). Cost: those rows (at most ~1/8 of x, capped by _max_partial_rows) are read again,
-# plus a launch: 1-3% at most shapes, up to 7% at unaligned 16-bit rows (H100, 2026-11-21,
-# benchmarks/results/reliability-h100-2026-11-21/). (The parked variant's dx mask once cost
-# 9-25% at unaligned rows: row offsets recomputed for it; now the default's offsets are kept.)
+# plus a launch: 1-3% at most shapes, up to 7% at unaligned 16-bit rows (H100). The parked
+# dx mask uses the default mode's row offsets (recomputing them cost 9-25% at unaligned rows).
 def _park(dx: torch.Tensor, nbytes: int, group: int) -> tuple[int, int] | None:
     """(M_dx, byte offset) for ``nbytes`` of scratch at the end of dx's storage: the offset is
     16-byte aligned and M_dx, the first row it touches rounded down to a multiple of

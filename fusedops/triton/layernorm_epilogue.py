@@ -34,10 +34,10 @@ the new call's seed words), and the forward also takes contiguous rows of any ra
 layer's ``EPILOGUE_ROWS_ND``); see docs/design.md, "Epilogue and masked-softmax replay plans".
 
 The single-block kernels first held rows as ``[Q, R, G, NI]`` column tiles too (one Philox call
-per counter); those measured 0.07-0.4 of copy bandwidth on an H200 even without dropout
-(benchmarks/results/h200-2026-11-26-s24-chains-ln.*) and were replaced by the 2-D tiles.
-The forward's tiles follow the other norm kernels' rules; the backward's plans were measured on
-an H200 (benchmarks/dev/epi_probe.py, epi_bwd_plans.py; docs/performance.md, session 25).
+per counter); those measured 0.07-0.4 of copy bandwidth on an H200 even without dropout (up
+to 255 registers and spills with Triton 3.6) and were replaced by the 2-D tiles. The forward's
+tiles follow the other norm kernels' rules; the backward's plans were measured on an H200 by
+timing the backend functions alone under each plan (``BWD_PLAN_OVERRIDE``).
 """
 
 from __future__ import annotations
@@ -695,9 +695,9 @@ _launch_bwd_columns = Launcher(_ln_epi_bwd_columns)
 # Backward: BWD_MAX_BLOCK, with dropout or an activation BWD_MAX_BLOCK_EPILOGUE. Chosen so that
 # no variant spills registers (ptxas for sm_90, Triton 3.6 and 3.9), except the 16-warp plans of
 # the epilogue backward (_bwd_plan: GELU, or rows of 4K-8K), which are capped at 128 registers
-# and keep 8-72 B of stack with Triton 3.6 (32-112 B with 3.9; benchmarks/dev/regs_epi_bwd.py)
-# yet run 1.3-1.8x faster than the plans without spills (s27, H200: 8K-column rows 1.8x faster
-# than the looped kernels, which they took before). All are also capped by the project's
+# and keep 8-72 B of stack with Triton 3.6 (32-112 B with 3.9; ptxas for sm_90) yet run
+# 1.3-1.8x faster than the plans without spills (H200: 8K-column rows 1.8x faster than the
+# looped kernels, which they took before). All are also capped by the project's
 # single-block limit (tests shrink it to exercise the looped kernels on short rows).
 FWD_MAX_BLOCK = 16384
 FWD_MAX_BLOCK_DROPOUT = 8192
@@ -738,10 +738,10 @@ def _tile_2d(block: int, elt: int, dropout: bool, backward: bool = False) -> tup
 
 
 # (ROWS, warps, programs per SM, ACC_1D, PAIRED, STAGES) forced on the single-block backward,
-# for experiments (benchmarks/dev/epi_probe.py); None: _bwd_plan's rule.
+# for experiments (timing the backend under other plans); None: _bwd_plan's rule.
 BWD_PLAN_OVERRIDE: tuple | None = None
 # (ROWS, warps, programs per SM or None for grid_size's rule, STAGES or None) forced on the
-# single-block forward, for experiments (benchmarks/dev/epi_fwd_plans.py); None: _fwd_plan's.
+# single-block forward, for experiments; None: _fwd_plan's.
 FWD_PLAN_OVERRIDE: tuple | None = None
 
 
@@ -749,10 +749,10 @@ def _fwd_plan(block: int, elt_size: int, dropout: bool, has_res: bool
               ) -> tuple[int, int, int | None, int | None]:
     """(ROWS, warps, programs per SM or None, STAGES or None) of the single-block forward:
     the 4K-element tiles (2K with dropout) of ``_tile_2d`` and ``grid_size``'s grid. With
-    dropout the tile loop is software-pipelined where a residual is read too (s27, H200, bf16
-    inference, µs: add + LN + dropout + GELU 1K 308 -> 265, 4K 318 -> 275; no spills with
-    Triton 3.6 or 3.9; without a residual the plain loop was as fast or faster,
-    benchmarks/dev/epi_fwd_plans.py; 8K-column rows on 4 warps, pipelined, measured 222 -> 183
+    dropout the tile loop is software-pipelined where a residual is read too (its extra loads
+    are what the pipelining hides; H200, bf16 inference, µs: add + LN + dropout + GELU 1K
+    308 -> 265, 4K 318 -> 275; no spills with Triton 3.6 or 3.9; without a residual the plain
+    loop was as fast or faster; 8K-column rows on 4 warps, pipelined, measured 222 -> 183
     but spill 184 B with Triton 3.6 and 568 B with 3.9, so not taken). Without dropout: a
     plain range, as measured before (0.75-0.95 of copy)."""
     if FWD_PLAN_OVERRIDE is not None:
@@ -776,12 +776,12 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
     if dropout or act:
         # (ROWS, BLOCK) accumulators and paired row sums: Q slices folded into 1-D accumulators
         # every tile cost 2·Q cross-warp reductions per tile (H200, bf16 65536 x 768, p = 0.1,
-        # ReLU: 524 us; 322 with these; benchmarks/dev/epi_bwd_plans.py). 8K-element tiles, two
+        # ReLU: 524 us; 322 with these). 8K-element tiles, two
         # programs per SM. Up to 2K columns without GELU on 8 warps (247 us at 768 ReLU;
         # 210-255 registers, no spills on sm_90 with Triton 3.6), software-pipelined where ds
-        # is read too or rows are 2K (s27: bf16 2048 ReLU with ds 464 -> 323 us; 1K without
+        # is read too or rows are 2K (H200: bf16 2048 ReLU with ds 464 -> 323 us; 1K without
         # ds it is 4-15% slower). GELU's registers, and rows of 4K-8K, take 16 warps,
-        # pipelined (s27, H200, µs, bf16 with ds: GELU 1K 761 -> 441, 2K 762 -> 433, 4K
+        # pipelined (H200, µs, bf16 with ds: GELU 1K 761 -> 441, 2K 762 -> 433, 4K
         # 771 -> 428, ReLU 4K 651 -> 305; the 2K-element tiles on 4-8 warps before).
         rows = max(1, 8192 // block)
         if act != 2 and block <= 2048:
@@ -792,7 +792,7 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
         rows, warps = _tile_2d(block, elt_size, dropout, backward=True)
         return rows, warps, max(BWD_PER_SM, 32 // warps), False, True, 1
     if block >= 8192:
-        # One 8K row per tile on 16 warps, pipelined, paired sums (s27, H200, with ds: fp32
+        # One 8K row per tile on 16 warps, pipelined, paired sums (H200, with ds: fp32
         # 614 -> 510 us, bf16 393 -> 328 at 16384 x 8192; LayerNorm's plan below was level at
         # 4K).
         return 1, 16, 1, False, True, 2
@@ -877,8 +877,8 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
 # read (shapes, strides, dtypes, 16-byte alignment of every pointer, the scalar arguments but
 # the seed, the gradients needed, the device). A call seen before allocates its outputs and
 # scratch and relaunches the recorded kernels with its own tensors' addresses and seed words:
-# the backend's checks and plans cost 80-120 µs of host time per call on the lent GPU hosts
-# (benchmarks/dev/epi_host_split.py), more than the kernels take on a few thousand rows.
+# the backend's checks and plans cost 80-120 µs of host time per call on the GPU hosts
+# measured (H200 machines), more than the kernels take on a few thousand rows.
 # The backward makes plans only for calls that give grad_dtypes (the eager autograd path), as
 # LayerNorm's does. PLANS = False turns them off (tests compare both paths).
 PLANS = True

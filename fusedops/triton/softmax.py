@@ -544,8 +544,8 @@ _fwd_plans = PlanCache(_replay.SOFTMAX, _replay_runner)
 
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
 # rows are unaligned (VEC > 0: aligned-body pieces plus edges); a row of N is cut into equal
-# pieces of at most that many elements (_common.split_pieces). H200, tune rounds 11, 12 and 15,
-# TB/s (the old kernel: 16384-element pieces on 16 warps, no prefetch), and H100 rounds 21-22:
+# pieces of at most that many elements (_common.split_pieces). Measured, TB/s, against the
+# first split kernel (16384-element pieces on 16 warps, no prefetch) on H200 and H100:
 # * forward: 16-bit aligned rows prefetching between publishing and waiting (PREFETCH 3; H100
 #   bf16 128K / 256K: 2.47 / 2.38 vs 2.20 / 2.01 without prefetch), on 4096 x 4 up to 64K
 #   (2.51 vs 2.42 at 8192 x 8); float32 aligned 8192 x 8 prefetching before publishing (H200
@@ -594,26 +594,26 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
 
 # Aligned rows read whole for the dot product, then again from L2 for dx (the looped kernel
 # with WHOLE = the padded row): (element size, padded row) -> (second-pass chunk, warps).
-# H200, tune rounds 16/16b, TB/s vs the single-block kernel: 16-bit 16K 4.29-4.30 vs 4.03-4.05,
+# H200, TB/s vs the single-block kernel: 16-bit 16K 4.29-4.30 vs 4.03-4.05,
 # 4K 4.31 vs 4.26, 2K 4.33 vs 4.25; 8K level (4.27 vs 4.25); float32 16K slower (4.14 vs 4.31:
 # the whole row is twice the registers). A third value is the first pass's piece (WHOLE = 0).
-# 32K, every dtype, since tune rounds 24-26 (eleventh session, H200, with power-of-two rows
-# unrolled, UNROLL_RELOAD_BWD): the whole row, second pass in one 32K piece, as Inductor does
-# for this shape (ptxas sm_90: 52 registers float32, 38 16-bit, no spill): float32 4.21 vs
-# 3.98-4.05 (the round-18 rule, two 16K halves then 8K chunks) and torch.compile 4.20; bf16 /
+# 32K, every dtype (H200, with power-of-two rows unrolled, UNROLL_RELOAD_BWD): the whole row,
+# second pass in one 32K piece, as Inductor does for this shape (ptxas sm_90: 52 registers
+# float32, 38 16-bit, no spill): float32 4.21 vs 3.98-4.05 (two 16K halves then 8K chunks)
+# and torch.compile 4.20; bf16 /
 # fp16 4.09-4.13 / 4.14-4.15 vs 4.04-4.08 / 4.07-4.09 (8K chunks), compile 4.12 / 4.17.
 RELOAD_BWD: dict[tuple[int, ...], tuple[int, ...]] = {
     (2, 2048): (2048, 8), (2, 4096): (4096, 16), (2, 16384): (4096, 32), (2, 32768): (32768, 32),
     (4, 32768): (32768, 32),
 }
-# Power-of-two rows on the reload kernel without masks, loops unrolled (EVEN): H200, tune round
-# 25, TB/s vs masked loops: 32K 4.04-4.07 vs 4.00-4.05 (16-bit), 4.00 vs 3.95 (float32);
+# Power-of-two rows on the reload kernel without masks, loops unrolled (EVEN): H200, TB/s vs
+# masked loops: 32K 4.04-4.07 vs 4.00-4.05 (16-bit), 4.00 vs 3.95 (float32);
 # 2K-16K level or +0.5%; the 32K first pass in 16K pieces 4.07-4.11 vs 3.26-3.34 masked.
 UNROLL_RELOAD_BWD = True
 RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
 # The forward's reload kernel (_softmax_fwd_reload), aligned rows: (element size, padded row)
-# -> (second-pass chunk, warps); power-of-two rows always unrolled without masks. H200, tune
-# round 27 (twelfth session), TB/s: 16-bit 64K 3.19 vs 3.02-3.06 on split rows (4096 x 4,
+# -> (second-pass chunk, warps); power-of-two rows always unrolled without masks. H200, TB/s:
+# 16-bit 64K 3.19 vs 3.02-3.06 on split rows (4096 x 4,
 # PREFETCH 3; ptxas sm_90: 64 registers, 48 bytes spilled), float32 32K 4.19 vs 4.06 on the
 # single-block kernel (48 registers). Slower elsewhere: it computes the exponentials twice and
 # runs one 32-warp program per SM, so 16-bit 16K (3.71-3.90 vs 3.95-3.98) and 32K (2.90-3.16
@@ -624,7 +624,7 @@ RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
 RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; saves host time)
 # Aligned rows on _softmax_fwd_unrolled (N compile-time): (element size, padded row) ->
 # (chunk, warps) configs, the first whose chunk divides N taken (warps 0: the other kernels).
-# Checked before RELOAD_FWD. H200, tune round 35 (thirteenth session), TB/s bf16 / fp16 against
+# Checked before RELOAD_FWD. H200, TB/s bf16 / fp16 against
 # the kernels these rows ran before: 4K 4.18 / 4.16 vs 4.00 / 4.00, 8K 4.14 / 4.16 vs 4.01 /
 # 3.99, 16K 4.14 / 4.12 vs 3.88 / 3.91 (single-block), 64K on 8K x 16 3.45 / 3.45 vs 3.19 /
 # 3.19 (reload); float32 16K 4.22 vs 4.07. Level or slower: 16-bit 32K (2.81-3.19 vs 3.20-3.24
@@ -635,8 +635,8 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
 }
 UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
 # Unaligned rows (VEC > 0) on _softmax_fwd_unrolled_vec: (element size, padded body) ->
-# (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, tune round
-# 42, TB/s against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
+# (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, TB/s
+# against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
 # vs 2.21 / 2.21 (16384 x 16: 2.90 / 2.95, 8192 x 32: 2.72 / 3.17). Slower: float32 65537
 # (2.53-2.73 vs 2.90), and 128K+ rows (16-bit 131073 / 262145 0.58-1.00 vs 2.07 / 2.04; the
 # aligned kernel alike at 128K / 256K: 0.42-1.10 vs 2.78-3.33).
@@ -646,7 +646,7 @@ UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 1
 # The backward on _softmax_bwd_unrolled: aligned rows (element size, padded row) -> (chunk,
 # warps) configs, the first whose chunk divides N; unaligned rows (VEC > 0) by (element size,
 # padded body) -> (chunk, warps), rows longer than UNROLLED_BWD_ABOVE whose body holds a chunk.
-# H200, tune round 43 (sixteenth session), TB/s against split rows ("cur"): bf16 / fp16 65537
+# H200, TB/s against split rows: bf16 / fp16 65537
 # 3.60 / 3.64 on 8192 x 32 vs 2.48 / 2.51 (16384 x 32: 3.43 / 3.56); bf16 131073 2.77 on
 # 16384 x 32 vs 1.86; 262145 2.16 on 8192 x 16 vs 1.76; aligned bf16 64K 3.76 on 16384 x 32 vs
 # 3.52. Slower: float32 (65536 / 65537 2.78-3.08 vs 3.84 / 3.58) and aligned 16-bit 128K / 256K
