@@ -173,10 +173,10 @@ def test_tiny_sweep_host_latency(tiny_result):
 def test_write_outputs(tiny_result, tmp_path):
     paths = bench_report.write_outputs(tiny_result, tmp_path, stem="tiny")
     names = sorted(p.name for p in paths)
-    # six ops: one PNG per family (fwd above bwd), so a lent GPU run's files still fit
+    # six ops: one PNG per family (fwd above bwd), so benchmarks/run_gpu.sh has room for them
     assert names == sorted(["tiny.json", "tiny.csv", "tiny.txt"]
                            + [f"tiny-{fam}.png" for fam in FAMILIES])
-    assert len(paths) + 1 <= 8  # what comes back from a lent GPU run, with run_gpu's pytest.log
+    assert len(paths) + 1 <= 8  # run_gpu.sh's output: at most 8 files, its pytest.log included
     data = json.loads((tmp_path / "tiny.json").read_text())
     assert TOP_KEYS <= set(data)
     assert len(data["records"]) == len(tiny_result["records"])
@@ -189,7 +189,9 @@ def test_write_outputs(tiny_result, tmp_path):
     for fam in FAMILIES:
         assert (tmp_path / f"tiny-{fam}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (tmp_path / "tiny.txt").read_text()
-    assert "TB/s by provider" in report and "host cost per call" in report
+    assert "TB/s by provider" in report and "wall time per call on CPU" in report
+    # a CPU result says what it is and claims no targets
+    assert "CPU run:" in report and "not evaluated on CPU" in report
 
 
 def test_report_roundtrip_and_merge(tiny_result, tmp_path):
@@ -333,7 +335,7 @@ def test_liger_rmsnorm_call(monkeypatch):
 
 
 def _point(fam, ops, dtype=torch.float32, M=8, N=32):
-    point = bench._Point(fam, ops, dtype, M, N, "cpu", seed=1)
+    point = bench.Point(fam, ops, dtype, M, N, "cpu", seed=1)
     point.compute_refs(all_providers()["torch"])
     return point
 
@@ -346,7 +348,7 @@ def test_guard_flags_wrong_output():
     wrong = Provider("wrong", "returns its input", lambda x, w=None, b=None: x * 1.0,
                      lambda x, w, b: x * 1.0)
     point = _point("softmax", ["softmax_fwd", "softmax_bwd"])
-    recs = bench._run_provider(point, wrong, ["softmax_fwd", "softmax_bwd"], "fp32", _timer(),
+    recs = bench.run_provider(point, wrong, ["softmax_fwd", "softmax_bwd"], "fp32", _timer(),
                                True, 1.0, None, True)
     assert [r["status"] for r in recs] == ["wrong", "wrong"]
     assert all(r["ok"] is False and r["max_err"] > 1e-3 and r["ms"] > 0 for r in recs)
@@ -360,7 +362,7 @@ def test_guard_records_errors():
 
     bad = Provider("bad", "raises", boom, boom)
     point = _point("layernorm", ["layernorm_fwd", "layernorm_bwd"])
-    recs = bench._run_provider(point, bad, ["layernorm_fwd", "layernorm_bwd"], "fp32", _timer(),
+    recs = bench.run_provider(point, bad, ["layernorm_fwd", "layernorm_bwd"], "fp32", _timer(),
                                True, 1.0, None, True)
     assert [r["status"] for r in recs] == ["error", "error"]
     assert recs[0]["error"] == "RuntimeError: kernel exploded"
@@ -377,7 +379,7 @@ def test_guard_checks_layernorm_grads():
     with pytest.raises(RuntimeError):  # autograd.grad refuses an input that is not in the graph
         torch.autograd.grad(no_bias_grad(*point.args(point.grad_inputs())),
                             point.grad_inputs(), point.dy)
-    recs = bench._run_provider(point, prov, ["layernorm_fwd", "layernorm_bwd"], "fp32",
+    recs = bench.run_provider(point, prov, ["layernorm_fwd", "layernorm_bwd"], "fp32",
                                _timer(), True, 1.0, None, True)
     assert recs[0]["status"] == "ok"
     assert recs[1]["status"] == "error"
@@ -404,7 +406,7 @@ def test_rmsnorm_providers_match_torch(dtype):
         dx, dw = torch.autograd.grad(y, inputs, point.dy)
         for out, ref in ((y, ref_y), (dx, ref_dx), (dw, ref_dw)):
             assert bench.rel_error(out, ref) < tol, name
-        recs = bench._run_provider(point, all_providers()[name], ["rmsnorm_fwd", "rmsnorm_bwd"],
+        recs = bench.run_provider(point, all_providers()[name], ["rmsnorm_fwd", "rmsnorm_bwd"],
                                    "x", _timer(), True, 1.0, None, True)
         assert [r["status"] for r in recs] == ["ok", "ok"], (name, recs)
         elt = point.x.element_size()
@@ -427,11 +429,11 @@ def test_guard_checks_rmsnorm_grads():
     point = _point("rmsnorm", ops)
     for fn, want in ((half_dw, ["ok", "wrong"]), (no_w_grad, ["ok", "error"])):
         prov = Provider("p", "", fn, fn, fn)
-        recs = bench._run_provider(point, prov, ops, "fp32", _timer(), True, 1.0, None, True)
+        recs = bench.run_provider(point, prov, ops, "fp32", _timer(), True, 1.0, None, True)
         assert [r["status"] for r in recs] == want
     legacy = Provider("two", "softmax and layernorm only", all_providers()["torch"].softmax,
                       all_providers()["torch"].layernorm)
-    recs = bench._run_provider(point, legacy, ops, "fp32", _timer(), True, 1.0, None, True)
+    recs = bench.run_provider(point, legacy, ops, "fp32", _timer(), True, 1.0, None, True)
     assert [r["status"] for r in recs] == ["error", "error"]
     assert "no rmsnorm function" in recs[0]["error"]
     with pytest.raises(ValueError, match="unknown op family"):
@@ -590,8 +592,8 @@ def test_apple_peak_lookup_is_optional(monkeypatch):
 
 
 def test_frac_peak_recorded():
-    rec = bench._base_record("softmax_fwd", "fp32", 4, 256, "torch", 4)
-    bench._finish_record(rec, 1.0, 0.9, 1.1, copy_tbps=0.5, peak_tbps=0.4)
+    rec = bench.base_record("softmax_fwd", "fp32", 4, 256, "torch", 4)
+    bench.finish_record(rec, 1.0, 0.9, 1.1, copy_tbps=0.5, peak_tbps=0.4)
     assert rec["frac_peak"] == pytest.approx(rec["tbps"] / 0.4)
     assert rec["frac_copy"] == pytest.approx(rec["tbps"] / 0.5)
 

@@ -1,5 +1,5 @@
-"""The epilogue-chain benchmark (``python -m fusedops bench-chains``, issue 8): byte models checked
-by hand, parsing and its errors, a tiny CPU run through the CLI and the files it writes, the
+"""The epilogue-chain benchmark (``python -m fusedops bench-chains``): byte models checked by
+hand, parsing and its errors, a tiny CPU run through the CLI and the files it writes, the
 correctness and dropout checks. Speed itself is never measured in CI."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fusedops.tools import bench_chains as bc
+from fusedops.tools import chains_run
 
 # --- bytes model ----------------------------------------------------------------------------------
 
@@ -176,7 +177,8 @@ def test_cli_writes_files(tiny_run):
     lines = tiny_run["stdout"].strip().splitlines()
     assert lines[0].startswith("fused epilogue chains on")
     assert "bytes x" in lines[1] and "vs eager" in lines[1] and "of copy" in lines[1]
-    assert len(lines) == 2 + 5 * 2 * 2
+    assert len(lines) == 2 + 5 * 2 * 2 + 1
+    assert lines[-1].startswith("CPU run:") and "1 thread" in lines[-1]  # the default on CPU
     assert (out / "tiny.txt").read_text().strip() == tiny_run["stdout"].strip()
 
 
@@ -369,7 +371,7 @@ def test_a_failing_provider_is_recorded(monkeypatch):
             raise TypeError("fused_layernorm() got an unexpected keyword argument 'residual'")
         return fn
 
-    monkeypatch.setattr(bc, "make_fused", broken)
+    monkeypatch.setattr(chains_run, "make_fused", broken)
     r = bc.run_chains(chains="add_layernorm", dtypes="fp32", sizes="8x16", device="cpu",
                       providers="fusedops,eager", warmup_ms=0.1, rep_ms=0.2, progress=False)
     fused = [x for x in r["records"] if x["provider"] == "fusedops"]
@@ -388,7 +390,7 @@ def _tie_inputs():
     x, w, b = inp["args"]
     y = F.layer_norm(x, (64,), w, b, bc.EPS)
     b[5] = b[5] - y[3, 5] + 1e-7 * y.abs().max()
-    bc._grad_out(inp, "cpu", torch.float32)
+    bc.grad_out(inp, "cpu", torch.float32)
     return inp, F.layer_norm(x, (64,), w, b, bc.EPS)
 
 
@@ -400,11 +402,12 @@ def test_relu_tie_reference_keeps_the_fused_pattern():
     ref, ties, worst = bc.relu_tie_reference("layernorm_dropout_relu", inp, tied, "cpu",
                                              torch.float32)
     assert ties == 1 and 0 < worst <= bc.RELU_TIE_TOL[torch.float32]
-    eager = bc._run(bc.make_eager("layernorm_dropout_relu", p=0.0), inp, "fwd_bwd", "cpu",
+    eager = bc.run_mode(bc.make_eager("layernorm_dropout_relu", p=0.0), inp, "fwd_bwd", "cpu",
                     torch.float32)
     eager = eager[0] + eager[1]
-    # Against eager, dx at the tied element differs by the whole upstream gradient (the
-    # session-26 "wrong" flag); against the tie-aware reference the same gradients agree.
+    # Against eager, dx at the tied element differs by the whole upstream gradient (what the
+    # check flagged as wrong before it knew ties); against the tie-aware reference the same
+    # gradients agree.
     dx_gap = (ref[1] - eager[1]).abs()
     assert dx_gap[3, 5] > 0.1 * eager[1].abs().max()
     assert bc.compare(ref, eager)[1] > bc.CHECK_TOL[torch.float32]
@@ -434,7 +437,7 @@ def test_relu_ties_in_a_run(monkeypatch, flip):
     """run_chains's fwd_bwd check of the ReLU chain passes a fused forward that broke a tie the
     other way and fails one that dropped an element far from 0."""
     inp, y = _tie_inputs()
-    monkeypatch.setattr(bc, "make_inputs", lambda *a, **k: inp)
+    monkeypatch.setattr(chains_run, "make_inputs", lambda *a, **k: inp)
     where = (3, 5) if flip == "tie" else divmod(int(y.argmax()), 64)
     mask = torch.ones_like(y)
     mask[where] = 0.0
@@ -443,7 +446,7 @@ def test_relu_ties_in_a_run(monkeypatch, flip):
         eager = bc.make_eager(chain, p=p)
         return lambda *args: eager(*args) * mask
 
-    monkeypatch.setattr(bc, "make_fused", flipped)
+    monkeypatch.setattr(chains_run, "make_fused", flipped)
     r = bc.run_chains(chains="layernorm_dropout_relu", dtypes="fp32", sizes="32x64",
                       device="cpu", providers="fusedops", modes="fwd_bwd", warmup_ms=0.1,
                       rep_ms=0.2, progress=False)

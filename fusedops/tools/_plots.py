@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from fusedops.tools.profile import short_name
+from fusedops.tools.profile_ops import short_name
 
 CATEGORY_COLORS = {
     "softmax": "#d62728",

@@ -15,19 +15,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from fusedops.tools.cli import UsageError, check_device
+
 # ----------------------------------------------------------------------------------------------
 # devices
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    """``name`` if given, else the best device present: CUDA, then MPS, then CPU."""
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """``name`` if given, else the best device present: CUDA, then MPS, then CPU.
+    :class:`~fusedops.tools.cli.UsageError` for a device this machine does not have."""
+    return check_device(name)
 
 
 def sync(device: torch.device | str) -> None:
@@ -88,7 +85,7 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
                "float": "float32"}
     value = getattr(torch, aliases.get(name, name), None)
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+        raise UsageError(f"unknown dtype {name!r}; use e.g. float32, bfloat16, float16")
     return value
 
 
@@ -305,13 +302,6 @@ def filter_native_stderr(prefixes: tuple[str, ...] = ("USDT:",)) -> Iterator[Non
                 if not line.startswith(prefixes):
                     sys.stderr.write(line)
             sys.stderr.flush()
-
-
-def set_threads(n: int | None) -> None:
-    """``torch.set_num_threads(n)`` when ``n`` is given. On a shared or oversubscribed CPU, one
-    thread gives far steadier timings than several spinning OpenMP threads."""
-    if n:
-        torch.set_num_threads(int(n))
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:

@@ -98,7 +98,7 @@ def break_even(compile_s: float, eager_ms: float, compiled_ms: float) -> float |
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fusedops.tools.amdahl",
+        prog="python -m fusedops amdahl",
         description="Amdahl's law: end-to-end speed-up from per-part fractions and speed-ups.",
     )
     parser.add_argument("parts", nargs="+", metavar="NAME=FRACTION:SPEEDUP",
@@ -125,4 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fusedops.__main__ import run_command
+
+    raise SystemExit(run_command("amdahl"))

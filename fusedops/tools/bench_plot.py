@@ -5,17 +5,19 @@ Files: ``<stem>-<op>.png`` (one per op, a row of dtype panels) or ``<stem>-<fami
 per op family, a row per op: fwd above bwd). ``by="auto"`` (the default) writes one per op while
 that makes at most :data:`MAX_OP_PLOTS` files -- every result of one or two families, so such
 runs keep their op-named files -- and one per family beyond (a full sweep of three families:
-3 PNGs, not 6), so that a lent-GPU run, which brings back at most 8 files (JSON, CSV, TXT,
-pytest.log and the plots), still returns every plot.
+3 PNGs, not 6), so that ``benchmarks/run_gpu.sh``, which keeps its output to 8 files (JSON,
+CSV, TXT, pytest.log and the plots), has room for every plot of a full sweep.
 
-Uses matplotlib's object API with the Agg canvas, so it never touches the global pyplot backend.
+Uses matplotlib's object API with the Agg canvas, so it never touches the global pyplot backend;
+matplotlib (the ``tools`` extra) is imported only when a plot is drawn.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fusedops.tools.bench import OPS, family, format_size
+from fusedops.tools.bench_harness import format_size
+from fusedops.tools.bench_ops import OPS, family
 from fusedops.tools.bench_providers import PROVIDER_NAMES
 
 STYLE = {

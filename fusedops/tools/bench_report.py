@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fusedops.tools.bench import NOISE, OPS, format_size
+from fusedops.tools.bench_harness import CPU_NOTE, format_size
+from fusedops.tools.bench_ops import NOISE, OPS, annotate_speedups
 from fusedops.tools.bench_providers import PROVIDER_NAMES
+from fusedops.tools.cli import can_plot
 
 CSV_FIELDS = (
     "op", "dtype", "M", "N", "provider", "backend", "status", "ok", "max_err",
@@ -73,11 +75,12 @@ def write_csv(result: dict, path: str | Path) -> Path:
             row = {k: r.get(k) for k in CSV_FIELDS}
             for p, s in (r.get("speedup") or {}).items():
                 row[f"speedup_vs_{p}"] = s
-            w.writerow({k: _csv_value(v) for k, v in row.items()})
+            w.writerow({k: csv_value(v) for k, v in row.items()})
     return path
 
 
-def _csv_value(v: Any) -> Any:
+def csv_value(v: Any) -> Any:
+    """A CSV cell: "" for None, 6 significant digits for floats."""
     if v is None:
         return ""
     if isinstance(v, float):
@@ -89,7 +92,8 @@ def write_outputs(result: dict, out_dir: str | Path, stem: str | None = None,
                   plots: bool = True, plot_by: str = "auto") -> list[Path]:
     """``<stem>.json``, ``<stem>.csv``, ``<stem>.txt`` (the report) and the PNGs: one per op, or
     one per op family where per-op plots would be more than four files (``plot_by``, see
-    :mod:`fusedops.tools.bench_plot`)."""
+    :mod:`fusedops.tools.bench_plot`). Without matplotlib the PNGs are skipped, with one line on
+    stderr."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = default_stem(result, stem)
@@ -97,7 +101,7 @@ def write_outputs(result: dict, out_dir: str | Path, stem: str | None = None,
     txt = out / f"{stem}.txt"
     txt.write_text(format_report(result) + "\n")
     paths.append(txt)
-    if plots and result.get("records"):
+    if plots and result.get("records") and can_plot():
         from fusedops.tools.bench_plot import plot_results
 
         paths.extend(plot_results(result, out, stem, by=plot_by))
@@ -111,8 +115,6 @@ def merge_results(results: Sequence[dict]) -> dict:
         raise ValueError("nothing to merge")
     if len(results) == 1:
         return results[0]
-    from fusedops.tools.bench import annotate_speedups
-
     merged = json.loads(json.dumps(results[0]))
     by_key: dict[tuple, dict] = {}
     for res in results:
@@ -217,7 +219,21 @@ def format_table(result: dict) -> str:
              f"{copy:.3f} TB/s)" if copy else f"TB/s by provider ({result.get('device')})")
     notes = ("! = output differs from torch beyond the loose check; fail = raised; "
              "skip = budget; vs p = p's time / fusedops' time (> 1: fusedops faster)")
-    return "\n".join([title, _render(head, rows), notes])
+    lines = [title, _render(head, rows), notes]
+    if is_cpu(result):
+        lines.insert(1, cpu_label(result))
+    return "\n".join(lines)
+
+
+def is_cpu(result: dict) -> bool:
+    """True for a result timed on the CPU, where no fused kernel runs."""
+    return result.get("device_type") == "cpu"
+
+
+def cpu_label(result: dict) -> str:
+    """The line every CPU table carries: what its numbers are (and are not)."""
+    threads = (result.get("config") or {}).get("threads")
+    return CPU_NOTE + (f" ({threads} thread{'s' if threads != 1 else ''})" if threads else "")
 
 
 def _render(head: list[str], rows: list[list[str]]) -> str:
@@ -270,6 +286,8 @@ def format_short_table(result: dict) -> str:
         lines.append(f"fusedops fraction of copy bandwidth ({result.get('device')}, copy "
                      f"{copy:.3f} TB/s); * slower than a baseline by >{NOISE:.0%}, ! wrong, "
                      "x error, s skipped" if copy else "fusedops fraction of copy bandwidth")
+        if is_cpu(result):
+            lines.append(cpu_label(result))
         lines.append(_render(head, rows))
         lines.append(format_targets(result))
     hl = format_host_latency(result)
@@ -279,7 +297,7 @@ def format_short_table(result: dict) -> str:
 
 
 def targets_summary(result: dict) -> dict[str, Any]:
-    """Counts against the issue's targets (fusedops only)."""
+    """Counts against the targets of docs/performance.md (fusedops only)."""
     grid = _grid(result.get("records", []))
     lo, hi, mid_frac = TARGET_MID
     out = {"mid_met": 0, "mid_total": 0, "high_met": 0, "high_total": 0, "beats_all": 0,
@@ -334,6 +352,9 @@ def _first_eight(items: list[str]) -> str:
 
 
 def format_targets(result: dict) -> str:
+    if is_cpu(result):
+        return ("targets: GPU targets (fraction of copy bandwidth, >= every baseline), not "
+                "evaluated on CPU")
     t = targets_summary(result)
     lines = [
         f"targets: frac_copy>={TARGET_MID[2]} for 1K<=N<=64K: {t['mid_met']}/{t['mid_total']}; "
@@ -373,8 +394,10 @@ def format_host_latency(result: dict) -> str:
         d = fo.get("delta_vs_torch_us") if fo else None
         cells.append("-" if d is None else f"{d:+.1f}")
         rows.append(cells)
-    return "host cost per call (wall time, µs; target: fusedops within 2 µs of torch)\n" + \
-        _render(head, rows)
+    title = ("wall time per call on CPU (µs; compute at these shapes, not host cost: the "
+             "2 µs host target is a GPU target)" if is_cpu(result) else
+             "host cost per call (wall time, µs; target: fusedops within 2 µs of torch)")
+    return title + "\n" + _render(head, rows)
 
 
 def format_report(result: dict) -> str:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from fusedops.tools import _report
+from fusedops.tools.cli import positive_float, positive_int, torch_threads
 
 
 def default_checkpoint(preset: str) -> str:
@@ -77,26 +78,32 @@ def format_metrics(m: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fusedops.models import PRESETS
+
     parser = argparse.ArgumentParser(
         prog="python -m fusedops train",
         description="Train the built-in predictor on its synthetic task; save a checkpoint.",
     )
-    parser.add_argument("--preset", default="cpu", help="cpu (default) or gpu")
-    parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                        help="model size (default cpu)")
+    parser.add_argument("--steps", type=positive_int,
+                        help="training steps (default: the preset's)")
     parser.add_argument("--device", help="cuda, mps or cpu (default: best present)")
     parser.add_argument("--out", help="checkpoint path (default fusedops-predictor-PRESET.pt)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-limit", type=float, help="stop after this many seconds")
-    parser.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--time-limit", type=positive_float,
+                        help="stop after this many seconds")
+    parser.add_argument("--threads", type=positive_int,
+                        help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    _report.set_threads(args.threads)
     device = _report.pick_device(args.device)
     out = args.out or default_checkpoint(args.preset)
     print(_report.heading(f"fusedops train: predictor, preset {args.preset}, on {device.type}"))
-    model, task, info = train_or_load(args.preset, device, out, steps=args.steps, retrain=True,
-                                      seed=args.seed, quiet=args.quiet,
-                                      time_limit=args.time_limit)
+    with torch_threads(args.threads):
+        model, task, info = train_or_load(args.preset, device, out, steps=args.steps,
+                                          retrain=True, seed=args.seed, quiet=args.quiet,
+                                          time_limit=args.time_limit)
     train = info["train"]
     print(f"parameters: {model.num_parameters():,}; task: {task.to_dict()}")
     print(f"trained {train['steps']} steps in {train['seconds']:.1f}s"
@@ -108,4 +115,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fusedops.__main__ import run_command
+
+    raise SystemExit(run_command("train"))

@@ -136,6 +136,22 @@ def run_cpu_reference(case, x64, dy64, params64):
     return out
 
 
+def _label(case: dict) -> str:
+    """A case's row label: op, shape and what is special about it."""
+    label = case["op"] + " " + "x".join(map(str, case["shape"]))
+    if case.get("transpose"):
+        label += " (transposed)"
+    if case.get("dim", -1) != -1:
+        label += f" dim={case['dim']}"
+    if case.get("out_dtype"):
+        label += f" dtype={case['out_dtype']}"
+    if case["op"] == "layernorm" and len(case["nshape"]) > 1:
+        label += f" ns={tuple(case['nshape'])}"
+    if case["op"] == "layernorm" and not case.get("affine", True):
+        label += " no-affine"
+    return label
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fusedops verify",
@@ -157,11 +173,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import fusedops
     from fusedops.tools import _report
+    from fusedops.tools.cli import UsageError
 
     device = _report.pick_device(args.device)
     if args.backend == "triton" and device.type == "cpu":
         args.quick = True
     dtypes = [_report.dtype_from_name(d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes:
+        raise UsageError("--dtypes: no dtype given")
+    for dtype in dtypes:
+        if str(dtype).replace("torch.", "") not in FLOOR:
+            raise UsageError(f"--dtypes: {dtype} is not checked; use {', '.join(FLOOR)}")
     info = _report.device_info(device)
     print(_report.heading(f"fusedops verify on {info['name']} ({device.type})"))
     print(f"torch {info['torch']}, triton {info['triton']}; automatic backends: "
@@ -171,17 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in dtypes:
             dname = str(dtype).replace("torch.", "")
             for case in _cases(args.quick):
-                label = case["op"] + " " + "x".join(map(str, case["shape"]))
-                if case.get("transpose"):
-                    label += " (transposed)"
-                if case.get("dim", -1) != -1:
-                    label += f" dim={case['dim']}"
-                if case.get("out_dtype"):
-                    label += f" dtype={case['out_dtype']}"
-                if case["op"] == "layernorm" and len(case["nshape"]) > 1:
-                    label += f" ns={tuple(case['nshape'])}"
-                if case["op"] == "layernorm" and not case.get("affine", True):
-                    label += " no-affine"
+                label = _label(case)
                 try:
                     res = run_case(case, dtype, device)
                 except Exception as e:  # noqa: BLE001 - report every failing case
@@ -215,4 +227,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from fusedops.__main__ import run_command
+
+    raise SystemExit(run_command("verify"))
