@@ -372,22 +372,28 @@ def time_rounds(steps: dict[str, Callable[[], Any]], sync: Callable[[], None], r
         except Exception as exc:
             errors[name] = _short_error(exc)
             live.pop(name)
-    for r in range(rounds):
-        names = list(live)
-        if not names:
-            break
-        order = names[r % len(names):] + names[:r % len(names)]
-        gc.collect()
-        gc.disable()
-        try:
-            for name in order:
-                try:
-                    samples[name].append(time_once(live[name], sync))
-                except Exception as exc:
-                    errors[name] = _short_error(exc)
-                    live.pop(name)
-        finally:
-            gc.enable()
+    # Objects alive now (torch, transformers, the models) are left out of the collections
+    # between rounds, which then cost what the rounds allocated, not the whole process.
+    gc.freeze()
+    try:
+        for r in range(rounds):
+            names = list(live)
+            if not names:
+                break
+            order = names[r % len(names):] + names[:r % len(names)]
+            gc.collect()
+            gc.disable()
+            try:
+                for name in order:
+                    try:
+                        samples[name].append(time_once(live[name], sync))
+                    except Exception as exc:
+                        errors[name] = _short_error(exc)
+                        live.pop(name)
+            finally:
+                gc.enable()
+    finally:
+        gc.unfreeze()
     return samples, errors
 
 
@@ -819,21 +825,18 @@ def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
     """The whole benchmark. Returns ``{"meta", "models", "records", "summary"}``: one record
     per (model, mode, shape, variant), one summary row per (model, mode, shape)."""
     device = torch.device(opts.device)
+    threads = torch.get_num_threads()
     _report.set_threads(opts.threads)
     result: dict[str, Any] = {"meta": metadata(opts, device), "models": {}, "records": [],
                               "summary": []}
     compiled = any(v.startswith("compiled") for v in opts.variants)
     saved = _raise_recompile_limit(64) if compiled else None
-    # Everything alive now (torch, transformers, ...) is left out of every later collection,
-    # so the collection between rounds costs what the run itself allocated, not the imports.
-    gc.collect()
-    gc.freeze()
     try:
         for name in opts.models:
             _run_model(name, opts, device, result, on_group)
     finally:
-        gc.unfreeze()
         _restore_recompile_limit(saved)
+        torch.set_num_threads(threads)
     return result
 
 
