@@ -299,3 +299,33 @@ def test_compiled_variants(tmp_path):
     for s in result["summary"]:
         assert s["ratios"]["compiled+patched/compiled"]["ratio"] > 0
         assert s["graphs_compiled_while_timing"] == 0
+
+
+def test_failed_variant_is_recorded_and_the_rest_measured():
+    model = bm.zoo.build("gpt2", "tiny", torch.device("cpu"))
+    variants = [bm.Variant("eager", model), bm.Variant("patched", model, error="Boom: no")]
+    opts = bm.Options(rounds=2, warmup=0, variants=("eager", "patched"))
+    records, row = bm.run_group(variants, bm.Group("gpt2", "infer", 1, 8, None), opts,
+                                torch.device("cpu"))
+    by = {r["variant"]: r for r in records}
+    assert by["patched"]["status"] == "error" and by["patched"]["error"] == "Boom: no"
+    assert by["eager"]["status"] == "ok" and len(by["eager"]["samples_wall_ms"]) == 2
+    assert row["ratios"] == {} and row["errors"] == {"patched": "Boom: no"}
+    assert "error" in bm.format_summary({"meta": {"options": {"variants": ["eager", "patched"]}},
+                                         "summary": [row]})
+
+
+def test_device_extras_on_cuda_wiring(monkeypatch):
+    # The CUDA-only part (GPU time, peak memory) with its measurements faked.
+    monkeypatch.setattr(bm, "gpu_times", lambda steps, host: {
+        n: {"gpu_ms": 2 * host[n], "gpu_note": None, "gpu_samples": 5} for n in steps})
+    monkeypatch.setattr(bm, "peak_memory", lambda step, device: (10.0, 100.0))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
+    steps = {"eager": lambda: None, "patched": lambda: None}
+    records = {n: {"host_ms": {"median": 1.5}} for n in steps}
+    bm._device_extras(steps, records, generate=False, device=torch.device("cpu"))
+    assert records["eager"]["gpu_ms"] == 3.0 and records["patched"]["peak_mb"] == 10.0
+    records = {n: {"host_ms": {"median": 1.5}} for n in steps}
+    bm._device_extras(steps, records, generate=True, device=torch.device("cpu"))
+    assert "gpu_ms" not in records["eager"] and "every token" in records["eager"]["gpu_note"]
+    assert records["eager"]["peak_total_mb"] == 100.0

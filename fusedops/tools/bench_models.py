@@ -184,6 +184,8 @@ def resolve(args: argparse.Namespace, argv: Sequence[str] = ()) -> Options:
     cuda = torch.device(device).type == "cuda"
     default_variants = ",".join(VARIANTS if cuda else VARIANTS[:2])
     rounds = _positive(args.rounds, "--rounds")
+    if args.threads is not None:
+        _positive(args.threads, "--threads")
     return Options(
         models=_pick(args.models, "--models", zoo.MODELS),
         shapes=parse_shapes(args.shapes, "--shapes"),
@@ -645,18 +647,37 @@ def run_group(variants: Sequence[Variant], group: Group, opts: Options,
     recompiled = dynamo_counts()[0] - graphs_before
     _fill_timings(records, samples, errors, group)
     live = {n: s for n, s in steps.items() if n not in errors}
-    if device.type == "cuda" and not generate:
-        host = {n: records[n]["host_ms"]["median"] for n in live}
-        for name, g in gpu_times(live, host).items():
-            records[name].update(g)
-    elif device.type == "cuda":
-        for name in live:
-            records[name]["gpu_note"] = "generate synchronizes every token: no GPU-only time"
-    for name, step in live.items():
-        records[name]["peak_mb"], records[name]["peak_total_mb"] = peak_memory(step, device)
+    if device.type == "cuda":
+        _device_extras(live, records, generate, device)
     row = summarize_group(group, records, samples)
     row["graphs_compiled_while_timing"] = recompiled
     return list(records.values()), row
+
+
+def _device_extras(steps: dict[str, Callable[[], Any]], records: dict[str, dict],
+                   generate: bool, device: torch.device) -> None:
+    """CUDA: GPU time (not for ``generate``, whose stopping check waits for the GPU after
+    every token) and peak memory of every variant, after its timed rounds."""
+    note = None
+    if generate:
+        note = "generate waits for the GPU after every token: no GPU-only time"
+    elif not hasattr(torch.cuda, "_sleep"):
+        note = "torch.cuda._sleep is missing: no GPU-only time"
+    else:
+        host = {n: records[n]["host_ms"]["median"] for n in steps}
+        try:
+            for name, g in gpu_times(steps, host).items():
+                records[name].update(g)
+        except Exception as exc:
+            note = f"GPU time failed: {_short_error(exc)}"
+    for name, step in steps.items():
+        if note:
+            records[name]["gpu_note"] = note
+        try:
+            records[name]["peak_mb"], records[name]["peak_total_mb"] = peak_memory(step, device)
+        except Exception as exc:
+            records[name]["peak_note"] = f"failed: {_short_error(exc)}"
+            _free(device)
 
 
 def _fill_timings(records: dict[str, dict], samples: dict[str, list[tuple[float, float]]],
@@ -704,8 +725,7 @@ def summarize_group(group: Group, records: dict[str, dict],
     row["ratios"] = {}
     for a, b in RATIOS:
         if a in ok and b in ok:
-            # a variant that failed mid-run has fewer rounds: pair the rounds both have
-            pairs = zip(samples[a], samples[b], strict=False)
+            pairs = zip(samples[a], samples[b], strict=True)  # both ran every round
             paired = [wa / wb for (wa, _), (wb, _) in pairs]
             q = _quantiles(paired)
             ratio = ok[a]["wall_ms"]["median"] / ok[b]["wall_ms"]["median"]
@@ -825,6 +845,8 @@ def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
     """The whole benchmark. Returns ``{"meta", "models", "records", "summary"}``: one record
     per (model, mode, shape, variant), one summary row per (model, mode, shape)."""
     device = torch.device(opts.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the synchronizes and memory statistics use it
     threads = torch.get_num_threads()
     _report.set_threads(opts.threads)
     result: dict[str, Any] = {"meta": metadata(opts, device), "models": {}, "records": [],
