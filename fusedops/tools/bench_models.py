@@ -282,7 +282,7 @@ def _same_weights(models: Sequence[nn.Module]) -> bool:
 def make_variants(proto: nn.Module, mode: str, opts: Options) -> tuple[list[Variant], dict]:
     """One deep copy of ``proto`` per variant, patched and/or compiled (``nn.Module.compile``,
     in place, so ``generate``'s own ``self(...)`` calls run compiled). Returns the variants and
-    ``{"patch": {variant: what patch_model did}, "weights_identical": bool}``."""
+    ``{"patch": {variant: what patch_model did}}``."""
     variants, patch = [], {}
     for name in opts.variants:
         v = Variant(name, copy.deepcopy(proto))
@@ -298,8 +298,17 @@ def make_variants(proto: nn.Module, mode: str, opts: Options) -> tuple[list[Vari
             v.model.train()
             v.optimizer = torch.optim.SGD(v.model.parameters(), lr=LR)
         variants.append(v)
-    return variants, {"patch": patch,
-                      "weights_identical": _same_weights([v.model for v in variants])}
+    return variants, {"patch": patch}
+
+
+def reset_weights(variants: Sequence[Variant], proto: nn.Module) -> bool:
+    """Load ``proto``'s parameters and buffers into every variant (in place, so compiled graphs
+    and optimizers keep theirs): training steps of an earlier shape moved each copy's weights
+    differently (dropout draws differ). True when every variant now equals ``proto``."""
+    state = proto.state_dict()
+    for v in variants:
+        v.model.load_state_dict(state)
+    return _same_weights([proto, *(v.model for v in variants)])
 
 
 def unpatch_variants(variants: Sequence[Variant]) -> dict[str, bool]:
@@ -608,10 +617,12 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_group(variants: Sequence[Variant], group: Group, opts: Options,
-              device: torch.device) -> tuple[list[dict], dict]:
+def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: torch.device,
+              proto: nn.Module | None = None) -> tuple[list[dict], dict]:
     """Correctness check, first calls, interleaved timing, GPU time and peak memory of every
-    variant at one (model, mode, shape). Returns (one record per variant, the summary row)."""
+    variant at one (model, mode, shape), all starting from ``proto``'s weights when given.
+    Returns (one record per variant, the summary row)."""
+    same = reset_weights(variants, proto) if proto is not None else None
     if any(v.name.startswith("compiled") for v in variants):
         torch._dynamo.reset()  # fresh, shape-specialised graphs for this group
     vocab = zoo.vocab_size(variants[0].model)
@@ -650,6 +661,7 @@ def run_group(variants: Sequence[Variant], group: Group, opts: Options,
     if device.type == "cuda":
         _device_extras(live, records, generate, device)
     row = summarize_group(group, records, samples)
+    row["weights_identical"] = same
     row["graphs_compiled_while_timing"] = recompiled
     return list(records.values()), row
 
@@ -817,7 +829,6 @@ def _run_model(name: str, opts: Options, device: torch.device, result: dict,
         if mode != "train":
             proto.to(DTYPES[opts.dtype])
         variants, info = make_variants(proto, mode, opts)
-        del proto
         entry["modes"][mode] = info
         if info["patch"]:
             _say(opts, _patch_line(name, mode, info["patch"]))
@@ -826,7 +837,7 @@ def _run_model(name: str, opts: Options, device: torch.device, result: dict,
             group = Group(name, mode, batch, tokens,
                           opts.new_tokens if mode == "generate" else None)
             t1 = time.perf_counter()
-            records, row = run_group(variants, group, opts, device)
+            records, row = run_group(variants, group, opts, device, proto)
             result["records"] += records
             result["summary"].append(row)
             walls = ", ".join(f"{n} {_num(ms)} ms" for n, ms in row["wall_ms"].items())
@@ -835,7 +846,7 @@ def _run_model(name: str, opts: Options, device: torch.device, result: dict,
             if on_group is not None:
                 on_group(result)
         info["unpatched_ok"] = unpatch_variants(variants)
-        del variants
+        del variants, proto
         _free(device)
     del base
     _free(device)
@@ -972,8 +983,6 @@ def format_notes(result: dict) -> str:
         lines.append("--force-patch ignored: this patch_model has no 'force' parameter")
     for name, entry in result["models"].items():
         for mode, info in entry["modes"].items():
-            if not info["weights_identical"]:
-                lines.append(f"WARNING {name} {mode}: the variants' weights differ")
             for variant, ok in info.get("unpatched_ok", {}).items():
                 if not ok:
                     lines.append(f"WARNING {name} {mode} {variant}: unpatch_model left changes")
@@ -993,6 +1002,9 @@ def format_notes(result: dict) -> str:
 def _compile_notes(result: dict) -> list[str]:
     lines = []
     for row in result["summary"]:
+        if row.get("weights_identical") is False:
+            lines.append(f"WARNING {row['model']} {row['shape']} {row['mode']}: the variants' "
+                         "weights differ")
         if row.get("graphs_compiled_while_timing"):
             lines.append(f"WARNING {row['model']} {row['shape']} {row['mode']}: dynamo compiled "
                          f"{row['graphs_compiled_while_timing']} graphs while timing")
