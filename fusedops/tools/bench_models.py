@@ -8,9 +8,11 @@ of the same weights, interleaved round robin in one process so machine drift hit
 * ``eager``: the unpatched model; ``patched``: after ``fusedops.patch_model``;
 * ``compiled``: ``torch.compile`` of the unpatched model; ``compiled+patched``: of the patched.
 
-Each variant is its own deep copy of one prototype made before any patching or compiling, so
-every variant starts from identical weights (checked) and no compiled graph is invalidated by
-another variant's patching. Patched copies are unpatched (and checked) when their group ends.
+Each variant is its own deep copy of one prototype per (model, mode), made before any patching
+or compiling, so no compiled graph is invalidated by another variant's patching. Every shape
+starts from the prototype's weights, reloaded in place into each copy and checked identical
+(training steps move each copy differently). Patched copies are unpatched (and checked against
+the unpatched copy) once their mode is done.
 
 Modes: ``infer`` (forward under ``torch.no_grad()``, model cast to ``--dtype``); ``train`` (one
 step: forward under autocast, loss, backward, SGD ``step()``, ``zero_grad(set_to_none=True)``;
