@@ -19,6 +19,7 @@ COMMANDS = {
     "train": ("train", "train the built-in predictor on its synthetic task"),
     "bench": ("bench", "kernel benchmark sweep vs torch eager / torch.compile / Liger"),
     "bench-chains": ("bench_chains", "fused epilogue chains vs the eager chain / torch.compile"),
+    "bench-models": ("bench_models", "whole models: eager / patched / compiled / compiled+patched"),
     "verify": ("verify", "check the fused ops against PyTorch on this machine"),
     "amdahl": ("amdahl", "Amdahl's law from per-op fractions and speed-ups"),
 }
