@@ -109,8 +109,11 @@ def train(args: argparse.Namespace, rank: int, device: torch.device, patched: bo
     data = batches(args, rank)
     routed = patterns = None
     if patched:
-        report = fusedops.patch_model(model, example_inputs=(data[0][0].to(device, dtype),))
-        routed = dict(report.verification["routed_calls"])
+        # force: on CPU the patched calls run PyTorch's ops, which is what this check compares.
+        report = fusedops.patch_model(model, example_inputs=(data[0][0].to(device, dtype),),
+                                      force=True)
+        v = report.verification
+        routed = {op: v["module_calls"][op] + v["routed_calls"][op] for op in v["routed_calls"]}
         patterns = dict(report.verification["pattern_calls"])
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)

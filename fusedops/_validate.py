@@ -93,6 +93,11 @@ def check_eps(eps: object) -> None:
 
 
 def _check_param(p: object, name: str, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    cls = p.__class__
+    if (cls is torch.Tensor or cls is torch.nn.Parameter) and p.is_floating_point() \
+            and p.shape == shape and (p.is_cuda and x.is_cuda and p.get_device() == x.get_device()
+                                      or p.is_cpu and x.is_cpu):
+        return  # the common case, without building device objects (host cost per call)
     check_float_tensor(p, name)
     if p.shape != shape:
         raise ValueError(

@@ -8,12 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import (
-    check_eps,
-    check_float_tensor,
-    check_layernorm_args,
-    normalize_shape,
-)
+from fusedops._validate import check_float_tensor, check_layernorm_args, normalize_shape
 from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
@@ -139,14 +134,18 @@ def fused_layernorm(
             or dropout_p != 0.0 or training is not True:
         return _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p,
                          activation, training)
+    return _layernorm(x, normalized_shape, weight, bias, eps)
+
+
+def _layernorm(x, normalized_shape, weight, bias, eps):
+    """fused_layernorm without epilogue arguments."""
     check_float_tensor(x, "x")
     grad = torch.is_grad_enabled() and (x.requires_grad or getattr(weight, "requires_grad", False)
                                         or getattr(bias, "requires_grad", False))
     backend = _fused_backend(x, "layernorm", grad)
     if backend is None:
         shape = normalize_shape(normalized_shape)
-        if eps.__class__ is not float or eps < 0.0:
-            check_eps(eps)
+        check_layernorm_args(x, shape, weight, bias, eps)
         return _native.layer_norm(x, shape, weight, bias, eps)
     if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
@@ -189,7 +188,7 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
     p = dropout_p if training else 0.0
     if residual is None and activation is None and p == 0.0:
-        return fused_layernorm(x, shape, weight, bias, eps)
+        return _layernorm(x, shape, weight, bias, eps)
     return layernorm_epilogue(x, shape, math.prod(shape), weight, bias, eps, residual, p,
                               activation, out_dtype)
 

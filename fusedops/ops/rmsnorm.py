@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import check_eps, check_float_tensor, check_rmsnorm_args, normalize_shape
+from fusedops._validate import check_float_tensor, check_rmsnorm_args, normalize_shape
 from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
@@ -110,8 +110,7 @@ def fused_rmsnorm(
     backend = _fused_backend(x, "rmsnorm", grad)
     if backend is None:
         shape = normalize_shape(normalized_shape)
-        if eps is not None and (eps.__class__ is not float or eps < 0.0):
-            check_eps(eps)
+        check_rmsnorm_args(x, shape, weight, eps)
         return _native.rms_norm(x, shape, weight, eps)
     if not grad and (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():

@@ -861,7 +861,8 @@ def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the synchronizes and memory statistics use it
     threads = torch.get_num_threads()
-    _report.set_threads(opts.threads)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     result: dict[str, Any] = {"meta": metadata(opts, device), "models": {}, "records": [],
                               "summary": []}
     compiled = any(v.startswith("compiled") for v in opts.variants)

@@ -74,9 +74,11 @@ def _setup(preset, device, out, checkpoint, dtype, batch, quiet) -> _Setup:
     s.say(f"device: {info['name']} ({dev.type}); torch {info['torch']}; fusedops backend for "
           f"{info['inference_dtype']}: {info['backends'].get(info['inference_dtype'])}")
     if not fused_available:
-        s.say("NOTE: no fused GPU kernel is available here. fusedops falls back to its PyTorch "
-              "reference implementation: results stay correct, but nothing is fused, so this "
-              "run shows the workflow and measures the fallback's cost; it claims no speed-up.")
+        s.say("NOTE: the speed-up needs a GPU. No fused kernel runs on this device, so "
+              "patch_model leaves the model as it is (its report says so) and both profiles "
+              "run PyTorch's own ops: this run shows the workflow and claims no speed-up. On "
+              "CUDA (Triton) or an Apple GPU (Metal) the same command measures the fused "
+              "kernels.")
     return s
 
 

@@ -1711,12 +1711,16 @@ def _stats_buffers(M: int, device: torch.device, with_stats: bool, placeholder: 
 
 
 def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
-                    third_read=False):
+                    third_read=False, key=None):
+    """``key``: the call's plan key where its launch may be replayed (the statistics written
+    exactly as the call asked)."""
     mean, rstd = _stats_buffers(M, x.device, with_stats, y)
     if M > 0:
-        _launch_fwd_reload((M,), (x, w, b, y, mean, rstd, N, stride, N, eps,
-                                  next_pow2(N), chunk, has_w, has_b, with_stats, third_read),
-                           warps)
+        args = (x, w, b, y, mean, rstd, N, stride, N, eps, next_pow2(N), chunk, has_w, has_b,
+                with_stats, third_read)
+        _launch_fwd_reload((M,), args, warps)
+        if key is not None:
+            _fwd_plans.add(key, _launch_fwd_reload, (M,), args, warps, 6)
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
@@ -1814,7 +1818,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     if reload:
         # Measured with the statistics written (see STATS_FREE_16BIT_MAX below).
         stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
-        return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload)
+        return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload,
+                               key=key if stats == with_stats else None)
     reload = (RELOAD_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
               if vec and M * N >= RELOAD_VEC_MIN_ELEMS
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
