@@ -28,6 +28,7 @@ path is a dict lookup and a size test.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import warnings
@@ -44,8 +45,6 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _forced: str | None = None
 _cache: dict[tuple[str, torch.dtype], ModuleType] = {}
-# (device type, dtype) -> the fused backend for public calls, or None (PyTorch's own ops)
-_fused: dict[tuple[str, torch.dtype], ModuleType | None] = {}
 _warned: set[str] = set()
 # Per-op counts of calls that ran on a fused backend; None (the default) means "not counting",
 # which keeps the hot path to one `is None` test.
@@ -74,7 +73,8 @@ def set_backend(name: str | None) -> None:
     _forced = _check_name(name)
     _below = NATIVE_BELOW if _forced is None else _NEVER_NATIVE
     _cache.clear()
-    _fused.clear()
+    for table in SIZE_RULES.values():
+        table.clear()
     _replay.clear()  # runners were registered by the backends chosen before
 
 
@@ -187,44 +187,54 @@ NATIVE_BELOW: dict[tuple[str, bool], int] = {
     ("softmax", False): 1 << 16, ("softmax", True): 1 << 24,
     ("layernorm", False): 0, ("layernorm", True): 1 << 26,
     ("rmsnorm", False): 0, ("rmsnorm", True): 1 << 26,
-    ("layernorm_epilogue", False): 0, ("layernorm_epilogue", True): 1 << 26,
+    ("layernorm_epilogue", False): 1 << 21, ("layernorm_epilogue", True): 1 << 26,
     ("softmax_masked", False): 0, ("softmax_masked", True): 0,
     ("dropout", False): 0, ("dropout", True): 0,
 }
 _NEVER_NATIVE = dict.fromkeys(NATIVE_BELOW, 0)
 _functorch_active = torch._C._are_functorch_transforms_active
+# Per op: (device type, or True for CUDA; dtype; autograd will need the call) -> the size below
+# which PyTorch's own op runs (inf: no fused backend for that device and dtype). Filled on
+# first sight of a key, emptied (in place: the ops hold them) when the choice of backend
+# changes. The ops read them inline: one lookup and one size test per call.
+SIZE_RULES: dict[str, dict[tuple, float]] = {op: {} for op, _ in NATIVE_BELOW}
+
+
+def size_rule(op: str, key: tuple) -> float:
+    """Fill ``SIZE_RULES[op][key]``: the native-below size, inf where no fused backend runs
+    such tensors."""
+    device_type = "cuda" if key[0] is True else key[0]
+    below = math.inf if _select(device_type, key[1]).NAME == "reference" else _below[op, key[2]]
+    if not _is_compiling():  # (a table filled while Dynamo traces would make it recompile)
+        SIZE_RULES[op][key] = below
+    return below
+
+
+def native_now() -> bool:
+    """Whether calls must run PyTorch's ops whatever their size: torch.compile tracing (unless
+    a backend is forced: its kernels then run as custom ops) or torch.func transforms (the
+    kernels have no batching rule; torch's ops do)."""
+    return (_forced is None and _is_compiling()) or _functorch_active()
+
+
+def runs_native(op: str, x: torch.Tensor, grad: bool) -> bool:
+    """Whether a call of ``op`` on ``x`` runs PyTorch's ops (:func:`fused_backend` is None)."""
+    key = (True, x.dtype, grad) if x.is_cuda else (
+        "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+    below = SIZE_RULES[op].get(key)
+    if below is None:
+        below = size_rule(op, key)
+    return x.numel() < below or native_now()
 
 
 def fused_backend(x: torch.Tensor, op: str, grad: bool) -> ModuleType | None:
     """The fused backend that should run this public call of ``op`` on ``x``, or None when
     PyTorch's own op should (see the module docstring). ``grad``: autograd will need the call.
+    (The hot paths of the plain ops read :data:`SIZE_RULES` inline instead.)
 
     A forced backend (:func:`set_backend`) always runs, whatever the size, also under
     torch.compile (through the custom ops of ``fusedops.ops._library``)."""
-    compiling = _is_compiling()
-    if compiling and _forced is None:
-        return None
-    key = ("cuda" if x.is_cuda else x.device.type, x.dtype)
-    backend = _fused.get(key, _MISSING)
-    if backend is _MISSING:
-        backend = _select_fused(*key)
-        if not compiling:  # (a cache filled while Dynamo traces would make it recompile)
-            _fused[key] = backend
-    if backend is None or _functorch_active():
-        return None
-    if _forced is None and x.numel() < _below[op, grad]:
-        return None
-    return backend
-
-
-_MISSING = object()
-
-
-def _select_fused(device_type: str, dtype: torch.dtype) -> ModuleType | None:
-    backend = _select(device_type, dtype)
-    if backend.NAME == "reference":
-        return None
-    return backend
+    return None if runs_native(op, x, grad) else backend_for(x)
 
 
 def native_below() -> dict[tuple[str, bool], int]:

@@ -8,13 +8,16 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import check_float_tensor, check_layernorm_args, normalize_shape
+from fusedops._validate import check_eps, check_layernorm_args, normalize_shape
 from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
-_fused_backend = _dispatch.fused_backend
+_RULES = _dispatch.SIZE_RULES["layernorm"]
+_EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
+_grad_enabled = torch.is_grad_enabled
+_native_now = _dispatch.native_now
 
 
 def _forward_rows(x2, w, b, eps, out_dtype):
@@ -130,23 +133,30 @@ def fused_layernorm(
         pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and
         rstd are computed and saved in float32.
     """
-    if residual is not None or activation is not None or dropout_p.__class__ is not float \
-            or dropout_p != 0.0 or training is not True:
+    if residual is not None or activation is not None or dropout_p != 0.0 \
+            or training is not True:
         return _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p,
                          activation, training)
-    return _layernorm(x, normalized_shape, weight, bias, eps)
-
-
-def _layernorm(x, normalized_shape, weight, bias, eps):
-    """fused_layernorm without epilogue arguments."""
-    check_float_tensor(x, "x")
-    grad = torch.is_grad_enabled() and (x.requires_grad or getattr(weight, "requires_grad", False)
-                                        or getattr(bias, "requires_grad", False))
-    backend = _fused_backend(x, "layernorm", grad)
-    if backend is None:
-        shape = normalize_shape(normalized_shape)
-        check_layernorm_args(x, shape, weight, bias, eps)
-        return _native.layer_norm(x, shape, weight, bias, eps)
+    try:  # (the size rule, inline: host cost per call)
+        grad = _grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad
+                                    or bias is not None and bias.requires_grad)
+        key = (True, x.dtype, grad) if x.is_cuda else (
+            "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+    except AttributeError:
+        check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
+        raise
+    below = _RULES.get(key)
+    if below is None:
+        below = _dispatch.size_rule("layernorm", key)
+    if x.numel() < below or _native_now():
+        if eps.__class__ is not float or not eps >= 0.0:
+            check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
+        try:  # (torch reads a tuple, a list or a Size as given)
+            return _native.layer_norm(x, (normalized_shape,) if normalized_shape.__class__ is int
+                                     else normalized_shape, weight, bias, eps)
+        except (RuntimeError, TypeError, IndexError, ValueError):  # the argument, named
+            check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
+            raise
     if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
@@ -173,24 +183,47 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
     """fused_layernorm with residual/dropout/activation (arguments as the user gave them)."""
     if residual is not None and activation is None and dropout_p == 0.0 \
             and x.__class__ is torch.Tensor and eps.__class__ is float \
-            and training.__class__ is bool and _dispatch.plain_eager() \
-            and (not torch.is_grad_enabled() or not _needs_grad(x, weight, bias)
-                 and not getattr(residual, "requires_grad", False)):
-        # An inference add + LayerNorm seen before, replayed (fusedops._replay).
-        run = _replay.LAYERNORM_RESIDUAL.get((x.shape, x.dtype, x.get_device(), eps))
-        if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
-            pair = run(x, residual, weight, bias)
-            if pair is not None:
-                return pair
+            and training.__class__ is bool:
+        # A plain add + LayerNorm: the size rule first (host cost per call), then a replay.
+        grad = _grad_enabled() and _needs_grad(x, weight, bias, residual)
+        key = (True, x.dtype, grad) if x.is_cuda else (
+            "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+        below = _EPILOGUE_RULES.get(key)
+        if below is None:
+            below = _dispatch.size_rule("layernorm_epilogue", key)
+        if x.numel() < below or _native_now():
+            return _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual)
+        if not grad and _dispatch.plain_eager():
+            # An inference add + LayerNorm seen before, replayed (fusedops._replay).
+            run = _replay.LAYERNORM_RESIDUAL.get((x.shape, x.dtype, x.get_device(), eps))
+            if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
+                pair = run(x, residual, weight, bias)
+                if pair is not None:
+                    return pair
     shape = normalize_shape(normalized_shape)
     check_layernorm_args(x, shape, weight, bias, eps)
     check_epilogue_args(x, residual, dropout_p, activation, training)
     out_dtype = torch.float32 if autocast_fp32(x) else x.dtype
     p = dropout_p if training else 0.0
     if residual is None and activation is None and p == 0.0:
-        return _layernorm(x, shape, weight, bias, eps)
+        return fused_layernorm(x, shape, weight, bias, eps)
     return layernorm_epilogue(x, shape, math.prod(shape), weight, bias, eps, residual, p,
                               activation, out_dtype)
+
+
+def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
+    """``(layer_norm(x + residual), x + residual)`` in PyTorch's ops, arguments checked."""
+    shape = normalize_shape(normalized_shape)
+    if residual.__class__ is not torch.Tensor or residual.shape != x.shape \
+            or residual.dtype != x.dtype or not eps >= 0.0:
+        check_layernorm_args(x, shape, weight, bias, eps)
+        check_epilogue_args(x, residual, 0.0, None, True)
+    s = x + residual
+    try:
+        return _native.layer_norm(s, shape, weight, bias, eps), s
+    except (RuntimeError, TypeError, IndexError):  # the argument it was, named
+        check_layernorm_args(x, shape, weight, bias, eps)
+        raise
 
 
 def _is_last_dim(normalized_shape: object, last: int) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay, reference
-from fusedops._validate import check_float_tensor, check_rmsnorm_args, normalize_shape
+from fusedops._validate import check_eps, check_rmsnorm_args, normalize_shape
 from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
@@ -20,7 +20,9 @@ _EPS_FLOAT32 = torch.finfo(torch.float32).eps
 _EPS_FLOAT64 = torch.finfo(torch.float64).eps
 
 
-_fused_backend = _dispatch.fused_backend
+_RULES = _dispatch.SIZE_RULES["rmsnorm"]
+_grad_enabled = torch.is_grad_enabled
+_native_now = _dispatch.native_now
 
 
 def _forward_rows(x2, w, eps, out_dtype):
@@ -104,14 +106,25 @@ def fused_rmsnorm(
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). The mean square is
         accumulated in float32 and its reciprocal root saved in float32.
     """
-    check_float_tensor(x, "x")
-    grad = torch.is_grad_enabled() and (x.requires_grad
-                                        or getattr(weight, "requires_grad", False))
-    backend = _fused_backend(x, "rmsnorm", grad)
-    if backend is None:
-        shape = normalize_shape(normalized_shape)
-        check_rmsnorm_args(x, shape, weight, eps)
-        return _native.rms_norm(x, shape, weight, eps)
+    try:  # (the size rule, inline: host cost per call)
+        grad = _grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad)
+        key = (True, x.dtype, grad) if x.is_cuda else (
+            "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+    except AttributeError:
+        check_rmsnorm_args(x, normalize_shape(normalized_shape), weight, eps)
+        raise
+    below = _RULES.get(key)
+    if below is None:
+        below = _dispatch.size_rule("rmsnorm", key)
+    if x.numel() < below or _native_now():
+        if eps is not None and (eps.__class__ is not float or not eps >= 0.0):
+            check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
+        try:  # (torch reads a tuple, a list or a Size as given)
+            return _native.rms_norm(x, (normalized_shape,) if normalized_shape.__class__ is int
+                                     else normalized_shape, weight, eps)
+        except (RuntimeError, TypeError, IndexError, ValueError):  # the argument, named
+            check_rmsnorm_args(x, normalize_shape(normalized_shape), weight, eps)
+            raise
     if not grad and (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.

@@ -10,7 +10,9 @@ from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, softmax_input
 from fusedops.ops.softmax_masked import masked_softmax
 
-_fused_backend = _dispatch.fused_backend
+_RULES = _dispatch.SIZE_RULES["softmax"]
+_grad_enabled = torch.is_grad_enabled
+_native_now = _dispatch.native_now
 
 
 def _forward_rows(x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -121,11 +123,26 @@ def fused_softmax(
     """
     if scale is not None or mask is not None or causal is not False:
         return masked_softmax(x, dim, dtype, scale, mask, causal)
-    check_float_tensor(x, "x")
-    grad = x.requires_grad and torch.is_grad_enabled()
-    backend = _fused_backend(x, "softmax", grad)
-    if backend is None:
-        return torch.softmax(x, normalize_dim(dim, x.dim()), dtype=check_float_dtype(dtype))
+    try:  # (the size rule, inline: host cost per call)
+        grad = x.requires_grad and _grad_enabled()
+        key = (True, x.dtype, grad) if x.is_cuda else (
+            "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+    except AttributeError:
+        check_float_tensor(x, "x")
+        raise
+    below = _RULES.get(key)
+    if below is None:
+        below = _dispatch.size_rule("softmax", key)
+    if x.numel() < below or _native_now():
+        if dim.__class__ is not int:
+            dim = normalize_dim(dim, x.dim())  # (torch takes a bool dim: ours is an error)
+        try:
+            return torch.softmax(x, dim, dtype)
+        except (RuntimeError, IndexError, TypeError):  # the argument it was, named
+            check_float_tensor(x, "x")
+            normalize_dim(dim, x.dim())
+            check_float_dtype(dtype)
+            raise
     if not grad and dtype is None and dim.__class__ is int and dim == -1 \
             and x.__class__ is torch.Tensor and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.

@@ -35,6 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fusedops import _dispatch
 from fusedops._validate import broadcasts_to
 from fusedops.patching import routing
 from fusedops.patching.routing import routing_off
@@ -252,6 +253,17 @@ def _ln_fusable(a: Any, b: Any, ln: nn.Module) -> bool:
             and not _has_hooks(ln))
 
 
+def _native_size(a: Any, b: Any, ln: nn.Module | None) -> bool:
+    """Whether ``ln(a + b)`` runs PyTorch's ops anyway (fusedops._dispatch's size rule): the
+    original computation then runs, without the checks a fused call needs."""
+    if a.__class__ is not torch.Tensor:
+        return False
+    weight = None if ln is None else ln.weight
+    grad = torch.is_grad_enabled() and (a.requires_grad or getattr(b, "requires_grad", False)
+                                        or weight is not None and weight.requires_grad)
+    return _dispatch.runs_native("layernorm_epilogue", a, grad)
+
+
 def _user_hooks(hooks: dict) -> bool:
     # patch_model's verification pass counts module calls with hooks marked _fusedops_count;
     # any other hook must see the module run, so the pattern is not fused around it.
@@ -280,7 +292,10 @@ def _plain_module(m: nn.Module, base: type) -> bool:
 
 def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
     """``ln(a + b)``, fused where it is the same computation (checked with routing off, as
-    in :func:`softmax_epilogue`)."""
+    in :func:`softmax_epilogue`) and the call is large enough to gain from it."""
+    if _native_size(a, b, ln):
+        count("add_layernorm:native")
+        return ln(a + b)
     with routing_off():
         if _ln_fusable(a, b, ln):
             from fusedops.ops.layernorm import fused_layernorm
@@ -294,6 +309,10 @@ def add_layernorm(a: Any, b: Any, ln: nn.Module) -> Any:
 
 def add_layernorm_pair(a: Any, b: Any, ln: nn.Module) -> tuple[Any, Any]:
     """``(ln(a + b), a + b)``: the sum is used elsewhere too."""
+    if _native_size(a, b, ln):
+        count("add_layernorm:native")
+        s = a + b
+        return ln(s), s
     with routing_off():
         if _ln_fusable(a, b, ln):
             from fusedops.ops.layernorm import fused_layernorm
@@ -439,6 +458,7 @@ class FusedForward:
     # (names, defaults, indices of info.tested among names) where every argument after self is
     # positional-or-keyword: calls without keywords then skip Signature.bind (host time)
     positional: tuple | None = None
+    layernorm_only: bool = False  # every fused site is a LayerNorm(a + b)
 
 
 def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
@@ -478,7 +498,8 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
                                                        module._buffers.items())}
     signature = inspect.signature(type(module).forward)
     return FusedForward(info, signature, variants, sites, children, tensors,
-                        _positional_layout(signature, info.tested)), None
+                        _positional_layout(signature, info.tested),
+                        all("(a + b)" in site for site in sites)), None
 
 
 def _route_calls(graph: fx.Graph, ops: tuple[str, ...]) -> None:
@@ -561,6 +582,11 @@ class GraphForward(ForwardWrapper):
         fused = self.fused
         if fused is None:
             fused = self.fused = fuse_module(self.module, *self.ops)[0] or False
+        if fused and fused.layernorm_only and args and _native_size(args[0], None, None):
+            # Calls this small run the LayerNorm epilogues as PyTorch's ops: the original
+            # forward is the same computation, without the helpers' checks.
+            count("add_layernorm:native")
+            return self.call_inner(*args, **kwargs)
         chosen = select_variant(fused, self.module, args, kwargs) if fused else None
         if chosen is None:
             return self.call_inner(*args, **kwargs)
