@@ -67,7 +67,9 @@ def set_backend(name: str | None) -> None:
     ``FUSEDOPS_BACKEND`` sets the initial value. Forcing ``"triton"`` on CPU tensors needs
     ``TRITON_INTERPRET=1`` (set before Triton is imported); without it such calls fall back to
     PyTorch's ops with a one-time warning saying so. A forced backend runs every call it can
-    take, whatever its size (the size rule of :data:`NATIVE_BELOW` is for automatic selection).
+    take, whatever its size (the size rule of :data:`NATIVE_BELOW` is for automatic selection);
+    ``"reference"`` runs fusedops' autograd Functions on its pure-PyTorch implementation of the
+    row contract (``fusedops.reference``), for tests and debugging.
     """
     global _forced, _below
     _forced = _check_name(name)
@@ -188,7 +190,7 @@ NATIVE_BELOW: dict[tuple[str, bool], int] = {
     ("layernorm", False): 0, ("layernorm", True): 1 << 26,
     ("rmsnorm", False): 0, ("rmsnorm", True): 1 << 26,
     ("layernorm_epilogue", False): 1 << 21, ("layernorm_epilogue", True): 1 << 26,
-    ("softmax_masked", False): 0, ("softmax_masked", True): 0,
+    ("softmax_masked", False): 0, ("softmax_masked", True): 1 << 22,
     ("dropout", False): 0, ("dropout", True): 0,
 }
 _NEVER_NATIVE = dict.fromkeys(NATIVE_BELOW, 0)
@@ -204,7 +206,10 @@ def size_rule(op: str, key: tuple) -> float:
     """Fill ``SIZE_RULES[op][key]``: the native-below size, inf where no fused backend runs
     such tensors."""
     device_type = "cuda" if key[0] is True else key[0]
-    below = math.inf if _select(device_type, key[1]).NAME == "reference" else _below[op, key[2]]
+    backend = _select(device_type, key[1])
+    # (A forced "reference" backend runs fusedops' own paths on its pure-PyTorch row code.)
+    below = math.inf if backend.NAME == "reference" and _forced != "reference" \
+        else _below[op, key[2]]
     if not _is_compiling():  # (a table filled while Dynamo traces would make it recompile)
         SIZE_RULES[op][key] = below
     return below
@@ -219,12 +224,18 @@ def native_now() -> bool:
 
 def runs_native(op: str, x: torch.Tensor, grad: bool) -> bool:
     """Whether a call of ``op`` on ``x`` runs PyTorch's ops (:func:`fused_backend` is None)."""
-    key = (True, x.dtype, grad) if x.is_cuda else (
-        "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+    return runs_native_numel(op, x, grad, x.numel())
+
+
+def runs_native_numel(op: str, like: torch.Tensor, grad: bool, numel: int) -> bool:
+    """:func:`runs_native` for a call on ``numel`` elements of ``like``'s device and dtype (a
+    tensor not made yet)."""
+    key = (True, like.dtype, grad) if like.is_cuda else (
+        "cpu" if like.is_cpu else like.device.type, like.dtype, grad)
     below = SIZE_RULES[op].get(key)
     if below is None:
         below = size_rule(op, key)
-    return x.numel() < below or native_now()
+    return numel < below or native_now()
 
 
 def fused_backend(x: torch.Tensor, op: str, grad: bool) -> ModuleType | None:

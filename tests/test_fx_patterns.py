@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tol
-from test_patching_utils import force_patch  # noqa: F401 - a fixture
+from test_patching_utils import force_patch, reference_backend  # noqa: F401 - fixtures
 from torch import nn
 
 import fusedops
@@ -39,7 +39,7 @@ B, L, D = 2, 5, 8
 SCALE = 0.125  # exact in binary: the report prints it as "0.125"
 FP32 = tol(torch.float32)
 
-pytestmark = pytest.mark.usefixtures("force_patch")
+pytestmark = pytest.mark.usefixtures("force_patch", "reference_backend")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1380,5 +1380,5 @@ def test_hf_attention_body_runs_outside_the_routing_mode(monkeypatch):
     want = _hf_attention.fused_eager_attention(module, q, k, v, mask, scaling=0.5)[0]
     with _FusedFunctionMode(("softmax",)):
         got = _hf_attention.fused_eager_attention(module, q, k, v, mask, scaling=0.5)[0]
-    assert sum(calls.values()) <= 2  # at most the argument checks before the body
+    assert sum(calls.values()) <= 10  # at most the argument and size checks before the body
     torch.testing.assert_close(got, want)

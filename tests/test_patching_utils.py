@@ -23,6 +23,14 @@ from fusedops.patching.verify import flatten as _flatten
 
 
 @pytest.fixture
+def reference_backend():
+    """fusedops' own paths on its pure-PyTorch row code (``use_backend("reference")``): the
+    patterns' fused helpers then run as they do on a GPU, not PyTorch's ops in their place."""
+    with fusedops.use_backend("reference"):
+        yield
+
+
+@pytest.fixture
 def force_patch(monkeypatch):
     """patch_model patches CPU models (``force=True``) unless a test passes ``force`` itself:
     these tests exercise the patching, which on CPU runs PyTorch's own ops (without ``force``,

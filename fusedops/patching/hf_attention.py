@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusedops import _dispatch
+from fusedops.ops.softmax import fused_softmax
 from fusedops.patching import fx_patterns
 from fusedops.patching.routing import routing_off
 
@@ -79,6 +81,24 @@ def uses_attention_registry(module: nn.Module) -> bool:
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
+# module class -> (its modeling file's eager function, whether that returns a contiguous
+# output): what the fused function stands in for, read once per class.
+_eager_of: dict[type, tuple[Any, bool]] = {}
+
+
+def _eager(module: nn.Module) -> tuple[Any, bool]:
+    found = _eager_of.get(type(module))
+    if found is None:
+        eager = model_eager_function(module)
+        code = getattr(inspect.unwrap(eager), "__code__", None)
+        found = _eager_of[type(module)] = (eager, code is not None
+                                           and "contiguous" in code.co_names)
+    return found
+
+
+_runs_native = _dispatch.runs_native_numel
+
+
 def fused_eager_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -89,30 +109,38 @@ def fused_eager_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention, ``softmax(q @ k^T * scaling + mask) @ v``, its softmax fused."""
-    if (any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS) or query.dim() != 4
-            or (attention_mask is not None and attention_mask.dim() != 4)):
-        fx_patterns.count("hf_attention:unfused")
-        eager = model_eager_function(module)
+    """Eager attention, ``softmax(q @ k^T * scaling + mask) @ v``, its softmax fused; the
+    model's own eager function where the fused softmax would not pay (the size rule of
+    ``fusedops._dispatch``) or that does more (``softcap``, sinks, a head mask)."""
+    eager, contiguous = _eager(module)
+    shape = query.shape
+    if (kwargs and any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS)
+            or len(shape) != 4 or attention_mask is not None and attention_mask.dim() != 4
+            or _runs_native("softmax_masked", query, torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad),
+                shape[0] * shape[1] * shape[2] * key.shape[-2])):
+        if fx_patterns.counts is not None:
+            fx_patterns.count("hf_attention:unfused")
         return eager(module, query, key, value, attention_mask, scaling=scaling,
                      dropout=dropout, **kwargs)
-    from fusedops.ops.softmax import fused_softmax
-
-    fx_patterns.count("hf_attention")
+    if fx_patterns.counts is not None:
+        fx_patterns.count("hf_attention")
     # Routing off for the whole body: its one softmax is the fused op already, and none of its
     # other torch calls is routed (each would otherwise pass through the routing mode).
     with routing_off():
         if scaling is None:
-            scaling = query.size(-1) ** -0.5
-        if key.shape[1] != query.shape[1]:  # grouped-query attention: a KV head per group
-            groups = query.shape[1] // key.shape[1]
+            scaling = shape[-1] ** -0.5
+        if key.shape[1] != shape[1]:  # grouped-query attention: a KV head per group
+            groups = shape[1] // key.shape[1]
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
         scores = torch.matmul(query, key.transpose(2, 3))
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask[:, :, :, : key.shape[-2]]
+        mask = attention_mask
+        if mask is not None and mask.shape[-1] != key.shape[-2]:
+            mask = mask[:, :, :, : key.shape[-2]]
         weights = fused_softmax(scores, -1, scale=float(scaling), mask=mask)
-        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-        out = torch.matmul(weights.to(value.dtype), value)
-        return out.transpose(1, 2).contiguous(), weights
+        if dropout:
+            weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        out = torch.matmul(weights if weights.dtype == value.dtype else weights.to(value.dtype),
+                           value).transpose(1, 2)
+        return out.contiguous() if contiguous else out, weights
