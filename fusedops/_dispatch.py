@@ -156,14 +156,14 @@ def _select(device_type: str, dtype: torch.dtype) -> ModuleType:
         warn_once(
             f"missing:{wanted}:{device_type}",
             f"fusedops: the {wanted} backend is not available for {device_type} tensors; "
-            "using the PyTorch reference implementation (correct, not fused).",
+            "using PyTorch's own ops (correct, not fused).",
         )
         return reference
     if dtype not in KERNEL_DTYPES:
         warn_once(
             f"dtype:{wanted}:{dtype}",
             f"fusedops: the {wanted} kernels support float32/float16/bfloat16, not {dtype}; "
-            "using the PyTorch reference implementation for this dtype.",
+            "using PyTorch's own ops for this dtype.",
         )
         return reference
     return backend
@@ -180,17 +180,21 @@ def backend_for(x: torch.Tensor) -> ModuleType:
 
 
 # Calls on a fused backend's device with fewer elements than this, per (op, autograd will need
-# the call), run PyTorch's own op: the fused call costs the host more (a Python
-# autograd.Function, and a backward run by autograd's device thread) than its kernel saves on
-# the GPU, so it could only lose where the model is host-bound and gain little where it is
-# not. Per-call host and GPU times of both: benchmarks/results/h200/host_costs.json. Calls
-# with dropout always run fused (the dropout mask's generator is part of the op).
+# the call), run PyTorch's own op: the fused call costs the host more (checks and plans in
+# Python, an autograd.Function whose backward autograd's device thread runs in Python) than
+# its kernel saves on the GPU, so it could only lose where the model is host-bound (which calls
+# this small make it) and gain little where it is not. Per-call host and GPU times of both:
+# benchmarks/results/h200/host_costs.json; whole models: benchmarks/results/h200/models.json
+# (BERT at 8x512 is host-bound: its add + LayerNorm epilogues lose below 2^23 elements). The
+# masked softmax of attention replaces several ops, so it pays from far smaller calls
+# (decoding steps, whose every call has a new key length, stay below its rule). Calls with
+# dropout always run fused (the dropout mask's generator is part of the op).
 NATIVE_BELOW: dict[tuple[str, bool], int] = {
-    ("softmax", False): 1 << 16, ("softmax", True): 1 << 24,
-    ("layernorm", False): 0, ("layernorm", True): 1 << 26,
-    ("rmsnorm", False): 0, ("rmsnorm", True): 1 << 26,
-    ("layernorm_epilogue", False): 1 << 21, ("layernorm_epilogue", True): 1 << 26,
-    ("softmax_masked", False): 0, ("softmax_masked", True): 1 << 22,
+    ("softmax", False): 1 << 22, ("softmax", True): 1 << 24,
+    ("layernorm", False): 1 << 22, ("layernorm", True): 1 << 26,
+    ("rmsnorm", False): 1 << 22, ("rmsnorm", True): 1 << 26,
+    ("layernorm_epilogue", False): 1 << 23, ("layernorm_epilogue", True): 1 << 26,
+    ("softmax_masked", False): 1 << 16, ("softmax_masked", True): 1 << 22,
     ("dropout", False): 0, ("dropout", True): 0,
 }
 _NEVER_NATIVE = dict.fromkeys(NATIVE_BELOW, 0)

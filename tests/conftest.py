@@ -54,6 +54,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_tests_run_the_kernels(request):
+    """GPU tests exercise the Triton kernels at the small shapes tests use, which the size rule
+    (``fusedops._dispatch.NATIVE_BELOW``) would send to PyTorch's ops: the backend is forced for
+    them, unless a test is marked ``auto_backend`` (it tests automatic selection itself)."""
+    if HAS_CUDA and "gpu" in request.keywords and "auto_backend" not in request.keywords:
+        import fusedops
+
+        with fusedops.use_backend("triton"):
+            yield
+    else:
+        yield
+
+
 @pytest.fixture
 def triton_backend():
     """Force the Triton kernels (interpreted on CPU tensors, compiled on CUDA)."""
