@@ -45,7 +45,83 @@ def assert_close_to_ref(actual: torch.Tensor, expected64: torch.Tensor, dtype: t
     torch.testing.assert_close(actual.to(torch.float64), expected, **tol(dtype, scale))
 
 
+def assert_row_sum_close(actual: torch.Tensor, expected64: torch.Tensor, rows: int,
+                         scale: float = 1.0) -> None:
+    """A quantity summed over ``rows`` rows (dweight, dbias) against its float64 reference, with
+    the tolerance of ``actual``'s own dtype (the parameter gradient's, not the input's). Such
+    sums are accumulated in float32, whose rounding error grows like sqrt(rows): float32 (and
+    float64) results get that factor; 16-bit results are dominated by their final rounding
+    (the reference is rounded to their dtype first), so they keep the plain scale."""
+    if actual.dtype in (torch.float32, torch.float64):
+        scale *= max(rows, 1) ** 0.5
+    assert_close_to_ref(actual, expected64, actual.dtype, scale)
+
+
+# --- the extended matrix -------------------------------------------------------------------------
+# The default run (the README's command) keeps at least one case of every kernel variant
+# boundary, every dtype and every path; the full cross-products carry the ``exhaustive`` marker
+# and run in CI's second step (``-m exhaustive``: only them) or with ``--exhaustive`` (all).
+EXHAUSTIVE = pytest.mark.exhaustive
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="also run the tests marked exhaustive (the full cross-product "
+                          "matrices); -m exhaustive runs only them")
+
+
+def exhaustive_unless(keep):
+    """Decorator for a parametrized test: the cases for which ``keep(**params)`` is false (params:
+    the case's parameters, fixture parameters included) are marked ``exhaustive``. The test
+    ids stay those of the plain parametrization."""
+
+    def mark(fn):
+        fn.exhaustive_unless = keep
+        return fn
+
+    return mark
+
+
+def one_of_each(axes: dict, *extra: dict):
+    """A ``keep`` for :func:`exhaustive_unless`: the diagonal of the cross product, case k
+    taking value k of every axis (shorter axes cycling), so every value of every axis runs at
+    least once by default; ``extra`` dicts name further cases to keep (each a partial
+    assignment that must match). Axis names are parameter names; a key "m,n" stands for
+    parameters parametrized together (its values are tuples)."""
+    width = max(len(v) for v in axes.values())
+    diagonal = [{name: values[k % len(values)] for name, values in axes.items()}
+                for k in range(width)]
+
+    def fields(case: dict, params: dict) -> bool:
+        for name, value in case.items():
+            keys = name.split(",")
+            got = tuple(params[k] for k in keys) if len(keys) > 1 else params[keys[0]]
+            if got != value:
+                return False
+        return True
+
+    def keep(**params) -> bool:
+        return any(fields(case, params) for case in (*diagonal, *extra))
+
+    return keep
+
+
+def _runs_exhaustive(config) -> bool:
+    return config.getoption("--exhaustive") or "exhaustive" in (config.getoption("-m") or "")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers added here
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        keep = getattr(getattr(item, "function", None), "exhaustive_unless", None)
+        callspec = getattr(item, "callspec", None)
+        if keep is not None and callspec is not None and not keep(**callspec.params):
+            item.add_marker(EXHAUSTIVE)
+    if not _runs_exhaustive(config):
+        extended = [item for item in items if item.get_closest_marker("exhaustive")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -85,12 +161,11 @@ def device() -> str:
 
 
 def triton_kernels_ready() -> bool:
-    """True once fusedops.triton implements the row contract (not a placeholder, Triton present)."""
-    try:
-        from fusedops import triton as tb
-    except ImportError:
-        return False
-    return bool(tb.AVAILABLE) and callable(getattr(tb, "softmax_forward", None))
+    """True where Triton is installed (every Linux install; not macOS): the Triton backend then
+    implements the whole row contract, so a missing entry point fails a test, not skips it."""
+    from fusedops import triton as tb
+
+    return bool(tb.AVAILABLE)
 
 
 @pytest.fixture(params=["reference", "triton"])
@@ -106,15 +181,17 @@ def backend(request):
 
 def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
     """The Triton single-block/looped switch points (padded row length) for the given kernel
-    kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``): rows of N <= limit take the single-block
-    kernel, N = limit + 1 the looped one."""
-    try:
-        from fusedops.triton import _common
-    except ImportError:
+    kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``), for 16-bit and float32 rows: rows of
+    N <= limit take the single-block kernel, N = limit + 1 the looped one. ``default`` where
+    Triton is not installed (macOS: the reference path only)."""
+    from fusedops import triton as tb
+
+    if not tb.AVAILABLE:
         return [default]
-    base = getattr(_common, "single_block_limit", lambda: default)()
-    caps = getattr(_common, "KIND_CAPS", {})
-    return sorted({min(base, caps.get(kind, base)) for kind in kinds})
+    from fusedops.triton import _common
+
+    base = _common.single_block_limit()
+    return sorted({min(base, _common._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
 
 
 @pytest.fixture
@@ -123,14 +200,11 @@ def small_single_block():
     the looped (chunked) kernels, several chunks per row, under the interpreter."""
     from fusedops.triton import _common
 
-    setter = getattr(_common, "set_single_block_limit", None)
-    if setter is None:
-        pytest.skip("fusedops.triton has no set_single_block_limit")
-    setter(16)
+    _common.set_single_block_limit(16)
     try:
         yield 16
     finally:
-        setter(None)
+        _common.set_single_block_limit(None)
 
 
 @pytest.fixture(autouse=True)
@@ -163,6 +237,39 @@ def _fresh_backward_plans():
         for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
                       tsmm._bwd_plans):
             plans.clear()
+
+
+def require_replay_plans(enabled: bool = True) -> None:
+    """Skip a replay test where no call can replay: it would only compare the normal path with
+    itself. Plans need compiled kernels (a CUDA GPU), Triton's C launch entries
+    (``_common._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
+    import triton
+
+    from fusedops.triton import _common
+
+    if not torch.cuda.is_available() or _common._interpreting():
+        pytest.skip("replay plans need compiled kernels on a CUDA GPU")
+    if not triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
+        pytest.skip(f"replay plans need Triton's C launch entries "
+                    f"({', '.join(_common._C_ENTRY_VERSIONS)}x); Triton {triton.__version__} "
+                    "runs every call on the normal path, which this test would compare with "
+                    "itself")
+    if not enabled:
+        pytest.skip("replay plans are switched off here (the module's PLANS flag)")
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` so that each call appends its arguments to the returned list (the
+    replay tests count the calls that took the normal path)."""
+    real = getattr(module, name)
+    calls: list = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
 
 
 @pytest.fixture
