@@ -22,6 +22,14 @@ import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+    # CPU runs: every tensor here is small, and two test processes share two cores (pytest -n 2):
+    # intra-op threads only add wake-ups and spinning (more than twice the CPU time of one
+    # thread). One thread per test process; subprocesses the tests start inherit it.
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+    torch.set_num_threads(1)
+
 # One tolerance table for every test: (atol, rtol) against a float64 reference.
 TOLERANCES = {
     torch.float32: (1e-5, 1e-5),

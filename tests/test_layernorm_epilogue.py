@@ -37,16 +37,6 @@ GRAD_SCALE = 4.0
 layernorm_module = importlib.import_module("fusedops.ops.layernorm")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Every tensor here is small: intra-op threads only add wake-up latency, which dominates
-    on a loaded two-core CI machine (ms per op). One thread while these tests run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------- oracle and check
 
 
