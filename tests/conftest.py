@@ -160,6 +160,14 @@ def triton_on_cpu(triton_backend):
     yield
 
 
+@pytest.fixture(scope="session")
+def metal_lib():
+    """The shipped Metal shaders compiled for the CPU emulation (tests/metal_emu; built once,
+    cached on disk), loaded once per test process."""
+    emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
+    return emu.load()
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"

@@ -109,38 +109,31 @@ def results(lib, mode: str, seed: int = 1, stop_at_first_wrong: bool = False) ->
     return out
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = emu.load()
-    yield lib
-    lib.remove_barriers([])
-
-
-def test_metal_shipped_shaders_pass_adversarial_schedules(lib):
+def test_metal_shipped_shaders_pass_adversarial_schedules(metal_lib):
     for mode, seeds in (("fibers", (1,)), ("fibers-random", SEEDS)):
         for seed in seeds:
-            res = results(lib, mode, seed)
+            res = results(metal_lib, mode, seed)
             assert all(res.values()), (mode, seed, [k for k, ok in res.items() if not ok])
 
 
-def test_metal_without_barriers_results_are_wrong(lib):
+def test_metal_without_barriers_results_are_wrong(metal_lib):
     """Every barrier removed: every case that uses more than one SIMD-group goes wrong, even
     under the plain FIFO schedule; one SIMD-group (n = 100, 32 threads) needs no barrier."""
-    with lib.barriers_removed(None):
-        res = results(lib, "fibers")
+    with metal_lib.barriers_removed(None):
+        res = results(metal_lib, "fibers")
     assert all(ok for (op, n), ok in res.items() if n == 100)
     assert not any(ok for (op, n), ok in res.items() if n > 100), res
 
 
 @pytest.mark.parametrize("site", emu.barrier_sites(), ids=[f"{f}:{line}" for f, line in
                                                            emu.barrier_sites()])
-def test_metal_every_barrier_is_needed(lib, site):
+def test_metal_every_barrier_is_needed(metal_lib, site):
     """Each barrier alone: removing it makes some result wrong under a seeded adversarial
     schedule (one SIMD-group racing ahead of the others)."""
     wrong = []
-    with lib.barriers_removed([site]):
+    with metal_lib.barriers_removed([site]):
         for seed in SEEDS:
-            res = results(lib, "fibers-random", seed, stop_at_first_wrong=True)
+            res = results(metal_lib, "fibers-random", seed, stop_at_first_wrong=True)
             wrong += [key for key, ok in res.items() if not ok]
             if wrong:
                 break
