@@ -318,10 +318,19 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
     assert_close_to_ref(dx, s_ * (g_ - (s_ * g_).sum(-1, keepdim=True)), dtype, scale=4)
 
 
-@pytest.mark.parametrize("n,chunk,warps", [(8192, 2048, 16), (4096, 2048, 8)])
+def _per_gpu_rules() -> list[tuple[int, int, int]]:
+    """(padded row, chunk, warps) of the per-GPU 16-bit unrolled rules a power-of-two row of
+    that length takes (the first config: its chunk divides the row)."""
+    from fusedops.triton import layernorm as tln
+
+    return sorted({(padded, *configs[0]) for rules in tln.UNROLLED_FWD_GPU.values()
+                   for (elt, padded), configs in rules.items() if elt == 2 and configs[0][1]})
+
+
+@pytest.mark.parametrize("n,chunk,warps", _per_gpu_rules())
 def test_unrolled_forward_h100_configs(monkeypatch, triton_backend, device, n, chunk, warps):
-    """The H100's 16-bit rules (UNROLLED_FWD_GPU) at their own shapes: 2048-element chunks on
-    16 and 8 warps, checked against float64."""
+    """The per-GPU 16-bit rules (UNROLLED_FWD_GPU) at their own shapes and configs, checked
+    against float64."""
     from fusedops.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "UNROLLED_FWD", {(2, n): ((chunk, warps),)})
