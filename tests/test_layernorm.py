@@ -109,6 +109,11 @@ def check(x, shape, w=None, b=None, eps=1e-5, dy=None, need=(True, True, True),
 # --------------------------------------------------------------------------- sizes and dtypes
 
 
+# Default run: the reference at every size and dtype, the Triton kernels at every size in
+# float32 and in each 16-bit dtype at the short-row configs (33, 1024) and unaligned rows (1025).
+@exhaustive_unless(lambda backend, n, dtype: backend == "reference" or dtype == torch.float32
+                   or (dtype, n) in ((torch.float16, 33), (torch.bfloat16, 1024),
+                                     (torch.bfloat16, 1025)))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sizes(backend, n, dtype):
@@ -127,6 +132,7 @@ def test_row_count_tails(backend, m, n):
     check(torch.randn(m, n), n, *make_params(n, torch.float32, seed=m))
 
 
+@exhaustive_unless(one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES}))
 @pytest.mark.parametrize("n", LOOPED_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_looped_path(triton_backend, small_single_block, n, dtype):
@@ -174,6 +180,8 @@ def test_looped_path_numerics(triton_backend, small_single_block):
                                atol=1e-5, rtol=1e-5)
 
 
+@exhaustive_unless(one_of_each({"affine": ["none", "weight", "bias", "both"], "dtype": DTYPES},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("affine", ["none", "weight", "bias", "both"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_affine_variants(backend, affine, dtype):
@@ -197,6 +205,8 @@ def test_requires_grad_subsets(backend, need):
     check(x, 33, *make_params(33, torch.float32), need=need)
 
 
+@exhaustive_unless(one_of_each({"x_dtype": [torch.float16, torch.bfloat16], "n": [33, 1025]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [33, 1025])
 def test_half_input_float32_params(backend, x_dtype, n):
@@ -291,6 +301,9 @@ def _strided_inputs(dtype=torch.float32, n=37):
     }
 
 
+@exhaustive_unless(one_of_each({"kind": list(_strided_inputs()),
+                                "dtype": [torch.float32, torch.bfloat16]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("kind", list(_strided_inputs()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous_input(backend, kind, dtype):

@@ -169,6 +169,9 @@ def test_residual_only(backend, dtype):
     check(x, 40, w, b, residual=r, ds=torch.randn(x.shape).to(dtype))
 
 
+@exhaustive_unless(one_of_each({"activation": ["relu", "gelu"], "with_residual": [False, True],
+                                "dtype": [torch.float32, torch.bfloat16]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -222,6 +225,8 @@ def _dropout_inputs(case):
     return x, shape, w, b, r
 
 
+@exhaustive_unless(one_of_each({"case": ["row_1100", "multi_dim_shape", "strided_x"],
+                                "p": [0.1, 0.5]}, {"backend": "reference"}))
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("case", ["row_1100", "multi_dim_shape", "strided_x"])
 def test_dropout_mask_values_and_backward(backend, case, p):
@@ -391,6 +396,7 @@ def test_checkpoint_recomputes_the_same_mask(backend):
 # --------------------------------------------------------------------------- shapes and params
 
 
+@exhaustive_unless(lambda backend, x_shape, shape: backend == "reference" or len(shape) == 3)
 @pytest.mark.parametrize("x_shape,shape", [
     ((2, 3, 5, 8), (5, 8)), ((4, 2, 3, 4), (2, 3, 4)), ((1, 6, 8), (6, 8)), ((7,), (7,))],
     ids=str)
@@ -417,6 +423,9 @@ def test_x_is_normalized_shape_2d(epilogue):
                             torch.float32)
 
 
+@exhaustive_unless(one_of_each({"dtype": [torch.float16, torch.bfloat16],
+                                "params": ["none", "weight", "bias", "same", "float32"]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("params", ["none", "weight", "bias", "same", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_params_variants(backend, dtype, params):

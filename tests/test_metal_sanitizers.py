@@ -12,6 +12,11 @@ import pytest
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 
+# The extended matrix only (CI's second step): the ThreadSanitizer build alone costs more CPU
+# than most suites; the default run keeps the adversarial-schedule and barrier tests
+# (test_metal_barriers.py) for races.
+pytestmark = pytest.mark.exhaustive
+
 TESTS = Path(__file__).resolve().parent
 
 

@@ -11,7 +11,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import TOLERANCES, assert_close_to_ref, single_block_limits, triton_kernels_ready
+from conftest import (
+    TOLERANCES,
+    assert_close_to_ref,
+    exhaustive_unless,
+    one_of_each,
+    single_block_limits,
+    triton_kernels_ready,
+)
 
 import fusedops
 from fusedops import SoftmaxFunction, fused_softmax
@@ -115,6 +122,7 @@ def test_large_values_are_stable(backend):
     check(x)
 
 
+@exhaustive_unless(one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES}))
 @pytest.mark.parametrize("n", LOOPED_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_looped_path(triton_backend, small_single_block, n, dtype):
@@ -249,6 +257,9 @@ def _strided_inputs(dtype: torch.dtype = torch.float32, n: int = 37) -> dict:
     }
 
 
+@exhaustive_unless(one_of_each({"kind": list(_strided_inputs()),
+                                "dtype": [torch.float32, torch.bfloat16]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("kind", list(_strided_inputs()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous_input(backend, kind, dtype):
@@ -346,6 +357,8 @@ DTYPE_PAIRS = [
 ]
 
 
+@exhaustive_unless(one_of_each({"in_dtype,dtype": DTYPE_PAIRS, "n": [7, 1025]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("in_dtype,dtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("n", [7, 1025])
 def test_dtype_argument(backend, in_dtype, dtype, n):

@@ -33,6 +33,7 @@ from _reliability import (
     gpu,
     target_params,
 )
+from conftest import exhaustive_unless, one_of_each
 
 from fusedops import fused_layernorm, fused_softmax
 
@@ -275,6 +276,11 @@ def check_layernorm_special(x, w, b, dy, eps=1e-5, dx_kinds=True):
     return got
 
 
+# Default run: float32 and the reference everywhere, a diagonal of the 16-bit cases.
+@exhaustive_unless(one_of_each({"dtype": DTYPES, "group": ["finite", "nonfinite"],
+                                "affine": [False, True]},
+                               {"dtype": torch.float32},
+                               {"target": ("reference", "cpu", "single")}))
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
 @pytest.mark.parametrize("group", ["finite", "nonfinite"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
