@@ -140,9 +140,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def triton_backend():
-    """Force the Triton kernels (interpreted on CPU tensors, compiled on CUDA)."""
+    """Force the Triton kernels (interpreted on CPU tensors, compiled on CUDA); skips where
+    Triton is not installed (macOS)."""
     import fusedops
 
+    if not triton_kernels_ready():
+        pytest.skip("Triton is not installed here")
     with fusedops.use_backend("triton"):
         yield
 
@@ -214,13 +217,28 @@ def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
 def small_single_block():
     """Shrink the Triton single-block limit to 16 elements, so rows of a few dozen elements take
     the looped (chunked) kernels, several chunks per row, under the interpreter."""
-    from fusedops.triton import _common
+    from _reliability import single_block_limit
 
-    _common.set_single_block_limit(16)
-    try:
+    with single_block_limit(16):
         yield 16
-    finally:
-        _common.set_single_block_limit(None)
+
+
+@pytest.fixture(params=["single-block", "looped"])
+def single_block_or_looped(request):
+    """Run a test with the default single-block limit, then with it shrunk to 16 elements (the
+    looped kernels, as ``small_single_block``); yields the variant's name."""
+    from _reliability import single_block_limit
+
+    with single_block_limit(16 if request.param == "looped" else None):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from torch's generator seeded with 0, whatever ran before it in the
+    process (pytest -n distributes tests differently from run to run); tests that want other
+    data seed on their own."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture(autouse=True)

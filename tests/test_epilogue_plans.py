@@ -242,21 +242,20 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
 
 
 @pytestmark_interp
-def test_autograd_steps_replay(recording_entries):
+def test_autograd_steps_replay(recording_entries, triton_backend):
     """Through fused_layernorm and autograd: the second training step's forward and backward
     both replay (the seed drawn for each step reaches the replayed launches)."""
     x = torch.randn(16, 32, requires_grad=True)
     r = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(32, requires_grad=True)
     log = recording_entries
-    with fusedops.use_backend("triton"):
-        for step in range(2):
-            log.clear()
-            out, s = fusedops.fused_layernorm(x, 32, w, residual=r, dropout_p=0.1,
-                                              activation="relu")
-            torch.autograd.grad((out, s), (x, r, w), (torch.ones_like(out), torch.ones_like(s)))
-            kinds = {e[0] for e in log}
-            assert kinds == ({"normal"} if step == 0 else {"replay"})
+    for step in range(2):
+        log.clear()
+        out, s = fusedops.fused_layernorm(x, 32, w, residual=r, dropout_p=0.1,
+                                          activation="relu")
+        torch.autograd.grad((out, s), (x, r, w), (torch.ones_like(out), torch.ones_like(s)))
+        kinds = {e[0] for e in log}
+        assert kinds == ({"normal"} if step == 0 else {"replay"})
 
 
 def test_plans_cleared_with_the_launch_rules():

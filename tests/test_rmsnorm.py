@@ -98,7 +98,6 @@ def test_row_count_tails(backend, m, n):
 def test_weight_variants(backend, weight, dtype):
     """No weight, a weight in x's dtype, float32 weight with 16-bit x (mixed precision): the
     output follows x, dweight the weight."""
-    torch.manual_seed(0)
     w = None if weight == "none" else _param(40, dtype if weight == "same" else torch.float32)
     check(torch.randn(6, 40).to(dtype), 40, w)
 

@@ -72,7 +72,7 @@ def _relative(args, bases):
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
 @pytest.mark.parametrize("name", list(CASES))
-def test_replay_repeats_the_normal_launch(recording_entries, small_single_block_or_not, name):
+def test_replay_repeats_the_normal_launch(recording_entries, single_block_or_looped, name):
     case = CASES[name]
     x = torch.randn(*case["shape"])
     mask = _mask(case["mask"], case["shape"])
@@ -101,20 +101,6 @@ def test_replay_repeats_the_normal_launch(recording_entries, small_single_block_
         (_, g1, a1), (_, g2, a2) = normal_log[0], log[0]
         assert g1 == g2
         assert _relative(a1, (*inputs, normal)) == _relative(a2, (*inputs, replayed)), kind
-
-
-@pytest.fixture(params=[False, True], ids=["single-block", "looped"])
-def small_single_block_or_not(request):
-    if not request.param:
-        yield
-        return
-    from fusedops.triton import _common
-
-    _common.set_single_block_limit(16)
-    try:
-        yield
-    finally:
-        _common.set_single_block_limit(None)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
