@@ -80,8 +80,8 @@ def pytest_addoption(parser):
 
 def exhaustive_unless(keep):
     """Decorator for a parametrized test: the cases for which ``keep(**params)`` is false (params:
-    the case's parameters, fixture parameters included) are marked ``exhaustive``. The test
-    ids stay those of the plain parametrization."""
+    the case's parameters, fixture parameters included) are marked ``exhaustive`` (except
+    ``gpu`` cases). The test ids stay those of the plain parametrization."""
 
     def mark(fn):
         fn.exhaustive_unless = keep
@@ -123,7 +123,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         keep = getattr(getattr(item, "function", None), "exhaustive_unless", None)
         callspec = getattr(item, "callspec", None)
-        if keep is not None and callspec is not None and not keep(**callspec.params):
+        # (gpu cases stay: compiled kernels are quick, and -m gpu is how GPU runs select)
+        if keep is not None and callspec is not None and not item.get_closest_marker("gpu") \
+                and not keep(**callspec.params):
             item.add_marker(EXHAUSTIVE)
     if not _runs_exhaustive(config):
         extended = [item for item in items if item.get_closest_marker("exhaustive")]
