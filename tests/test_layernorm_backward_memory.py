@@ -258,6 +258,8 @@ PIECE_CASES = [(40, 16, False), (37, 8, False), (64, 64, False), (37, 16, True),
                (99, 32, True), (61, 64, True)]
 
 
+@exhaustive_unless(one_of_each({"n,piece,vec": PIECE_CASES,
+                                "dtype": [torch.float32, torch.bfloat16]}))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
 def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):
@@ -278,6 +280,8 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     assert_close_to_ref(dx[row0:], want[row0:], dtype, scale=8)
 
 
+@exhaustive_unless(one_of_each({"n,piece,vec": PIECE_CASES,
+                                "dtype": [torch.float32, torch.bfloat16]}))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
 def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):

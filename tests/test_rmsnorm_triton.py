@@ -204,6 +204,7 @@ def test_long_rows_forward(extra):
     check_all(x, w, dy, backward=bool(extra))  # (the backward at the limit: as past it)
 
 
+@exhaustive_unless(one_of_each({"n": [17, 33, 100], "dtype": DTYPES}))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [17, 33, 100])
 def test_looped_kernels(small_single_block, n, dtype):

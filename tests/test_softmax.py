@@ -92,6 +92,9 @@ def max_err_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- sizes and dtypes
 
 
+# Default run: the reference and float32 at every size, each size once in a 16-bit dtype.
+@exhaustive_unless(one_of_each({"n": SIZES, "dtype": [torch.float16, torch.bfloat16]},
+                               {"backend": "reference"}, {"dtype": torch.float32}))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sizes(backend, n, dtype):
