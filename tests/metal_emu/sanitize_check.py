@@ -20,15 +20,15 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_to_ref
 
 from fusedops import metal
 from metal_emu import emu
 
 
 def close(actual, expected, dtype, scale=1.0):
-    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype] * scale
-    expected = expected.to(actual.dtype).double()
-    torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=tol)
+    """The shared tolerance table (tests/conftest.py), reference rounded to actual's dtype."""
+    assert_close_to_ref(actual, expected, dtype, scale)
 
 
 def run_cases(L) -> None:
