@@ -22,6 +22,14 @@ import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+    # CPU runs: every tensor here is small, and two test processes share two cores (pytest -n 2):
+    # intra-op threads only add wake-ups and spinning (more than twice the CPU time of one
+    # thread). One thread per test process; subprocesses the tests start inherit it.
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+    torch.set_num_threads(1)
+
 # One tolerance table for every test: (atol, rtol) against a float64 reference.
 TOLERANCES = {
     torch.float32: (1e-5, 1e-5),
@@ -45,7 +53,85 @@ def assert_close_to_ref(actual: torch.Tensor, expected64: torch.Tensor, dtype: t
     torch.testing.assert_close(actual.to(torch.float64), expected, **tol(dtype, scale))
 
 
+def assert_row_sum_close(actual: torch.Tensor, expected64: torch.Tensor, rows: int,
+                         scale: float = 1.0) -> None:
+    """A quantity summed over ``rows`` rows (dweight, dbias) against its float64 reference, with
+    the tolerance of ``actual``'s own dtype (the parameter gradient's, not the input's). Such
+    sums are accumulated in float32, whose rounding error grows like sqrt(rows): float32 (and
+    float64) results get that factor; 16-bit results are dominated by their final rounding
+    (the reference is rounded to their dtype first), so they keep the plain scale."""
+    if actual.dtype in (torch.float32, torch.float64):
+        scale *= max(rows, 1) ** 0.5
+    assert_close_to_ref(actual, expected64, actual.dtype, scale)
+
+
+# --- the extended matrix -------------------------------------------------------------------------
+# The default run (the README's command) keeps at least one case of every kernel variant
+# boundary, every dtype and every path; the full cross-products carry the ``exhaustive`` marker
+# and run in CI's second step (``-m exhaustive``: only them) or with ``--exhaustive`` (all).
+EXHAUSTIVE = pytest.mark.exhaustive
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="also run the tests marked exhaustive (the full cross-product "
+                          "matrices); -m exhaustive runs only them")
+
+
+def exhaustive_unless(keep):
+    """Decorator for a parametrized test: the cases for which ``keep(**params)`` is false (params:
+    the case's parameters, fixture parameters included) are marked ``exhaustive`` (except
+    ``gpu`` cases). The test ids stay those of the plain parametrization."""
+
+    def mark(fn):
+        fn.exhaustive_unless = keep
+        return fn
+
+    return mark
+
+
+def one_of_each(axes: dict, *extra: dict):
+    """A ``keep`` for :func:`exhaustive_unless`: the diagonal of the cross product, case k
+    taking value k of every axis (shorter axes cycling), so every value of every axis runs at
+    least once by default; ``extra`` dicts name further cases to keep (each a partial
+    assignment that must match). Axis names are parameter names; a key "m,n" stands for
+    parameters parametrized together (its values are tuples)."""
+    width = max(len(v) for v in axes.values())
+    diagonal = [{name: values[k % len(values)] for name, values in axes.items()}
+                for k in range(width)]
+
+    def fields(case: dict, params: dict) -> bool:
+        for name, value in case.items():
+            keys = name.split(",")
+            got = tuple(params[k] for k in keys) if len(keys) > 1 else params[keys[0]]
+            if got != value:
+                return False
+        return True
+
+    def keep(**params) -> bool:
+        return any(fields(case, params) for case in (*diagonal, *extra))
+
+    return keep
+
+
+def _runs_exhaustive(config) -> bool:
+    return config.getoption("--exhaustive") or "exhaustive" in (config.getoption("-m") or "")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers added here
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        keep = getattr(getattr(item, "function", None), "exhaustive_unless", None)
+        callspec = getattr(item, "callspec", None)
+        # (gpu cases stay: compiled kernels are quick, and -m gpu is how GPU runs select)
+        if keep is not None and callspec is not None and not item.get_closest_marker("gpu") \
+                and not keep(**callspec.params):
+            item.add_marker(EXHAUSTIVE)
+    if not _runs_exhaustive(config):
+        extended = [item for item in items if item.get_closest_marker("exhaustive")]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -70,9 +156,12 @@ def _gpu_tests_run_the_kernels(request):
 
 @pytest.fixture
 def triton_backend():
-    """Force the Triton kernels (interpreted on CPU tensors, compiled on CUDA)."""
+    """Force the Triton kernels (interpreted on CPU tensors, compiled on CUDA); skips where
+    Triton is not installed (macOS)."""
     import fusedops
 
+    if not triton_kernels_ready():
+        pytest.skip("Triton is not installed here")
     with fusedops.use_backend("triton"):
         yield
 
@@ -90,6 +179,14 @@ def triton_on_cpu(triton_backend):
     yield
 
 
+@pytest.fixture(scope="session")
+def metal_lib():
+    """The shipped Metal shaders compiled for the CPU emulation (tests/metal_emu; built once,
+    cached on disk), loaded once per test process."""
+    emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
+    return emu.load()
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
@@ -99,12 +196,11 @@ def device() -> str:
 
 
 def triton_kernels_ready() -> bool:
-    """True once fusedops.triton implements the row contract (not a placeholder, Triton present)."""
-    try:
-        from fusedops import triton as tb
-    except ImportError:
-        return False
-    return bool(tb.AVAILABLE) and callable(getattr(tb, "softmax_forward", None))
+    """True where Triton is installed (every Linux install; not macOS): the Triton backend then
+    implements the whole row contract, so a missing entry point fails a test, not skips it."""
+    from fusedops import triton as tb
+
+    return bool(tb.AVAILABLE)
 
 
 @pytest.fixture(params=["reference", "triton"])
@@ -120,31 +216,45 @@ def backend(request):
 
 def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
     """The Triton single-block/looped switch points (padded row length) for the given kernel
-    kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``): rows of N <= limit take the single-block
-    kernel, N = limit + 1 the looped one."""
-    try:
-        from fusedops.triton import _common
-    except ImportError:
+    kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``), for 16-bit and float32 rows: rows of
+    N <= limit take the single-block kernel, N = limit + 1 the looped one. ``default`` where
+    Triton is not installed (macOS: the reference path only)."""
+    from fusedops import triton as tb
+
+    if not tb.AVAILABLE:
         return [default]
-    base = getattr(_common, "single_block_limit", lambda: default)()
-    caps = getattr(_common, "KIND_CAPS", {})
-    return sorted({min(base, caps.get(kind, base)) for kind in kinds})
+    from fusedops.triton import _common
+
+    base = _common.single_block_limit()
+    return sorted({min(base, _common._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
 
 
 @pytest.fixture
 def small_single_block():
     """Shrink the Triton single-block limit to 16 elements, so rows of a few dozen elements take
     the looped (chunked) kernels, several chunks per row, under the interpreter."""
-    from fusedops.triton import _common
+    from _reliability import single_block_limit
 
-    setter = getattr(_common, "set_single_block_limit", None)
-    if setter is None:
-        pytest.skip("fusedops.triton has no set_single_block_limit")
-    setter(16)
-    try:
+    with single_block_limit(16):
         yield 16
-    finally:
-        setter(None)
+
+
+@pytest.fixture(params=["single-block", "looped"])
+def single_block_or_looped(request):
+    """Run a test with the default single-block limit, then with it shrunk to 16 elements (the
+    looped kernels, as ``small_single_block``); yields the variant's name."""
+    from _reliability import single_block_limit
+
+    with single_block_limit(16 if request.param == "looped" else None):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from torch's generator seeded with 0, whatever ran before it in the
+    process (pytest -n distributes tests differently from run to run); tests that want other
+    data seed on their own."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture(autouse=True)
@@ -177,6 +287,39 @@ def _fresh_backward_plans():
         for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
                       tsmm._bwd_plans):
             plans.clear()
+
+
+def require_replay_plans(enabled: bool = True) -> None:
+    """Skip a replay test where no call can replay: it would only compare the normal path with
+    itself. Plans need compiled kernels (a CUDA GPU), Triton's C launch entries
+    (``_common._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
+    import triton
+
+    from fusedops.triton import _common
+
+    if not torch.cuda.is_available() or _common._interpreting():
+        pytest.skip("replay plans need compiled kernels on a CUDA GPU")
+    if not triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
+        pytest.skip(f"replay plans need Triton's C launch entries "
+                    f"({', '.join(_common._C_ENTRY_VERSIONS)}x); Triton {triton.__version__} "
+                    "runs every call on the normal path, which this test would compare with "
+                    "itself")
+    if not enabled:
+        pytest.skip("replay plans are switched off here (the module's PLANS flag)")
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` so that each call appends its arguments to the returned list (the
+    replay tests count the calls that took the normal path)."""
+    real = getattr(module, name)
+    calls: list = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
 
 
 @pytest.fixture

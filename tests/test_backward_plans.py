@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, assert_close_to_ref
+from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
 
 import fusedops
 from fusedops.triton import _common
@@ -177,24 +177,28 @@ GPU_CASES = [  # (M, N, dtype, weight, need): every backward path that replays
 ]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,dtype,weight,need", GPU_CASES, ids=str)
-def test_gpu_replayed_backward_is_bitwise_the_normal_path(M, N, dtype, weight, need):
-    """Where the C entries allow plans (Triton 3.6), the second call replays and gives the
-    first call's bits; on a side stream too; and with plans dropped, the normal path again."""
+def test_gpu_replayed_backward_is_bitwise_the_normal_path(monkeypatch, M, N, dtype, weight,
+                                                          need):
+    """The second call replays (no normal-path call) and gives the first call's bits; on a
+    side stream too; and with plans dropped, the normal path again. Skipped where plans
+    cannot run (see conftest.require_replay_plans)."""
+    require_replay_plans(tln.BWD_PLANS)
+    normal = count_calls(monkeypatch, tln, "_backward")
     inputs = _inputs(M, N, dtype, weight, device="cuda")
     first = _backward(inputs, need, (dtype, dtype))
-    if tln.BWD_PLANS and triton_has_c_entries():
-        assert len(tln._bwd_plans) == 1 and next(iter(tln._bwd_plans.values()))
+    assert len(tln._bwd_plans) == 1 and next(iter(tln._bwd_plans.values()))
     second = _backward(inputs, need, (dtype, dtype))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         third = _backward(inputs, need, (dtype, dtype))
     torch.cuda.current_stream().wait_stream(s)
+    assert len(normal) == 1  # the second and third calls replayed
     tln._bwd_plans.clear()
     fourth = _backward(inputs, need, (dtype, dtype))
+    assert len(normal) == 2
     for outs in (second, third, fourth):
         for a, b in zip(first, outs, strict=True):
             assert (a is None) == (b is None)
@@ -208,11 +212,12 @@ def test_gpu_replayed_backward_is_bitwise_the_normal_path(M, N, dtype, weight, n
     assert_close_to_ref(first[0], want, dtype, 8.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
-def test_gpu_autograd_backward_replays():
-    """Through fused_layernorm and autograd: repeated backward calls give the same gradients,
-    and the signature holds a plan."""
+def test_gpu_autograd_backward_replays(monkeypatch):
+    """Through fused_layernorm and autograd: repeated backward calls replay (one normal-path
+    call in three) and give the same gradients."""
+    require_replay_plans(tln.BWD_PLANS)
+    normal = count_calls(monkeypatch, tln, "_backward")
     x = torch.randn(2048, 2048, device="cuda", dtype=BF16, requires_grad=True)
     w = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
     b = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
@@ -221,14 +226,7 @@ def test_gpu_autograd_backward_replays():
     grads = [torch.autograd.grad(y, (x, w, b), dy, retain_graph=True) for _ in range(3)]
     for g in grads[1:]:
         assert all(torch.equal(a, c) for a, c in zip(grads[0], g, strict=True))
-    if tln.BWD_PLANS and triton_has_c_entries():
-        assert any(tln._bwd_plans.values())
-
-
-def triton_has_c_entries() -> bool:
-    import triton
-
-    return triton.__version__.startswith(_common._C_ENTRY_VERSIONS)
+    assert any(tln._bwd_plans.values()) and len(normal) == 1
 
 
 def test_recordings_are_per_thread():

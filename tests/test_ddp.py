@@ -47,6 +47,7 @@ def _assert_passed(rc: int, out: str, err: str, steps: int) -> None:
     assert "parameters identical across ranks: unpatched True, patched True" in out
 
 
+@pytest.mark.exhaustive  # (the same script on the Triton kernels runs by default, below)
 def test_ddp_gloo_cpu_reference():
     rc, out, err = run_check("--backend", "gloo", "--device", "cpu", "--steps", "5")
     _assert_passed(rc, out, err, 5)
@@ -59,9 +60,9 @@ def test_ddp_gloo_cpu_reference():
 
 @pytest.mark.skipif(not triton_kernels_ready(), reason="Triton kernels not available")
 @pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="CPU-only check (Triton 3.6's interpreter on the lent GPU machine "
-                           "fails in a range() loop: int() of a 1-element NumPy array); on GPU "
-                           "machines the NCCL test covers the compiled kernels")
+                    reason="CPU-only check: on CUDA machines the NCCL test covers the compiled "
+                           "kernels (and Triton 3.6's interpreter fails there in a range() "
+                           "loop: int() of a 1-element NumPy array)")
 def test_ddp_gloo_cpu_triton_interpreter():
     rc, out, err = run_check("--backend", "gloo", "--device", "cpu", "--steps", "3",
                              "--fused-backend", "triton", interpret=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING
+from conftest import INTERPRETING, count_calls, require_replay_plans
 
 pytest.importorskip("triton")
 from fusedops import triton as tb  # noqa: E402
@@ -242,21 +242,20 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
 
 
 @pytestmark_interp
-def test_autograd_steps_replay(recording_entries):
+def test_autograd_steps_replay(recording_entries, triton_backend):
     """Through fused_layernorm and autograd: the second training step's forward and backward
     both replay (the seed drawn for each step reaches the replayed launches)."""
     x = torch.randn(16, 32, requires_grad=True)
     r = torch.randn(16, 32, requires_grad=True)
     w = torch.randn(32, requires_grad=True)
     log = recording_entries
-    with fusedops.use_backend("triton"):
-        for step in range(2):
-            log.clear()
-            out, s = fusedops.fused_layernorm(x, 32, w, residual=r, dropout_p=0.1,
-                                              activation="relu")
-            torch.autograd.grad((out, s), (x, r, w), (torch.ones_like(out), torch.ones_like(s)))
-            kinds = {e[0] for e in log}
-            assert kinds == ({"normal"} if step == 0 else {"replay"})
+    for step in range(2):
+        log.clear()
+        out, s = fusedops.fused_layernorm(x, 32, w, residual=r, dropout_p=0.1,
+                                          activation="relu")
+        torch.autograd.grad((out, s), (x, r, w), (torch.ones_like(out), torch.ones_like(s)))
+        kinds = {e[0] for e in log}
+        assert kinds == ({"normal"} if step == 0 else {"replay"})
 
 
 def test_plans_cleared_with_the_launch_rules():
@@ -292,12 +291,13 @@ GPU_CASES = {  # every launch path, with and without dropout
 }
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_replay_is_bitwise_the_normal_path(name, monkeypatch):
-    """Where the C entries allow plans (Triton 3.6), the second call replays and gives the
-    normal path's bits for its own seed, on a side stream too."""
+    """The second call replays (no normal-path call) and gives the normal path's bits for its
+    own seed, on a side stream too. Skipped where plans cannot run
+    (conftest.require_replay_plans)."""
+    require_replay_plans(tle.PLANS)
     kind, case = GPU_CASES[name]
     case = dict(case)
     M, N, dtype, p, act = (case.pop(k) for k in ("M", "N", "dtype", "p", "act"))
@@ -305,12 +305,10 @@ def test_gpu_replay_is_bitwise_the_normal_path(name, monkeypatch):
     run = (lambda seed: _forward(t, p, seed, act)) if kind == "forward" else \
         (lambda seed: _backward(t, p, seed, act))
     plans = tle._fwd_plans if kind == "forward" else tle._bwd_plans
+    normal = count_calls(monkeypatch, tle, "_forward" if kind == "forward" else "_backward")
     plans.clear()
     first = run(SEED_A)
-    import triton
-
-    if tle.PLANS and triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
-        assert len(plans) == 1 and next(iter(plans.values()))
+    assert len(plans) == 1 and next(iter(plans.values()))
     again = run(SEED_A)
     other = run(SEED_B)
     side = torch.cuda.Stream()
@@ -318,8 +316,10 @@ def test_gpu_replay_is_bitwise_the_normal_path(name, monkeypatch):
     with torch.cuda.stream(side):
         on_side = run(SEED_B)
     torch.cuda.current_stream().wait_stream(side)
+    assert len(normal) == 1  # every call after the first replayed
     plans.clear()
     normal_b = run(SEED_B)
+    assert len(normal) == 2
     for want, outs in ((first, again), (normal_b, other), (normal_b, on_side)):
         for a, b in zip(want, outs, strict=True):
             assert (a is None) == (b is None)

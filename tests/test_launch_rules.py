@@ -1,9 +1,15 @@
-"""The host-side launch rules of the Triton backend (fusedops/triton/_common.py, layernorm.py).
+"""The host-side launch rules of the Triton backend (fusedops/triton/_common.py, layernorm.py,
+softmax.py): the invariants every rule must keep, whatever configs measurements pick.
 
-These rules were chosen from H200 measurements (benchmarks/results/tune-h200-2026-11-21/); the
-tests pin the decisions the docs describe, and the invariants every kernel relies on (a split
-grid is a multiple of its chunk count, chunks cover the row, partial buffers stay bounded).
-They need no GPU: they call the pure-Python rule functions.
+Each test states the invariant it protects: every row length maps to a config, the kernel a
+config picks covers the row, the single-block/looped switch sits at the documented limit and
+moves with it, configs are valid for the kernels (powers of two, whole vectors per thread,
+chunks dividing the rows they unroll), grids never exceed their work and keep the multiples
+the kernels rely on, scratch stays bounded, and rows with a rule are routed to its kernel with
+its config. The rule values themselves (which chunk, how many warps) are measured choices and
+are not restated here; the kernels they pick are checked against float64 in the kernel suites.
+They need no GPU: most call the pure-Python rule functions; the routing tests run the kernels
+(interpreted on CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ from fusedops.triton import _common
 from fusedops.triton import layernorm as tln
 from fusedops.triton import softmax as tsm
 
+KINDS = sorted(_common.KIND_CAPS)
+ELT_SIZES = (2, 4)
+# Row lengths around every power of two a rule may switch at, and a few others.
+ROW_LENGTHS = sorted({1, 2, 3, 12000, 100000} | {
+    (1 << k) + d for k in range(1, 21) for d in (-1, 0, 1)})
+
+
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 9, 1000, 1024, 1025, 65537, 1 << 20])
 def test_next_pow2_matches_triton(n):
@@ -29,122 +45,171 @@ def test_cdiv_matches_triton():
             assert _common.cdiv(a, b) == triton.cdiv(a, b)
 
 
-def test_row_config_rules():
-    rc = _common.row_config
-    # softmax forward: 4 KB tiles on 4 warps for short rows; 8 warps at 16K columns; 16 above
-    assert rc(256, "softmax_fwd", 4) == (True, 256, 4, 4)
-    assert rc(1024, "softmax_fwd", 2) == (True, 1024, 2, 4)
-    # short 16-bit rows: one warp per 1K-element softmax tile, 2K-element LayerNorm tile
-    assert rc(256, "softmax_fwd", 2) == (True, 256, 4, 1)
-    assert rc(128, "softmax_fwd", 2) == (True, 128, 8, 1)
-    assert rc(1024, "ln_fwd", 2) == (True, 1024, 2, 1)
-    assert rc(512, "ln_fwd", 2) == (True, 512, 8, 2)
-    # 16-bit softmax backward: 16 warps up to 8K-element tiles from 2K rows, 8 for 16K/32K
-    assert rc(2048, "softmax_bwd", 2)[3] == 16
-    assert rc(16384, "softmax_bwd", 2)[3] == 8
-    assert rc(2048, "softmax_bwd", 4)[3] == 8
-    assert rc(8192, "softmax_fwd", 2)[3] == 8  # a 16 KB row: 8 warps
-    assert rc(16384, "softmax_fwd", 4)[3] == 8
-    assert rc(32768, "softmax_fwd", 2)[3] == 16
-    # float32 softmax backward: 32K rows go to the split-row/looped kernels, 16-bit stay
-    assert rc(32768, "softmax_bwd", 4)[0] is False
-    assert rc(32768, "softmax_bwd", 2)[0] is True
-    # short float32 LayerNorm rows: 8 KB tiles on 4 warps
-    assert rc(256, "ln_fwd", 2) == (True, 256, 8, 1)
-    assert rc(256, "ln_fwd", 4) == (True, 256, 8, 4)
-    assert rc(4096, "ln_fwd", 2) == (True, 4096, 2, 4)  # 8192-element tiles above 2 KB rows
-    # above every cap: looped chunks
-    assert rc(1 << 20, "ln_bwd", 2)[0] is False
+# ------------------------------------------------------------------------- single-block / looped
 
 
-def test_grid_size_rules():
-    dev = torch.device("cpu")  # num_sms reports 4 off-GPU
-    # one program per tile for softmax and short LayerNorm forward rows
-    assert _common.grid_size(1000, 4, "softmax_fwd", dev, 256) == 1000
-    assert _common.grid_size(1000, 4, "ln_fwd", dev, 8192) == 1000
-    # persistent: one resident wave (2048 threads per SM), never more programs than tiles
-    assert _common.grid_size(1000, 16, "ln_fwd", dev, 16384) == 4 * 4
-    assert _common.grid_size(3, 16, "ln_fwd", dev, 16384) == 3
-    assert _common.grid_size(1000, 8, "ln_bwd", dev, 1024) == 4 * 8
+@pytest.mark.parametrize("elt", ELT_SIZES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_row_length_maps_to_a_config_that_covers_it(kind, elt):
+    """Invariant: row_config answers for every N, with a power-of-two block, rows per program
+    and warps (1-32); a single-block config holds the whole row (BLOCK = next_pow2(N) >= N,
+    within the kind's cap and the single-block limit), a looped one streams it in several
+    chunks of one row per program."""
+    limit = min(_common.single_block_limit(), _common._cap(kind, elt))
+    for n in ROW_LENGTHS:
+        single, block, rows, warps = _common.row_config(n, kind, elt)
+        assert _pow2(block) and _pow2(rows) and _pow2(warps) and warps <= 32, (n, kind, elt)
+        if single:
+            assert block == _common.next_pow2(n) >= n and block <= limit, (n, kind, elt)
+        else:
+            assert rows == 1 and block < n, (n, kind, elt)
+
+
+@pytest.mark.parametrize("elt", ELT_SIZES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_single_block_switch_is_at_the_limit(kind, elt):
+    """Invariant: one switch per kind, at min(single-block limit, the kind's cap): every row up
+    to it is single-block, every longer one looped; shrinking the limit (what the looped-path
+    tests do) moves the switch with it; the kernel suites' boundary sizes
+    (conftest.single_block_limits) are these switch points."""
+    from conftest import single_block_limits
+
+    switch = min(_common.single_block_limit(), _common._cap(kind, elt))
+    assert switch in single_block_limits(kind)
+    for n in ROW_LENGTHS:
+        assert _common.row_config(n, kind, elt)[0] == (n <= switch), (n, switch)
+    _common.set_single_block_limit(16)
+    try:
+        assert _common.row_config(16, kind, elt)[0]
+        assert not _common.row_config(17, kind, elt)[0]
+        assert _common.row_config(17, kind, elt)[1] <= 16  # chunks within the shrunk limit
+    finally:
+        _common.set_single_block_limit(None)
+    assert _common.row_config(switch, kind, elt)[0] and not _common.row_config(
+        switch + 1, kind, elt)[0]
+
+
+def test_single_block_limit_must_be_a_power_of_two():
+    """Invariant: only limits the kernels can take (powers of two >= 16) are accepted."""
+    for bad in (8, 24, 1000):
+        with pytest.raises(ValueError, match="power of two"):
+            _common.set_single_block_limit(bad)
+    assert _common.single_block_limit() == _common.DEFAULT_SINGLE_BLOCK_LIMIT
+
+
+@pytest.mark.parametrize("elt", ELT_SIZES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_unaligned_rows_are_configured_for_their_body(kind, elt):
+    """Invariant: rows whose starts are not 16-byte aligned (VEC = 16 / element size) are
+    configured for their aligned body (N = 2^k + 1 on a 2^k block, not 2^(k+1)); where the
+    config drops VEC (scalar access), it is row_config's own config for the row."""
+    vec = 16 // elt
+    for n in ROW_LENGTHS:
+        if n < 2 * vec or n % vec == 0:
+            continue
+        single, block, rows, warps, v = _common.unaligned_config(n, kind, elt, vec)
+        assert v in (0, vec) and _pow2(warps) and warps <= 32
+        if v:
+            body = _common.body_len(n, vec)
+            assert body % vec == 0 and n - vec < body <= n
+            assert (single, block, rows) == _common.row_config(body, kind, elt)[:3]
+        else:
+            assert (single, block, rows, warps) == _common.row_config(n, kind, elt)
+
+
+def test_grid_sizes_stay_within_the_work():
+    """Invariant: a single-block launch has 1 to `tiles` programs; kinds that are not
+    persistent (for their block) get one program per tile; persistent grids hold at most one
+    resident wave (2048 threads per SM) and, with unaligned rows (VEC > 0) and fewer programs
+    than tiles, a multiple of VEC programs (a program's tiles share one misalignment)."""
+    dev = torch.device("cpu")
+    sms = _common.num_sms(dev)
+    for kind in KINDS:
+        for warps in (1, 2, 4, 8, 16, 32):
+            for block in (256, 8192, 16384):
+                for tiles in (1, 3, 100, 1000, 100000):
+                    for vec in (0, 4, 8):
+                        progs = _common.grid_size(tiles, warps, kind, dev, block, vec)
+                        assert 1 <= progs <= tiles
+                        per_block = _common.PERSISTENT_ABOVE.get(kind, 1 << 62)
+                        if not _common.PERSISTENT[kind] and block <= per_block:
+                            assert progs == tiles
+                            continue
+                        assert progs * warps * 32 <= max(sms * 2048, vec * warps * 32)
+                        if vec and progs < tiles:
+                            assert progs % vec == 0
+
+
+# ------------------------------------------------------------------------------------ split rows
 
 
 @pytest.mark.parametrize("n", [8193, 16385, 65537, 100000, 262144, (1 << 22) + 3])
 @pytest.mark.parametrize("chunk", [2048, 4096, 8192])
 @pytest.mark.parametrize("vec", [0, 4, 8])
 def test_split_pieces_cover_the_row(n, chunk, vec):
+    """Invariant: the C pieces of L elements cover the row, the last one starting inside it;
+    with unaligned rows (VEC > 0) pieces of the body start 16-byte aligned."""
     c, length = _common.split_pieces(n, chunk, vec)
     assert length <= chunk
     # the pieces cover the row and the last one starts inside it (with unaligned rows it covers
     # part of the aligned body, up to 2·(VEC - 1) shorter than the row, and may be empty for
     # some rows when there are thousands of pieces: the kernels give an empty piece weight 0)
     assert c * length >= n > (c - 1) * length
-    if c <= 132:  # no empty pieces where split rows run (all pieces resident on an H100/H200)
+    if c <= 132:  # no empty pieces where split rows run (all pieces resident on one GPU)
         assert (c - 1) * length < n - 2 * vec
     assert c == _common.cdiv(n, chunk)
     if vec:
         assert length % 16 == 0  # pieces of the body start 16-byte aligned
 
 
-def test_split_config_rules():
-    cfg = tln._split_config
-    # forward (piece, warps, prefetch): aligned float32 8192/4, 16-bit 8192/8
-    assert cfg("fwd", 65537, 2, False) == (8192, 4, 3)  # unaligned rows
-    assert cfg("fwd", 65536, 4, True) == (8192, 4, 1)
-    assert cfg("fwd", 65537, 4, False) == (8192, 4, 3)
-    assert cfg("fwd", 65536, 2, True) == (8192, 8, 1)
-    assert cfg("fwd", 131072, 2, True) == (8192, 8, 1)
-    assert cfg("fwd", 262144, 2, True) is None  # aligned 16-bit 256K: looped measured faster
-    # backward (piece, warps, prefetch[, register cap[, clusters]]); the cluster rules (16-bit
-    # 16K-64K, float32 16K-64K, aligned rows) in tests/test_clusters.py
-    assert cfg("bwd", 8192, 2, True) == (4096, 8, 1, 128)
-    assert cfg("bwd", 131072, 2, True) == (8192, 16, 1)
-    assert cfg("bwd", 262144, 2, True) == (8192, 8, 3)
-    assert cfg("bwd", 8193, 2, False) == (8192, 8, 2)
-    assert cfg("bwd", 65537, 2, False) == (8192, 16, 1)
-    # unaligned rows as aligned-body pieces plus edges (VEC > 0): float32 bodies of 16K+
-    # (rounds 28-29); None = scalar pieces (16-bit: PyTorch's native kernel, see below)
-    assert tln.VEC_SPLIT_BWD == {4: ((4096, 4, 2), 16384)}
-    assert cfg("bwd", 16385, 4, False, 4) == cfg("bwd", 262145, 4, False, 4) == (4096, 4, 2)
-    assert cfg("bwd", 8193, 4, False, 4) is None
-    assert cfg("bwd", 65537, 2, False, 8) is None
-    assert cfg("bwd", 8193, 4, False) == (2048, 4, 2)
-    assert cfg("bwd", 32768, 4, False) == (2048, 4, 0)
-    assert cfg("bwd", 65536, 4, False) == (4096, 4, 2)
-    assert cfg("bwd", 262144, 4, True) == (8192, 8, 2)
-    # softmax: prefetch by direction, dtype and alignment
-    assert tsm._split_config("fwd", 2, 0, 65536) == (4096, 4, 3)
-    assert tsm._split_config("fwd", 2, 0, 131072) == (8192, 8, 3)
-    assert tsm._split_config("fwd", 4, 0, 65536) == (8192, 8, 1)
-    assert tsm._split_config("fwd", 2, 8, 65537) == (4096, 4, 3)  # unaligned rows
-    assert tsm._split_config("fwd", 4, 4, 65537) == (8192, 8, 3)
-    assert tsm._split_config("bwd", 2) == (8192, 8, 1)
-    assert tsm._split_config("bwd", 4) == tsm._split_config("bwd", 4, 4) == (8192, 8, 0)
-    assert tsm._split_config("bwd", 2, 8) == (8192, 8, 2)  # unaligned rows
+def _check_split_config(cfg, n, elt, aligned, vec):
+    piece, warps, prefetch, *rest = cfg
+    assert _pow2(piece) and _pow2(warps) and warps <= 32, cfg
+    assert piece >= 32 * warps  # every thread holds part of its piece
+    assert prefetch in (0, 1, 2, 3)  # the load placements the kernels implement
+    if vec:
+        assert piece % 16 == 0
+    if rest:
+        cap = rest[0]
+        assert cap is None or 32 <= cap <= 255  # a register cap ptxas takes
+    if len(rest) > 1 and rest[1]:  # thread-block clusters: aligned rows only
+        assert aligned and not vec, (n, elt, cfg)
+        if _pow2(n):  # the rows the cluster rules are for fit one cluster (2-16 pieces);
+            # other piece counts run cooperative (clusters_enabled)
+            assert _common.cdiv(n, piece) in (2, 4, 8, 16), (n, elt, cfg)
 
 
-def test_fused_backward_stages_rule(monkeypatch, device):
-    """Pipelined tile loop (three stages) for aligned 16-bit blocks of 1K and 2K only; the
-    launch passes it (STAGES, the kernel's last argument), also to the parked dx launch."""
-    stages = tln._fused_bwd_stages
-    assert stages(1024, 2, (768, 768, 768)) == stages(2048, 2, (2048, 2048, 2048)) == 3
-    assert stages(512, 2, (512,) * 3) == stages(4096, 2, (4096,) * 3) == 1
-    assert stages(1024, 4, (1024,) * 3) == 1  # float32
-    assert stages(2048, 2, (1500,) * 3) == 1  # unaligned rows
-    assert stages(2048, 2, (2048, 2048, 1500)) == 1
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", 2)
-    assert stages(4096, 4, (4096,) * 3) == 2
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", None)
-    seen = []
-    real = tln._launch_bwd_single
-    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: seen.append(
-        args[-1]) or real(grid, args, warps))
-    for n, want in ((768, 3), (4096, 1)):
-        x = torch.randn(16, n, dtype=torch.bfloat16, device=device)
-        w = torch.randn(n, dtype=torch.bfloat16, device=device)
-        _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-        seen.clear()
-        tln.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
-        assert seen and set(seen) == {want}, n  # (a parked dx launch follows in low_memory)
+@pytest.mark.parametrize("elt", ELT_SIZES)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_layernorm_split_configs_are_valid(elt, aligned):
+    """Invariant: every split-row LayerNorm config (forward and backward, any row the split
+    kernels may take, aligned or not, scalar or aligned-body pieces) is one the kernels can
+    run: power-of-two pieces of at least one element per thread, a PREFETCH placement they
+    implement, a register cap ptxas accepts, and clusters only for aligned rows, power-of-two
+    rows in 2-16 pieces (what _clusters.clusters_enabled allows). None only where another
+    kernel takes the row."""
+    for n in (m for m in ROW_LENGTHS if m > 8192):
+        for vec in ((0, 16 // elt) if not aligned else (0,)):
+            for kind in ("fwd", "bwd"):
+                cfg = tln._split_config(kind, n, elt, aligned, vec)
+                if cfg is None:
+                    # forward: aligned 16-bit rows of 256K+ (looped); backward with VEC: the
+                    # scalar pieces or PyTorch's native kernel (16-bit)
+                    assert (kind == "fwd" and aligned and elt == 2) or (kind == "bwd" and vec)
+                    continue
+                _check_split_config(cfg, n, elt, aligned, vec)
+
+
+def test_softmax_split_configs_are_valid():
+    """Invariant: the softmax split-row configs, any row and dtype, aligned or not, are valid
+    for the kernels (as for LayerNorm; no clusters)."""
+    for n in (m for m in ROW_LENGTHS if m > 8192):
+        for elt in ELT_SIZES:
+            for vec in (0, 16 // elt):
+                for kind in ("fwd", "bwd"):
+                    cfg = tsm._split_config(kind, elt, vec, n)
+                    assert len(cfg) == 3
+                    _check_split_config(cfg, n, elt, not vec, vec)
 
 
 def test_split_config_overrides(monkeypatch):
@@ -156,45 +221,10 @@ def test_split_config_overrides(monkeypatch):
     assert tsm._split_config("bwd", 4) == (4096, 4, 2)
 
 
-def test_fused_backward_config():
-    # (ROWS, warps, programs per SM, ACC_1D)
-    assert tln._fused_bwd_config(256) == (16, 8, 2, False)  # 2-D accumulators for short rows
-    assert tln._fused_bwd_config(512, False, 2) == (4, 4, 4, False)  # 16-bit: 2K tiles, 4/SM
-    assert tln._fused_bwd_config(512, False, 4) == (8, 8, 2, False)
-    assert tln._fused_bwd_config(1024) == (4, 8, 2, False)
-    assert tln._fused_bwd_config(2048) == (2, 8, 2, True)
-    assert tln._fused_bwd_config(4096) == (4, 16, 1, True)  # 16K-element tiles from 4K
-    assert tln._fused_bwd_config(8192) == (2, 16, 1, True)
-    # float32 rows of 4K-8K: 8K-element tiles (round 51), aligned or not
-    assert tln._fused_bwd_config(8192, False, 4) == (1, 16, 1, True)
-    assert tln._fused_bwd_config(4096, False, 4) == (2, 16, 1, True)
-    assert tln._fused_bwd_config(2048, False, 4) == (2, 8, 2, True)
-    # the body variant of unaligned rows: one row per tile (multi-row tiles spill), two programs
-    # per SM; float32 bodies of 4K+ on 8K-element tiles, one program per SM
-    assert tln._fused_bwd_config(8192, True, 2) == (1, 16, 2, True)
-    assert tln._fused_bwd_config(4096, True, 2) == (1, 8, 2, True)
-    assert tln._fused_bwd_config(2048, True, 4) == (1, 4, 2, True)
-    assert tln._fused_bwd_config(4096, True, 4) == (2, 16, 1, True)
-    assert tln._fused_bwd_config(8192, True, 4) == (1, 16, 1, True)
-
-
-def test_partial_rows_bounded_by_an_eighth_of_x():
-    for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
-                        (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
-        x = torch.empty(m, n, dtype=dtype)
-        rows = tln._max_partial_rows(x)
-        assert rows >= 1
-        if rows > 1:
-            assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
-
-
-def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
-    # CPU tensors never take the native path (it is measured and enabled on CUDA only)
-    x = torch.empty(2, 8193, dtype=torch.bfloat16)
-    assert not tln._native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
-
-
 def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
+    """Invariant: a split-row grid is a multiple of the pieces per row C (all pieces of a row
+    in one round), deterministic for the same arguments, and with unaligned rows a multiple
+    of C·VEC (a program's rows share one misalignment) or 0 where none fits."""
     launcher = _common.SplitLauncher(tln._ln_fwd_split)
     dev = torch.device("cpu")
     x = torch.empty(2, 8)
@@ -213,25 +243,190 @@ def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     assert many % 6 == 0 and 0 < many < 3000
 
 
-def test_unaligned_config_rules():
-    uc = _common.unaligned_config
-    # aligned rows: row_config unchanged, VEC 0
-    assert uc(8192, "softmax_fwd", 2, 0) == (*_common.row_config(8192, "softmax_fwd", 2), 0)
-    # 2^k + 1 rows: configured for the 2^k aligned body (not padded to 2^(k+1)), with the
-    # round-9 warps
-    assert uc(8193, "softmax_fwd", 2, 8) == (True, 8192, 1, 4, 8)
-    assert uc(8193, "softmax_bwd", 2, 8)[1:] == (8192, 1, 8, 8)
-    assert uc(1025, "softmax_bwd", 2, 8)[3:] == (16, 8)
-    assert uc(32769, "softmax_fwd", 2, 8)[:2] == (True, 32768)
-    assert not uc(65537, "softmax_fwd", 2, 8)[0]  # softmax forward rows of 64K+: split rows
-    # short float32 backward rows (and LayerNorm dx rows up to 1K) stay on scalar access
-    assert uc(1025, "softmax_bwd", 4, 4) == (*_common.row_config(1025, "softmax_bwd", 4), 0)
-    assert uc(1025, "ln_bwd", 2, 8)[-1] == 0
-    assert uc(4097, "ln_bwd", 2, 8)[1:] == (4096, _common.row_config(4096, "ln_bwd", 2)[2], 4, 8)
+# ------------------------------------------------------------------------ fused LayerNorm backward
 
+FUSED_BITS = tln.FUSED_BWD_MAX_BLOCK.bit_length() - 1  # log2 of the longest padded row
+
+
+def test_fused_backward_configs_are_valid():
+    """Invariant: for every padded row the fused backward takes (up to FUSED_BWD_MAX_BLOCK),
+    a tile of a power-of-two number of whole rows (one per tile for the aligned-body variant),
+    4-16 warps with at least one element per thread, and at least one program per SM."""
+    for elt in ELT_SIZES:
+        for k in range(0, FUSED_BITS + 1):
+            block = 1 << k
+            for body in (False, True):
+                if body and block < tln.FUSED_BWD_UNALIGNED_MIN_BLOCK:
+                    continue  # shorter bodies take the scalar variant
+                rows, warps, per_sm, acc_1d = tln._fused_bwd_config(block, body, elt)
+                assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 16, (block, body, elt)
+                assert rows * block >= 32 * warps and per_sm >= 1
+                assert isinstance(acc_1d, bool)
+                if body and elt == 2:
+                    assert rows == 1  # multi-row tiles of the body variant spill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype):
+    """Invariant: the fused backward's plan covers every row (tiles·ROWS >= M, the block holds
+    the row or its aligned body), uses no more programs than tiles nor partial rows than the
+    scratch budget, and with unaligned rows a multiple of VEC programs unless every tile has
+    its own; rows longer than FUSED_BWD_MAX_BLOCK get no plan (the split / column paths)."""
+    monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
+    elt = torch.empty((), dtype=dtype).element_size()
+    for m in (1, 3, 37, 300, 4096):
+        for n in (1, 33, 64, 1000, 1025, 2049, 4097, 8192, 8193):
+            x = torch.empty(m, n, dtype=dtype)
+            plan = tln._fused_plan(m, n, x, x)
+            if _common.next_pow2(n) > tln.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
+                assert plan is None
+                continue
+            if plan is None:  # an unaligned body too long for the fused kernel
+                assert _common.next_pow2(n) > tln.FUSED_BWD_MAX_BLOCK
+                continue
+            vec, block, rows, warps, acc_1d, tiles, progs = plan
+            assert block >= _common.body_len(n, vec) and _pow2(block)
+            assert tiles * rows >= m
+            assert 1 <= progs <= min(tiles, max(1, tln._max_partial_rows(x)))
+            if vec and progs < tiles:
+                assert progs % vec == 0
+
+
+def test_partial_rows_bounded_by_an_eighth_of_x():
+    """Invariant: the fused backward's float32 partial rows take at most an eighth of x's
+    bytes (small batches do not pay scratch comparable to their activations)."""
+    for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
+                        (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
+        x = torch.empty(m, n, dtype=dtype)
+        rows = tln._max_partial_rows(x)
+        assert rows >= 1
+        if rows > 1:
+            assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
+
+
+def test_fused_backward_stages_rule(monkeypatch, device):
+    """Invariant: the tile loop is pipelined (stages > 1) only for 16-bit rows of the blocks
+    PIPELINED_BWD_BLOCKS lists whose row strides are 16-byte multiples, never for float32 or
+    unaligned strides; FUSED_BWD_STAGES overrides it; the launch passes the rule's value
+    (STAGES, the kernel's last argument), also to the parked dx launch."""
+    stages = tln._fused_bwd_stages
+    for k in range(4, FUSED_BITS + 1):
+        block = 1 << k
+        pipelined = block in tln.PIPELINED_BWD_BLOCKS
+        assert (stages(block, 2, (block,) * 3) > 1) == pipelined
+        assert stages(block, 4, (block,) * 3) == 1  # float32
+        assert stages(block, 2, (block, block, block - 4)) == 1  # unaligned rows
+    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", 2)
+    assert stages(4096, 4, (4096,) * 3) == 2
+    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", None)
+    seen = []
+    real = tln._launch_bwd_single
+    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: seen.append(
+        args[-1]) or real(grid, args, warps))
+    piped = min(tln.PIPELINED_BWD_BLOCKS)
+    for n in (piped * 3 // 4, piped // 2):  # a pipelined block, one outside the set
+        x = torch.randn(8, n, dtype=torch.bfloat16, device=device)
+        w = torch.randn(n, dtype=torch.bfloat16, device=device)
+        _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
+        seen.clear()
+        tln.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
+        want = stages(_common.next_pow2(n), 2, (n,) * 3)
+        assert seen and set(seen) == {want}, n  # (a parked dx launch follows in low_memory)
+
+
+def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
+    # CPU tensors never take the native path (it is measured and enabled on CUDA only)
+    x = torch.empty(2, 8193, dtype=torch.bfloat16)
+    assert not tln._native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------- reload / unrolled tables
+
+
+def _check_table(table: dict, above: int, min_warps: int = 0, third=bool):
+    """Rule tables (element size, padded row or body) -> config(s): keys a kernel can meet
+    (16-bit or float32, a power-of-two padded length above the host's lookup threshold, so
+    no rule is skipped), each config's chunk a power of two dividing the padded length and
+    split evenly over the threads (whole vectors per thread); ``third``: what a config's third
+    value is (THIRD_READ, a bool, or the softmax backward's first-pass piece)."""
+    for (elt, padded), configs in table.items():
+        assert elt in ELT_SIZES and _pow2(padded) and padded > above, (elt, padded)
+        for chunk, warps, *extra in (configs if isinstance(configs[0], tuple) else (configs,)):
+            assert _pow2(chunk) and padded % chunk == 0, (elt, padded, chunk)
+            assert warps == 0 or (warps >= min_warps and chunk % (32 * warps) == 0)
+            assert len(extra) <= 1
+            if extra and third is bool:
+                assert isinstance(extra[0], bool)
+            elif extra:  # a first pass in pieces
+                assert _pow2(extra[0]) and padded % extra[0] == 0
+
+
+def test_reload_and_unrolled_tables_are_valid():
+    """Invariant: every reload / unrolled rule (LayerNorm and softmax, forward and backward,
+    aligned and unaligned rows, the per-GPU tables) is valid for its kernel and reachable."""
+    _check_table(tln.RELOAD_FWD, tln.RELOAD_FWD_ABOVE)
+    _check_table(tln.RELOAD_VEC_FWD, 0, min_warps=1)
+    _check_table(tln.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
+    _check_table(tln.UNROLLED_VEC_FWD, 0, min_warps=1)
+    for rules in tln.UNROLLED_FWD_GPU.values():
+        _check_table(rules, tln.UNROLLED_FWD_ABOVE)
+    _check_table(tsm.RELOAD_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
+    _check_table(tsm.RELOAD_BWD, tsm.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
+    _check_table(tsm.UNROLLED_FWD, tsm.UNROLLED_FWD_ABOVE)
+    _check_table(tsm.UNROLLED_VEC_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
+    _check_table(tsm.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
+    _check_table(tsm.UNROLLED_VEC_BWD, 0, min_warps=1)
+    for (_, padded) in tsm.UNROLLED_VEC_BWD:
+        # unaligned rows: N > padded / 2 + 1 > UNROLLED_BWD_ABOVE for any body padded to it
+        assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE
+
+
+def test_unrolled_rules_per_gpu(monkeypatch):
+    """Invariant: a GPU whose name matches a per-GPU table reads that table's rules for the
+    keys it holds and the shared table for every other key; other GPUs and the CPU read the
+    shared table, which the per-GPU rules never change."""
+    if not tln.UNROLLED_FWD_GPU:
+        pytest.skip("no per-GPU rules to check")
+    shared = {k: v for k, v in tln.UNROLLED_FWD.items()}
+    for part, rules in tln.UNROLLED_FWD_GPU.items():
+        monkeypatch.setattr(tln, "device_name", lambda index, part=part: f"NVIDIA {part} X")
+        for key in rules:
+            assert tln._unrolled_fwd_table(0, key) is rules
+        for key in tln.UNROLLED_FWD:
+            if key not in rules:
+                assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
+        assert all(tln._unrolled_fwd_table(-1, key) is tln.UNROLLED_FWD for key in rules)
+        monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA A100-SXM4-80GB")
+        assert all(tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD for key in rules)
+    assert tln.UNROLLED_FWD == shared
+    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
+    key = next(iter(tln.UNROLLED_FWD))
+    assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
+
+
+# ------------------------------------------------------------------- rows routed to their rules
 
 NEEDS_KERNELS = pytest.mark.skipif(not _common._interpreting() and not torch.cuda.is_available(),
                                    reason="needs the Triton interpreter or a GPU")
+
+
+def _dev() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _first_dividing(table: dict, elt: int, n: int, above: int) -> tuple[int, int] | None:
+    """The documented choice of an unrolled rule for aligned rows of n: the first config whose
+    chunk divides n (0 warps: the row is left to the other kernels); None without a rule."""
+    if n <= above or n % (16 // elt):
+        return None
+    for chunk, warps in table.get((elt, _common.next_pow2(n)), ()):
+        if n % chunk == 0:
+            return (chunk, warps) if warps else None
+    return None
 
 
 def _recording(monkeypatch, mod, name, calls, pick):
@@ -250,38 +445,20 @@ def _recording(monkeypatch, mod, name, calls, pick):
 
 @NEEDS_KERNELS
 def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch):
-    """16-bit rows of 64K take the split-row kernel (round 22); without it (the interpreter, a
+    """16-bit rows of 64K take the split-row kernel on a GPU; without it (the interpreter, a
     refused cooperative launch) the two-pass looped kernel, with row_config's chunk."""
     calls = []
     _recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
     monkeypatch.setattr(_common, "_split_state", {"enabled": False})
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {})  # 64K rows have an unrolled rule (below)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = (torch.randn(2, 65536, device=device) * 3 + 100).to(torch.bfloat16)
-    w = torch.randn(65536, device=device)
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {})  # 64K rows may have an unrolled rule
+    x = (torch.randn(2, 65536, device=_dev()) * 3 + 100).to(torch.bfloat16)
+    w = torch.randn(65536, device=_dev())
     y, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, torch.bfloat16)
     single, block, _, warps = _common.row_config(65536, "ln_fwd", 2)
     assert not single and calls == [(block, warps)]
     ref = torch.nn.functional.layer_norm(x.double(), (65536,), w.double())
-    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
-    torch.testing.assert_close(mean.double(), x.double().mean(-1), atol=1e-3, rtol=1e-5)
-
-
-def test_reload_rules():
-    # Rounds 16 and 18 (H200): rows read whole, then again from L2: (element size, padded row)
-    # -> (second-pass chunk, warps[, THIRD_READ for LayerNorm | first-pass piece for softmax]).
-    assert tln.RELOAD_FWD == {(2, 4096): (1024, 4), (2, 8192): (1024, 8),
-                              (2, 16384): (4096, 16), (2, 32768): (8192, 32, True),
-                              (4, 16384): (2048, 16), (4, 32768): (8192, 32)}
-    assert tsm.RELOAD_BWD == {(2, 2048): (2048, 8), (2, 4096): (4096, 16),
-                              (2, 16384): (4096, 32), (2, 32768): (32768, 32),
-                              (4, 32768): (32768, 32)}
-    # Round 27: the softmax forward's reload kernel
-    assert tsm.RELOAD_FWD == {(2, 65536): (16384, 32), (4, 32768): (8192, 32)}
-    assert min(k[1] for k in tsm.RELOAD_FWD) > tsm.RELOAD_FWD_ABOVE
-    # the host paths skip the lookup for rows shorter than every key
-    assert min(k[1] for k in tln.RELOAD_FWD) > tln.RELOAD_FWD_ABOVE
-    assert min(k[1] for k in tsm.RELOAD_BWD) > tsm.RELOAD_BWD_ABOVE
+    assert_close_to_ref(y, ref, torch.bfloat16, scale=2)
+    assert_close_to_ref(mean, x.double().mean(-1), torch.float32)
 
 
 @NEEDS_KERNELS
@@ -289,195 +466,142 @@ def test_reload_rules():
 def test_reload_kernels_take_their_rows(monkeypatch, n):
     """Aligned rows whose padded length has a reload rule run the reload kernels (forward
     LayerNorm, backward softmax) with the rule's chunk and warps, unless the forward's unrolled
-    rule takes them (16384: a multiple of its chunk; 12000 is not); unaligned rows do not
-    (their forward has its own reload kernel, tested below)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rule takes them (a chunk divides the row); unaligned rows do not (their forward has its own
+    reload kernel, tested below)."""
     fwd, bwd, unrolled = [], [], []
     _recording(monkeypatch, tln, "_launch_fwd_reload", fwd, lambda g, a, w: (g, a[10], a[11], w))
     _recording(monkeypatch, tln, "_launch_fwd_unrolled", unrolled,
                lambda g, a, w: (g, a[10], a[11], w))
     _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
-    x = torch.randn(3, n, device=device).to(torch.bfloat16)
+    whole = _common.next_pow2(n)
+    assert (2, whole) in tln.RELOAD_FWD and (2, whole) in tsm.RELOAD_BWD  # the rows tested
+    x = torch.randn(3, n, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
-    if n == 16384:
-        assert unrolled == [((3,), 16384, 4096, 16)] and fwd == []
+    table = tln._unrolled_fwd_table(x.get_device(), (2, whole))
+    rule = _first_dividing(table, 2, n, tln.UNROLLED_FWD_ABOVE)
+    if rule:
+        assert unrolled == [((3,), n, rule[0], rule[1])] and fwd == []
     else:
-        assert fwd == [((3,), 16384, 4096, 16)] and unrolled == []
-    assert bwd == [((3,), 4096, 16384, 32)]
-    odd = torch.randn(3, n + 1, device=device).to(torch.bfloat16)
+        chunk, warps = tln.RELOAD_FWD[(2, whole)][:2]
+        assert fwd == [((3,), whole, chunk, warps)] and unrolled == []
+    chunk, warps = tsm.RELOAD_BWD[(2, whole)][:2]
+    assert bwd == [((3,), chunk, whole, warps)]
+    odd = torch.randn(3, n + 1, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(odd, -1), odd, torch.bfloat16)
     assert len(fwd) + len(unrolled) == 1 and len(bwd) == 1
 
 
-def test_unrolled_rules():
-    # Rounds 31-32 (H200): (element size, padded row) -> (chunk, warps) configs, the first whose
-    # chunk divides N taken.
-    assert tln.UNROLLED_FWD == {
-        (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
-        (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
-        (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
-        (2, 65536): ((16384, 32),), (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),
-        (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),),
-        (4, 4096): ((2048, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
-        (4, 65536): ((16384, 32),)}
-    for (_, padded), configs in tln.UNROLLED_FWD.items():
-        assert padded > tln.UNROLLED_FWD_ABOVE  # the host path skips shorter rows' lookup
-        for chunk, warps in configs:
-            assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
-    # Round 41: unaligned rows, (element size, padded body) -> (chunk, warps)
-    assert tln.UNROLLED_VEC_FWD == {(2, 65536): (8192, 32), (4, 65536): (16384, 32),
-                                    (2, 131072): (16384, 32), (2, 262144): (8192, 32),
-                                    (4, 131072): (8192, 32), (4, 262144): (8192, 32)}
-    for (_, padded), (chunk, warps) in tln.UNROLLED_VEC_FWD.items():
-        assert padded % chunk == 0 and chunk % (32 * warps) == 0
-
-
-def test_unrolled_rules_per_gpu(monkeypatch):
-    # Round 50 (H100): 16-bit 4K and 8K entries replaced where the device name says H100.
-    assert tln.UNROLLED_FWD_GPU == {"H100": {(2, 4096): ((2048, 8), (1024, 4), (512, 4)),
-                                             (2, 8192): ((2048, 16), (1024, 8))}}
-    for rules in tln.UNROLLED_FWD_GPU.values():
-        for (_, padded), configs in rules.items():
-            for chunk, warps in configs:
-                assert padded % chunk == 0 and chunk % (32 * warps) == 0
-    monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H100 80GB HBM3")
-    assert tln._unrolled_fwd_table(0, (2, 8192))[(2, 8192)] == ((2048, 16), (1024, 8))
-    assert tln._unrolled_fwd_table(0, (2, 4096))[(2, 4096)] == ((2048, 8), (1024, 4), (512, 4))
-    for key in tln.UNROLLED_FWD:  # every other entry: the shared table
-        if key not in ((2, 4096), (2, 8192)):
-            assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
-    assert tln.UNROLLED_FWD[(2, 8192)] == ((2048, 8), (1024, 8))  # the shared table unchanged
-    monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H200")
-    assert tln._unrolled_fwd_table(0, (2, 8192)) is tln.UNROLLED_FWD
-    assert tln._unrolled_fwd_table(-1, (2, 8192)) is tln.UNROLLED_FWD  # CPU: no device name
-    monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA H100 PCIe")
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
-    assert tln._unrolled_fwd_table(0, (2, 8192)) is tln.UNROLLED_FWD
-
-
-def test_softmax_unrolled_rules():
-    # Round 35 (H200): the softmax forward's (element size, padded row) -> (chunk, warps).
-    assert tsm.UNROLLED_FWD == {
-        (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
-        (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),)}
-    assert tsm.UNROLLED_VEC_FWD == {(2, 65536): (8192, 16)}  # round 42: unaligned rows
-    for (_, padded), configs in tsm.UNROLLED_FWD.items():
-        assert padded > tsm.UNROLLED_FWD_ABOVE
-        for chunk, warps in configs:
-            assert padded % chunk == 0 and (warps == 0 or chunk % (32 * warps) == 0)
-
-
-def test_softmax_unrolled_backward_rules():
-    # Round 43 (H200): aligned (element size, padded row) -> configs; unaligned (element size,
-    # padded body) -> (chunk, warps). float32 and aligned 16-bit 128K/256K stay on split rows.
-    assert tsm.UNROLLED_BWD == {(2, 65536): ((16384, 32),)}
-    assert tsm.UNROLLED_VEC_BWD == {(2, 65536): (8192, 32), (2, 131072): (16384, 32),
-                                    (2, 262144): (8192, 16)}
-    for (_, padded), configs in tsm.UNROLLED_BWD.items():
-        assert padded > tsm.UNROLLED_BWD_ABOVE  # the host path skips shorter rows' lookup
-        for chunk, warps in configs:
-            assert padded % chunk == 0 and chunk % (32 * warps) == 0
-    for (_, padded), (chunk, warps) in tsm.UNROLLED_VEC_BWD.items():
-        # unaligned rows: N > padded / 2 + 1 > UNROLLED_BWD_ABOVE for any body padded to it
-        assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE and padded % chunk == 0
-        assert chunk % (32 * warps) == 0
-
-
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype,n,want", [
-    (torch.bfloat16, 65536, (65536, 65536, 16384, 0, 32)),
-    (torch.float16, 65537, (65537, 65528, 8192, 8, 32)),
-    (torch.bfloat16, 131073, (131073, 131064, 16384, 8, 32)),
-    (torch.bfloat16, 131072, None),  # aligned 128K: split rows
-    (torch.float32, 65537, None),  # float32: split rows
-    (torch.bfloat16, 32768, None),  # the reload kernel
-])
-def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n, want):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+@pytest.mark.parametrize("dtype,n", [
+    (torch.bfloat16, 65536),
+    (torch.float16, 65537),
+    (torch.bfloat16, 131073),
+    (torch.bfloat16, 131072),  # no aligned rule at 128K: split rows
+    (torch.float32, 65537),  # no float32 rule
+    (torch.bfloat16, 32768),  # shorter than every rule: the reload kernel
+], ids=str)
+def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
+    """Rows with an unrolled backward rule (aligned: the first config dividing N; unaligned: the
+    rule for the padded body, if the body holds a chunk) run _softmax_bwd_unrolled with its
+    chunk and warps, the body of unaligned rows ((N // VEC - 1)·VEC) and VEC; other rows do
+    not; results against float64."""
     calls = []
     _recording(monkeypatch, tsm, "_launch_bwd_unrolled", calls, lambda g, a, w: (g, *a[5:], w))
-    y = torch.softmax(torch.randn(2, n, device=device), -1).to(dtype)
-    dy = torch.randn(2, n, device=device, dtype=dtype)
+    elt = _elt(dtype)
+    vec = 0 if n % (16 // elt) == 0 else 16 // elt
+    if vec:
+        body = (n // vec - 1) * vec
+        rule = tsm.UNROLLED_VEC_BWD.get((elt, _common.next_pow2(_common.body_len(n, vec))))
+        rule = rule if rule and body >= rule[0] else None
+    else:
+        body = n
+        rule = _first_dividing(tsm.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
+    y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1).to(dtype)
+    dy = torch.randn(2, n, device=_dev(), dtype=torch.float64).to(dtype)
     dx = tsm.softmax_backward(y, dy, dtype)
-    assert calls == ([((2,), *want)] if want else [])
-    yf, dyf = y.float(), dy.float()
-    want_dx = yf * (dyf - (yf * dyf).sum(-1, keepdim=True))
-    torch.testing.assert_close(dx.float(), want_dx, atol=1e-6, rtol=0.02)
+    assert calls == ([((2,), n, body, rule[0], vec, rule[1])] if rule else [])
+    y64, dy64 = y.double(), dy.double()
+    assert_close_to_ref(dx, y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True)), dtype, scale=4)
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype,n,want", [
-    (torch.bfloat16, 16384, (16384, 2048, 8)),
-    (torch.bfloat16, 12288, (12288, 2048, 8)),
-    (torch.float16, 65536, (65536, 8192, 16)),
-    (torch.float32, 16384, (16384, 4096, 16)),
-    (torch.bfloat16, 32768, None),  # no rule: single-block
-    (torch.bfloat16, 13000, None),  # 13000 % 2048 != 0
-    (torch.float32, 65536, None),  # no rule
-])
-def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+@pytest.mark.parametrize("dtype,n", [
+    (torch.bfloat16, 16384),
+    (torch.bfloat16, 12288),
+    (torch.float16, 65536),
+    (torch.float32, 16384),
+    (torch.bfloat16, 32768),
+    (torch.bfloat16, 13000),  # no config's chunk divides it
+    (torch.float32, 65536),
+], ids=str)
+def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
+    """Aligned rows whose padded length has an unrolled forward rule with a chunk dividing N
+    run _softmax_fwd_unrolled with that chunk and warps; other rows do not; results against
+    float64."""
     calls = []
     _recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
-    x = torch.randn(2, n, device=device, dtype=dtype)
+    x = torch.randn(2, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
-    assert calls == ([want] if want else [])
-    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-6, rtol=0.02)
+    rule = _first_dividing(tsm.UNROLLED_FWD, _elt(dtype), n, tsm.UNROLLED_FWD_ABOVE)
+    assert calls == ([(n, *rule)] if rule else [])
+    assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype,n,want", [
-    (torch.bfloat16, 8192, (8192, 2048, 8)),
-    (torch.bfloat16, 6144, (6144, 2048, 8)),
-    (torch.bfloat16, 5120, (5120, 1024, 8)),  # the second config: 5120 % 2048 != 0
-    (torch.bfloat16, 4608, None),  # no config divides it: the reload kernel
-    (torch.float32, 1024, (1024, 1024, 4)),
-    (torch.bfloat16, 4096, None),  # (4096, 0): the reload kernel
-    (torch.bfloat16, 3072, (3072, 1024, 4)),  # ... and below it the next configs
-    (torch.bfloat16, 2560, (2560, 512, 4)),
-    (torch.bfloat16, 16640, None),  # 32K padded, 16640 % 1024 != 0
-    (torch.float32, 16384, None),  # no rule
-])
-def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, want):
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})  # the shared table (per-GPU: below)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+@pytest.mark.parametrize("dtype,n", [
+    (torch.bfloat16, 8192),
+    (torch.bfloat16, 6144),
+    (torch.bfloat16, 5120),
+    (torch.bfloat16, 4608),
+    (torch.float32, 1024),
+    (torch.bfloat16, 4096),
+    (torch.bfloat16, 3072),
+    (torch.bfloat16, 2560),
+    (torch.bfloat16, 16640),
+    (torch.float32, 16384),
+], ids=str)
+def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
+    """LayerNorm forward: aligned rows run _ln_fwd_unrolled with the first config of their
+    rule whose chunk divides N (a config of 0 warps, or none dividing: the other kernels);
+    results against float64."""
+    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})  # the shared table (per-GPU: above)
     calls = []
     _recording(monkeypatch, tln, "_launch_fwd_unrolled", calls,
                lambda g, a, w: (a[10], a[11], w))
-    x = torch.randn(2, n, device=device, dtype=dtype)
-    w = torch.randn(n, device=device)
+    x = torch.randn(2, n, device=_dev(), dtype=dtype)
+    w = torch.randn(n, device=_dev())
     y = tln.layernorm_forward_y(x, w, None, 1e-5, dtype)
-    assert calls == ([want] if want else [])
+    rule = _first_dividing(tln.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
+    assert calls == ([(n, *rule)] if rule else [])
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double())
-    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
+    assert_close_to_ref(y, ref, dtype, scale=4)
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype,n,want", [
-    (torch.bfloat16, 65536, (65536, 16384, 65536, 32)),
-    (torch.bfloat16, 40000, (65536, 16384, 0, 32)),  # masked, not unrolled
-    (torch.float32, 32768, (32768, 8192, 32768, 32)),
-    (torch.bfloat16, 32768, None),  # no rule: single-block
-    (torch.bfloat16, 65537, None),  # unaligned rows: split rows or looped
-])
-def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, want):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+@pytest.mark.parametrize("dtype,n", [
+    (torch.bfloat16, 65536),
+    (torch.bfloat16, 40000),  # masked, not unrolled
+    (torch.float32, 32768),
+    (torch.bfloat16, 32768),
+    (torch.bfloat16, 65537),  # unaligned rows: split rows or looped
+], ids=str)
+def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n):
+    """Aligned rows longer than RELOAD_FWD_ABOVE whose padded length has a reload rule run
+    _softmax_fwd_reload with the rule's chunk and warps, unrolled without masks (EVEN = N) for
+    power-of-two rows; unaligned rows and rows without a rule do not."""
     calls = []
     _recording(monkeypatch, tsm, "_launch_fwd_reload", calls, lambda g, a, w: (g, *a[5:], w))
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {})  # 64K rows have an unrolled rule (above)
-    x = torch.randn(3, n, device=device, dtype=dtype)
+    monkeypatch.setattr(tsm, "UNROLLED_FWD", {})  # rows with an unrolled rule take it first
+    x = torch.randn(3, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
-    assert calls == ([((3,), *want)] if want else [])
-    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=2e-6, rtol=0.02)
-
-
-def test_reload_rules_for_unaligned_rows():
-    # Round 19 (H100): 16-bit rows that start unaligned (N = 2^k + 1) read whole, then again in
-    # chunks, weight/bias from shifted copies: (element size, padded body) -> (chunk, warps).
-    assert tln.RELOAD_VEC_FWD == {(2, 4096): (1024, 4), (2, 8192): (1024, 8),
-                                  (2, 16384): (4096, 16), (2, 32768): (8192, 32)}
+    whole = _common.next_pow2(n)
+    aligned = n % (16 // _elt(dtype)) == 0
+    rule = tsm.RELOAD_FWD.get((_elt(dtype), whole)) if aligned and n > tsm.RELOAD_FWD_ABOVE \
+        else None
+    assert calls == ([((3,), whole, rule[0], n if n == whole else 0, rule[1])] if rule else [])
+    assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
 
 @NEEDS_KERNELS
@@ -486,21 +610,19 @@ def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n):
     """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run _ln_fwd_reload_vec with the rule's
     chunk and warps in calls of RELOAD_VEC_MIN_ELEMS elements or more (float32 rows, and smaller
     calls, keep the single-block kernel); results against float64."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert tln.RELOAD_VEC_MIN_ELEMS == 1 << 24
     monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 5 * n)
     calls = []
     _recording(monkeypatch, tln, "_launch_fwd_reload_vec", calls,
                lambda g, a, w: (g, a[10], a[11], a[15], w))
-    x = (torch.randn(5, n, device=device) * 3 + 50).to(torch.bfloat16)
-    w = torch.randn(n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, device=device, dtype=torch.bfloat16)
+    x = (torch.randn(5, n, device=_dev()) * 3 + 50).to(torch.bfloat16)
+    w = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
+    b = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
     y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, torch.bfloat16)
     chunk, warps = tln.RELOAD_VEC_FWD[(2, n - 1)]
     assert calls == [((5,), n - 1, chunk, 8, warps)]
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double())
-    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)
-    torch.testing.assert_close(mean.double(), x.double().mean(-1), atol=1e-3, rtol=1e-5)
+    assert_close_to_ref(y, ref, torch.bfloat16, scale=4)
+    assert_close_to_ref(mean, x.double().mean(-1), torch.float32)
     tln.layernorm_forward(x.float(), w.float(), b.float(), 1e-5, torch.float32)
     tln.layernorm_forward(x[:4], w, b, 1e-5, torch.bfloat16)  # below the size threshold
     assert len(calls) == 1
@@ -510,16 +632,21 @@ def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n):
 @pytest.mark.parametrize("n", [20000, 32768])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_softmax_backward_32k_reads_whole_rows(monkeypatch, n, dtype):
-    """Rows padded to 32K: the looped kernel reads the row whole for the dot product, then in
-    one 32K piece again, 32 warps; a power-of-two row unrolled without masks (EVEN = N);
-    results against float64."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    """Rows whose padded length has a RELOAD_BWD rule run the looped kernel's reload variant
+    with the rule's chunk, warps and first pass (the whole row, or pieces), power-of-two rows
+    unrolled without masks (EVEN = N) while UNROLL_RELOAD_BWD is on; results against
+    float64."""
     bwd = []
     _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd,
                lambda g, a, w: (g, a[7], a[8], a[9], a[10], w))
-    y = torch.softmax(torch.randn(2, n, device=device, dtype=torch.float64), -1)
-    dy = torch.randn(2, n, device=device, dtype=torch.float64)
+    y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1)
+    dy = torch.randn(2, n, device=_dev(), dtype=torch.float64)
     dx = tsm.softmax_backward(y.to(dtype), dy.to(dtype), dtype)
-    assert bwd == [((2,), 32768, 32768, 32768, n if n == 32768 else 0, 32)]
+    whole = _common.next_pow2(n)
+    assert (_elt(dtype), whole) in tsm.RELOAD_BWD, "the rows tested here need a reload rule"
+    chunk, warps, *piece = tsm.RELOAD_BWD[(_elt(dtype), whole)]
+    even = n if n == whole and tsm.UNROLL_RELOAD_BWD else 0
+    first = (0, piece[0]) if piece else (whole, chunk)
+    assert bwd == [((2,), chunk, *first, even, warps)]
     y_, dy_ = y.to(dtype).double(), dy.to(dtype).double()
     assert_close_to_ref(dx, y_ * (dy_ - (y_ * dy_).sum(-1, keepdim=True)), dtype, scale=4)

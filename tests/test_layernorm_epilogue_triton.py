@@ -15,7 +15,14 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, INTERPRETING, assert_close_to_ref, tol
+from conftest import (
+    HAS_CUDA,
+    INTERPRETING,
+    assert_close_to_ref,
+    exhaustive_unless,
+    one_of_each,
+    tol,
+)
 
 pytest.importorskip("triton")
 from fusedops import triton as tb  # noqa: E402
@@ -27,6 +34,7 @@ if not HAS_CUDA and not INTERPRETING:
 
 from fusedops import _philox, reference  # noqa: E402
 from fusedops.triton import _philox as tphilox  # noqa: E402
+from fusedops.triton import layernorm as tln  # noqa: E402
 from fusedops.triton import layernorm_epilogue as tle  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
@@ -179,12 +187,18 @@ MATRIX = [
 ]
 
 
+# Default run: a diagonal of residual x p x activation (float32, float16, bfloat16 among
+# them) and a float32-parameter case; the rest of MATRIX in the extended one.
+@exhaustive_unless(one_of_each({"residual": [False, True], "p": [0.0, 0.1, 0.5],
+                                "act": [None, "relu", "gelu"]},
+                               {"residual": False, "p": 0.0, "act": "gelu"}))
 @pytest.mark.parametrize("residual, p, act, dtype, w_mode, ds", MATRIX)
 def test_matches_float64(residual, p, act, dtype, w_mode, ds):
     t = make(5, 300, dtype, w_mode, residual=residual, ds=ds, seed=int(p * 10) + len(str(act)))
     check(t, p, act)
 
 
+@exhaustive_unless(one_of_each({"dtype": DTYPES, "w_mode": W_MODES}))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("w_mode", W_MODES)
 def test_dtypes_and_params(dtype, w_mode):
@@ -195,6 +209,7 @@ def test_dtypes_and_params(dtype, w_mode):
     check(make(3, 1000, dtype, w_mode, seed=7), 0.1, "gelu")
 
 
+@exhaustive_unless(lambda n: n in (1, 256, 1025))
 @pytest.mark.parametrize("n", [1, 31, 33, 256, 1000, 1025])
 def test_row_lengths(n):
     """Rows shorter than a 256-column slice, across slice / group boundaries and not a multiple
@@ -349,31 +364,54 @@ def test_bad_arguments():
 # --------------------------------------------------------------------------- kernel variants
 
 
+def _pow2(v: int) -> bool:
+    return v >= 1 and v & (v - 1) == 0
+
+
 def test_launch_rules():
-    """The single-block caps: 16K plain forward, 8K forward with dropout; 8K backward, with or
-    without dropout or an activation (the project's single-block limit caps them all). The
-    epilogue backward's plans (s27, H200): 8K-element tiles; without GELU up to 2K columns on 8
-    warps, pipelined with ds or at 2K; GELU and rows of 4K-8K on 16 warps, pipelined."""
-    assert tle._fwd_cap(False) == min(16384, tle.single_block_limit())
-    assert tle._fwd_cap(True) == min(8192, tle.single_block_limit())
-    assert tle._bwd_cap(False, 0) == min(8192, tle.single_block_limit())
-    assert tle._bwd_cap(True, 0) == tle._bwd_cap(False, 2) == min(8192, tle.single_block_limit())
-    plan = tle._bwd_plan
-    assert plan(1024, 2, True, 1, (1024, 1024)) == (8, 8, 2, False, True, 1)
-    assert plan(1024, 2, True, 1, (1024, 1024, 1024)) == (8, 8, 2, False, True, 2)  # ds
-    assert plan(2048, 4, True, 0, (2048, 2048)) == (4, 8, 2, False, True, 2)
-    for block in (1024, 2048, 4096, 8192):
-        assert plan(block, 2, True, 2, (block, block)) == (8192 // block, 16, 2, False, True, 2)
-        assert plan(block, 2, False, 2, (block, block)) == (8192 // block, 16, 2, False, True, 2)
-    assert plan(4096, 4, True, 1, (4096, 4096)) == (2, 16, 2, False, True, 2)
-    assert plan(512, 2, True, 1, (512, 512)) == (16, 8, 2, False, True, 1)  # (unmeasured: as s25)
-    assert plan(512, 2, True, 2, (512, 512))[5] == 1
-    assert plan(8192, 4, False, 0, (8192, 8192, 8192)) == (1, 16, 1, False, True, 2)  # add + LN
-    fwd = tle._fwd_plan  # (ROWS, warps, programs per SM or None, STAGES or None)
-    assert fwd(1024, 2, False, True) == (*tle._tile_2d(1024, 2, False), None, None)
-    assert fwd(1024, 2, True, True) == (*tle._tile_2d(1024, 2, True), None, 2)
-    assert fwd(4096, 2, True, False) == (*tle._tile_2d(4096, 2, True), None, None)
-    assert fwd(8192, 2, True, False) == (*tle._tile_2d(8192, 2, True), None, None)
+    """Invariants of the epilogue kernels' launch rules: the single-block caps are powers of two
+    within the project's single-block limit (and shrink with it), dropout's cap no larger
+    than the plain one (its per-element Philox registers); every single-block plan up to its
+    cap is valid for the kernels (power-of-two rows per tile and warps, at least one element
+    per thread, a software pipeline of 1-3 stages); without dropout or activation the
+    backward takes LayerNorm's fused-backward configuration for its rows (what it is, plus a
+    read of ds); the Philox column tiles cover the padded row exactly."""
+    from fusedops.triton import _common
+
+    for dropout in (False, True):
+        assert _pow2(tle._fwd_cap(dropout)) and tle._fwd_cap(dropout) <= tle.single_block_limit()
+        for act in (0, 1, 2):
+            cap = tle._bwd_cap(dropout, act)
+            assert _pow2(cap) and cap <= tle.single_block_limit()
+    assert tle._fwd_cap(True) <= tle._fwd_cap(False)
+    _common.set_single_block_limit(1024)
+    try:
+        assert tle._fwd_cap(False) <= 1024 and tle._bwd_cap(True, 2) <= 1024
+    finally:
+        _common.set_single_block_limit(None)
+    for elt in (2, 4):
+        for dropout in (False, True):
+            for k in range(0, tle._fwd_cap(dropout).bit_length()):
+                block = 1 << k
+                for has_res in (False, True):
+                    rows, warps, per_sm, stages = tle._fwd_plan(block, elt, dropout, has_res)
+                    assert _pow2(rows) and _pow2(warps) and warps <= 32
+                    assert per_sm is None or per_sm >= 1
+                    assert stages is None or 1 <= stages <= 3
+            for act in (0, 1, 2):
+                for k in range(0, tle._bwd_cap(dropout, act).bit_length()):
+                    block = 1 << k
+                    for strides in ((block, block), (block, block, block)):
+                        rows, warps, per_sm, acc_1d, paired, stages = tle._bwd_plan(
+                            block, elt, dropout, act, strides)
+                        assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 32
+                        assert per_sm >= 1 and 1 <= stages <= 3
+                        assert isinstance(acc_1d, bool) and isinstance(paired, bool)
+                        if block >= 32 * warps:
+                            assert rows * block >= 32 * warps
+                        if not dropout and not act and block < 4096:
+                            assert (rows, warps, per_sm, acc_1d) == \
+                                tln._fused_bwd_config(block, False, elt)
     # The column tiles: col = g * 1024 + q * 256 + i covers the padded row exactly.
     for block in (1, 64, 256, 512, 1024, 4096, 8192):
         g, q, i = tphilox.column_tile(block)

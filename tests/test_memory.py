@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _reliability import enter_target, forward_backward_peak, target_params
+from conftest import exhaustive_unless, one_of_each
 
 from fusedops import (
     fused_layernorm,
@@ -33,6 +34,9 @@ from fusedops import (
 from fusedops.tools.memory import saved_bytes
 
 HALF = (torch.float16, torch.bfloat16)
+
+
+REFERENCE = {"target": ("reference", "cpu", "single")}  # (kept whole in the default run)
 
 
 @pytest.fixture(params=target_params(looped=False))
@@ -54,6 +58,8 @@ SOFTMAX_CASES = {
 }
 
 
+@exhaustive_unless(one_of_each({"dtype": [torch.float32, torch.float16, torch.bfloat16],
+                                "case": list(SOFTMAX_CASES)}, REFERENCE))
 @pytest.mark.parametrize("case", list(SOFTMAX_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_softmax_saves_no_more_than_torch(target, case, dtype):
@@ -73,6 +79,9 @@ LAYERNORM_CASES = {
 }
 
 
+@exhaustive_unless(one_of_each({"dtype": [torch.float32, torch.float16, torch.bfloat16],
+                                "case": list(LAYERNORM_CASES),
+                                "affine": ["none", "weight", "both"]}, REFERENCE))
 @pytest.mark.parametrize("affine", ["none", "weight", "both"])
 @pytest.mark.parametrize("case", list(LAYERNORM_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

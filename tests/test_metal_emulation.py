@@ -19,6 +19,7 @@ from conftest import assert_close_to_ref, tol
 from fusedops import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
+from metal_emu.harness import launcher, rows  # noqa: E402
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
 FWD_PAIRS = sorted(metal.SOFTMAX_FWD_TYPES)
@@ -31,35 +32,8 @@ SIZES_1024 = [4096, 4097]
 CASES = [(n, 256) for n in SIZES_256] + [(n, 1024) for n in SIZES_1024]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    return emu.load()
-
-
-def launcher(lib, max_threads, seed: int = 0):
-    """The emulated device: fibers in a random order drawn from ``seed`` (reproducible)."""
-    lib.set_mode("fibers-random", seed + 1)
-    return emu.EmuLauncher(lib, max_threads)
-
-
 def expected_variant(n: int, max_threads: int) -> str:
     return "single" if n <= metal.single_row_limit(max_threads) else "looped"
-
-
-def rows(m: int, n: int, dtype: torch.dtype, layout: str = "contiguous", scale: float = 1.0,
-         shift: float = 0.0) -> torch.Tensor:
-    """(m, n) test input in one of several memory layouts."""
-    data = lambda k: (torch.randn(m, k, dtype=torch.float64) * scale + shift).to(dtype)
-    if layout == "contiguous":
-        return data(n)
-    if layout == "misaligned":  # storage offset 1, row stride n + 3
-        return data(n + 3)[:, 1:n + 1]
-    if layout == "aligned-strided":  # storage offset 4, row stride n + 4 + (-n % 4)
-        pad = 4 + (-n % 4)
-        return data(n + pad)[:, 4:4 + n]
-    if layout == "broadcast":  # row stride 0
-        return data(n)[:1].expand(m, n)
-    raise AssertionError(layout)
 
 
 def check_calls(L, kernel_prefix: str, n: int, max_threads: int) -> None:
@@ -75,12 +49,12 @@ def check_calls(L, kernel_prefix: str, n: int, max_threads: int) -> None:
 
 @pytest.mark.parametrize("pair", FWD_PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
-def test_metal_softmax_forward(lib, pair, n, max_threads):
+def test_metal_softmax_forward(metal_lib, pair, n, max_threads):
     torch.manual_seed(n)
     x_dtype, out_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     m = 3
     x = rows(m, n, x_dtype, scale=3.0)
-    L = launcher(lib, max_threads, seed=n)
+    L = launcher(metal_lib, max_threads, seed=n)
     y = metal.softmax_forward_with(L, x, out_dtype)
     assert y.dtype == out_dtype and y.shape == (m, n) and y.is_contiguous()
     check_calls(L, "softmax_fwd", n, max_threads)
@@ -89,13 +63,13 @@ def test_metal_softmax_forward(lib, pair, n, max_threads):
 
 @pytest.mark.parametrize("pair", BWD_PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
-def test_metal_softmax_backward(lib, pair, n, max_threads):
+def test_metal_softmax_backward(metal_lib, pair, n, max_threads):
     torch.manual_seed(n + 1)
     y_dtype, dx_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     m = 3
     y = torch.softmax(torch.randn(m, n, dtype=torch.float64) * 2, -1).to(y_dtype)
     dy = rows(m, n, y_dtype)
-    L = launcher(lib, max_threads, seed=n)
+    L = launcher(metal_lib, max_threads, seed=n)
     dx = metal.softmax_backward_with(L, y, dy, dx_dtype)
     assert dx.dtype == dx_dtype and dx.shape == (m, n)
     check_calls(L, "softmax_bwd", n, max_threads)
@@ -106,12 +80,12 @@ def test_metal_softmax_backward(lib, pair, n, max_threads):
 
 @pytest.mark.parametrize("layout", ["misaligned", "aligned-strided", "broadcast"])
 @pytest.mark.parametrize("n,max_threads", [(33, 256), (1000, 256), (1025, 256), (4097, 1024)])
-def test_metal_softmax_strided_rows(lib, layout, n, max_threads):
+def test_metal_softmax_strided_rows(metal_lib, layout, n, max_threads):
     """Any row stride and storage offset: vector loads only where aligned, scalar tails."""
     torch.manual_seed(7)
     x = rows(3, n, torch.float16, layout)
     dy = rows(3, n, torch.float32, layout)
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y = metal.softmax_forward_with(L, x, torch.float32)
     assert_close_to_ref(y, torch.softmax(x.double(), -1), torch.float32)
     dx = metal.softmax_backward_with(L, y, dy, torch.float16)
@@ -120,7 +94,7 @@ def test_metal_softmax_strided_rows(lib, layout, n, max_threads):
 
 
 @pytest.mark.parametrize("n,max_threads", [(40, 256), (1030, 256), (4100, 1024)])
-def test_metal_softmax_infinities(lib, n, max_threads):
+def test_metal_softmax_infinities(metal_lib, n, max_threads):
     """Masked rows (-inf), fully masked rows (NaN as in torch), a leading masked chunk, and a NaN
     that arrives while a thread's running max is still -inf (the whole row must be NaN)."""
     x = torch.randn(6, n)
@@ -131,19 +105,19 @@ def test_metal_softmax_infinities(lib, n, max_threads):
     x[4, n - 3] = float("nan")  # a later chunk of some thread, after -inf only
     x[4, 0] = 1.0
     x[5, n // 3] = float("nan")
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y = metal.softmax_forward_with(L, x, torch.float32)
     ref = torch.softmax(x.double(), -1)
     torch.testing.assert_close(y.double(), ref, equal_nan=True, **tol(torch.float32))
 
 
-def test_metal_softmax_rows_stride_over_groups(lib, monkeypatch):
+def test_metal_softmax_rows_stride_over_groups(metal_lib, monkeypatch):
     """More rows than threadgroups: each threadgroup loops over rows (shared memory reuse)."""
     monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 3)
     torch.manual_seed(3)
     for n in (100, 1500):
         x = torch.randn(8, n)
-        L = launcher(lib, 256)
+        L = launcher(metal_lib, 256)
         y = metal.softmax_forward_with(L, x, torch.float32)
         assert L.calls[0][1] == 3
         assert_close_to_ref(y, torch.softmax(x.double(), -1), torch.float32)
@@ -172,14 +146,14 @@ def layernorm_ref(x, w, b, eps, dy=None):
 @pytest.mark.parametrize("affine", ["wb", "w", "none"])
 @pytest.mark.parametrize("pair", LN_PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
-def test_metal_layernorm_forward(lib, pair, affine, n, max_threads):
+def test_metal_layernorm_forward(metal_lib, pair, affine, n, max_threads):
     torch.manual_seed(n + 2)
     x_dtype, y_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     m, eps = 3, 1e-5
     x = rows(m, n, x_dtype, scale=2.0, shift=0.5)
     w = torch.randn(n) if "w" in affine else None
     b = torch.randn(n) if "b" in affine else None
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y, mean, rstd = metal.layernorm_forward_with(L, x, w, b, eps, y_dtype)
     assert y.dtype == y_dtype and mean.dtype == rstd.dtype == torch.float32
     assert mean.shape == rstd.shape == (m,)
@@ -198,7 +172,7 @@ LN_BWD_CASES = [(p, "dx-dw-db") for p in LN_PAIRS] + [
 @pytest.mark.parametrize("pair,need", LN_BWD_CASES, ids=lambda v: "_".join(v)
                          if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("n,max_threads", CASES)
-def test_metal_layernorm_backward(lib, pair, need, n, max_threads):
+def test_metal_layernorm_backward(metal_lib, pair, need, n, max_threads):
     torch.manual_seed(n + 3)
     x_dtype, dy_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     m, eps = 5, 1e-5
@@ -208,7 +182,7 @@ def test_metal_layernorm_backward(lib, pair, need, n, max_threads):
     b = torch.randn(n)
     mean = x.double().mean(-1).float()
     rstd = torch.rsqrt(x.double().var(-1, unbiased=False) + eps).float()
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     need_dx, need_dw, need_db = "dx" in need, "dw" in need, "db" in need
     dx, dw, db = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, need_dx, need_dw,
                                                need_db)
@@ -229,13 +203,13 @@ def test_metal_layernorm_backward(lib, pair, need, n, max_threads):
 
 @pytest.mark.parametrize("layout", ["misaligned", "aligned-strided", "broadcast"])
 @pytest.mark.parametrize("n,max_threads", [(33, 256), (1000, 256), (1025, 256), (4097, 1024)])
-def test_metal_layernorm_strided_rows(lib, layout, n, max_threads):
+def test_metal_layernorm_strided_rows(metal_lib, layout, n, max_threads):
     torch.manual_seed(11)
     eps = 1e-5
     x = rows(4, n, torch.bfloat16, layout if layout != "broadcast" else "misaligned")
     dy = rows(4, n, torch.bfloat16, layout)
     w, b = torch.randn(n), torch.randn(n)
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y, mean, rstd = metal.layernorm_forward_with(L, x, w, b, eps, torch.bfloat16)
     y_ref, _, _ = layernorm_ref(x, w, b, eps)
     assert_close_to_ref(y, y_ref, torch.bfloat16)
@@ -247,7 +221,7 @@ def test_metal_layernorm_strided_rows(lib, layout, n, max_threads):
 
 
 @pytest.mark.parametrize("n,max_threads", [(100, 256), (1500, 256)])
-def test_metal_layernorm_groups_own_several_rows(lib, monkeypatch, n, max_threads):
+def test_metal_layernorm_groups_own_several_rows(metal_lib, monkeypatch, n, max_threads):
     """Forward rows striding over threadgroups; backward threadgroups accumulating the
     dweight/dbias partials of several rows (registers, or read-modify-write when looped),
     then the deterministic reduction."""
@@ -259,7 +233,7 @@ def test_metal_layernorm_groups_own_several_rows(lib, monkeypatch, n, max_thread
     x = torch.randn(m, n, dtype=torch.float16)
     dy = torch.randn(m, n, dtype=torch.float16)
     w, b = torch.randn(n), torch.randn(n)
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y, mean, rstd = metal.layernorm_forward_with(L, x, w, b, eps, torch.float16)
     assert_close_to_ref(y, layernorm_ref(x, w, b, eps)[0], torch.float16)
     dx, dw, db = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
@@ -273,12 +247,12 @@ def test_metal_layernorm_groups_own_several_rows(lib, monkeypatch, n, max_thread
     assert torch.equal(dw, dw2) and torch.equal(db, db2)
 
 
-def test_metal_layernorm_constant_rows_and_eps(lib):
+def test_metal_layernorm_constant_rows_and_eps(metal_lib):
     """Zero variance (rstd = 1/sqrt(eps)) and a large eps; constant rows whose sum is not exact
     in float32 still give mean = the value and y = bias exactly (single-row and looped)."""
     x = torch.full((2, 300), 3.25)
     for eps in (1e-5, 0.5):
-        y, mean, rstd = metal.layernorm_forward_with(launcher(lib, 256), x, None, None, eps,
+        y, mean, rstd = metal.layernorm_forward_with(launcher(metal_lib, 256), x, None, None, eps,
                                                      torch.float32)
         y_ref, mean_ref, rstd_ref = layernorm_ref(x, None, None, eps)
         assert_close_to_ref(y, y_ref, torch.float32)
@@ -286,14 +260,14 @@ def test_metal_layernorm_constant_rows_and_eps(lib):
     for n in (300, 2049):  # single-row and looped on the 256-thread device
         x = torch.full((3, n), 0.1)
         b = torch.randn(n)
-        y, mean, _ = metal.layernorm_forward_with(launcher(lib, 256), x, None, b, 1e-5,
+        y, mean, _ = metal.layernorm_forward_with(launcher(metal_lib, 256), x, None, b, 1e-5,
                                                   torch.float32)
         assert torch.equal(mean, torch.full((3,), 0.1))
         assert torch.equal(y, b.expand(3, n))
 
 
-def test_metal_empty_and_degenerate_shapes(lib):
-    L = launcher(lib, 256)
+def test_metal_empty_and_degenerate_shapes(metal_lib):
+    L = launcher(metal_lib, 256)
     assert metal.softmax_forward_with(L, torch.empty(0, 7), torch.float32).shape == (0, 7)
     y, mean, rstd = metal.layernorm_forward_with(L, torch.empty(0, 5), None, None, 1e-5,
                                                  torch.float32)

@@ -20,6 +20,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
+import _oracles as oracles
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,7 @@ import fusedops
 from fusedops import _philox, metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
-from test_metal_emulation import rows  # noqa: E402  (test layouts)
-from test_metal_rmsnorm import _mm_bindings  # noqa: E402  (the extension's m.def arguments)
-from test_metal_softmax_masked import Recorder  # noqa: E402  (launcher recording its args)
+from metal_emu.harness import Recorder, mm_bindings, rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
@@ -43,11 +42,6 @@ REDUCE = "fusedops_layernorm_dwdb_reduce"
 # call per element with dropout), Philox-layout single-row / looped (256 threads).
 CASES = [(40, 64), (300, 64), (129, 256), (1100, 256)]
 COMBOS = [(r, p, a) for r in (True, False) for p in (0.0, 0.25) for a in (None, "relu", "gelu")]
-
-
-@pytest.fixture(scope="module")
-def lib():
-    return emu.load()
 
 
 def expected_kernel(op: str, n: int, max_threads: int, dropout: bool) -> tuple[str, bool]:
@@ -65,33 +59,11 @@ def keep_factor(m: int, n: int, p: float, seed: int = SEED) -> torch.Tensor | No
     return _philox.keep_mask(seed, m, n, p).double() / (1.0 - p)
 
 
-def act64(v, activation):
-    if activation == "relu":
-        return torch.relu(v)
-    if activation == "gelu":
-        return F.gelu(v)
-    return v
-
-
 def oracle(x, residual, w, b, p, activation, dout=None, ds=None, seed=SEED):
-    """float64 (out, mean, rstd), or with dout the float64 (dx, dw, db)."""
+    """float64 (out, mean, rstd), or with dout the float64 (dx, dw, db) (tests/_oracles.py)."""
     m, n = x.shape
-    s = x if residual is None else x + residual  # x's dtype, one rounding: what the kernel does
-    grad = dout is not None
-    s64 = s.double().requires_grad_(grad)
-    w64 = None if w is None else w.double().requires_grad_(grad)
-    b64 = None if b is None else b.double().requires_grad_(grad)
-    y = F.layer_norm(s64, (n,), w64, b64, EPS)
-    f = keep_factor(m, n, p, seed)
-    if f is not None:
-        y = y * f
-    out = act64(y, activation)
-    if not grad:
-        var, mean = torch.var_mean(s.double(), -1, correction=0)
-        return out.detach(), mean, torch.rsqrt(var + EPS)
-    out.backward(dout.double())
-    dx = s64.grad if ds is None else s64.grad + ds.double()
-    return dx, None if w64 is None else w64.grad, None if b64 is None else b64.grad
+    return oracles.layernorm_epilogue(x, residual, w, b, EPS, keep_factor(m, n, p, seed),
+                                      activation, dout, ds)
 
 
 def stats(s):
@@ -99,9 +71,9 @@ def stats(s):
     return mean.float(), torch.rsqrt(var + EPS).float()
 
 
-def forward(lib, x, residual, w, b, p, activation, out_dtype, max_threads, need_stats=True,
+def forward(metal_lib, x, residual, w, b, p, activation, out_dtype, max_threads, need_stats=True,
             seed=SEED, fiber_seed=0):
-    L = Recorder(lib, max_threads, fiber_seed)
+    L = Recorder(metal_lib, max_threads, fiber_seed)
     res = metal.layernorm_epilogue_forward_with(L, x, residual, w, b, EPS, out_dtype, p, seed,
                                                 activation, need_stats)
     return res, L
@@ -134,49 +106,49 @@ def check_forward(res, L, x, residual, w, b, p, activation, out_dtype, n, max_th
 @pytest.mark.parametrize("n,max_threads", CASES)
 @pytest.mark.parametrize("residual,p,activation", COMBOS,
                          ids=lambda v: {True: "res", False: "nores"}.get(v, str(v)))
-def test_metal_layernorm_epilogue_forward(lib, residual, p, activation, n, max_threads):
+def test_metal_layernorm_epilogue_forward(metal_lib, residual, p, activation, n, max_threads):
     """Every residual / dropout / activation combination in every variant and thread layout."""
     g = torch.Generator().manual_seed(n + int(p * 8))
     m = 3
     x = torch.randn(m, n, generator=g) * 2 + 0.5
     r = torch.randn(m, n, generator=g) if residual else None
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    res, L = forward(lib, x, r, w, b, p, activation, torch.float32, max_threads, fiber_seed=n)
+    res, L = forward(metal_lib, x, r, w, b, p, activation, torch.float32, max_threads, fiber_seed=n)
     assert L.calls[0][1] == m
     check_forward(res, L, x, r, w, b, p, activation, torch.float32, n, max_threads)
 
 
 @pytest.mark.parametrize("n,max_threads", [(40, 64), (300, 64), (129, 256)])
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "_".join(p))
-def test_metal_layernorm_epilogue_forward_dtypes(lib, pair, n, max_threads):
+def test_metal_layernorm_epilogue_forward_dtypes(metal_lib, pair, n, max_threads):
     """Every (x, out) pair with residual, dropout and GELU; parameters in x's dtype."""
     g = torch.Generator().manual_seed(n + 1)
     x_dtype, out_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     x = rows(3, n, x_dtype, scale=2.0)
     r = rows(3, n, x_dtype)
     w, b = torch.randn(n, generator=g).to(x_dtype), torch.randn(n, generator=g).to(x_dtype)
-    res, L = forward(lib, x, r, w, b, 0.3, "gelu", out_dtype, max_threads)
+    res, L = forward(metal_lib, x, r, w, b, 0.3, "gelu", out_dtype, max_threads)
     assert L.calls[0][0].endswith(f"_{pair[0]}_{pair[1]}")
     check_forward(res, L, x, r, w, b, 0.3, "gelu", out_dtype, n, max_threads)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("n", [4096, 4097])
-def test_metal_layernorm_epilogue_forward_at_1024_threads(lib, n, p):
+def test_metal_layernorm_epilogue_forward_at_1024_threads(metal_lib, n, p):
     """The single-row / looped switch at the real 1024-thread limit, both layouts."""
     g = torch.Generator().manual_seed(n)
     x, r = torch.randn(2, n, generator=g).half(), torch.randn(2, n, generator=g).half()
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    res, L = forward(lib, x, r, w, b, p, "relu", torch.float16, 1024)
+    res, L = forward(metal_lib, x, r, w, b, p, "relu", torch.float16, 1024)
     check_forward(res, L, x, r, w, b, p, "relu", torch.float16, n, 1024)
 
 
 # --- backward --------------------------------------------------------------------------------
 
-def backward(lib, dout, ds, s, w, b, p, activation, max_threads, need=(True, True, True),
+def backward(metal_lib, dout, ds, s, w, b, p, activation, max_threads, need=(True, True, True),
              fiber_seed=0, seed=SEED):
     mean, rstd = stats(s)
-    L = Recorder(lib, max_threads, fiber_seed)
+    L = Recorder(metal_lib, max_threads, fiber_seed)
     res = metal.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, p, seed,
                                                  activation, *need)
     return res, L
@@ -208,7 +180,7 @@ def check_backward(res, L, x, r, w, b, p, activation, dout, ds, n, max_threads, 
 @pytest.mark.parametrize("n,max_threads", CASES)
 @pytest.mark.parametrize("residual,p,activation", COMBOS,
                          ids=lambda v: {True: "res", False: "nores"}.get(v, str(v)))
-def test_metal_layernorm_epilogue_backward(lib, residual, p, activation, n, max_threads):
+def test_metal_layernorm_epilogue_backward(metal_lib, residual, p, activation, n, max_threads):
     """dx (+ ds when there is a residual), dweight, dbias for every combination, variant and
     thread layout: the dropout mask regenerated, the activation's input recomputed."""
     g = torch.Generator().manual_seed(n + 2 + int(p * 8))
@@ -218,21 +190,21 @@ def test_metal_layernorm_epilogue_backward(lib, residual, p, activation, n, max_
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
     s = x if r is None else x + r
     dout, ds = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g) if residual else None
-    res, L = backward(lib, dout, ds, s, w, b, p, activation, max_threads, fiber_seed=n)
+    res, L = backward(metal_lib, dout, ds, s, w, b, p, activation, max_threads, fiber_seed=n)
     check_backward(res, L, x, r, w, b, p, activation, dout, ds, n, max_threads,
                    (True, True, True))
 
 
 @pytest.mark.parametrize("n,max_threads", [(40, 64), (300, 64), (129, 256)])
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "_".join(p))
-def test_metal_layernorm_epilogue_backward_dtypes(lib, pair, n, max_threads):
+def test_metal_layernorm_epilogue_backward_dtypes(metal_lib, pair, n, max_threads):
     """Every (s, dout) pair with ds, dropout and GELU."""
     g = torch.Generator().manual_seed(n + 3)
     s_dtype, dout_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     x, r = rows(3, n, s_dtype, scale=2.0), rows(3, n, s_dtype)
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
     dout, ds = rows(3, n, dout_dtype), rows(3, n, s_dtype)
-    res, L = backward(lib, dout, ds, x + r, w, b, 0.3, "gelu", max_threads)
+    res, L = backward(metal_lib, dout, ds, x + r, w, b, 0.3, "gelu", max_threads)
     assert L.calls[0][0].endswith(f"_{pair[0]}_{pair[1]}")
     check_backward(res, L, x, r, w, b, 0.3, "gelu", dout, ds, n, max_threads,
                    (True, True, True), dx_scale=8)
@@ -245,7 +217,7 @@ NEEDS = [(True, False, False), (False, True, False), (False, False, True), (True
 @pytest.mark.parametrize("need", NEEDS, ids=lambda v: "-".join("xwb"[i] for i in range(3)
                                                                if v[i]))
 @pytest.mark.parametrize("n,max_threads", [(300, 64), (1100, 256)])
-def test_metal_layernorm_epilogue_backward_needs(lib, need, n, max_threads):
+def test_metal_layernorm_epilogue_backward_needs(metal_lib, need, n, max_threads):
     """Each gradient alone and in pairs (the kernel skips the row reduction without dx); no
     weight and no bias (the bias only enters through the activation)."""
     g = torch.Generator().manual_seed(n + 4)
@@ -253,18 +225,18 @@ def test_metal_layernorm_epilogue_backward_needs(lib, need, n, max_threads):
     w = None if need[0] and not need[1] else torch.randn(n, generator=g)
     b = torch.randn(n, generator=g) if need[2] else None
     dout, ds = torch.randn(4, n, generator=g), torch.randn(4, n, generator=g)
-    res, L = backward(lib, dout, ds, x + r, w, b, 0.2, "relu", max_threads, need)
+    res, L = backward(metal_lib, dout, ds, x + r, w, b, 0.2, "relu", max_threads, need)
     check_backward(res, L, x, r, w, b, 0.2, "relu", dout, ds, n, max_threads, need)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("n", [4096, 4097])
-def test_metal_layernorm_epilogue_backward_at_1024_threads(lib, n, p):
+def test_metal_layernorm_epilogue_backward_at_1024_threads(metal_lib, n, p):
     g = torch.Generator().manual_seed(n + 5)
     x, r = torch.randn(2, n, generator=g).bfloat16(), torch.randn(2, n, generator=g).bfloat16()
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
     dout, ds = torch.randn(2, n, generator=g).bfloat16(), torch.randn(2, n, generator=g).bfloat16()
-    res, L = backward(lib, dout, ds, x + r, w, b, p, "gelu", 1024)
+    res, L = backward(metal_lib, dout, ds, x + r, w, b, p, "gelu", 1024)
     check_backward(res, L, x, r, w, b, p, "gelu", dout, ds, n, 1024, (True, True, True))
 
 
@@ -283,7 +255,7 @@ MASK_RUNS = [(*c, *MASK_SEEDS[(i + k) % len(MASK_SEEDS)]) for i, c in enumerate(
 
 @pytest.mark.parametrize("n,max_threads,seed,p", MASK_RUNS,
                          ids=[f"{n}-{t}-{s:#x}-{p}" for n, t, s, p in MASK_RUNS])
-def test_metal_layernorm_epilogue_dropout_mask_is_philox_keep_mask(lib, monkeypatch, n,
+def test_metal_layernorm_epilogue_dropout_mask_is_philox_keep_mask(metal_lib, monkeypatch, n,
                                                                    max_threads, seed, p):
     """The kernels keep exactly fusedops._philox.keep_mask(seed, M, N, p): in the forward the
     nonzero pattern of the output (LayerNorm output never 0 here; kept values are the p = 0
@@ -295,16 +267,16 @@ def test_metal_layernorm_epilogue_dropout_mask_is_philox_keep_mask(lib, monkeypa
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(n))
     keep = _philox.keep_mask(seed, m, n, p)
     scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
-    (out0, *_), _ = forward(lib, x, None, None, None, 0.0, None, torch.float32, max_threads)
+    (out0, *_), _ = forward(metal_lib, x, None, None, None, 0.0, None, torch.float32, max_threads)
     assert out0.ne(0).all()  # the precondition: nothing is 0 before dropout
-    (out, *_), L = forward(lib, x, None, None, None, p, None, torch.float32, max_threads,
+    (out, *_), L = forward(metal_lib, x, None, None, None, p, None, torch.float32, max_threads,
                            need_stats=False, seed=seed)
     assert L.calls[0][1] == 2
     assert torch.equal(out != 0, keep)
     # (the layouts differ, and so the order of the row sums: not bitwise)
     torch.testing.assert_close(out[keep], out0[keep] * scale, rtol=1e-5, atol=1e-5)
     # backward: g = dout * f = f, and threadgroup t owns row t alone
-    (_, _, db), L = backward(lib, torch.ones(m, n), None, x, None, None, p, None, max_threads,
+    (_, _, db), L = backward(metal_lib, torch.ones(m, n), None, x, None, None, p, None, max_threads,
                              need=(False, False, True), seed=seed)
     assert L.calls[0][1] == m
     partials = L.args[0][9]
@@ -315,19 +287,19 @@ def test_metal_layernorm_epilogue_dropout_mask_is_philox_keep_mask(lib, monkeypa
 # --- GELU ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,max_threads", [(1000, 256), (1500, 64)])
-def test_metal_layernorm_epilogue_gelu_accuracy(lib, n, max_threads):
+def test_metal_layernorm_epilogue_gelu_accuracy(metal_lib, n, max_threads):
     """The fitted erf (Metal has none): GELU and its derivative at the kernel's own pre-activation
     values over [-12, 12] against float64, to float32 accuracy (tails included)."""
     x = torch.linspace(-1.0, 1.0, n).repeat(2, 1)
     w = torch.full((n,), 7.0)
     b = torch.zeros(n)
-    (v, *_), _ = forward(lib, x, None, w, b, 0.0, None, torch.float32, max_threads)
+    (v, *_), _ = forward(metal_lib, x, None, w, b, 0.0, None, torch.float32, max_threads)
     assert v.min() < -11.5 and v.max() > 11.5
-    (out, *_), _ = forward(lib, x, None, w, b, 0.0, "gelu", torch.float32, max_threads)
+    (out, *_), _ = forward(metal_lib, x, None, w, b, 0.0, "gelu", torch.float32, max_threads)
     v64 = v.double()
     torch.testing.assert_close(out.double(), F.gelu(v64), rtol=2e-6, atol=1e-12)
     # derivative: one row per threadgroup, dout = 1, so the dbias partials are act'(v)
-    (_, _, _), L = backward(lib, torch.ones(2, n), None, x, w, b, 0.0, "gelu", max_threads,
+    (_, _, _), L = backward(metal_lib, torch.ones(2, n), None, x, w, b, 0.0, "gelu", max_threads,
                             need=(False, False, True))
     cdf = 0.5 * (1.0 + torch.erf(v64 / 2**0.5))
     grad = cdf + v64 * torch.exp(-0.5 * v64 * v64) / (2 * torch.pi) ** 0.5
@@ -346,26 +318,26 @@ def test_metal_shaders_call_no_erf():
 
 @pytest.mark.parametrize("p", [0.0, 0.2])
 @pytest.mark.parametrize("n,max_threads", [(130, 64), (700, 64), (1100, 256)])
-def test_metal_layernorm_epilogue_strided_rows(lib, n, max_threads, p):
+def test_metal_layernorm_epilogue_strided_rows(metal_lib, n, max_threads, p):
     """Misaligned and strided x / residual / ds, a stride-0 dout (expanded gradient), half
     parameters (converted), no vector loads."""
     torch.manual_seed(n)
     x = rows(4, n, torch.float16, "misaligned", scale=2.0)
     r = rows(4, n, torch.float16, "aligned-strided")
     w, b = torch.randn(n).half(), torch.randn(n).half()
-    res, L = forward(lib, x, r, w, b, p, "gelu", torch.float16, max_threads)
+    res, L = forward(metal_lib, x, r, w, b, p, "gelu", torch.float16, max_threads)
     assert L.args[0][-1] & metal.FLAG_VEC == 0
     check_forward(res, L, x, r, w, b, p, "gelu", torch.float16, n, max_threads)
     dout, ds = rows(4, n, torch.float16, "broadcast"), rows(4, n, torch.float16, "misaligned")
     out, s, mean, rstd = res
-    L = Recorder(lib, max_threads)
+    L = Recorder(metal_lib, max_threads)
     bres = metal.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, p, SEED,
                                                   "gelu", True, True, True)
     check_backward(bres, L, x, r, w, b, p, "gelu", dout, ds, n, max_threads, (True, True, True))
 
 
 @pytest.mark.parametrize("n,max_threads", [(100, 64), (129, 256), (700, 64), (1100, 256)])
-def test_metal_layernorm_epilogue_groups_own_several_rows_deterministic(lib, monkeypatch, n,
+def test_metal_layernorm_epilogue_groups_own_several_rows_deterministic(metal_lib, monkeypatch, n,
                                                                         max_threads):
     """Forward rows striding over threadgroups; backward threadgroups accumulating the partials
     of several rows (registers, or read-modify-write when looped) in both layouts, then the
@@ -377,33 +349,33 @@ def test_metal_layernorm_epilogue_groups_own_several_rows_deterministic(lib, mon
     m = 8
     x, r = torch.randn(m, n, generator=g).half(), torch.randn(m, n, generator=g).half()
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    res, L = forward(lib, x, r, w, b, 0.3, "gelu", torch.float32, max_threads, fiber_seed=1)
+    res, L = forward(metal_lib, x, r, w, b, 0.3, "gelu", torch.float32, max_threads, fiber_seed=1)
     assert L.calls[0][1] == 3
     check_forward(res, L, x, r, w, b, 0.3, "gelu", torch.float32, n, max_threads)
     dout, ds = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g).half()
-    bres, L = backward(lib, dout, ds, res[1], w, b, 0.3, "gelu", max_threads, fiber_seed=1)
+    bres, L = backward(metal_lib, dout, ds, res[1], w, b, 0.3, "gelu", max_threads, fiber_seed=1)
     assert L.calls[0][1] == 3
     check_backward(bres, L, x, r, w, b, 0.3, "gelu", dout, ds, n, max_threads, (True, True, True))
     for fiber_seed in (2, 5):  # other fiber orders (even: fine interleaving; odd: run-ahead)
-        again, _ = backward(lib, dout, ds, res[1], w, b, 0.3, "gelu", max_threads,
+        again, _ = backward(metal_lib, dout, ds, res[1], w, b, 0.3, "gelu", max_threads,
                             fiber_seed=fiber_seed)
         assert all(torch.equal(a, c) for a, c in zip(again, bres, strict=True))
 
 
-def test_metal_layernorm_epilogue_constant_rows_and_stats(lib):
+def test_metal_layernorm_epilogue_constant_rows_and_stats(metal_lib):
     """Constant rows (s = x + r constant): v is exactly the bias, so out = act(b); without
     need_stats no statistics are written or returned."""
     for n, max_threads in ((50, 64), (700, 64)):
         x, r = torch.full((3, n), 1.5), torch.full((3, n), 0.25)
         b = torch.randn(n)
-        (out, s, mean, rstd), L = forward(lib, x, r, torch.randn(n), b, 0.0, "relu",
+        (out, s, mean, rstd), L = forward(metal_lib, x, r, torch.randn(n), b, 0.0, "relu",
                                           torch.float32, max_threads, need_stats=False)
         assert mean is None and rstd is None and L.args[0][-1] & metal.FLAG_STATS == 0
         assert torch.equal(out, torch.relu(b).expand(3, n)) and torch.equal(s, x + r)
 
 
-def test_metal_layernorm_epilogue_empty_shapes_and_fallbacks(lib):
-    L = Recorder(lib, 64)
+def test_metal_layernorm_epilogue_empty_shapes_and_fallbacks(metal_lib):
+    L = Recorder(metal_lib, 64)
     out, s, mean, rstd = metal.layernorm_epilogue_forward_with(
         L, torch.empty(0, 5), torch.empty(0, 5), None, None, EPS, torch.float32, 0.5, 1, "gelu",
         True)
@@ -505,8 +477,8 @@ class _FakeExt:
     """Stands in for fusedops._metal_ext: the LayerNorm epilogue bindings, with the parameter
     names the extension declares, run the host code on the emulation."""
 
-    def __init__(self, lib):
-        self.L = emu.EmuLauncher(lib, 256)
+    def __init__(self, metal_lib):
+        self.L = emu.EmuLauncher(metal_lib, 256)
         self.calls = []
 
     def initialize(self):
@@ -534,15 +506,15 @@ class _FakeExt:
                                                       need_dx, need_dw, need_db)
 
 
-def test_metal_layernorm_epilogue_extension_path(lib, monkeypatch):
+def test_metal_layernorm_epilogue_extension_path(metal_lib, monkeypatch):
     """metal.layernorm_epilogue_* on the extension path call the extension's bindings, whose
     argument lists (read from the .mm) match the calls (a seed of 2^64 - 1 passed as the signed
     64-bit integer with the same bits); unsupported pairs use the reference."""
-    bindings = _mm_bindings()
+    bindings = mm_bindings()
     for name in ("layernorm_epilogue_forward", "layernorm_epilogue_backward"):
         params = list(inspect.signature(getattr(_FakeExt, name)).parameters)[1:]
         assert bindings[name] == params, name
-    ext = _FakeExt(lib)
+    ext = _FakeExt(metal_lib)
     monkeypatch.setattr(metal, "_impl", metal._Extension(ext))
     assert metal._impl.layernorm_epilogue_fwd == {(DTYPES[a], DTYPES[b]) for a, b in PAIRS}
     g = torch.Generator().manual_seed(34)

@@ -12,10 +12,10 @@ stand-in extension whose bindings are read from csrc/fusedops_metal.mm).
 
 from __future__ import annotations
 
-import re
 import warnings
 from pathlib import Path
 
+import _oracles as oracles
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ import fusedops
 from fusedops import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
-from test_metal_emulation import launcher, rows  # noqa: E402  (the emulated device, layouts)
+from metal_emu.harness import launcher, mm_bindings, rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
@@ -35,11 +35,6 @@ SIZES_1024 = [4096, 4097]
 CASES = [(n, 256) for n in SIZES_256] + [(n, 1024) for n in SIZES_1024]
 REDUCE = "fusedops_layernorm_dwdb_reduce"
 EPS = 1e-5
-
-
-@pytest.fixture(scope="module")
-def lib():
-    return emu.load()
 
 
 def check_call(call, op: str, n: int, max_threads: int) -> None:
@@ -52,15 +47,8 @@ def check_call(call, op: str, n: int, max_threads: int) -> None:
 
 
 def rmsnorm_ref(x, w, eps, dy=None):
-    """float64 (y, rstd), or with dy the float64 gradients (dx, dw)."""
-    grad = dy is not None
-    x64 = x.double().requires_grad_(grad)
-    w64 = None if w is None else w.double().requires_grad_(grad)
-    y = F.rms_norm(x64, (x.shape[1],), w64, eps)
-    if not grad:
-        return y.detach(), torch.rsqrt(x64.detach().square().mean(-1) + eps)
-    y.backward(dy.double())
-    return x64.grad, None if w64 is None else w64.grad
+    """float64 (y, rstd), or with dy the float64 gradients (dx, dw) (tests/_oracles.py)."""
+    return oracles.rmsnorm(x, w, eps, dy)
 
 
 def saved_rstd(x, eps=EPS):
@@ -72,13 +60,13 @@ def saved_rstd(x, eps=EPS):
 @pytest.mark.parametrize("weight", ["w", "none"])
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
-def test_metal_rmsnorm_forward(lib, pair, weight, n, max_threads):
+def test_metal_rmsnorm_forward(metal_lib, pair, weight, n, max_threads):
     torch.manual_seed(n + 20)
     x_dtype, y_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     m = 3
     x = rows(m, n, x_dtype, scale=2.0, shift=0.5)
     w = torch.randn(n) if weight == "w" else None
-    L = launcher(lib, max_threads, seed=n)
+    L = launcher(metal_lib, max_threads, seed=n)
     y, rstd = metal.rmsnorm_forward_with(L, x, w, EPS, y_dtype)
     assert y.dtype == y_dtype and y.shape == (m, n) and y.is_contiguous()
     assert rstd.dtype == torch.float32 and rstd.shape == (m,)
@@ -91,13 +79,13 @@ def test_metal_rmsnorm_forward(lib, pair, weight, n, max_threads):
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", [(129, 256), (2049, 256), (4096, 1024), (4097, 1024)])
-def test_metal_rmsnorm_forward_y(lib, pair, n, max_threads):
+def test_metal_rmsnorm_forward_y(metal_lib, pair, n, max_threads):
     """forward_y: the same kernels, y only; bitwise what the forward gives."""
     torch.manual_seed(n + 21)
     x_dtype, y_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     x = rows(4, n, x_dtype)
     w = torch.randn(n).to(x_dtype)  # weight in x's dtype (converted to float32 by the host)
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y = metal.rmsnorm_forward_y_with(L, x, w, EPS, y_dtype)
     check_call(L.calls[0], "fwd", n, max_threads)
     assert y.dtype == y_dtype and y.shape == (4, n)
@@ -115,7 +103,7 @@ BWD_CASES = [(p, "dx-dw") for p in PAIRS] + [
 @pytest.mark.parametrize("pair,need", BWD_CASES, ids=lambda v: "_".join(v)
                          if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("n,max_threads", CASES)
-def test_metal_rmsnorm_backward(lib, pair, need, n, max_threads):
+def test_metal_rmsnorm_backward(metal_lib, pair, need, n, max_threads):
     torch.manual_seed(n + 22)
     x_dtype, dy_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     m = 5
@@ -123,7 +111,7 @@ def test_metal_rmsnorm_backward(lib, pair, need, n, max_threads):
     dy = rows(m, n, dy_dtype)
     w = None if "noweight" in need else torch.randn(n)
     need_dx, need_dw = "dx" in need, "dw" in need
-    L = launcher(lib, max_threads, seed=n)
+    L = launcher(metal_lib, max_threads, seed=n)
     dx, dw = metal.rmsnorm_backward_with(L, dy, x, w, saved_rstd(x), need_dx, need_dw)
     assert (dx is not None, dw is not None) == (need_dx, need_dw)
     check_call(L.calls[0], "bwd", n, max_threads)
@@ -142,14 +130,14 @@ def test_metal_rmsnorm_backward(lib, pair, need, n, max_threads):
 
 @pytest.mark.parametrize("layout", ["misaligned", "aligned-strided", "broadcast"])
 @pytest.mark.parametrize("n,max_threads", [(33, 256), (1000, 256), (1025, 256), (4097, 1024)])
-def test_metal_rmsnorm_strided_rows(lib, layout, n, max_threads):
+def test_metal_rmsnorm_strided_rows(metal_lib, layout, n, max_threads):
     """Row strides > N and storage offsets (vector loads only where aligned), stride-0 dy."""
     torch.manual_seed(23)
     x = rows(4, n, torch.bfloat16, layout if layout != "broadcast" else "misaligned")
     dy = rows(4, n, torch.bfloat16, layout)
     assert x.stride(0) > n
     w = torch.randn(n)
-    L = launcher(lib, max_threads)
+    L = launcher(metal_lib, max_threads)
     y, rstd = metal.rmsnorm_forward_with(L, x, w, EPS, torch.bfloat16)
     y_ref, rstd_ref = rmsnorm_ref(x, w, EPS)
     assert_close_to_ref(y, y_ref, torch.bfloat16)
@@ -161,7 +149,8 @@ def test_metal_rmsnorm_strided_rows(lib, layout, n, max_threads):
 
 
 @pytest.mark.parametrize("n,max_threads", [(100, 256), (1500, 256)])
-def test_metal_rmsnorm_groups_own_several_rows_deterministic(lib, monkeypatch, n, max_threads):
+def test_metal_rmsnorm_groups_own_several_rows_deterministic(metal_lib, monkeypatch, n,
+                                                             max_threads):
     """Forward rows striding over threadgroups; backward threadgroups accumulating the dweight
     partials of several rows (registers, or read-modify-write when looped), then the reduction:
     bitwise equal across runs under different fiber orders."""
@@ -173,7 +162,7 @@ def test_metal_rmsnorm_groups_own_several_rows_deterministic(lib, monkeypatch, n
     x = torch.randn(m, n, dtype=torch.float16)
     dy = torch.randn(m, n, dtype=torch.float16)
     w = torch.randn(n)
-    L = launcher(lib, max_threads, seed=1)
+    L = launcher(metal_lib, max_threads, seed=1)
     y, rstd = metal.rmsnorm_forward_with(L, x, w, EPS, torch.float16)
     assert L.calls[0][1] == 3
     assert_close_to_ref(y, rmsnorm_ref(x, w, EPS)[0], torch.float16)
@@ -183,13 +172,13 @@ def test_metal_rmsnorm_groups_own_several_rows_deterministic(lib, monkeypatch, n
     assert_close_to_ref(dx, dx_ref, torch.float16, scale=4)
     assert_close_to_ref(dw, dw_ref, torch.float32, scale=10)
     for seed in (2, 5):  # other fiber orders (even: fine interleaving; odd: run-ahead)
-        L2 = launcher(lib, max_threads, seed=seed)
+        L2 = launcher(metal_lib, max_threads, seed=seed)
         _, dw2 = metal.rmsnorm_backward_with(L2, dy, x, w, rstd, False, True)
         dx2, dw3 = metal.rmsnorm_backward_with(L2, dy, x, w, rstd, True, True)
         assert torch.equal(dw, dw2) and torch.equal(dw, dw3) and torch.equal(dx, dx2)
 
 
-def test_metal_rmsnorm_zero_rows_overflow_and_eps(lib):
+def test_metal_rmsnorm_zero_rows_overflow_and_eps(metal_lib):
     """All-zero rows (rstd = 1/sqrt(eps), y = 0, dx = w * dy / sqrt(eps)), a large eps, and a row
     whose float32 mean square overflows: rstd 0 and y 0, as torch and the reference (single and
     looped)."""
@@ -199,7 +188,7 @@ def test_metal_rmsnorm_zero_rows_overflow_and_eps(lib):
         x[2, :] = 3e38  # x^2 overflows float32
         w = torch.randn(n)
         for eps in (1e-5, 0.5):
-            y, rstd = metal.rmsnorm_forward_with(launcher(lib, 256), x, w, eps, torch.float32)
+            y, rstd = metal.rmsnorm_forward_with(launcher(metal_lib, 256), x, w, eps, torch.float32)
             y_ref, rstd_ref = metal.reference.rmsnorm_forward(x, w, eps, torch.float32)
             assert rstd[2] == 0 and torch.equal(y[2], torch.zeros(n))
             torch.testing.assert_close(y[2], torch.nn.functional.rms_norm(x[2:], (n,), w, eps)[0])
@@ -207,15 +196,15 @@ def test_metal_rmsnorm_zero_rows_overflow_and_eps(lib):
             torch.testing.assert_close(rstd, rstd_ref, equal_nan=True, **tol(torch.float32))
             torch.testing.assert_close(y, y_ref, equal_nan=True, **tol(torch.float32))
         dy = torch.randn(2, n)
-        dx, dw = metal.rmsnorm_backward_with(launcher(lib, 256), dy, x[:2], w, rstd[:2], True,
+        dx, dw = metal.rmsnorm_backward_with(launcher(metal_lib, 256), dy, x[:2], w, rstd[:2], True,
                                              True)
         dx_ref, dw_ref = rmsnorm_ref(x[:2], w, 0.5, dy)
         assert_close_to_ref(dx, dx_ref, torch.float32, scale=4)
         assert_close_to_ref(dw, dw_ref, torch.float32, scale=10)
 
 
-def test_metal_rmsnorm_empty_shapes_and_nothing_needed(lib):
-    L = launcher(lib, 256)
+def test_metal_rmsnorm_empty_shapes_and_nothing_needed(metal_lib):
+    L = launcher(metal_lib, 256)
     y, rstd = metal.rmsnorm_forward_with(L, torch.empty(0, 5), None, EPS, torch.float32)
     assert y.shape == (0, 5) and rstd.shape == (0,)
     y, rstd = metal.rmsnorm_forward_with(L, torch.empty(3, 0), torch.ones(0), EPS,
@@ -229,9 +218,9 @@ def test_metal_rmsnorm_empty_shapes_and_nothing_needed(lib):
     assert L.calls == []
 
 
-def test_metal_rmsnorm_unsupported_pair_uses_reference(lib):
+def test_metal_rmsnorm_unsupported_pair_uses_reference(metal_lib):
     """A pair the library lacks (float x, half y) falls back to the reference, no launch."""
-    L = launcher(lib, 256)
+    L = launcher(metal_lib, 256)
     x = torch.randn(3, 40)
     y, rstd = metal.rmsnorm_forward_with(L, x, None, EPS, torch.float16)
     assert L.calls == [] and y.dtype == torch.float16
@@ -271,21 +260,12 @@ def test_metal_rmsnorm_compile_shader_path_end_to_end(fake_mps):
                 assert torch.equal(fusedops.fused_rmsnorm(x, (n,), w, EPS), y.detach())
 
 
-def _mm_bindings() -> dict[str, list[str]]:
-    """name -> py::arg names of every m.def in the extension."""
-    text = (REPO / "csrc" / "fusedops_metal.mm").read_text()
-    out = {}
-    for name, rest in re.findall(r'm\.def\("(\w+)",(.*?)\);', text, re.DOTALL):
-        out[name] = re.findall(r'py::arg\("(\w+)"\)', rest)
-    return out
-
-
 class _FakeExt:
     """Stands in for fusedops._metal_ext: the RMSNorm bindings, with the parameter names the
     extension declares, run the host code on the emulation (what the extension mirrors)."""
 
-    def __init__(self, lib):
-        self.L = emu.EmuLauncher(lib, 256)
+    def __init__(self, metal_lib):
+        self.L = emu.EmuLauncher(metal_lib, 256)
         self.calls = []
 
     def initialize(self):
@@ -305,16 +285,16 @@ class _FakeExt:
         return metal.rmsnorm_backward_with(self.L, dy, x, weight, rstd, need_dx, need_dw)
 
 
-def test_metal_rmsnorm_extension_path(lib, monkeypatch):
+def test_metal_rmsnorm_extension_path(metal_lib, monkeypatch):
     """metal.rmsnorm_* on the extension path call the extension's bindings, whose argument lists
     (read from the .mm) match the calls; unsupported pairs use the reference."""
     import inspect
 
-    bindings = _mm_bindings()
+    bindings = mm_bindings()
     for name in ("rmsnorm_forward", "rmsnorm_backward"):
         params = list(inspect.signature(getattr(_FakeExt, name)).parameters)[1:]
         assert bindings[name] == params, name
-    ext = _FakeExt(lib)
+    ext = _FakeExt(metal_lib)
     monkeypatch.setattr(metal, "_impl", metal._Extension(ext))
     assert metal.implementation() == "extension"
     assert metal._impl.rmsnorm_fwd == {(DTYPES[a], DTYPES[b]) for a, b in PAIRS}

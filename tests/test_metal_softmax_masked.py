@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import _oracles as oracles
 import pytest
 import torch
 from conftest import assert_close_to_ref, tol
@@ -26,7 +27,7 @@ import fusedops
 from fusedops import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
-from test_metal_rmsnorm import _mm_bindings  # noqa: E402  (the extension's m.def arguments)
+from metal_emu.harness import Recorder, mm_bindings  # noqa: E402
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
 FWD_TRIPLES = sorted(metal.SOFTMAX_MASKED_FWD_TYPES)
@@ -40,38 +41,14 @@ BIG = [(1024, 256), (1025, 256), (4096, 1024), (4097, 1024)]
 SCALE = 0.37
 
 
-@pytest.fixture(scope="module")
-def lib():
-    return emu.load()
-
-
-class Recorder(emu.EmuLauncher):
-    """The emulated device (fibers in a seeded random order) remembering each launch's args."""
-
-    def __init__(self, lib, max_threads: int, seed: int = 0):
-        lib.set_mode("fibers-random", seed + 1)
-        super().__init__(lib, max_threads)
-        self.args: list[list] = []
-
-    def __call__(self, name, args, groups, threads):
-        self.args.append(list(args))
-        super().__call__(name, args, groups, threads)
-
-
 def variant(n: int, max_threads: int) -> str:
     return "single" if n <= metal.single_row_limit(max_threads) else "looped"
 
 
 def oracle(x, mask, scale, causal):
-    """float64 softmax of x * scale, masked and causal; rows with nothing kept are zeros."""
-    z = x.double() * scale
-    if mask is not None:
-        z = z.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else z + mask.double()
-    if causal:
-        q, n = z.shape[-2:]
-        z = z.masked_fill(torch.ones(q, n, dtype=torch.bool).triu(1), -torch.inf)
-    empty = z.amax(-1, keepdim=True) == -torch.inf
-    return torch.softmax(z, -1).masked_fill(empty, 0.0)
+    """float64 softmax of x * scale, masked and causal; rows with nothing kept are zeros
+    (tests/_oracles.py)."""
+    return oracles.softmax_masked(x, mask, scale, causal)
 
 
 def make_mask(kind: str, shape, x_dtype, generator=None):
@@ -87,8 +64,8 @@ def make_mask(kind: str, shape, x_dtype, generator=None):
     return m.to(dtype)
 
 
-def run_forward(lib, x, mask, causal, out_dtype, max_threads, seed=0, scale=SCALE):
-    L = Recorder(lib, max_threads, seed)
+def run_forward(metal_lib, x, mask, causal, out_dtype, max_threads, seed=0, scale=SCALE):
+    L = Recorder(metal_lib, max_threads, seed)
     full = None if mask is None else mask.expand(x.shape)
     y = metal.softmax_masked_forward_with(L, x, full, scale, causal, out_dtype)
     assert y.dtype == out_dtype and y.shape == x.shape and y.is_contiguous()
@@ -102,7 +79,7 @@ MASK_TYPES = FWD_TRIPLES + [(a, b, "none") for a, b in FWD_PAIRS]
 
 @pytest.mark.parametrize("n,max_threads", SMALL)
 @pytest.mark.parametrize("types", MASK_TYPES, ids="_".join)
-def test_metal_softmax_masked_forward(lib, types, n, max_threads):
+def test_metal_softmax_masked_forward(metal_lib, types, n, max_threads):
     """Every (x, y, mask) triple (and no mask) single-row and looped, causal on alternate cases;
     the mask broadcast over heads (stride 0)."""
     a, b, mk = types
@@ -112,7 +89,7 @@ def test_metal_softmax_masked_forward(lib, types, n, max_threads):
     x = (torch.randn(1, 2, 2, n, generator=g, dtype=torch.float64) * 3).to(x_dtype)
     kind = {"bool": "bool", "none": "none"}.get(mk, "x" if mk == a else "float")
     mask = make_mask(kind, (1, 1, 2, n), x_dtype, g)
-    y, L = run_forward(lib, x, mask, causal, y_dtype, max_threads, seed=n)
+    y, L = run_forward(metal_lib, x, mask, causal, y_dtype, max_threads, seed=n)
     name = L.calls[0][0]
     kernel_mask = "bool" if mk == "none" else mk
     assert name == f"fusedops_softmax_masked_fwd_{variant(n, max_threads)}_{a}_{b}_{kernel_mask}"
@@ -125,13 +102,13 @@ def test_metal_softmax_masked_forward(lib, types, n, max_threads):
 
 @pytest.mark.parametrize("n,max_threads", BIG)
 @pytest.mark.parametrize("pair", FWD_PAIRS, ids=lambda p: "_".join(p))
-def test_metal_softmax_masked_forward_boundaries(lib, pair, n, max_threads):
+def test_metal_softmax_masked_forward_boundaries(metal_lib, pair, n, max_threads):
     """The single-row / looped switch at 256 and at the real 1024 threads."""
     g = torch.Generator().manual_seed(n)
     x_dtype, y_dtype = DTYPES[pair[0]], DTYPES[pair[1]]
     x = (torch.randn(1, 1, 2, n, generator=g, dtype=torch.float64) * 3).to(x_dtype)
     mask = make_mask("bool" if n % 2 else "x", (1, 1, 1, n), x_dtype, g)
-    y, L = run_forward(lib, x, mask, False, y_dtype, max_threads, seed=n)
+    y, L = run_forward(metal_lib, x, mask, False, y_dtype, max_threads, seed=n)
     assert L.calls[0][0].startswith(f"fusedops_softmax_masked_fwd_{variant(n, max_threads)}_")
     assert L.calls[0][2] <= max_threads
     assert_close_to_ref(y, oracle(x, mask, SCALE, False), y_dtype)
@@ -139,7 +116,7 @@ def test_metal_softmax_masked_forward_boundaries(lib, pair, n, max_threads):
 
 @pytest.mark.parametrize("queries,n,max_threads", [(7, 40, 64), (45, 40, 64), (45, 300, 64),
                                                    (5, 1025, 256)])
-def test_metal_softmax_masked_causal(lib, queries, n, max_threads):
+def test_metal_softmax_masked_causal(metal_lib, queries, n, max_threads):
     """Causal rows keep min(N, q + 1) columns (Q < N and Q > N); the dropped columns hold NaN in x
     and in the mask, which must neither be read into a result nor poison it."""
     g = torch.Generator().manual_seed(queries + n)
@@ -149,7 +126,7 @@ def test_metal_softmax_masked_causal(lib, queries, n, max_threads):
     x_poisoned = x.masked_fill(dropped, torch.nan)
     mask_poisoned = mask.masked_fill(dropped, torch.nan)
     for m in (None, mask_poisoned):
-        y, L = run_forward(lib, x_poisoned, m, True, torch.float32, max_threads, seed=queries)
+        y, L = run_forward(metal_lib, x_poisoned, m, True, torch.float32, max_threads, seed=queries)
         ref = oracle(x, None if m is None else mask, SCALE, True)
         assert not y.isnan().any()
         assert torch.equal(y[..., dropped], torch.zeros_like(y[..., dropped]))
@@ -171,7 +148,7 @@ BROADCASTS = {
 
 @pytest.mark.parametrize("kind", ["bool", "x", "converted"])
 @pytest.mark.parametrize("pattern", list(BROADCASTS))
-def test_metal_softmax_masked_broadcast_patterns(lib, pattern, kind):
+def test_metal_softmax_masked_broadcast_patterns(metal_lib, pattern, kind):
     """Masks read through their strides: broadcast (stride 0) dims, a column stride of 0 or
     Q (transposed), a misaligned start; vector loads only for aligned unit-stride rows; a mask
     dtype the kernels lack (half, float64) is converted to float32 without materialising its
@@ -186,7 +163,7 @@ def test_metal_softmax_masked_broadcast_patterns(lib, pattern, kind):
     elif view == "offset":
         base = base[..., 1:]
     for causal, max_threads in ((False, 64), (True, 32)):  # single-row; looped
-        y, L = run_forward(lib, x, base, causal, torch.bfloat16, max_threads)
+        y, L = run_forward(metal_lib, x, base, causal, torch.bfloat16, max_threads)
         assert L.calls[0][0].startswith(
             f"fusedops_softmax_masked_fwd_{variant(BN, max_threads)}_bfloat_bfloat_")
         bound, bound_strides = L.args[0][1], tuple(L.args[0][8:12])
@@ -202,7 +179,7 @@ def test_metal_softmax_masked_broadcast_patterns(lib, pattern, kind):
 
 
 @pytest.mark.parametrize("n,max_threads", [(40, 64), (600, 64), (1025, 256)])
-def test_metal_softmax_masked_empty_and_nan_rows(lib, n, max_threads):
+def test_metal_softmax_masked_empty_and_nan_rows(metal_lib, n, max_threads):
     """Rows where nothing is kept come out as zeros (bool mask all False, additive -inf, x -inf
     everywhere, causal row 0 with its only column masked); a NaN score makes its row NaN (also
     one arriving while the running max is -inf), as in torch."""
@@ -216,7 +193,7 @@ def test_metal_softmax_masked_empty_and_nan_rows(lib, n, max_threads):
     x[..., 5, :] = -torch.inf
     x[..., 5, n - 2] = torch.nan  # NaN after -inf only
     for causal in (False, True):
-        y, _ = run_forward(lib, x, keep, causal, torch.float32, max_threads)
+        y, _ = run_forward(metal_lib, x, keep, causal, torch.float32, max_threads)
         ref = oracle(x, keep, SCALE, causal)
         torch.testing.assert_close(y.double(), ref, equal_nan=True, **tol(torch.float32))
         assert torch.equal(y[..., 1, :], torch.zeros(1, 1, n))
@@ -227,38 +204,39 @@ def test_metal_softmax_masked_empty_and_nan_rows(lib, n, max_threads):
             assert bool(y[..., 4, :].isnan().all()) and bool(y[..., 5, :].isnan().all())
     additive = torch.zeros(1, 1, 6, n)
     additive[..., 1, :] = -torch.inf
-    y, _ = run_forward(lib, torch.randn(1, 1, 6, n), additive, False, torch.float32, max_threads)
+    y, _ = run_forward(metal_lib, torch.randn(1, 1, 6, n), additive, False, torch.float32,
+                       max_threads)
     assert torch.equal(y[..., 1, :], torch.zeros(1, 1, n)) and not y.isnan().any()
 
 
 @pytest.mark.parametrize("scale", [1.0, -1.5, 0.0])
-def test_metal_softmax_masked_scales(lib, scale):
+def test_metal_softmax_masked_scales(metal_lib, scale):
     """Any scale: 1, negative (the masked scores stay -inf), 0 (uniform over the kept)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 1, 5, 150, generator=g)
     mask = make_mask("bool", (2, 1, 5, 150), torch.float32, g)
     for max_threads in (64, 32):  # single-row; looped on one SIMD-group
-        y, L = run_forward(lib, x, mask, True, torch.float32, max_threads, scale=scale)
+        y, L = run_forward(metal_lib, x, mask, True, torch.float32, max_threads, scale=scale)
         assert L.calls[0][0].startswith(
             f"fusedops_softmax_masked_fwd_{variant(150, max_threads)}_")
         assert_close_to_ref(y, oracle(x, mask, scale, True), torch.float32)
 
 
 @pytest.mark.parametrize("n,max_threads", [(100, 64), (700, 64)])
-def test_metal_softmax_masked_rows_stride_over_groups(lib, monkeypatch, n, max_threads):
+def test_metal_softmax_masked_rows_stride_over_groups(metal_lib, monkeypatch, n, max_threads):
     """More rows than threadgroups: each threadgroup loops over rows whose (b, h, q) - and so
     their mask rows and causal limits - differ."""
     monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 3)
     g = torch.Generator().manual_seed(n)
     x = torch.randn(2, 3, 5, n, generator=g).half()
     mask = make_mask("x", (2, 3, 5, n), torch.float16, g)
-    y, L = run_forward(lib, x, mask, True, torch.float32, max_threads)
+    y, L = run_forward(metal_lib, x, mask, True, torch.float32, max_threads)
     assert L.calls[0][1] == 3
     assert_close_to_ref(y, oracle(x, mask, SCALE, True), torch.float32)
 
 
-def test_metal_softmax_masked_empty_shapes_and_fallbacks(lib):
-    L = Recorder(lib, 64)
+def test_metal_softmax_masked_empty_shapes_and_fallbacks(metal_lib):
+    L = Recorder(metal_lib, 64)
     for shape in ((0, 2, 3, 5), (2, 2, 3, 0), (2, 0, 3, 5)):
         y = metal.softmax_masked_forward_with(L, torch.randn(shape).half(), None, 0.5, True,
                                               torch.float32)
@@ -282,13 +260,12 @@ def test_metal_softmax_masked_empty_shapes_and_fallbacks(lib):
 # --- backward --------------------------------------------------------------------------------
 
 def backward_oracle(y, dy, scale):
-    y64, dy64 = y.double(), dy.double()
-    return scale * y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+    return oracles.softmax_backward(y, dy, scale)
 
 
 @pytest.mark.parametrize("n,max_threads", SMALL + BIG[:2])
 @pytest.mark.parametrize("pair", BWD_PAIRS, ids=lambda p: "_".join(p))
-def test_metal_softmax_masked_backward(lib, pair, n, max_threads):
+def test_metal_softmax_masked_backward(metal_lib, pair, n, max_threads):
     """dx = scale * y * (dy - sum(y * dy)) for every (y, dx) pair; masked positions (y = 0) and
     a row of zeros (nothing kept) give dx = 0."""
     g = torch.Generator().manual_seed(n + 1)
@@ -298,7 +275,7 @@ def test_metal_softmax_masked_backward(lib, pair, n, max_threads):
     mask[..., 2, :] = False
     y = oracle(x, mask, 1.0, False).to(y_dtype).view(4, n)
     dy = torch.randn(4, n, generator=g, dtype=torch.float64).to(y_dtype)
-    L = Recorder(lib, max_threads, seed=n)
+    L = Recorder(metal_lib, max_threads, seed=n)
     dx = metal.softmax_masked_backward_with(L, y, dy, SCALE, dx_dtype)
     assert dx.dtype == dx_dtype and dx.shape == (4, n) and dx.is_contiguous()
     assert L.calls[0][0] == \
@@ -310,7 +287,7 @@ def test_metal_softmax_masked_backward(lib, pair, n, max_threads):
 
 @pytest.mark.parametrize("layout", ["misaligned", "broadcast"])
 @pytest.mark.parametrize("n,max_threads", [(33, 64), (600, 64), (4097, 1024)])
-def test_metal_softmax_masked_backward_strided(lib, layout, n, max_threads):
+def test_metal_softmax_masked_backward_strided(metal_lib, layout, n, max_threads):
     """Row strides and offsets (scalar loads where misaligned), a stride-0 dy, a dy of another
     dtype (converted to y's), more rows than threadgroups."""
     from test_metal_emulation import rows
@@ -319,7 +296,7 @@ def test_metal_softmax_masked_backward_strided(lib, layout, n, max_threads):
     y = rows(5, n, torch.float32, "misaligned")
     y.copy_(torch.softmax(y * 2, -1))
     dy = rows(5, n, torch.float16 if layout == "broadcast" else torch.float32, layout)
-    L = Recorder(lib, max_threads)
+    L = Recorder(metal_lib, max_threads)
     dx = metal.softmax_masked_backward_with(L, y, dy, -2.0, torch.bfloat16)
     assert L.args[0][-1] & metal.FLAG_VEC == 0
     assert_close_to_ref(dx, backward_oracle(y, dy.float(), -2.0), torch.bfloat16)
@@ -363,8 +340,8 @@ class _FakeExt:
     """Stands in for fusedops._metal_ext: the masked softmax bindings, with the parameter names
     the extension declares, run the host code on the emulation (what the extension mirrors)."""
 
-    def __init__(self, lib):
-        self.L = emu.EmuLauncher(lib, 256)
+    def __init__(self, metal_lib):
+        self.L = emu.EmuLauncher(metal_lib, 256)
         self.calls = []
 
     def initialize(self):
@@ -384,14 +361,14 @@ class _FakeExt:
         return metal.softmax_masked_backward_with(self.L, y, dy, scale, out_dtype)
 
 
-def test_metal_softmax_masked_extension_path(lib, monkeypatch):
+def test_metal_softmax_masked_extension_path(metal_lib, monkeypatch):
     """metal.softmax_masked_* on the extension path call the extension's bindings, whose
     argument lists (read from the .mm) match the calls; unsupported pairs use the reference."""
-    bindings = _mm_bindings()
+    bindings = mm_bindings()
     for name in ("softmax_masked_forward", "softmax_masked_backward"):
         params = list(inspect.signature(getattr(_FakeExt, name)).parameters)[1:]
         assert bindings[name] == params, name
-    ext = _FakeExt(lib)
+    ext = _FakeExt(metal_lib)
     monkeypatch.setattr(metal, "_impl", metal._Extension(ext))
     assert metal._impl.softmax_masked_fwd == {(DTYPES[a], DTYPES[b]) for a, b in FWD_PAIRS}
     assert metal._impl.softmax_masked_bwd == {(DTYPES[a], DTYPES[b]) for a, b in BWD_PAIRS}

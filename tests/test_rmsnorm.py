@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOLERANCES, assert_close_to_ref
+from conftest import assert_close_to_ref, assert_row_sum_close
 from torch import nn
 
 import fusedops
@@ -72,8 +72,8 @@ def check(x, shape, w=None, eps=None, dy=None, need=(True, True), grad_scale=4.0
         else:
             rows = max(x.numel() // max(math.prod(shape), 1), 1)
             assert wl.grad.dtype == wl.dtype and wl.grad.shape == wl.shape
-            key = max((x.dtype, wl.dtype), key=lambda d: TOLERANCES[d][1])
-            assert_close_to_ref(wl.grad, dw64, key, scale=grad_scale * rows ** 0.5)
+            # a float32 sum over rows, compared in the weight's own dtype (not x's)
+            assert_row_sum_close(wl.grad, dw64, rows, scale=grad_scale)
     return y
 
 
@@ -98,7 +98,6 @@ def test_row_count_tails(backend, m, n):
 def test_weight_variants(backend, weight, dtype):
     """No weight, a weight in x's dtype, float32 weight with 16-bit x (mixed precision): the
     output follows x, dweight the weight."""
-    torch.manual_seed(0)
     w = None if weight == "none" else _param(40, dtype if weight == "same" else torch.float32)
     check(torch.randn(6, 40).to(dtype), 40, w)
 

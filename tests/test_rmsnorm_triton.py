@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, INTERPRETING, assert_close_to_ref, tol
+from conftest import (
+    HAS_CUDA,
+    INTERPRETING,
+    assert_close_to_ref,
+    exhaustive_unless,
+    one_of_each,
+    tol,
+)
 
 pytest.importorskip("triton")
 from fusedops import triton as tb  # noqa: E402
@@ -95,6 +102,8 @@ CASES = [pytest.param(dtype, w_mode, id=f"{str(dtype)[6:]}-{w_mode}")
          for dtype in DTYPES for w_mode in _w_modes(dtype)]
 
 
+@exhaustive_unless(one_of_each({"dtype,w_mode": [(c.values[0], c.values[1]) for c in CASES],
+                                "n": [1, 31, 32, 33, 1000, 1025], "m": [1, 3, 17]}))
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 1000, 1025])
 @pytest.mark.parametrize("dtype, w_mode", CASES)
@@ -195,6 +204,7 @@ def test_long_rows_forward(extra):
     check_all(x, w, dy, backward=bool(extra))  # (the backward at the limit: as past it)
 
 
+@exhaustive_unless(one_of_each({"n": [17, 33, 100], "dtype": DTYPES}))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [17, 33, 100])
 def test_looped_kernels(small_single_block, n, dtype):

@@ -11,9 +11,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import TOLERANCES, assert_close_to_ref, single_block_limits, triton_kernels_ready
+from conftest import (
+    TOLERANCES,
+    assert_close_to_ref,
+    exhaustive_unless,
+    one_of_each,
+    single_block_limits,
+)
 
-import fusedops
 from fusedops import SoftmaxFunction, fused_softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -87,6 +92,9 @@ def max_err_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- sizes and dtypes
 
 
+# Default run: the reference and float32 at every size, each size once in a 16-bit dtype.
+@exhaustive_unless(one_of_each({"n": SIZES, "dtype": [torch.float16, torch.bfloat16]},
+                               {"backend": "reference"}, {"dtype": torch.float32}))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sizes(backend, n, dtype):
@@ -115,6 +123,7 @@ def test_large_values_are_stable(backend):
     check(x)
 
 
+@exhaustive_unless(one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES}))
 @pytest.mark.parametrize("n", LOOPED_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_looped_path(triton_backend, small_single_block, n, dtype):
@@ -127,7 +136,6 @@ def test_looped_path(triton_backend, small_single_block, n, dtype):
 
 
 def test_looped_path_strides(triton_backend, small_single_block):
-    torch.manual_seed(0)
     wide = torch.randn(4, 150)
     check(wide[:, 7:107])  # row stride 150, storage offset 7
     check(torch.randn(3, 70), dy=torch.randn(1, 70).expand(3, 70))  # dy row stride 0
@@ -249,6 +257,9 @@ def _strided_inputs(dtype: torch.dtype = torch.float32, n: int = 37) -> dict:
     }
 
 
+@exhaustive_unless(one_of_each({"kind": list(_strided_inputs()),
+                                "dtype": [torch.float32, torch.bfloat16]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("kind", list(_strided_inputs()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous_input(backend, kind, dtype):
@@ -263,7 +274,6 @@ def test_specialisation_changes_between_calls(backend):
     """The launcher caches compiled kernels per specialisation (16-byte alignment of pointers,
     divisibility of sizes and strides, row count 1): calls that differ only in those must each
     get the right kernel, in any order."""
-    torch.manual_seed(0)
     base = torch.randn(9, 80)
     views = [
         base[:4, :64],  # aligned, row stride 80 (divisible by 16)
@@ -346,6 +356,8 @@ DTYPE_PAIRS = [
 ]
 
 
+@exhaustive_unless(one_of_each({"in_dtype,dtype": DTYPE_PAIRS, "n": [7, 1025]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("in_dtype,dtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("n", [7, 1025])
 def test_dtype_argument(backend, in_dtype, dtype, n):
@@ -470,17 +482,14 @@ def test_gradcheck_strided_float64():
 
 
 @pytest.mark.parametrize("n", [3, 33, 1025])
-def test_triton_grads_vs_float64(n):
+def test_triton_grads_vs_float64(triton_backend, n):
     """gradcheck-like check of the kernels: fp32 analytic Jacobian-vector products against float64
     for several random cotangents (gradcheck itself needs float64, which the kernels don't take)."""
-    if not triton_kernels_ready():
-        pytest.skip("Triton kernels not available")
     torch.manual_seed(n)
     x = torch.randn(3, n)
-    with fusedops.use_backend("triton"):
-        for _ in range(3):
-            dy = torch.randn(3, n)
-            check(x, -1, dy=dy, grad_scale=1.0)
+    for _ in range(3):
+        dy = torch.randn(3, n)
+        check(x, -1, dy=dy, grad_scale=1.0)
 
 
 # --------------------------------------------------------------------------- no-grad paths

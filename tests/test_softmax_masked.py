@@ -132,16 +132,6 @@ def make_mask(kind, shape, dtype=torch.float32, seed=0):
             "hf": lambda: hf_mask(shape, dtype, seed=seed)}[kind]()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Every tensor here is tiny: intra-op threads only add wake-up latency, which dominates
-    on a loaded two-core CI machine (ms per op). One thread while these tests run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were already given."""

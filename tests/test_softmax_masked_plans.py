@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING
+from conftest import INTERPRETING, count_calls, require_replay_plans
 
 pytest.importorskip("triton")
 from fusedops import triton as tb  # noqa: E402
@@ -72,7 +72,7 @@ def _relative(args, bases):
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
 @pytest.mark.parametrize("name", list(CASES))
-def test_replay_repeats_the_normal_launch(recording_entries, small_single_block_or_not, name):
+def test_replay_repeats_the_normal_launch(recording_entries, single_block_or_looped, name):
     case = CASES[name]
     x = torch.randn(*case["shape"])
     mask = _mask(case["mask"], case["shape"])
@@ -103,20 +103,6 @@ def test_replay_repeats_the_normal_launch(recording_entries, small_single_block_
         assert _relative(a1, (*inputs, normal)) == _relative(a2, (*inputs, replayed)), kind
 
 
-@pytest.fixture(params=[False, True], ids=["single-block", "looped"])
-def small_single_block_or_not(request):
-    if not request.param:
-        yield
-        return
-    from fusedops.triton import _common
-
-    _common.set_single_block_limit(16)
-    try:
-        yield
-    finally:
-        _common.set_single_block_limit(None)
-
-
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
 def test_calls_that_do_not_replay(recording_entries, monkeypatch):
     """A strided x (made contiguous for the call) records no plan; a launch hook takes the
@@ -137,16 +123,19 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch):
     assert not tsmm._fwd_plans
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,mask,causal,dtype", [
     ((8, 12, 128, 128), "float", False, BF16),
     ((2, 4, 100, 300), "bool", True, F32),
     ((1, 2, 16, 40000), "none", False, BF16),  # looped rows
 ])
-def test_gpu_replay_is_bitwise_the_normal_path(shape, mask, causal, dtype):
-    """Through the public op, forward and backward: repeated steps replay and give the first
-    step's bits; with plans dropped, the normal path gives them again."""
+def test_gpu_replay_is_bitwise_the_normal_path(monkeypatch, shape, mask, causal, dtype):
+    """Through the public op, forward and backward: repeated steps replay (no normal-path
+    call) and give the first step's bits; with plans dropped, the normal path gives them
+    again. Skipped where plans cannot run (conftest.require_replay_plans)."""
+    require_replay_plans(tsmm.PLANS)
+    normal_fwd = count_calls(monkeypatch, tsmm, "_forward")
+    normal_bwd = count_calls(monkeypatch, tsmm, "_backward")
     x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
     m = _mask(mask, shape, "cuda", dtype)
     dy = torch.randn(*shape, device="cuda", dtype=dtype)
@@ -156,16 +145,13 @@ def test_gpu_replay_is_bitwise_the_normal_path(shape, mask, causal, dtype):
         return y, torch.autograd.grad(y, x, dy)[0]
 
     first = step()
-    import triton
-
-    from fusedops.triton import _common
-
-    if triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
-        assert any(tsmm._fwd_plans.values()) and any(tsmm._bwd_plans.values())
+    assert any(tsmm._fwd_plans.values()) and any(tsmm._bwd_plans.values())
     again = step()
+    assert len(normal_fwd) == len(normal_bwd) == 1  # the second step replayed
     tsmm._fwd_plans.clear()
     tsmm._bwd_plans.clear()
     fresh = step()
+    assert len(normal_fwd) == len(normal_bwd) == 2
     for a, b, c in zip(first, again, fresh, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -276,33 +262,33 @@ def test_masked_ops_runner_registration(recording_entries, monkeypatch):
         assert not _replay.SOFTMAX_MASKED
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask,causal,dtype", [("float", False, BF16), ("bool", True, F32),
                                                ("none", True, BF16)])
-def test_gpu_ops_replay_is_bitwise_the_normal_path(mask, causal, dtype):
-    """Inference calls through the ops-level runner give the normal path's bits, also on a side
-    stream."""
-    import triton
-
+def test_gpu_ops_replay_is_bitwise_the_normal_path(monkeypatch, mask, causal, dtype):
+    """Inference calls through the ops-level runner (no normal-path call) give the normal
+    path's bits, also on a side stream. Skipped where plans cannot run
+    (conftest.require_replay_plans)."""
     from fusedops import _replay
-    from fusedops.triton import _common
 
+    require_replay_plans(tsmm.PLANS)
+    normal = count_calls(monkeypatch, tsmm, "_forward")
     shape = (4, 6, 64, 200)
     x = torch.randn(*shape, device="cuda", dtype=dtype)
     m = _mask(mask, shape, "cuda", dtype)
     m = None if m is None else m[:, :1, :, :] if mask == "float" else m
     with torch.no_grad():
         first = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
-        if triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
-            assert any(_replay.SOFTMAX_MASKED.values())
+        assert any(_replay.SOFTMAX_MASKED.values())
         again = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             on_side = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
         torch.cuda.current_stream().wait_stream(side)
+        assert len(normal) == 1  # the later calls replayed
         tsmm._fwd_plans.clear()
         fresh = fusedops.fused_softmax(x, -1, scale=0.125, mask=m, causal=causal)
+        assert len(normal) == 2
     assert torch.equal(first, again) and torch.equal(first, on_side)
     assert torch.equal(first, fresh)

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HAS_CUDA, INTERPRETING, assert_close_to_ref, tol
+from conftest import (
+    HAS_CUDA,
+    INTERPRETING,
+    assert_close_to_ref,
+    exhaustive_unless,
+    one_of_each,
+    tol,
+)
 
 pytest.importorskip("triton")
 from fusedops import triton as tb  # noqa: E402
@@ -382,6 +389,8 @@ def test_single_block_cap(monkeypatch, kind, extra):
     assert seen == ["fwd_" + ("looped" if extra else "single")]
 
 
+@exhaustive_unless(one_of_each({"kind": KINDS, "causal": [False, True],
+                                "dtype": [torch.float32, torch.bfloat16]}))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -24,6 +24,7 @@ poison the result and writes outside it are reported.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -34,7 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -365,6 +366,8 @@ class EmuLibrary:
         self._lib.emu_run.restype = ctypes.c_int
         self._lib.emu_set_timeout_ms.argtypes = [ctypes.c_int]
         self._lib.emu_set_mode.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+        self._lib.emu_remove_barriers.argtypes = [ctypes.POINTER(ctypes.c_char_p),
+                                                  ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         self._set_poison()
 
     def _set_poison(self) -> None:
@@ -401,6 +404,27 @@ class EmuLibrary:
 
     def set_timeout(self, seconds: float) -> None:
         self._lib.emu_set_timeout_ms(int(seconds * 1000))
+
+    def remove_barriers(self, sites: Sequence[tuple[str, int]] | None) -> None:
+        """Make the ``threadgroup_barrier`` calls at ``sites`` ((shader file name, line), as
+        :func:`barrier_sites` lists them) return at once, as if deleted from the shaders;
+        ``None`` removes every barrier, ``[]`` restores them all. The same compiled library
+        serves every such variant (no rebuild per removed barrier)."""
+        if sites is None:
+            self._lib.emu_remove_barriers(None, None, -1)
+            return
+        files = (ctypes.c_char_p * max(len(sites), 1))(*[f.encode() for f, _ in sites])
+        lines = (ctypes.c_int * max(len(sites), 1))(*[line for _, line in sites])
+        self._lib.emu_remove_barriers(files, lines, len(sites))
+
+    @contextlib.contextmanager
+    def barriers_removed(self, sites: Sequence[tuple[str, int]] | None) -> Iterator[None]:
+        """:meth:`remove_barriers` for the duration of a ``with`` block."""
+        self.remove_barriers(sites)
+        try:
+            yield
+        finally:
+            self.remove_barriers([])
 
     def signature(self, name: str) -> list[tuple[int, int, bool]]:
         """Per buffer slot: (kind, element or scalar size, pointee is const)."""
@@ -541,7 +565,7 @@ def load(shader_dir: Path = SHADER_DIR, files: Sequence[str] = SHADER_FILES,
 
 
 # ---------------------------------------------------------------------------------------------
-# Mutants: copies of the shaders with barriers removed (tests of the emulation's teeth).
+# Barrier sites (the teeth tests remove them at run time: EmuLibrary.remove_barriers).
 
 BARRIER = re.compile(r"threadgroup_barrier\s*\([^;]*\)\s*;")
 
@@ -554,23 +578,3 @@ def barrier_sites(shader_dir: Path = SHADER_DIR) -> list[tuple[str, int]]:
         sites += [(path.name, text.count("\n", 0, m.start()) + 1)
                   for m in BARRIER.finditer(text)]
     return sites
-
-
-def make_mutant(dest: Path, remove: int | None = None,
-                shader_dir: Path = SHADER_DIR) -> Path:
-    """Copy the shaders to ``dest`` without barrier number ``remove`` (index into
-    :func:`barrier_sites`), or without any barrier when ``remove`` is None."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    k = 0
-    for path in sorted(Path(shader_dir).glob("*.metal")):
-        text = path.read_text()
-
-        def drop(m: re.Match) -> str:
-            nonlocal k
-            hit = remove is None or k == remove
-            k += 1
-            return "/* barrier removed */" if hit else m.group(0)
-
-        (dest / path.name).write_text(BARRIER.sub(drop, text))
-    return dest

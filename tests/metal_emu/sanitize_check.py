@@ -1,7 +1,7 @@
 """Runs the Metal kernels on OS threads under ThreadSanitizer + UBSan (a subprocess of
 tests/test_metal_sanitizers.py, started with LD_PRELOAD=libtsan.so).
 
-    python -m metal_emu.sanitize_check [--mutant DIR]
+    python -m metal_emu.sanitize_check [--remove-barrier FILE:LINE]
 
 Without --mutant: every kernel template (softmax, LayerNorm, RMSNorm, masked softmax, LayerNorm
 epilogue in both thread layouts; both variants, forward and backward, threadgroups owning several
@@ -9,27 +9,26 @@ rows, aligned and misaligned rows) runs once on the
 shipped shaders and is checked against a float64 reference; prints "CLEAN-DONE" at the end.
 Any TSan or UBSan report makes the process exit non-zero (halt_on_error).
 
-With --mutant DIR: the same on the shaders in DIR (a copy with a barrier removed), expecting
-ThreadSanitizer to report a data race.
+With --remove-barrier FILE:LINE: the same with the threadgroup_barrier at that call site
+removed (EmuLibrary.remove_barriers), expecting ThreadSanitizer to report a data race.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from conftest import assert_close_to_ref
 
 from fusedops import metal
 from metal_emu import emu
 
 
 def close(actual, expected, dtype, scale=1.0):
-    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype] * scale
-    expected = expected.to(actual.dtype).double()
-    torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=tol)
+    """The shared tolerance table (tests/conftest.py), reference rounded to actual's dtype."""
+    assert_close_to_ref(actual, expected, dtype, scale)
 
 
 def run_cases(L) -> None:
@@ -111,15 +110,17 @@ def run_epilogue_cases(L, x, m, n, w, b) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mutant", type=Path)
+    parser.add_argument("--remove-barrier", metavar="FILE:LINE")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # Two threadgroups for 5 rows: each threadgroup reuses its threadgroup memory across rows.
     metal.MAX_ROW_GROUPS = 2
     metal.LN_BWD_MIN_GROUPS = 1
     metal.LN_BWD_MAX_GROUPS = 2
-    shader_dir = args.mutant if args.mutant else emu.SHADER_DIR
-    lib = emu.load(shader_dir, variant="tsan")
+    lib = emu.load(variant="tsan")
+    if args.remove_barrier:
+        fname, line = args.remove_barrier.rsplit(":", 1)
+        lib.remove_barriers([(fname, int(line))])
     lib.set_mode("threads")
     lib.set_timeout(120)
     # 128 threads: 4 SIMD-groups, single-row up to 512 columns, looped above.

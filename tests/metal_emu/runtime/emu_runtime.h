@@ -77,4 +77,8 @@ void emu_set_timeout_ms(int ms);
 // Returns -1 when the mode is not available (fibers under ThreadSanitizer).
 int emu_set_mode(int mode, unsigned long long seed);
 int emu_get_mode();
+
+// threadgroup_barrier calls at these sites (file name, line) return at once, as if deleted
+// from the shader; n = 0 restores every barrier, n < 0 removes all of them.
+void emu_remove_barriers(const char* const* files, const int* lines, int n);
 }
