@@ -61,6 +61,7 @@ from torch import nn
 from fusedops.tools import _model_zoo as zoo
 from fusedops.tools import _report
 from fusedops.tools.bench import CHECK_TOL
+from fusedops.tools.cli import torch_threads
 
 VARIANTS = ("eager", "patched", "compiled", "compiled+patched")
 MODES = ("infer", "train", "generate")
@@ -860,19 +861,16 @@ def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
     device = torch.device(opts.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the synchronizes and memory statistics use it
-    threads = torch.get_num_threads()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    result: dict[str, Any] = {"meta": metadata(opts, device), "models": {}, "records": [],
-                              "summary": []}
-    compiled = any(v.startswith("compiled") for v in opts.variants)
-    saved = _raise_recompile_limit(64) if compiled else None
-    try:
-        for name in opts.models:
-            _run_model(name, opts, device, result, on_group)
-    finally:
-        _restore_recompile_limit(saved)
-        torch.set_num_threads(threads)
+    with torch_threads(opts.threads):
+        result: dict[str, Any] = {"meta": metadata(opts, device), "models": {}, "records": [],
+                                  "summary": []}
+        compiled = any(v.startswith("compiled") for v in opts.variants)
+        saved = _raise_recompile_limit(64) if compiled else None
+        try:
+            for name in opts.models:
+                _run_model(name, opts, device, result, on_group)
+        finally:
+            _restore_recompile_limit(saved)
     return result
 
 
