@@ -61,6 +61,7 @@ import torch
 from fusedops.tools import _model_zoo as zoo
 from fusedops.tools import _report
 from fusedops.tools import bench_models_variants as model_variants
+from fusedops.tools.bench_harness import versions
 from fusedops.tools.bench_models_common import (
     DTYPES,
     MODES,
@@ -203,22 +204,9 @@ def _check_lengths(opts: Options) -> None:
 # the run
 
 
-def _git_commit() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse",
-                              "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-    except Exception:
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
 def metadata(opts: Options, device: torch.device) -> dict:
     """Where and how the run happened: device (GPU name), library versions, date, argv,
     the resolved options."""
-    import fusedops
-
     try:
         import transformers
 
@@ -226,15 +214,15 @@ def metadata(opts: Options, device: torch.device) -> dict:
     except ImportError:
         hf_version = None
     info = _report.device_info(device)
+    lib = versions()
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "argv": list(opts.argv),
         "command": " ".join(["python -m fusedops bench-models", *opts.argv]),
         "device": info,
         "gpu": info["name"] if device.type == "cuda" else None,
-        "versions": {"torch": torch.__version__, "triton": info.get("triton"),
-                     "transformers": hf_version, "fusedops": fusedops.__version__,
-                     "python": info.get("python"), "git": _git_commit()},
+        "versions": {"torch": lib["torch"], "triton": lib["triton"], "transformers": hf_version,
+                     "fusedops": lib["fusedops"], "python": lib["python"], "git": lib["git"]},
         "torch_threads": torch.get_num_threads(),
         "patch_model_accepts_force": opts.patch_accepts_force,
         "options": {k: v for k, v in asdict(opts).items() if k != "argv"},

@@ -6,11 +6,11 @@ from __future__ import annotations
 import csv
 import math
 import os
-import sys
 from pathlib import Path
 
 from fusedops.tools import _report
 from fusedops.tools.bench_models_common import MIN_VERDICT_ROUNDS, NOISE, RATIOS
+from fusedops.tools.cli import can_plot
 
 
 def fmt_num(x: float | None) -> str:
@@ -185,14 +185,13 @@ def write_csv(result: dict, path: str | os.PathLike) -> Path:
 def plot_ratios(result: dict, path: str | os.PathLike) -> Path | None:
     """Horizontal bars: each ratio per (model, shape, mode), whiskers at the paired per-round
     p20/p80. None (and one line on stderr) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot skipped: matplotlib is not installed", file=sys.stderr)
+    if not can_plot():
         return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
     rows = result["summary"]
     colors = {"patched/eager": "#d62728", "compiled+patched/compiled": "#2ca02c"}
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) * len(colors) + 1.5))

@@ -5,13 +5,13 @@ the median and 20%/80% quantiles every time is reported with."""
 from __future__ import annotations
 
 import gc
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from fusedops.tools import bench_harness
 from fusedops.tools.bench_models_common import short_error
 
 GPU_SAMPLES = 5
@@ -20,17 +20,12 @@ SLEEP_MAX_MS = 5000.0
 
 
 def quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    """Median and 20%/80% quantiles (linear interpolation between closest ranks)."""
-    v = sorted(values)
-    if not v:
+    """Median and 20%/80% quantiles (linear interpolation between closest ranks); None each
+    when there are no values."""
+    if not values:
         return {"median": None, "p20": None, "p80": None}
-
-    def q(p: float) -> float:
-        pos = p * (len(v) - 1)
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-    return {"median": q(0.5), "p20": q(0.2), "p80": q(0.8)}
+    median, p20, p80 = bench_harness.quantiles(list(values))
+    return {"median": median, "p20": p20, "p80": p80}
 
 
 def sync_fn(device: torch.device) -> Callable[[], None]:
