@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from fusedops.__main__ import main as fusedops_main
 from fusedops.tools import _model_zoo as zoo
 from fusedops.tools import bench_models as bm
 from fusedops.tools import bench_models_group as group
@@ -25,6 +26,7 @@ from fusedops.tools import bench_models_variants as variants_mod
 from fusedops.tools.bench_models_common import Options
 from fusedops.tools.bench_models_report import format_summary
 from fusedops.tools.bench_models_variants import Variant
+from fusedops.tools.cli import UsageError
 
 pytest.importorskip("transformers")
 
@@ -47,9 +49,10 @@ def one_thread():
 
 
 def _main(argv: list[str]) -> tuple[int, str, str]:
+    # through ``python -m fusedops``'s entry point, which turns a UsageError into one line
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = bm.main(argv)
+        rc = fusedops_main(["bench-models", *argv])
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -205,15 +208,16 @@ def test_files_written(tiny_run):
 def test_bad_arguments_exit_with_one_line(argv, name, tmp_path):
     rc, stdout, stderr = _main([*argv, "--preset", "tiny", "--device", "cpu",
                                 "--out", str(tmp_path)])
-    assert rc != 0
+    assert rc == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and name in lines[0], stderr
+    assert lines[0].startswith("fusedops bench-models: error: "), stderr
     assert stdout == "" and not any(tmp_path.iterdir())
 
 
 def test_parse_shapes():
     assert bm.parse_shapes("1x128, 8X512,1x128") == ((1, 128), (8, 512))
-    with pytest.raises(bm.ArgError, match="--gen-shapes"):
+    with pytest.raises(UsageError, match="--gen-shapes"):
         bm.parse_shapes("1x2x3", "--gen-shapes")
 
 

@@ -76,14 +76,10 @@ from fusedops.tools.bench_models_report import (
     format_report,
     write_outputs,
 )
-from fusedops.tools.cli import torch_threads
+from fusedops.tools.cli import UsageError, torch_threads
 
 DEFAULT_SHAPES = "1x128,8x512,32x512"
 DEFAULT_GEN_SHAPES = "1x32,8x32"
-
-
-class ArgError(ValueError):
-    """A bad command-line value; the message names the argument."""
 
 # ---------------------------------------------------------------------------------------------
 # arguments
@@ -129,28 +125,28 @@ def build_parser() -> argparse.ArgumentParser:
 def _pick(text: str, arg: str, allowed: Sequence[str]) -> tuple[str, ...]:
     items = tuple(s.strip() for s in text.split(",") if s.strip())
     if not items:
-        raise ArgError(f"{arg}: empty list (choose from {', '.join(allowed)})")
+        raise UsageError(f"{arg}: empty list (choose from {', '.join(allowed)})")
     for item in items:
         if item not in allowed:
-            raise ArgError(f"{arg}: unknown value {item!r} (choose from {', '.join(allowed)})")
+            raise UsageError(f"{arg}: unknown value {item!r} (choose from {', '.join(allowed)})")
     return tuple(dict.fromkeys(items))
 
 
 def parse_shapes(text: str, arg: str = "--shapes") -> tuple[tuple[int, int], ...]:
-    """``"1x128,8x512"`` -> ``((1, 128), (8, 512))``; :class:`ArgError` naming ``arg``."""
+    """``"1x128,8x512"`` -> ``((1, 128), (8, 512))``; :class:`UsageError` naming ``arg``."""
     shapes = []
     for item in (s.strip() for s in text.split(",")):
         parts = item.lower().split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ArgError(f"{arg}: {item!r} is not BATCHxTOKENS with positive integers "
-                           "(e.g. 8x512)")
+            raise UsageError(f"{arg}: {item!r} is not BATCHxTOKENS with positive integers "
+                             "(e.g. 8x512)")
         shapes.append((int(parts[0]), int(parts[1])))
     return tuple(dict.fromkeys(shapes))
 
 
 def _positive(value: int, arg: str) -> int:
     if value < 1:
-        raise ArgError(f"{arg}: must be at least 1, got {value}")
+        raise UsageError(f"{arg}: must be at least 1, got {value}")
     return value
 
 
@@ -158,9 +154,9 @@ def resolve(args: argparse.Namespace, argv: Sequence[str] = ()) -> Options:
     """Validate the parsed arguments and fill the device-dependent defaults."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type not in ("cuda", "cpu"):
-        raise ArgError(f"--device: {device!r} is not supported (cuda or cpu)")
+        raise UsageError(f"--device: {device!r} is not supported (cuda or cpu)")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ArgError("--device: cuda requested but CUDA is not available")
+        raise UsageError("--device: cuda requested but CUDA is not available")
     cuda = torch.device(device).type == "cuda"
     default_variants = ",".join(VARIANTS if cuda else VARIANTS[:2])
     rounds = _positive(args.rounds, "--rounds")
@@ -194,10 +190,10 @@ def _check_lengths(opts: Options) -> None:
     for name in opts.models:
         limit = zoo.max_positions(zoo.config_for(name, opts.preset))
         if any(m in opts.modes for m in ("infer", "train")) and longest > limit:
-            raise ArgError(f"--shapes: {longest} tokens exceed {name}'s {limit} positions")
+            raise UsageError(f"--shapes: {longest} tokens exceed {name}'s {limit} positions")
         if "generate" in opts.modes and name in zoo.DECODERS and longest_gen > limit:
-            raise ArgError(f"--gen-shapes/--new-tokens: prompt + new tokens = {longest_gen} "
-                           f"exceed {name}'s {limit} positions")
+            raise UsageError(f"--gen-shapes/--new-tokens: prompt + new tokens = {longest_gen} "
+                             f"exceed {name}'s {limit} positions")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,14 +311,12 @@ def _restore_recompile_limit(saved: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command. A bad argument raises :class:`~fusedops.tools.cli.UsageError` before
+    anything is written (``python -m fusedops``: one line on stderr, exit status 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    try:
-        opts = resolve(args, argv)
-        _check_lengths(opts)
-    except ArgError as exc:
-        print(f"bench-models: error: {exc}", file=sys.stderr)
-        return 2
+    opts = resolve(args, argv)
+    _check_lengths(opts)
     out_dir = Path(opts.out)
 
     def checkpoint(partial: dict) -> None:
