@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import io
 import json
 import os
@@ -16,7 +17,16 @@ import types
 import pytest
 import torch
 
+from fusedops.__main__ import main as fusedops_main
+from fusedops.tools import _model_zoo as zoo
 from fusedops.tools import bench_models as bm
+from fusedops.tools import bench_models_group as group
+from fusedops.tools import bench_models_timing as timing
+from fusedops.tools import bench_models_variants as variants_mod
+from fusedops.tools.bench_models_common import Options
+from fusedops.tools.bench_models_report import format_summary
+from fusedops.tools.bench_models_variants import Variant
+from fusedops.tools.cli import UsageError
 
 pytest.importorskip("transformers")
 
@@ -39,9 +49,10 @@ def one_thread():
 
 
 def _main(argv: list[str]) -> tuple[int, str, str]:
+    # through ``python -m fusedops``'s entry point, which turns a UsageError into one line
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = bm.main(argv)
+        rc = fusedops_main(["bench-models", *argv])
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -137,8 +148,20 @@ def test_patching_is_recorded_and_undone(tiny_run):
         patch = info["patch"]["patched"]
         assert patch["seconds"] >= 0 and patch["forced"] is False
     bert = result["models"]["bert"]["modes"]["infer"]["patch"]["patched"]
-    assert bert["replaced"] == 5  # 2 layers x 2 LayerNorms + the embeddings' LayerNorm
-    assert bert["fused_patterns"] > 0
+    if not result["meta"]["device"]["fused_kernels_available"]:
+        # no fused backend here: patch_model leaves the model as it is unless forced
+        assert bert["applied"] is False and bert["replaced"] == 0
+    else:
+        assert bert["replaced"] == 5
+
+
+def test_patch_counts_are_recorded():
+    opts = Options(force_patch=True, patch_accepts_force=True)
+    info = variants_mod.apply_patch(zoo.build("bert", "tiny", torch.device("cpu")), opts)
+    assert info["forced"] is True and info["applied"] is True
+    assert info["replaced"] == 5  # 2 layers x 2 LayerNorms + the embeddings' LayerNorm
+    assert info["fused_types"] == {"FusedLayerNorm": 5}
+    assert info["fused_patterns"] > 0
 
 
 def test_tables_are_printed_summary_last(tiny_run):
@@ -185,15 +208,16 @@ def test_files_written(tiny_run):
 def test_bad_arguments_exit_with_one_line(argv, name, tmp_path):
     rc, stdout, stderr = _main([*argv, "--preset", "tiny", "--device", "cpu",
                                 "--out", str(tmp_path)])
-    assert rc != 0
+    assert rc == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and name in lines[0], stderr
+    assert lines[0].startswith("fusedops bench-models: error: "), stderr
     assert stdout == "" and not any(tmp_path.iterdir())
 
 
 def test_parse_shapes():
     assert bm.parse_shapes("1x128, 8X512,1x128") == ((1, 128), (8, 512))
-    with pytest.raises(bm.ArgError, match="--gen-shapes"):
+    with pytest.raises(UsageError, match="--gen-shapes"):
         bm.parse_shapes("1x2x3", "--gen-shapes")
 
 
@@ -209,7 +233,7 @@ def test_time_rounds_interleaves_and_drops_failures():
             raise RuntimeError("out of memory\nsecond line")
 
     steps = {"a": step("a"), "b": step("b"), "c": broken}
-    samples, errors = bm.time_rounds(steps, lambda: None, rounds=3, warmup=1)
+    samples, errors = timing.time_rounds(steps, lambda: None, rounds=3, warmup=1)
     assert calls[:3] == ["a", "b", "c"]  # warm-up
     # rounds: the starting variant rotates; c fails in round 1 and is dropped
     assert calls[3:] == ["a", "b", "c", "b", "c", "a", "a", "b"]
@@ -230,11 +254,11 @@ def test_gpu_times_retries_then_gives_up(monkeypatch):
             return 1.5, 10.0, sleep_ms
         return None, sleep_ms + 30.0, sleep_ms
 
-    monkeypatch.setattr(bm, "gpu_once", fake_gpu_once)
+    monkeypatch.setattr(timing, "gpu_once", fake_gpu_once)
     steps = {n: (lambda n=n: n) for n in sleeps}
-    got = bm.gpu_times(steps, {"ok": 1.0, "late": 20.0, "sync": 1.0}, samples=3)
+    got = timing.gpu_times(steps, {"ok": 1.0, "late": 20.0, "sync": 1.0}, samples=3)
     assert got["ok"] == {"gpu_ms": 1.5, "gpu_note": None, "gpu_samples": 3}
-    assert sleeps["ok"] == [bm.SLEEP_MIN_MS] * 3
+    assert sleeps["ok"] == [timing.SLEEP_MIN_MS] * 3
     assert got["late"]["gpu_ms"] == 1.5 and got["late"]["gpu_samples"] == 3
     assert sleeps["late"][:2] == [65.0, 260.0]  # 3 x host + 5 ms, then 4x longer
     assert got["sync"]["gpu_ms"] is None and "waits for the GPU" in got["sync"]["gpu_note"]
@@ -242,11 +266,11 @@ def test_gpu_times_retries_then_gives_up(monkeypatch):
 
 
 def test_verdict():
-    assert bm.verdict(1.10, 1.04, 1.2, rounds=5) == "slower"
-    assert bm.verdict(0.90, 0.85, 0.97, rounds=5) == "faster"
-    assert bm.verdict(1.10, 0.95, 1.2, rounds=5) == "same"  # rounds disagree
-    assert bm.verdict(1.01, 1.01, 1.02, rounds=5) == "same"  # within noise
-    assert bm.verdict(1.50, 1.40, 1.6, rounds=2) is None
+    assert group.verdict(1.10, 1.04, 1.2, rounds=5) == "slower"
+    assert group.verdict(0.90, 0.85, 0.97, rounds=5) == "faster"
+    assert group.verdict(1.10, 0.95, 1.2, rounds=5) == "same"  # rounds disagree
+    assert group.verdict(1.01, 1.01, 1.02, rounds=5) == "same"  # within noise
+    assert group.verdict(1.50, 1.40, 1.6, rounds=2) is None
 
 
 def _fake_patch(force_param: bool):
@@ -268,20 +292,20 @@ def _fake_patch(force_param: bool):
 @pytest.mark.parametrize("force_param", [True, False])
 def test_force_patch_only_where_accepted(monkeypatch, force_param):
     fake, calls = _fake_patch(force_param)
-    monkeypatch.setattr(bm, "_patch_model", lambda: fake)
+    monkeypatch.setattr(variants_mod, "patch_model_fn", lambda: fake)
     args = bm.build_parser().parse_args(["--force-patch", "--device", "cpu"])
     opts = bm.resolve(args)
     assert opts.patch_accepts_force is force_param
     # the signature is read once, by resolve: patching itself never inspects it again
-    monkeypatch.setattr(bm.inspect, "signature", None)
-    info = bm._apply_patch(torch.nn.Linear(2, 2), opts)
+    monkeypatch.setattr(inspect, "signature", None)
+    info = variants_mod.apply_patch(torch.nn.Linear(2, 2), opts)
     assert calls == ([{"force": True}] if force_param else [{}])
     assert info["forced"] is force_param and info["applied"] is force_param
 
 
 def test_force_patch_ignored_is_said(monkeypatch, tmp_path):
     fake, _ = _fake_patch(False)
-    monkeypatch.setattr(bm, "_patch_model", lambda: fake)
+    monkeypatch.setattr(variants_mod, "patch_model_fn", lambda: fake)
     rc, stdout, _ = _main([*TINY_ARGS, "--models", "llama", "--modes", "infer", "--force-patch",
                            "--out", str(tmp_path), "--no-plot"])
     assert rc == 0
@@ -311,45 +335,45 @@ def test_compiled_variants(tmp_path):
 
 
 def test_failed_variant_is_recorded_and_the_rest_measured(one_thread):
-    model = bm.zoo.build("gpt2", "tiny", torch.device("cpu"))
-    variants = [bm.Variant("eager", model), bm.Variant("patched", model, error="Boom: no")]
-    opts = bm.Options(rounds=2, warmup=0, variants=("eager", "patched"))
-    records, row = bm.run_group(variants, bm.Group("gpt2", "infer", 1, 8, None), opts,
-                                torch.device("cpu"))
+    model = zoo.build("gpt2", "tiny", torch.device("cpu"))
+    variants = [Variant("eager", model), Variant("patched", model, error="Boom: no")]
+    opts = Options(rounds=2, warmup=0, variants=("eager", "patched"))
+    records, row = group.run_group(variants, group.Group("gpt2", "infer", 1, 8, None), opts,
+                                   torch.device("cpu"))
     by = {r["variant"]: r for r in records}
     assert by["patched"]["status"] == "error" and by["patched"]["error"] == "Boom: no"
     assert by["eager"]["status"] == "ok" and len(by["eager"]["samples_wall_ms"]) == 2
     assert row["ratios"] == {} and row["errors"] == {"patched": "Boom: no"}
-    assert "error" in bm.format_summary({"meta": {"options": {"variants": ["eager", "patched"]}},
-                                         "summary": [row]})
+    assert "error" in format_summary({"meta": {"options": {"variants": ["eager", "patched"]}},
+                                      "summary": [row]})
 
 
 def test_device_extras_on_cuda_wiring(monkeypatch):
     # The CUDA-only part (GPU time, peak memory) with its measurements faked.
-    monkeypatch.setattr(bm, "gpu_times", lambda steps, host: {
+    monkeypatch.setattr(timing, "gpu_times", lambda steps, host: {
         n: {"gpu_ms": 2 * host[n], "gpu_note": None, "gpu_samples": 5} for n in steps})
-    monkeypatch.setattr(bm, "peak_memory", lambda step, device: (10.0, 100.0))
+    monkeypatch.setattr(timing, "peak_memory", lambda step, device: (10.0, 100.0))
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
     steps = {"eager": lambda: None, "patched": lambda: None}
     records = {n: {"host_ms": {"median": 1.5}} for n in steps}
-    bm._device_extras(steps, records, generate=False, device=torch.device("cpu"))
+    group.device_extras(steps, records, generate=False, device=torch.device("cpu"))
     assert records["eager"]["gpu_ms"] == 3.0 and records["patched"]["peak_mb"] == 10.0
     records = {n: {"host_ms": {"median": 1.5}} for n in steps}
-    bm._device_extras(steps, records, generate=True, device=torch.device("cpu"))
+    group.device_extras(steps, records, generate=True, device=torch.device("cpu"))
     assert "gpu_ms" not in records["eager"] and "every token" in records["eager"]["gpu_note"]
     assert records["eager"]["peak_total_mb"] == 100.0
 
 
 def test_train_groups_start_from_the_same_weights(one_thread):
     cpu = torch.device("cpu")
-    proto = bm.zoo.build("gpt2", "tiny", cpu)
-    opts = bm.Options(rounds=2, warmup=1, variants=("eager", "patched"))
-    variants, _ = bm.make_variants(proto, "train", opts)
-    bm.run_group(variants, bm.Group("gpt2", "train", 2, 16, None), opts, cpu, proto)
+    proto = zoo.build("gpt2", "tiny", cpu)
+    opts = Options(rounds=2, warmup=1, variants=("eager", "patched"))
+    variants, _ = variants_mod.make_variants(proto, "train", opts)
+    group.run_group(variants, group.Group("gpt2", "train", 2, 16, None), opts, cpu, proto)
     # the SGD steps moved every copy, each differently (GPT-2's dropout draws differ)
-    assert not bm._same_weights([proto, variants[0].model])
-    assert not bm._same_weights([variants[0].model, variants[1].model])
-    records, row = bm.run_group(variants, bm.Group("gpt2", "train", 1, 8, None), opts, cpu,
-                                proto)
+    assert not variants_mod.same_weights([proto, variants[0].model])
+    assert not variants_mod.same_weights([variants[0].model, variants[1].model])
+    records, row = group.run_group(variants, group.Group("gpt2", "train", 1, 8, None), opts,
+                                   cpu, proto)
     assert row["weights_identical"] is True
     assert records[1]["check"]["grad_rel"] < 1e-5
