@@ -364,11 +364,13 @@ def ops_runner(recording_entries, monkeypatch):
     r = torch.randn(2, 8, 32)
     w, b = torch.randn(32), torch.randn(32)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    tle.layernorm_epilogue_forward(x, r, w, b, 1e-5, F32, 0.0, 0, None, False)
-    (sig,) = _replay.LAYERNORM_RESIDUAL
-    assert sig == (x.shape, F32, -1, 1e-5)
-    recording_entries.clear()
-    return _replay.LAYERNORM_RESIDUAL[sig], (x, r, w, b), recording_entries
+    # Forced: calls this small would otherwise run PyTorch's ops (the size rule).
+    with fusedops.use_backend("triton"):
+        tle.layernorm_epilogue_forward(x, r, w, b, 1e-5, F32, 0.0, 0, None, False)
+        (sig,) = _replay.LAYERNORM_RESIDUAL
+        assert sig == (x.shape, F32, -1, 1e-5)
+        recording_entries.clear()
+        yield _replay.LAYERNORM_RESIDUAL[sig], (x, r, w, b), recording_entries
 
 
 @pytestmark_interp

@@ -294,11 +294,12 @@ def test_patch_model_routes_rmsnorm():
     model = _RMSModel()
     ref = copy.deepcopy(model)
     x = torch.randn(4, 16)
-    report = fusedops.patch_model(model, example_inputs=x)
+    report = fusedops.patch_model(model, example_inputs=x, force=True)
     assert [r["name"] for r in report.replaced] == ["norm"]
     assert report.replaced[0]["fused_type"] == "FusedRMSNorm"
     assert report.replaced[0]["config"] == "eps=1e-06, weight=yes"
-    assert report.verification["routed_calls"]["rmsnorm"] == 3
+    v = report.verification  # the module and the functional calls
+    assert v["module_calls"]["rmsnorm"] + v["routed_calls"]["rmsnorm"] == 3
     assert report.max_abs_diff < 1e-5
     # training matches the unpatched twin
     xg = torch.randn(4, 16)
@@ -312,11 +313,14 @@ def test_patch_model_routes_rmsnorm():
 
 def test_patch_model_rmsnorm_subset_and_exclusions():
     model = _RMSModel()
-    report = fusedops.patch_model(model, ops=("layernorm",), example_inputs=torch.randn(2, 16))
+    report = fusedops.patch_model(model, ops=("layernorm",), example_inputs=torch.randn(2, 16),
+                                  force=True)
     assert report.replaced == [] and report.verification["routed_calls"]["rmsnorm"] == 0
     assert [s["name"] for s in report.skipped] == ["norm"]
-    report = fusedops.patch_model(model, ops="rmsnorm", example_inputs=torch.randn(2, 16))
-    assert report.verification["routed_calls"]["rmsnorm"] == 3
+    report = fusedops.patch_model(model, ops="rmsnorm", example_inputs=torch.randn(2, 16),
+                                  force=True)
+    v = report.verification
+    assert v["module_calls"]["rmsnorm"] + v["routed_calls"]["rmsnorm"] == 3
     assert report.verification["routed_calls"]["layernorm"] == 0
     fusedops.unpatch_model(model)
 
@@ -330,7 +334,7 @@ def test_patch_model_leaves_unprovable_calls_alone():
             return F.rms_norm(x, (7,))
 
     model = Bad()
-    fusedops.patch_model(model)
+    assert fusedops.patch_model(model, force=True).routed_functions  # routed, yet:
     with pytest.raises(RuntimeError):
         model(torch.randn(2, 8))
 

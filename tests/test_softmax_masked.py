@@ -382,7 +382,7 @@ def test_autocast_float32_output(backend, monkeypatch):
     """CUDA autocast semantics, simulated on CPU: where autocast would run softmax in float32
     (fusedops.ops._rows.autocast_fp32), 16-bit x comes out float32 with float32 accuracy, and the
     gradient keeps x's dtype. An explicit ``dtype`` overrides autocast."""
-    monkeypatch.setattr(softmax_module, "autocast_fp32", lambda x: True)
+    monkeypatch.setattr(fusedops.ops._rows, "autocast_fp32", lambda x: True)
     torch.manual_seed(12)
     x = torch.randn(2, 3, 6, 10).to(torch.bfloat16)
     mask = bool_mask((2, 1, 6, 10), seed=12)

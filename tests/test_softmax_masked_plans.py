@@ -165,16 +165,17 @@ def masked_runner(recording_entries, monkeypatch):
     pass the runner's CUDA check while registering)."""
     from fusedops import _replay
 
-    _replay.SOFTMAX_MASKED.clear()
     x = torch.randn(2, 3, 5, 48)
     m = _mask("float", (2, 1, 1, 48))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    with torch.no_grad():
-        fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
-    (sig,) = _replay.SOFTMAX_MASKED
-    assert sig == (x.shape, F32, -1, 0.25, False, (m.shape, m.stride(), F32))
-    recording_entries.clear()
-    yield _replay.SOFTMAX_MASKED[sig], x, m, recording_entries
+    # Forced: calls this small would otherwise run PyTorch's ops (the size rule).
+    with fusedops.use_backend("triton"):
+        with torch.no_grad():
+            fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
+        (sig,) = _replay.SOFTMAX_MASKED
+        assert sig == (x.shape, F32, -1, 0.25, False, (m.shape, m.stride(), F32))
+        recording_entries.clear()
+        yield _replay.SOFTMAX_MASKED[sig], x, m, recording_entries
     _replay.SOFTMAX_MASKED.clear()
 
 
@@ -196,7 +197,7 @@ def test_ops_layer_replays_inference_masked_softmax(masked_runner, monkeypatch):
     def checks(*args):
         raise LookupError("the call ran the checks")
 
-    monkeypatch.setattr(fusedops.ops.softmax, "check_mask_args", checks)
+    monkeypatch.setattr(fusedops.ops.softmax_masked, "check_mask_args", checks)
     with torch.no_grad():
         y = fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
     assert [e[0] for e in log] == ["replay"]
@@ -236,9 +237,9 @@ def test_masked_ops_runner_registration(recording_entries, monkeypatch):
     nothing usable."""
     from fusedops import _replay
 
-    _replay.SOFTMAX_MASKED.clear()
     m64 = _mask("float", (2, 1, 1, 48), dtype=torch.float64)
-    with torch.no_grad():
+    # Forced: calls this small would otherwise run PyTorch's ops (the size rule).
+    with fusedops.use_backend("triton"), torch.no_grad():
         fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, scale=0.5, mask=m64)
         assert list(_replay.SOFTMAX_MASKED.values()) == [False]  # CPU tensors
         _replay.SOFTMAX_MASKED.clear()

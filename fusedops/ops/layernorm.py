@@ -17,6 +17,7 @@ from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilo
 _RULES = _dispatch.SIZE_RULES["layernorm"]
 _EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
 _grad_enabled = torch.is_grad_enabled
+_SHAPES = (tuple, list, torch.Size)
 _native_now = _dispatch.native_now
 
 
@@ -134,7 +135,7 @@ def fused_layernorm(
         rstd are computed and saved in float32.
     """
     if residual is not None or activation is not None or dropout_p != 0.0 \
-            or training is not True:
+            or dropout_p.__class__ is bool or training is not True:
         return _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p,
                          activation, training)
     try:  # (the size rule, inline: host cost per call)
@@ -151,9 +152,9 @@ def fused_layernorm(
     if x.numel() < below or _native_now():
         if eps.__class__ is not float or not eps >= 0.0:
             check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
-        try:  # (torch reads a tuple, a list or a Size as given)
-            return _native.layer_norm(x, (normalized_shape,) if normalized_shape.__class__ is int
-                                     else normalized_shape, weight, bias, eps)
+        try:  # (torch reads a tuple, a list or a Size as given; an int or a SymInt in one)
+            return _native.layer_norm(x, normalized_shape if isinstance(normalized_shape, _SHAPES)
+                                     else (normalized_shape,), weight, bias, eps)
         except (RuntimeError, TypeError, IndexError, ValueError):  # the argument, named
             check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
             raise
@@ -218,11 +219,12 @@ def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
             or residual.dtype != x.dtype or not eps >= 0.0:
         check_layernorm_args(x, shape, weight, bias, eps)
         check_epilogue_args(x, residual, 0.0, None, True)
-    s = x + residual
     try:
+        s = x + residual
         return _native.layer_norm(s, shape, weight, bias, eps), s
     except (RuntimeError, TypeError, IndexError):  # the argument it was, named
         check_layernorm_args(x, shape, weight, bias, eps)
+        check_epilogue_args(x, residual, 0.0, None, True)
         raise
 
 

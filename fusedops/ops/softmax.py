@@ -143,6 +143,7 @@ def fused_softmax(
             normalize_dim(dim, x.dim())
             check_float_dtype(dtype)
             raise
+    check_float_tensor(x, "x")
     if not grad and dtype is None and dim.__class__ is int and dim == -1 \
             and x.__class__ is torch.Tensor and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
