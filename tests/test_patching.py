@@ -87,8 +87,9 @@ def test_handwritten_report_and_module_swaps():
     assert replaced["ln_plain"]["fused_type"] == "FusedLayerNorm"
     assert replaced["sm"]["config"] == "dim=-1"
     skipped = {s["name"]: s for s in report.skipped}
-    assert set(skipped) == {"ln2d"}
+    assert set(skipped) == {"ln2d", "variants"}
     assert "overrides forward" in skipped["ln2d"]["reason"]
+    assert "hand-written softmax module" in skipped["variants"]["reason"]
     # LayerNorm2d keeps its class (its F.layer_norm call is routed functionally).
     assert type(model.ln2d) is LayerNorm2d
     # Subclasses without forward: dynamic subclass, isinstance of both, helpers kept.
@@ -170,7 +171,7 @@ def test_ops_subset():
     model, ref, inputs = twins(handwritten)
     report = patch_model(model, ops=("layernorm",), example_inputs=inputs)
     assert {r["name"] for r in report.replaced} == {"ln_sub", "ln_plain"}
-    assert {s["name"] for s in report.skipped} == {"ln2d", "sm", "sm_sub"}
+    assert {s["name"] for s in report.skipped} == {"ln2d", "sm", "sm_sub", "variants"}
     assert all_calls(report.verification) == {"softmax": 0, "layernorm": 4, "rmsnorm": 0}
     report = patch_model(model, ops="softmax", example_inputs=inputs)
     assert all_calls(report.verification) == {"softmax": HANDWRITTEN_SOFTMAX_CALLS,
@@ -710,7 +711,7 @@ def test_report_formats():
     model, _, inputs = twins(handwritten)
     report = patch_model(model, example_inputs=inputs)
     text = str(report)
-    for needle in ("Replaced modules (4)", "ln_plain", "FusedLayerNorm", "Skipped modules (1)",
+    for needle in ("Replaced modules (4)", "ln_plain", "FusedLayerNorm", "Skipped modules (2)",
                    "overrides forward", "functional routing on", "max abs diff",
                    "swapped module calls: softmax=2, layernorm=2",
                    "calls routed to fusedops: softmax=6, layernorm=2"):

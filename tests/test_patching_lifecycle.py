@@ -316,3 +316,35 @@ def test_patched_forward_does_no_per_call_analysis(name):
     finally:
         sys.setprofile(None)
     assert not any("fusedops" in f for f in signature_calls)
+
+
+class MySoftmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, -1)
+
+
+def test_hand_written_softmax_module_is_reported():
+    model = nn.Sequential(nn.Linear(4, 4), MySoftmax())
+    report = fusedops.patch_model(model, force=True, example_inputs=(torch.randn(2, 4),))
+    (entry,) = [s for s in report.skipped if s["type"] == "MySoftmax"]
+    assert entry["op"] == "softmax" and "its functional calls are routed" in entry["reason"]
+    assert report.verification["routed_calls"]["softmax"] == 1
+
+
+def test_forcing_triton_without_gpu_or_interpreter_falls_back_with_a_warning():
+    script = textwrap.dedent("""
+        import warnings, torch
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            import fusedops
+            y = fusedops.fused_softmax(torch.randn(2, 8), -1)
+        print(torch.allclose(y, torch.softmax(torch.randn(2, 8) * 0 + y.log(), -1)) or True)
+        print([str(x.message) for x in w if "fusedops" in str(x.message)])
+    """)
+    env = {"FUSEDOPS_BACKEND": "triton", "TRITON_INTERPRET": "0",
+           "PYTHONPATH": ":".join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    out = proc.stdout.decode()
+    assert "TRITON_INTERPRET=1" in out and "PyTorch's ops" in out

@@ -200,6 +200,10 @@ def patch_model(
         routed = {r["name"] for r in report.routed_functions}
         report.skipped = [s for s in report.skipped
                           if not (s["op"] == "norm" and s["name"] in routed)]
+    if not (functional and ops):  # nothing routes a hand-written softmax module's calls
+        for s in report.skipped:
+            if s["op"] == "softmax" and s["reason"].endswith("(its functional calls are routed)"):
+                s["reason"] = "a hand-written softmax module, not nn.Softmax: left alone"
     object.__setattr__(model, STATE_ATTR, state)
     for _, m, excluded in tree.items():
         if not excluded:
@@ -302,7 +306,13 @@ def _swap(state: PatchState, report: PatchReport, module: nn.Module, cls: type,
 
 def _recognise(state: PatchState, report: PatchReport, name: str, module: nn.Module,
                excluded: str | None) -> None:
-    """A hand-written norm: recognised by what it computes (``norms``), or reported."""
+    """A hand-written norm: recognised by what it computes (``norms``), or reported; a
+    hand-written softmax module is reported (its functional calls are routed)."""
+    if "softmax" in type(module).__name__.lower():
+        report.skipped.append({"name": name, "type": type(module).__name__, "op": "softmax",
+                               "reason": excluded or "a hand-written softmax module, not "
+                               "nn.Softmax: left alone (its functional calls are routed)"})
+        return
     if not norms.looks_like_norm(module):
         return
     entry = {"name": name, "type": type(module).__name__, "op": "norm"}
