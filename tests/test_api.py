@@ -196,15 +196,23 @@ def test_bad_input_under_forced_backend(backend_name):
             fused_layernorm(X4, 4, torch.ones(4, device="meta"))
 
 
-def test_valid_edge_arguments():
-    """Accepted spellings that torch accepts too."""
-    fused_softmax(torch.tensor(1.0), -1)
-    fused_softmax(X, dim=-2)
-    fused_softmax(X, torch.tensor(1).item())
-    fused_layernorm(X4, 4, eps=0)  # int eps
-    fused_layernorm(X4, torch.Size([4]))
-    fused_layernorm(X4, [2, 4])
-    fused_layernorm(X4, 4, torch.ones(4, dtype=torch.float64).float())
+@pytest.mark.parametrize("backend_name", [None, "reference"])
+def test_valid_edge_arguments(backend_name):
+    """Spellings torch accepts too give torch's results (native and fusedops' own path)."""
+    w = torch.ones(4, dtype=torch.float64).float()
+    cases = [
+        (lambda: fused_softmax(torch.tensor(1.0), -1),
+         lambda: torch.softmax(torch.tensor(1.0), -1)),
+        (lambda: fused_softmax(X, dim=-2), lambda: torch.softmax(X, -2)),
+        (lambda: fused_softmax(X, torch.tensor(1).item()), lambda: torch.softmax(X, 1)),
+        (lambda: fused_layernorm(X4, 4, eps=0), lambda: F.layer_norm(X4, (4,), eps=0.0)),
+        (lambda: fused_layernorm(X4, torch.Size([4])), lambda: F.layer_norm(X4, (4,))),
+        (lambda: fused_layernorm(X4, [2, 4]), lambda: F.layer_norm(X4, (2, 4))),
+        (lambda: fused_layernorm(X4, 4, w), lambda: F.layer_norm(X4, (4,), w)),
+    ]
+    with fusedops.use_backend(backend_name):
+        for ours, theirs in cases:
+            torch.testing.assert_close(ours(), theirs(), atol=1e-6, rtol=1e-5)
 
 
 def test_modules_check_inputs():
