@@ -348,3 +348,24 @@ def test_forcing_triton_without_gpu_or_interpreter_falls_back_with_a_warning():
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     out = proc.stdout.decode()
     assert "TRITON_INTERPRET=1" in out and "PyTorch's ops" in out
+
+
+def test_instance_forward_routed_through_globals_is_reported():
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.forward = lambda x: F.softmax(nn.Sequential.forward(model, x), -1)
+    report = fusedops.patch_model(model, force=True, example_inputs=(torch.randn(2, 4),))
+    assert report.routed_functions == [{"name": "", "type": "Sequential",
+                                        "calls": ["instance forward"], "via": "globals"}]
+    assert report.verification["routed_calls"]["softmax"] == 1
+
+
+def test_compile_with_a_forced_backend_and_layernorm_epilogues():
+    """The LayerNorm epilogues have no custom op: under torch.compile they trace to torch's ops
+    even with a backend forced (the plain ops keep their kernels as custom ops)."""
+    torch._dynamo.reset()
+    model = AddLN()
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    with fusedops.use_backend("reference"):
+        fusedops.patch_model(model, force=True)
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(a, b)
+    torch.testing.assert_close(out, F.layer_norm(a + b, (8,), model.ln.weight, model.ln.bias))

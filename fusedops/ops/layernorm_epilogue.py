@@ -135,8 +135,9 @@ def layernorm_epilogue(x, shape, n, weight, bias, eps, residual, p, activation, 
     # With dropout, PyTorch's ops stand in only where no fused kernel can run: the mask's
     # generator (Philox, fusedops._philox) is part of the op.
     backend = _dispatch.fused_backend(x, "layernorm_epilogue" if p == 0.0 else "dropout", grad)
-    if backend is None and torch.compiler.is_compiling():
-        # Inductor fuses the chain itself; dropout there draws from torch's generator.
+    if torch.compiler.is_compiling():
+        # Inductor fuses the chain itself (also with a forced backend: the epilogue has no
+        # custom op); dropout there draws from torch's generator.
         s = x if residual is None else x + residual
         y = _native.layer_norm(s, shape, weight, bias, eps)
         y = _activate(F.dropout(y, p) if p else y, activation).to(out_dtype)

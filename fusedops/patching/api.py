@@ -422,10 +422,12 @@ def _route_functions(state: PatchState, report: PatchReport, tree: _Tree) -> Non
                 or isinstance(module.__dict__.get("forward"), wrappers.ForwardWrapper):
             continue
         if "forward" in module.__dict__:  # an instance-level forward, e.g. accelerate's
-            if _route_instance_forward(state, module):
-                mode_sites.append(module)
+            via = _route_instance_forward(state, module)
+            if via is not None:
+                if "mode" in via:
+                    mode_sites.append(module)
                 report.routed_functions.append({"name": name, "type": type(module).__name__,
-                                                "calls": ["instance forward"], "via": "mode"})
+                                                "calls": ["instance forward"], "via": via})
             continue
         # The eager attention function is replaced through the registry for these.
         skip = frozenset(("eager_attention_forward",)) if id(module) in fused_attention \
@@ -456,16 +458,20 @@ def _route_functions(state: PatchState, report: PatchReport, tree: _Tree) -> Non
     _scope_modes(state, mode_sites)
 
 
-def _route_instance_forward(state: PatchState, module: nn.Module) -> bool:
-    """Route an instance-level forward (a plain function the instance holds); True when it
-    also needs the mode (the caller makes the module a mode site)."""
+def _route_instance_forward(state: PatchState, module: nn.Module) -> str | None:
+    """Route an instance-level forward (a plain function the instance holds): how ("globals",
+    "mode" or both, the caller making the module a mode site for the latter), or None."""
     sub = routing.callable_analysis(module.__dict__["forward"], state.ops, frozenset(), 0)
     if sub is False:
-        return False
+        return None
+    via = []
     if sub is None or sub.rewrites():
         _install(state, module, wrappers.RoutedAttribute(
             module, module.__dict__["forward"], "forward", sub))
-    return sub is not None and sub.needs_mode()
+        via.append("globals")
+    if sub is not None and sub.needs_mode():
+        via.append("mode")
+    return ", ".join(via)
 
 
 def _scope_modes(state: PatchState, sites: list[nn.Module]) -> None:
