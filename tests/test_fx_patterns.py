@@ -1,6 +1,6 @@
 """patch_model(..., patterns=True): the torch.fx-proven epilogue rewrites of hand-written modules.
 
-``fusedops._fx_patterns`` rewrites ``softmax(t * c + m)`` and ``LayerNorm(a + b)`` inside a
+``fusedops.patching.fx_patterns`` rewrites ``softmax(t * c + m)`` and ``LayerNorm(a + b)`` inside a
 module's forward when :func:`check_forward` proves the trace is what Python would run. These
 tests cover what it accepts and rejects, the rewrites and their numerics (outputs and gradients
 against an unpatched deep copy), the run-time fallbacks (guards, operand checks) and the

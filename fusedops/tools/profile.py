@@ -418,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_report.heading(f"fusedops profile: {label}"))
         print(f"device: {info['name']} ({device.type}); backends: {info['backends']}")
         if not info["fused_kernels_available"]:
-            print("no fused GPU kernel is available on this device: fusedops runs its PyTorch "
-                  "reference implementation here (correct, not faster).")
+            print("no fused GPU kernel is available on this device: fusedops runs PyTorch's "
+                  "own ops here, and patch_model leaves models as they are.")
         before = profile_model(model, inputs, iters=args.iters, timing_reps=args.reps,
                                measure_speedups=not args.no_speedups, label=label,
                                quiet=args.quiet)
