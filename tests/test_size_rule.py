@@ -129,3 +129,31 @@ def test_gpu_small_calls_native_large_calls_fused():
             fusedops.fused_softmax(large, -1)
     assert type(y.grad_fn).__name__ == "NativeLayerNormBackward0"
     assert counts == {"softmax_forward": 1}
+
+
+def test_torch_func_through_the_epilogues():
+    """The masked softmax and the LayerNorm epilogue under grad / vmap(grad) / jacrev, on the
+    automatic and the forced reference backend (fusedops' Functions step aside for torch's
+    ops while a transform is active)."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    r = torch.randn(2, 3, 4, dtype=torch.float64)
+    mask = torch.zeros(3, 4, dtype=torch.float64)
+    mask[:, -1] = -torch.inf
+
+    def f(x):
+        y = fusedops.fused_softmax(x, -1, scale=0.5, mask=mask)
+        z, _ = fusedops.fused_layernorm(x, 4, residual=r, activation="gelu")
+        return (y * z).sum()
+
+    def g(x):
+        y = torch.softmax(x * 0.5 + mask, -1)
+        z = F.gelu(F.layer_norm(x + r, (4,)))
+        return (y * z).sum()
+
+    for backend in (None, "reference"):
+        with fusedops.use_backend(backend):
+            torch.testing.assert_close(torch.func.grad(f)(x), torch.func.grad(g)(x))
+            torch.testing.assert_close(torch.func.vmap(torch.func.grad(f))(x[None]),
+                                       torch.func.vmap(torch.func.grad(g))(x[None]))
+            torch.testing.assert_close(torch.func.jacrev(f)(x), torch.func.jacrev(g)(x))
