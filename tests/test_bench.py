@@ -173,10 +173,9 @@ def test_tiny_sweep_host_latency(tiny_result):
 def test_write_outputs(tiny_result, tmp_path):
     paths = bench_report.write_outputs(tiny_result, tmp_path, stem="tiny")
     names = sorted(p.name for p in paths)
-    # six ops: one PNG per family (fwd above bwd), so benchmarks/run_gpu.sh has room for them
+    # six ops: one PNG per family (fwd above bwd)
     assert names == sorted(["tiny.json", "tiny.csv", "tiny.txt"]
                            + [f"tiny-{fam}.png" for fam in FAMILIES])
-    assert len(paths) + 1 <= 8  # run_gpu.sh's output: at most 8 files, its pytest.log included
     data = json.loads((tmp_path / "tiny.json").read_text())
     assert TOP_KEYS <= set(data)
     assert len(data["records"]) == len(tiny_result["records"])

@@ -822,7 +822,7 @@ def test_compile_with_exclude_and_inductor():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU (run by the developer on the lent GPU)
+# GPU (CUDA machines only: `pytest -m gpu`)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -46,9 +46,9 @@ def measure_host_latency(device: str, providers: Sequence[str] | None = None,
     """Wall time per call (µs) of small ops: ``calls`` back-to-back calls after a warm-up,
     synchronising once at the end; the median over ``repeats`` runs is reported with the best.
     The providers of one case take turns run by run, so a host that drifts during the
-    measurement moves every provider's runs alike (torch's own layernorm_fwd at 64x768 took
-    10.7 and 15.9 µs in two runs minutes apart: benchmarks/results/h200-2026-11-25-s23-host1.json
-    and -host2.json). The compile provider is left out (its guards are a separate story)."""
+    measurement moves every provider's runs alike (the same unpatched BERT-base forward took 7.7
+    and 11.3 ms in two runs: benchmarks/results/h200/models-generate.json, models.json). The
+    compile provider is left out (its guards are a separate story)."""
     table = all_providers()
     names = [p for p in (providers or PROVIDER_NAMES) if p != "compile"]
     if "torch" not in names:
