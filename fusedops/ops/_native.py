@@ -9,9 +9,9 @@ no backward without a weight).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
+
+from fusedops._validate import check_layernorm_args, check_rmsnorm_args, normalize_shape
 
 
 def _mixed(x: torch.Tensor, p: torch.Tensor | None) -> bool:
@@ -30,22 +30,44 @@ def _cast(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if p is None else p.to(dtype)
 
 
-def layer_norm(x: torch.Tensor, shape: int | Sequence[int], weight: torch.Tensor | None,
+_SHAPES = (tuple, list, torch.Size)
+_ERRORS = (RuntimeError, TypeError, IndexError, ValueError)
+
+
+def _as_shape(normalized_shape: object) -> object:
+    """What torch reads as a shape: a tuple, a list or a Size as given, an int (or a SymInt
+    under dynamic compile) in a tuple."""
+    return normalized_shape if isinstance(normalized_shape, _SHAPES) else (normalized_shape,)
+
+
+def layer_norm(x: torch.Tensor, normalized_shape: object, weight: torch.Tensor | None,
                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``F.layer_norm`` with fused_layernorm's dtype rules (result in x's dtype)."""
-    if (_mixed(x, weight) or _mixed(x, bias)) \
-            and not (x.is_cuda and torch.is_autocast_enabled("cuda")):  # (autocast casts them)
-        acc = _acc(x)
-        y = torch.layer_norm(x.to(acc), shape, _cast(weight, acc), _cast(bias, acc), eps)
-        return y.to(x.dtype)
-    return torch.layer_norm(x, shape, weight, bias, eps)
+    """``F.layer_norm`` with fused_layernorm's dtype rules (result in x's dtype). Arguments
+    are torch's to check; where torch raises, fusedops' checks name the argument."""
+    shape = _as_shape(normalized_shape)
+    try:
+        if (_mixed(x, weight) or _mixed(x, bias)) \
+                and not (x.is_cuda and torch.is_autocast_enabled("cuda")):  # (autocast casts)
+            acc = _acc(x)
+            y = torch.layer_norm(x.to(acc), shape, _cast(weight, acc), _cast(bias, acc), eps)
+            return y.to(x.dtype)
+        return torch.layer_norm(x, shape, weight, bias, eps)
+    except _ERRORS:
+        check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
+        raise
 
 
-def rms_norm(x: torch.Tensor, shape: int | Sequence[int], weight: torch.Tensor | None,
+def rms_norm(x: torch.Tensor, normalized_shape: object, weight: torch.Tensor | None,
              eps: float | None) -> torch.Tensor:
-    """``F.rms_norm`` with fused_rmsnorm's dtype rules (result in x's dtype)."""
-    if _mixed(x, weight) and not (x.is_cuda and torch.is_autocast_enabled("cuda")):
-        # (torch's kernels take one dtype: it would warn and compose it from several ops)
-        acc = _acc(x)
-        return torch.rms_norm(x.to(acc), shape, weight.to(acc), eps).to(x.dtype)
-    return torch.rms_norm(x, shape, weight, eps)
+    """``F.rms_norm`` with fused_rmsnorm's dtype rules (result in x's dtype); errors as in
+    :func:`layer_norm`."""
+    shape = _as_shape(normalized_shape)
+    try:
+        if _mixed(x, weight) and not (x.is_cuda and torch.is_autocast_enabled("cuda")):
+            # (torch's kernels take one dtype: it would warn and compose it from several ops)
+            acc = _acc(x)
+            return torch.rms_norm(x.to(acc), shape, weight.to(acc), eps).to(x.dtype)
+        return torch.rms_norm(x, shape, weight, eps)
+    except _ERRORS:
+        check_rmsnorm_args(x, normalize_shape(normalized_shape), weight, eps)
+        raise

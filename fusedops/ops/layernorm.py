@@ -15,9 +15,7 @@ from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
 _RULES = _dispatch.SIZE_RULES["layernorm"]
-_EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
 _grad_enabled = torch.is_grad_enabled
-_SHAPES = (tuple, list, torch.Size)
 _native_now = _dispatch.native_now
 
 
@@ -152,12 +150,7 @@ def fused_layernorm(
     if x.numel() < below or _native_now():
         if eps.__class__ is not float or not eps >= 0.0:
             check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
-        try:  # (torch reads a tuple, a list or a Size as given; an int or a SymInt in one)
-            return _native.layer_norm(x, normalized_shape if isinstance(normalized_shape, _SHAPES)
-                                     else (normalized_shape,), weight, bias, eps)
-        except (RuntimeError, TypeError, IndexError, ValueError):  # the argument, named
-            check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
-            raise
+        return _native.layer_norm(x, normalized_shape, weight, bias, eps)
     if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
@@ -187,12 +180,7 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
             and training.__class__ is bool:
         # A plain add + LayerNorm: the size rule first (host cost per call), then a replay.
         grad = _grad_enabled() and _needs_grad(x, weight, bias, residual)
-        key = (True, x.dtype, grad) if x.is_cuda else (
-            "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
-        below = _EPILOGUE_RULES.get(key)
-        if below is None:
-            below = _dispatch.size_rule("layernorm_epilogue", key)
-        if x.numel() < below or _native_now():
+        if _dispatch.runs_native("layernorm_epilogue", x, grad):
             return _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual)
         if not grad and _dispatch.plain_eager():
             # An inference add + LayerNorm seen before, replayed (fusedops._replay).
@@ -221,11 +209,10 @@ def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
         check_epilogue_args(x, residual, 0.0, None, True)
     try:
         s = x + residual
-        return _native.layer_norm(s, shape, weight, bias, eps), s
-    except (RuntimeError, TypeError, IndexError):  # the argument it was, named
-        check_layernorm_args(x, shape, weight, bias, eps)
+    except RuntimeError:  # (a residual on another device): the argument it was, named
         check_epilogue_args(x, residual, 0.0, None, True)
         raise
+    return _native.layer_norm(s, shape, weight, bias, eps), s
 
 
 def _is_last_dim(normalized_shape: object, last: int) -> bool:

@@ -22,7 +22,6 @@ _EPS_FLOAT64 = torch.finfo(torch.float64).eps
 
 _RULES = _dispatch.SIZE_RULES["rmsnorm"]
 _grad_enabled = torch.is_grad_enabled
-_SHAPES = (tuple, list, torch.Size)
 _native_now = _dispatch.native_now
 
 
@@ -120,12 +119,7 @@ def fused_rmsnorm(
     if x.numel() < below or _native_now():
         if eps is not None and (eps.__class__ is not float or not eps >= 0.0):
             check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
-        try:  # (torch reads a tuple, a list or a Size as given; an int or a SymInt in one)
-            return _native.rms_norm(x, normalized_shape if isinstance(normalized_shape, _SHAPES)
-                                     else (normalized_shape,), weight, eps)
-        except (RuntimeError, TypeError, IndexError, ValueError):  # the argument, named
-            check_rmsnorm_args(x, normalize_shape(normalized_shape), weight, eps)
-            raise
+        return _native.rms_norm(x, normalized_shape, weight, eps)
     if not grad and (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.

@@ -95,7 +95,7 @@ class _RecognisedNorm:
         if args or kwargs or hidden_states.dim() == 0 or hidden_states.shape[-1] != n:
             # Whatever the original does with that (the probe covered one tensor argument).
             return super().forward(hidden_states, *args, **kwargs)
-        device = hidden_states.device.type
+        device = "cuda" if hidden_states.is_cuda else hidden_states.device.type
         key = (hidden_states.dtype, weight.dtype,
                torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
         out_dtype = spec.out_dtypes.get(key)
