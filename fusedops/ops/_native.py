@@ -30,14 +30,16 @@ def _cast(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if p is None else p.to(dtype)
 
 
-_SHAPES = (tuple, list, torch.Size)
-_ERRORS = (RuntimeError, TypeError, IndexError, ValueError)
+# What torch reads as a shape as given, and the errors its norms raise for bad arguments (the
+# ops' one-call paths read them too).
+SHAPES = (tuple, list, torch.Size)
+ERRORS = (RuntimeError, TypeError, IndexError, ValueError)
 
 
 def _as_shape(normalized_shape: object) -> object:
     """What torch reads as a shape: a tuple, a list or a Size as given, an int (or a SymInt
     under dynamic compile) in a tuple."""
-    return normalized_shape if isinstance(normalized_shape, _SHAPES) else (normalized_shape,)
+    return normalized_shape if isinstance(normalized_shape, SHAPES) else (normalized_shape,)
 
 
 def layer_norm(x: torch.Tensor, normalized_shape: object, weight: torch.Tensor | None,
@@ -52,7 +54,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: object, weight: torch.Tensor |
             y = torch.layer_norm(x.to(acc), shape, _cast(weight, acc), _cast(bias, acc), eps)
             return y.to(x.dtype)
         return torch.layer_norm(x, shape, weight, bias, eps)
-    except _ERRORS:
+    except ERRORS:
         check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
         raise
 
@@ -68,6 +70,6 @@ def rms_norm(x: torch.Tensor, normalized_shape: object, weight: torch.Tensor | N
             acc = _acc(x)
             return torch.rms_norm(x.to(acc), shape, weight.to(acc), eps).to(x.dtype)
         return torch.rms_norm(x, shape, weight, eps)
-    except _ERRORS:
+    except ERRORS:
         check_rmsnorm_args(x, normalize_shape(normalized_shape), weight, eps)
         raise

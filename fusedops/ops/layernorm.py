@@ -150,6 +150,14 @@ def fused_layernorm(
     if x.numel() < below or _native_now():
         if eps.__class__ is not float or not eps >= 0.0:
             check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
+        if (weight is None or weight.dtype is x.dtype) and (bias is None or bias.dtype is x.dtype):
+            # One dtype: torch's op itself, in one call (a patched model's host cost).
+            try:
+                return torch.layer_norm(x, normalized_shape if normalized_shape.__class__
+                                        in _native.SHAPES else (normalized_shape,),
+                                        weight, bias, eps)
+            except _native.ERRORS:
+                pass  # (the call below raises fusedops' error, naming the argument)
         return _native.layer_norm(x, normalized_shape, weight, bias, eps)
     if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():

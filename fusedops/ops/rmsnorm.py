@@ -119,6 +119,13 @@ def fused_rmsnorm(
     if x.numel() < below or _native_now():
         if eps is not None and (eps.__class__ is not float or not eps >= 0.0):
             check_eps(eps)  # (torch takes any eps: a negative one would give NaN)
+        if weight is None or weight.dtype is x.dtype:
+            # One dtype: torch's op itself, in one call (a patched model's host cost).
+            try:
+                return torch.rms_norm(x, normalized_shape if normalized_shape.__class__
+                                      in _native.SHAPES else (normalized_shape,), weight, eps)
+            except _native.ERRORS:
+                pass  # (the call below raises fusedops' error, naming the argument)
         return _native.rms_norm(x, normalized_shape, weight, eps)
     if not grad and (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():

@@ -410,8 +410,10 @@ def rewrite_softmax(graph: fx.Graph, gm: nn.Module) -> list[str]:
     return sites
 
 
-def rewrite_layernorm(graph: fx.Graph, gm: nn.Module) -> list[str]:
-    """ln(a + b) -> add_layernorm(a, b, ln); with other users of a + b, the pair form."""
+def rewrite_layernorm(graph: fx.Graph, gm: nn.Module, widths: list[int] | None = None
+                      ) -> list[str]:
+    """ln(a + b) -> add_layernorm(a, b, ln); with other users of a + b, the pair form.
+    ``widths``: gets each rewritten LayerNorm's row length."""
     sites = []
     for node in list(graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
@@ -425,6 +427,8 @@ def rewrite_layernorm(graph: fx.Graph, gm: nn.Module) -> list[str]:
         a, b = add.args
         if not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
             continue
+        if widths is not None:
+            widths.append(math.prod(mod.normalized_shape))
         with graph.inserting_before(node):
             ln = graph.get_attr(node.target)
             if _single_user(add, node):
@@ -459,6 +463,7 @@ class FusedForward:
     # positional-or-keyword: calls without keywords then skip Signature.bind (host time)
     positional: tuple | None = None
     layernorm_only: bool = False  # every fused site is a LayerNorm(a + b)
+    ln_width: int = 0  # the longest row of those LayerNorms
 
 
 def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
@@ -471,6 +476,7 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
         return None, why
     variants: dict[tuple[bool, ...], fx.GraphModule] = {}
     sites: list[str] = []
+    widths: list[int] = [0]
     for pattern in itertools.product((False, True), repeat=len(info.tested)):
         concrete = {name: None for name, is_none in zip(info.tested, pattern, strict=True)
                     if is_none}
@@ -485,7 +491,7 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
         if softmax:
             found += rewrite_softmax(graph, module)
         if layernorm:
-            found += rewrite_layernorm(graph, module)
+            found += rewrite_layernorm(graph, module, widths)
         if found:
             _route_calls(graph, route_ops)
             graph.lint()
@@ -499,7 +505,7 @@ def fuse_module(module: nn.Module, softmax: bool, layernorm: bool,
     signature = inspect.signature(type(module).forward)
     return FusedForward(info, signature, variants, sites, children, tensors,
                         _positional_layout(signature, info.tested),
-                        all("(a + b)" in site for site in sites)), None
+                        all("(a + b)" in site for site in sites), max(widths)), None
 
 
 def _route_calls(graph: fx.Graph, ops: tuple[str, ...]) -> None:
@@ -565,6 +571,9 @@ def select_variant(fused: FusedForward, module: nn.Module, args: tuple, kwargs: 
 
 
 _MISSING = object()
+_EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
+_grad_enabled = torch.is_grad_enabled
+_native_now = _dispatch.native_now
 
 
 class GraphForward(ForwardWrapper):
@@ -582,11 +591,27 @@ class GraphForward(ForwardWrapper):
         fused = self.fused
         if fused is None:
             fused = self.fused = fuse_module(self.module, *self.ops)[0] or False
-        if fused and fused.layernorm_only and args and _native_size(args[0], None, None):
+        if fused and fused.layernorm_only and args and args[0].__class__ is torch.Tensor:
             # Calls this small run the LayerNorm epilogues as PyTorch's ops: the original
-            # forward is the same computation, without the helpers' checks.
-            count("add_layernorm:native")
-            return self.call_inner(*args, **kwargs)
+            # forward is the same computation, without the helpers' checks. (The size rule
+            # inline, and the original called directly: host cost per call.) The first
+            # argument's leading dims are taken as the LayerNorms' rows (a block's hidden
+            # states); where they are not, the helpers still apply the rule themselves.
+            a = args[0]
+            grad = _grad_enabled() and a.requires_grad
+            key = (True, a.dtype, grad) if a.is_cuda else (
+                "cpu" if a.is_cpu else a.device.type, a.dtype, grad)
+            below = _EPILOGUE_RULES.get(key)
+            if below is None:
+                below = _dispatch.size_rule("layernorm_epilogue", key)
+            last = a.shape[-1] if a.ndim else 1
+            if (a.numel() // last * fused.ln_width if last else 0) < below or _native_now():
+                if counts is not None:
+                    counts["add_layernorm:native"] += 1
+                inner = self.inner
+                if inner is not None:
+                    return inner(*args, **kwargs)
+                return self.module.__class__.forward(self.module, *args, **kwargs)
         chosen = select_variant(fused, self.module, args, kwargs) if fused else None
         if chosen is None:
             return self.call_inner(*args, **kwargs)

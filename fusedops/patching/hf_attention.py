@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from fusedops import _dispatch
-from fusedops.ops.softmax import fused_softmax
+from fusedops.ops.softmax_masked import masked_softmax
 from fusedops.patching import fx_patterns
 from fusedops.patching.routing import routing_off
 
 NAME = "fusedops_eager"
-_DELEGATED_KWARGS = ("softcap", "s_aux", "sinks", "head_mask")
+_DELEGATED_KWARGS = frozenset(("softcap", "s_aux", "sinks", "head_mask"))
 _registered = False
 
 
@@ -96,7 +96,10 @@ def _eager(module: nn.Module) -> tuple[Any, bool]:
     return found
 
 
-_runs_native = _dispatch.runs_native_numel
+_MASKED_RULES = _dispatch.SIZE_RULES["softmax_masked"]
+_grad_enabled = torch.is_grad_enabled
+_native_now = _dispatch.native_now
+_stack_depth = torch._C._len_torch_function_stack
 
 
 def fused_eager_attention(
@@ -112,13 +115,20 @@ def fused_eager_attention(
     """Eager attention, ``softmax(q @ k^T * scaling + mask) @ v``, its softmax fused; the
     model's own eager function where the fused softmax would not pay (the size rule of
     ``fusedops._dispatch``) or that does more (``softcap``, sinks, a head mask)."""
-    eager, contiguous = _eager(module)
+    eager, contiguous = _eager_of.get(module.__class__) or _eager(module)
     shape = query.shape
-    if (kwargs and any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS)
-            or len(shape) != 4 or attention_mask is not None and attention_mask.dim() != 4
-            or _runs_native("softmax_masked", query, torch.is_grad_enabled() and (
-                query.requires_grad or key.requires_grad),
-                shape[0] * shape[1] * shape[2] * key.shape[-2])):
+    # The size rule inline, as the ops read it (host cost per call: decoding steps and small
+    # batches call this many times per forward, the model's own function below the rule).
+    grad = _grad_enabled() and (query.requires_grad or key.requires_grad)
+    rule = (True, query.dtype, grad) if query.is_cuda else (
+        "cpu" if query.is_cpu else query.device.type, query.dtype, grad)
+    below = _MASKED_RULES.get(rule)
+    if below is None:
+        below = _dispatch.size_rule("softmax_masked", rule)
+    if (query.ndim != 4 or attention_mask is not None and attention_mask.ndim != 4
+            or shape[0] * shape[1] * shape[2] * key.shape[-2] < below or _native_now()
+            or kwargs and not _DELEGATED_KWARGS.isdisjoint(kwargs)
+            and any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS)):
         if fx_patterns.counts is not None:
             fx_patterns.count("hf_attention:unfused")
         return eager(module, query, key, value, attention_mask, scaling=scaling,
@@ -127,20 +137,30 @@ def fused_eager_attention(
         fx_patterns.count("hf_attention")
     # Routing off for the whole body: its one softmax is the fused op already, and none of its
     # other torch calls is routed (each would otherwise pass through the routing mode).
-    with routing_off():
-        if scaling is None:
-            scaling = shape[-1] ** -0.5
-        if key.shape[1] != shape[1]:  # grouped-query attention: a KV head per group
-            groups = shape[1] // key.shape[1]
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(query, key.transpose(2, 3))
-        mask = attention_mask
-        if mask is not None and mask.shape[-1] != key.shape[-2]:
-            mask = mask[:, :, :, : key.shape[-2]]
-        weights = fused_softmax(scores, -1, scale=float(scaling), mask=mask)
-        if dropout:
-            weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-        out = torch.matmul(weights if weights.dtype == value.dtype else weights.to(value.dtype),
-                           value).transpose(1, 2)
-        return out.contiguous() if contiguous else out, weights
+    if _stack_depth():
+        with routing_off():
+            return _attention(module, query, key, value, attention_mask, scaling, dropout,
+                              contiguous)
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, contiguous)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, contiguous):
+    """The fused body of :func:`fused_eager_attention` (arguments as it was given them)."""
+    shape = query.shape
+    if scaling is None:
+        scaling = shape[-1] ** -0.5
+    if key.shape[1] != shape[1]:  # grouped-query attention: a KV head per group
+        groups = shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3))
+    mask = attention_mask
+    if mask is not None and mask.shape[-1] != key.shape[-2]:
+        mask = mask[:, :, :, : key.shape[-2]]
+    weights = masked_softmax(scores, -1, None,
+                             scaling if scaling.__class__ is float else float(scaling), mask, False)
+    if dropout:
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights if weights.dtype == value.dtype else weights.to(value.dtype),
+                       value).transpose(1, 2)
+    return out.contiguous() if contiguous else out, weights
