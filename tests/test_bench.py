@@ -170,6 +170,36 @@ def test_tiny_sweep_host_latency(tiny_result):
     assert {h["provider"] for h in hl} == {"fusedops", "torch", "naive"}
 
 
+def test_tiny_sweep_host_costs(tiny_result):
+    from fusedops.tools import bench_host
+
+    hc = tiny_result["host_costs"]
+    keys = {(h["case"], tuple(h["shape"]), h["mode"]) for h in hc}
+    assert keys == {(c, s, m) for c, s in bench_host.CASES for m in bench_host.MODES}
+    # CPU has no fused backend: no forced-kernel row, fusedops against the native ops only
+    assert {h["provider"] for h in hc} == {"torch", "fusedops"}
+    for h in hc:
+        assert h["error"] is None, h
+        assert h["us_per_call"] > 0 and h["us_min"] <= h["us_per_call"]
+        assert h["delta_vs_torch_us"] is not None
+        if h["provider"] == "fusedops":
+            assert h["within_target"] == (h["delta_vs_torch_us"] <= bench_host.TARGET_US)
+    text = bench_report.format_report(tiny_result)
+    assert "host cost per call by mode" in text and "scale+mask+softmax" in text
+
+
+def test_host_cost_cases_compute_the_same():
+    """Each case's fused call computes what its native ops compute (so the timing compares
+    like with like), in every mode's inputs."""
+    from fusedops.tools import bench_host
+
+    for case, shape in bench_host.CASES:
+        small = tuple(min(s, 8) for s in shape[:-1]) + (shape[-1],)
+        x, extra = bench_host._inputs(case, small, "cpu", torch.float32, True)
+        native, fused = bench_host._fns(case, x, extra)
+        torch.testing.assert_close(fused(), native(), rtol=1e-5, atol=1e-5)
+
+
 def test_write_outputs(tiny_result, tmp_path):
     paths = bench_report.write_outputs(tiny_result, tmp_path, stem="tiny")
     names = sorted(p.name for p in paths)

@@ -598,7 +598,7 @@ class GraphForward(ForwardWrapper):
             # argument's leading dims are taken as the LayerNorms' rows (a block's hidden
             # states); where they are not, the helpers still apply the rule themselves.
             a = args[0]
-            grad = _grad_enabled() and a.requires_grad
+            grad = a.requires_grad and _grad_enabled()
             key = (True, a.dtype, grad) if a.is_cuda else (
                 "cpu" if a.is_cpu else a.device.type, a.dtype, grad)
             below = _EPILOGUE_RULES.get(key)

@@ -119,7 +119,7 @@ def fused_eager_attention(
     shape = query.shape
     # The size rule inline, as the ops read it (host cost per call: decoding steps and small
     # batches call this many times per forward, the model's own function below the rule).
-    grad = _grad_enabled() and (query.requires_grad or key.requires_grad)
+    grad = (query.requires_grad or key.requires_grad) and _grad_enabled()
     rule = (True, query.dtype, grad) if query.is_cuda else (
         "cpu" if query.is_cpu else query.device.type, query.dtype, grad)
     below = _MASKED_RULES.get(rule)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedops.tools.bench_harness import CPU_NOTE, format_size
+from fusedops.tools.bench_host import format_host_costs
 from fusedops.tools.bench_ops import NOISE, OPS, annotate_speedups
 from fusedops.tools.bench_providers import PROVIDER_NAMES
 from fusedops.tools.cli import can_plot
@@ -128,6 +129,8 @@ def merge_results(results: Sequence[dict]) -> dict:
     annotate_speedups(merged["records"])
     merged["host_latency"] = next((r["host_latency"] for r in reversed(results)
                                    if r.get("host_latency")), [])
+    merged["host_costs"] = next((r["host_costs"] for r in reversed(results)
+                                 if r.get("host_costs")), [])
     merged["runs"] = [{k: r.get(k) for k in ("timestamp", "copy_tbps", "git", "config")}
                       for r in results]
     merged["providers"] = {k: v for r in results for k, v in r.get("providers", {}).items()}
@@ -421,6 +424,9 @@ def format_report(result: dict) -> str:
     hl = format_host_latency(result)
     if hl:
         parts.append(hl)
+    hc = format_host_costs(result.get("host_costs") or [])
+    if hc:
+        parts.append(hc)
     models = result.get("bytes_model") or {}
     flop = result.get("flop_model") or {}
     if models:

@@ -41,6 +41,7 @@ from fusedops.tools.bench_harness import (
     versions,
     windows_ms,
 )
+from fusedops.tools.bench_host import host_costs_for_sweep
 from fusedops.tools.bench_latency import host_latency_for_sweep
 from fusedops.tools.bench_ops import (
     BYTES_MODEL,
@@ -296,6 +297,7 @@ def _new_result(device: str, name: str, ops_t, dtypes_t, sizes_t, active, unavai
         "flop_model": FLOP_MODEL,
         "records": [],
         "host_latency": [],
+        "host_costs": [],
         "skipped": [],
         "truncated": False,
     }
@@ -455,6 +457,7 @@ def run_sweep(
     if host_latency:
         result["host_latency"] = host_latency_for_sweep(device, [p.name for p in active],
                                                         host_latency_calls, host_latency_shapes)
+        result["host_costs"] = host_costs_for_sweep(device, host_latency_calls)
         if on_point:
             on_point(result)
     # Points: dtype-major (bf16 first), then op family, then N; fwd and bwd of a family share

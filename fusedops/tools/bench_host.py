@@ -1,0 +1,190 @@
+"""Host cost per call by autograd mode: what a fused call costs the host (Python, checks,
+dispatch, launch) against the native op or ops it replaces, part of every
+``python -m fusedops bench`` run with host latency.
+
+Each case times one call shape in three modes: ``nograd`` (inference), ``grad`` (the forward
+with inputs that require grad, as in training) and ``fwd+bwd`` (that forward and its backward,
+``torch.autograd.grad`` of every input). Providers: ``torch`` (the native op; for an epilogue,
+the native ops it replaces), ``fusedops`` (the public call as users make it: below the size rule
+of ``fusedops._dispatch`` that is the native op) and ``fusedops-kernel`` (the fused kernel
+forced, on a device with a fused backend). The target: ``fusedops`` at most 1 µs above
+``torch`` in every mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fusedops
+from fusedops import _dispatch
+from fusedops.tools.bench_harness import DTYPES, short_error, synchronize
+
+MODES = ("nograd", "grad", "fwd+bwd")
+TARGET_US = 1.0  # fusedops' host cost may exceed the native op's by this much per call
+
+# (case, shape): norms and softmax over rows of a small model's width; the attention softmax
+# (scale + mask + softmax) at one BERT-base head block of 128 tokens.
+CASES: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("softmax", (4, 128)), ("softmax", (8, 128, 768)),
+    ("layernorm", (4, 128)), ("layernorm", (8, 128, 768)),
+    ("rmsnorm", (4, 128)), ("rmsnorm", (8, 128, 768)),
+    ("add+layernorm", (8, 128, 768)),
+    ("scale+mask+softmax", (1, 12, 128, 128)),
+)
+
+
+def _fns(case: str, x: torch.Tensor, extra: dict[str, torch.Tensor]
+         ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """(native, fused) callables of one case on ``x`` and its extra tensors."""
+    n = x.shape[-1]
+    w, b, r, m = extra.get("w"), extra.get("b"), extra.get("r"), extra.get("m")
+    if case == "softmax":
+        return (lambda: torch.softmax(x, -1)), (lambda: fusedops.fused_softmax(x, -1))
+    if case == "layernorm":
+        return ((lambda: F.layer_norm(x, (n,), w, b, 1e-5)),
+                (lambda: fusedops.fused_layernorm(x, n, w, b, 1e-5)))
+    if case == "rmsnorm":
+        return ((lambda: F.rms_norm(x, (n,), w, 1e-6)),
+                (lambda: fusedops.fused_rmsnorm(x, n, w, 1e-6)))
+    if case == "add+layernorm":
+        return ((lambda: F.layer_norm(x + r, (n,), w, b, 1e-5)),
+                (lambda: fusedops.fused_layernorm(x, n, w, b, 1e-5, residual=r)[0]))
+    if case == "scale+mask+softmax":
+        return ((lambda: torch.softmax(x * 0.125 + m, -1)),
+                (lambda: fusedops.fused_softmax(x, -1, scale=0.125, mask=m)))
+    raise ValueError(f"unknown host-cost case {case!r}")
+
+
+def _inputs(case: str, shape: tuple[int, ...], device: str, dtype: torch.dtype, grad: bool
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    n = shape[-1]
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=grad)
+    extra: dict[str, torch.Tensor] = {}
+    if case in ("layernorm", "rmsnorm", "add+layernorm"):
+        extra["w"] = torch.ones(n, device=device, dtype=dtype, requires_grad=grad)
+    if case in ("layernorm", "add+layernorm"):
+        extra["b"] = torch.zeros(n, device=device, dtype=dtype, requires_grad=grad)
+    if case == "add+layernorm":
+        extra["r"] = torch.randn(shape, device=device, dtype=dtype, requires_grad=grad)
+    if case == "scale+mask+softmax":
+        extra["m"] = torch.zeros((shape[0], 1, 1, n), device=device, dtype=dtype)
+    return x, extra
+
+
+def _step(fn: Callable[[], torch.Tensor], mode: str, inputs: list[torch.Tensor],
+          dy: torch.Tensor) -> Callable[[], Any]:
+    """One timed call of ``fn`` in ``mode``."""
+    if mode == "nograd":
+        def run() -> Any:
+            with torch.no_grad():
+                return fn()
+        return run
+    if mode == "grad":
+        return fn
+    return lambda: torch.autograd.grad(fn(), inputs, dy)
+
+
+def _kernel_backend(device: str) -> str | None:
+    """The fused backend a device has, to force for ``fusedops-kernel`` (None: no such row)."""
+    return {"cuda": "triton", "mps": "metal"}.get(device)
+
+
+def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 1000, repeats: int = 7,
+                       warmup: int = 100, cases: Sequence[tuple[str, Sequence[int]]] = CASES,
+                       modes: Sequence[str] = MODES) -> list[dict]:
+    """Wall time per call (µs) of each case, mode and provider: ``calls`` back-to-back calls
+    after a warm-up, one synchronisation at the end, the median of ``repeats`` runs (providers
+    take turns run by run, so a drifting host moves them alike). Returns one record per
+    (case, shape, mode, provider) with ``us_per_call``, ``us_min``, ``delta_vs_torch_us`` and
+    ``within_target`` (fusedops only)."""
+    tdtype = DTYPES[dtype]
+    kernel = _kernel_backend(device)
+    out: list[dict] = []
+    for case, shape in cases:
+        shape = tuple(int(s) for s in shape)
+        for mode in modes:
+            grad = mode != "nograd"
+            x, extra = _inputs(case, shape, device, tdtype, grad)
+            native, fused = _fns(case, x, extra)
+            inputs = [t for t in (x, *extra.values()) if t.requires_grad]
+            dy = torch.randn(shape, device=device, dtype=tdtype)
+            runs: list[tuple[dict, Callable[[], Any], str | None, list[float]]] = []
+            for provider, fn, forced in (("torch", native, None), ("fusedops", fused, None),
+                                         ("fusedops-kernel", fused, kernel)):
+                if provider == "fusedops-kernel" and kernel is None:
+                    continue
+                rec = {"case": case, "shape": list(shape), "mode": mode, "dtype": dtype,
+                       "provider": provider, "us_per_call": None, "us_min": None,
+                       "delta_vs_torch_us": None, "error": None}
+                out.append(rec)
+                step = _step(fn, mode, inputs, dy)
+                try:
+                    with _dispatch.use_backend(forced) if forced else contextlib.nullcontext():
+                        for _ in range(warmup):
+                            step()
+                    synchronize(device)
+                    runs.append((rec, step, forced, []))
+                except Exception as exc:
+                    rec["error"] = short_error(exc)
+            for _ in range(repeats):
+                for _rec, step, forced, times in runs:
+                    with _dispatch.use_backend(forced) if forced else contextlib.nullcontext():
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            step()
+                        synchronize(device)
+                    times.append((time.perf_counter() - t0) / calls * 1e6)
+            for rec, _, _, times in runs:
+                rec["us_per_call"], rec["us_min"] = statistics.median(times), min(times)
+            base = next((r["us_per_call"] for r, *_ in runs if r["provider"] == "torch"), None)
+            for rec, *_ in runs:
+                if base is not None and rec["us_per_call"] is not None:
+                    rec["delta_vs_torch_us"] = rec["us_per_call"] - base
+                if rec["provider"] == "fusedops" and rec["delta_vs_torch_us"] is not None:
+                    rec["within_target"] = rec["delta_vs_torch_us"] <= TARGET_US
+    return out
+
+
+def format_host_costs(records: list[dict]) -> str:
+    """The table of :func:`measure_host_costs` records: µs per call per provider, by case,
+    shape and mode, and fusedops' margin over torch against the target."""
+    if not records:
+        return ""
+    provs = [p for p in ("torch", "fusedops", "fusedops-kernel")
+             if any(r["provider"] == p for r in records)]
+    grid: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        key = (r["case"], "x".join(map(str, r["shape"])), r["mode"])
+        grid.setdefault(key, {})[r["provider"]] = r
+    head = ["case", "shape", "mode"] + [f"{p} us" for p in provs] + ["fusedops - torch"]
+    rows = []
+    for (case, shape, mode), row in grid.items():
+        cells = [case, shape, mode]
+        for p in provs:
+            r = row.get(p)
+            cells.append("-" if r is None else ("fail" if r.get("us_per_call") is None
+                                                else f"{r['us_per_call']:.1f}"))
+        d = row.get("fusedops", {}).get("delta_vs_torch_us")
+        cells.append("-" if d is None else f"{d:+.1f}" + ("" if d <= TARGET_US else " (over)"))
+        rows.append(cells)
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows, strict=True)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+             for line in [head, ["-" * w for w in widths], *rows]]
+    return (f"host cost per call by mode (wall time, µs; target: fusedops within {TARGET_US:g} "
+            "µs of torch)\n" + "\n".join(lines))
+
+
+def host_costs_for_sweep(device: str, calls: int | None) -> list[dict]:
+    """:func:`measure_host_costs` as the sweep runs it: fp16 (fp32 on CPU, where a few calls
+    keep test runs short: CPU "host cost" is compute time at these shapes)."""
+    if calls is None and device == "cpu":
+        calls = 3
+    kw = {} if calls is None else {"calls": calls, "warmup": max(1, calls // 10), "repeats": 3}
+    return measure_host_costs(device, "fp32" if device == "cpu" else "fp16", **kw)
