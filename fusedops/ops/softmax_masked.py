@@ -65,6 +65,29 @@ def compose(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None, 
     return torch.softmax(z, dim=dim).masked_fill(empty, 0.0).to(out_dtype)
 
 
+# torch's softmax whose rows of -inf only come out as zeros (one call, as the kernels do).
+_safe_softmax = getattr(torch, "_safe_softmax", None)
+
+
+def native(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`compose` without causal in as few torch calls as eager code makes (the path of
+    calls below the size rule: host cost per call). Eager only (Dynamo does not trace
+    ``torch._safe_softmax``); where torch lacks it, :func:`compose`."""
+    if _safe_softmax is None:
+        return compose(x, dim, scale, mask, False, out_dtype)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa = x if x.dtype == acc else x.to(acc)
+    if mask is None:
+        z = xa * scale if scale != 1.0 else xa
+    elif mask.dtype == torch.bool:
+        z = torch.where(mask, xa * scale if scale != 1.0 else xa, -torch.inf)
+    else:  # (mask + scale * x in one op, computed in float32 and rounded once)
+        z = torch.add(mask if mask.dtype == acc else mask.to(acc), xa, alpha=scale)
+    y = _safe_softmax(z, dim)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
 def _as_4d(x: torch.Tensor, mask: torch.Tensor | None):
     """x as (B, H, Q, N) contiguous and the mask as a (B, H, Q, N) view of itself (strides 0
     where it was broadcast; a copy only when x has more than 4 dims and the mask's strides do
@@ -188,6 +211,8 @@ def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: 
                                                             and mask.requires_grad))
     backend = _dispatch.fused_backend(x, "softmax_masked", grad)
     if backend is None or x.numel() == 0 or torch.compiler.is_compiling():
+        if backend is None and not causal and x.numel() and not _dispatch.native_now():
+            return native(x, dim, scale, mask, out_dtype)
         return compose(x, dim, scale, mask, causal, out_dtype)
     if dim != x.dim() - 1:
         _dispatch.warn_once(
