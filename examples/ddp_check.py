@@ -110,8 +110,9 @@ def train(args: argparse.Namespace, rank: int, device: torch.device, patched: bo
     routed = patterns = None
     if patched:
         # force: on CPU the patched calls run PyTorch's ops, which is what this check compares.
+        # patterns=True: the blocks' LayerNorm(x + attn) too, so DDP sees every fused kind.
         report = fusedops.patch_model(model, example_inputs=(data[0][0].to(device, dtype),),
-                                      force=True)
+                                      force=True, patterns=True)
         v = report.verification
         routed = {op: v["module_calls"][op] + v["routed_calls"][op] for op in v["routed_calls"]}
         patterns = dict(report.verification["pattern_calls"])

@@ -24,7 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tol
-from test_patching_utils import force_patch, reference_backend  # noqa: F401 - fixtures
+from test_patching_utils import (  # noqa: F401 - fixtures
+    force_patch,
+    reference_backend,
+    traced_patterns,
+)
 from torch import nn
 
 import fusedops
@@ -39,7 +43,7 @@ B, L, D = 2, 5, 8
 SCALE = 0.125  # exact in binary: the report prints it as "0.125"
 FP32 = tol(torch.float32)
 
-pytestmark = pytest.mark.usefixtures("force_patch", "reference_backend")
+pytestmark = pytest.mark.usefixtures("force_patch", "reference_backend", "traced_patterns")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -595,6 +595,12 @@ def test_exclude_validation():
         unpatch_model("x")
 
 
+@pytest.mark.parametrize("bad", ["all", 1, 1.0, None])
+def test_patterns_validation(bad):
+    with pytest.raises(ValueError, match="patterns must be True, False or 'attention'"):
+        patch_model(HandWritten(), patterns=bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Identity, hooks, state_dict, repatch, unpatch
 # ---------------------------------------------------------------------------------------------

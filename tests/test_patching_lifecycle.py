@@ -222,7 +222,7 @@ def test_torch_save_load_in_a_fresh_process_keeps_every_fusion():
     calls), swapped classes resolve."""
     model, _, _ = _bert_pair()
     with fusedops.use_backend("reference"):
-        fusedops.patch_model(model, force=True)
+        fusedops.patch_model(model, force=True, patterns=True)
         fx_patterns.counts = counts = Counter()
         want = model(torch.arange(8)[None] % 40)
         fx_patterns.counts = None
@@ -254,7 +254,7 @@ def test_pickle_keeps_traced_patterns():
     model = AddLN()
     a, b = torch.randn(2, 8), torch.randn(2, 8)
     with fusedops.use_backend("reference"):
-        fusedops.patch_model(model, force=True)
+        fusedops.patch_model(model, force=True, patterns=True)
         loaded = pickle.loads(pickle.dumps(model))
         fx_patterns.counts = counts = Counter()
         out = loaded(a, b)

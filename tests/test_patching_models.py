@@ -178,7 +178,12 @@ def test_hf_epilogue_patterns(name, triton_on_cpu):
     softmax(scores * scaling + mask) per layer) and BERT's LayerNorm(x + residual) through the
     traced forwards; outputs and gradients match, the fused kernels run, unpatch restores."""
     model, ref, inputs, _, n_softmax = make(name)
-    report = patch_model(model, example_inputs=inputs)
+    # By default a forward whose only pattern is LayerNorm(a + b) is reported, not rewritten.
+    report = patch_model(model)
+    left = [p for p in report.pattern_skipped if "LayerNorm(a + b) fusable" in p["reason"]]
+    assert len(left) == HF_LN_PATTERNS[name]
+    assert [p["via"] for p in report.fused_patterns].count("hf attention") == n_softmax
+    report = patch_model(model, example_inputs=inputs, patterns=True)
     via = [p["via"] for p in report.fused_patterns]
     assert via.count("hf attention") == n_softmax
     assert via.count("traced forward") == HF_LN_PATTERNS[name]

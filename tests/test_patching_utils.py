@@ -31,6 +31,15 @@ def reference_backend():
 
 
 @pytest.fixture
+def traced_patterns(monkeypatch):
+    """patch_model rewrites traced forwards' epilogues (``patterns=True``) unless a test passes
+    ``patterns`` itself (the default fuses only Hugging Face attention)."""
+    import fusedops.patching.api
+
+    monkeypatch.setitem(fusedops.patching.api.patch_model.__kwdefaults__, "patterns", True)
+
+
+@pytest.fixture
 def force_patch(monkeypatch):
     """patch_model patches CPU models (``force=True``) unless a test passes ``force`` itself:
     these tests exercise the patching, which on CPU runs PyTorch's own ops (without ``force``,

@@ -217,7 +217,7 @@ def test_patched_predictor_matches_unpatched(backend):
     with fusedops.use_backend(backend):
         # force: automatically, CPU tensors have no fused backend (the patched calls then run
         # PyTorch's ops, which must match as well).
-        report = fusedops.patch_model(patched, force=backend is None)
+        report = fusedops.patch_model(patched, force=backend is None, patterns=True)
         assert len(report.replaced) == 3 * TINY.n_layers + 1
         with fusedops.count_fused_calls() as counts:
             out, grads = _fwd_bwd(patched, x, mask, y)

@@ -198,7 +198,7 @@ def test_profile_patched_model_attributes_fused_calls(one_thread):
     model, inputs = tiny_model_and_inputs()
     # fusedops' own paths on CPU tensors (automatically they would run PyTorch's ops).
     with fusedops.use_backend("reference"):
-        fusedops.patch_model(model, force=True)
+        fusedops.patch_model(model, force=True, patterns=True)
         report = prof.profile_model(model, inputs, iters=2, timing_reps=3,
                                     measure_speedups=False, quiet=True)
     names = {r["op"]: r for r in report["ops"]}

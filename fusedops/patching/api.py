@@ -47,7 +47,7 @@ class PatchState:
     ops: tuple[str, ...]
     functional: bool
     exclude: tuple
-    patterns: bool
+    patterns: bool | str
     force: bool
     swapped: list[tuple[nn.Module, type]] = dataclasses.field(default_factory=list)
     wrappers: list[tuple[nn.Module, Any]] = dataclasses.field(default_factory=list)
@@ -121,7 +121,7 @@ def patch_model(
     functional: bool = True,
     exclude: str | type | Iterable[str | type] = (),
     example_inputs: Any = None,
-    patterns: bool = True,
+    patterns: bool | str = "attention",
     force: bool = False,
 ) -> PatchReport:
     """Swap the fused softmax / LayerNorm / RMSNorm into ``model`` in place and report what
@@ -140,10 +140,14 @@ def patch_model(
             grad, same RNG state) and put per-op call counts and per-output differences in
             the report. A tensor is passed as ``model(x)``, a tuple/list as ``model(*args)``, a
             dict as ``model(**kwargs)``.
-        patterns: also fuse the epilogue patterns it can prove: Hugging Face eager attention's
-            ``softmax(scores * scaling + mask)`` (through Transformers' attention registry),
-            and ``softmax(t * c + m)`` / ``LayerNorm(a + b)`` in forwards that torch.fx can
-            trace exactly (see ``docs/patching.md``).
+        patterns: which epilogue patterns to fuse. ``"attention"`` (the default): the
+            softmax of attention, Hugging Face eager attention's ``softmax(scores * scaling +
+            mask)`` through Transformers' attention registry and ``softmax(t * c + m)`` in
+            forwards that torch.fx can trace exactly. ``True``: also ``LayerNorm(a + b)`` in
+            such forwards; a forward rewritten for that alone checks each call's size, which
+            costs host-bound models (small batches) a few percent while its fusion saves one
+            elementwise pass, so it is for large-batch inference (see ``docs/patching.md``);
+            by default such forwards are reported as left alone. ``False``: none.
         force: patch even where the model's tensors have no fused backend (e.g. on CPU): the
             patched calls then run PyTorch's own ops. Without it such a model is left as it is
             and the report says why.
@@ -160,7 +164,9 @@ def patch_model(
     ops = _check_ops(ops)
     exclude_arg, exclude_names, exclude_types = _check_exclude(exclude)
     functional = _check_flag(functional, "functional")
-    patterns = _check_flag(patterns, "patterns")
+    if not (patterns is True or patterns is False
+            or isinstance(patterns, str) and patterns == "attention"):
+        raise ValueError(f"patterns must be True, False or 'attention', got {patterns!r}")
     force = _check_flag(force, "force")
     owner = _owners.get(model)
     if owner is not None and model.__dict__.get(STATE_ATTR) is not owner:
@@ -192,8 +198,8 @@ def patch_model(
     report.excluded = tree.excluded_roots()
     report.unmatched_exclude = [e for e in exclude_names if e not in tree.used_names]
     _swap_modules(state, report, tree)
-    if patterns:
-        _patch_patterns(state, report, tree)
+    if patterns is not False:
+        _patch_patterns(state, report, tree, add_layernorm=patterns is True)
     if functional and ops:
         _route_functions(state, report, tree)
         # A hand-written norm that is not recognised but whose own calls are routed is fused.
@@ -340,25 +346,36 @@ def _recognise(state: PatchState, report: PatchReport, name: str, module: nn.Mod
     report.skipped.append(entry)
 
 
-def _patch_patterns(state: PatchState, report: PatchReport, tree: _Tree) -> None:
-    """Epilogue patterns (module docstring, point 2)."""
+_LN_ONLY_OFF = ("LayerNorm(a + b) fusable, left unfused: patterns='attention' (the default) "
+                "rewrites no forward for that alone (its per-call size check costs host-bound "
+                "models more than the add it saves); patterns=True fuses it")
+
+
+def _patch_patterns(state: PatchState, report: PatchReport, tree: _Tree,
+                    add_layernorm: bool) -> None:
+    """Epilogue patterns (module docstring, point 2); ``LayerNorm(a + b)`` only where
+    ``add_layernorm``."""
     if "softmax" in state.ops and hf_attention.available():
         _patch_hf_attention(state, report, tree)
     want_softmax, want_ln = "softmax" in state.ops, "layernorm" in state.ops
     if not (want_softmax or want_ln):
         return
+    report_ln = want_ln and not add_layernorm  # traced to say so, not rewritten
+    want_ln = want_ln and add_layernorm
     route_ops = state.ops if state.functional else ()
     for name, module, excluded in tree.items():
         if excluded or isinstance(module, (torch.jit.ScriptModule, *swaps.FUSED_CLASSES)) \
                 or swaps.NORM_ATTR in module.__dict__:
             continue
-        if not _pattern_candidate(module, want_softmax, want_ln):
+        if not _pattern_candidate(module, want_softmax, want_ln or report_ln):
             continue
         if any(id(c) in tree.excluded for c in module.children()):
             report.pattern_skipped.append(
                 {"name": name, "type": type(module).__name__, "reason": "has an excluded child"})
             continue
         fused, why = fx_patterns.fuse_module(module, want_softmax, want_ln, route_ops)
+        if fused is None and report_ln and fx_patterns.fuse_module(module, False, True)[0]:
+            why = _LN_ONLY_OFF
         if fused is None:
             report.pattern_skipped.append(
                 {"name": name, "type": type(module).__name__, "reason": why})
