@@ -153,8 +153,9 @@ def fused_layernorm(
         if (weight is None or weight.dtype is x.dtype) and (bias is None or bias.dtype is x.dtype):
             # One dtype: torch's op itself, in one call (a patched model's host cost).
             try:
-                return torch.layer_norm(x, normalized_shape if normalized_shape.__class__
-                                        in _native.SHAPES else (normalized_shape,),
+                return torch.layer_norm(x, normalized_shape if isinstance(
+                                            normalized_shape, _native.SHAPES)
+                                        else (normalized_shape,),
                                         weight, bias, eps)
             except _native.ERRORS:
                 pass  # (the call below raises fusedops' error, naming the argument)
@@ -222,8 +223,9 @@ def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
     if (weight is None or weight.dtype is x.dtype) and (bias is None or bias.dtype is x.dtype):
         # One dtype: torch's op itself, in one call (as in fused_layernorm).
         try:
-            return torch.layer_norm(s, normalized_shape if normalized_shape.__class__
-                                    in _native.SHAPES else (normalized_shape,),
+            return torch.layer_norm(s, normalized_shape if isinstance(
+                                        normalized_shape, _native.SHAPES)
+                                    else (normalized_shape,),
                                     weight, bias, eps), s
         except _native.ERRORS:
             pass  # (the call below raises fusedops' error, naming the argument)

@@ -122,8 +122,9 @@ def fused_rmsnorm(
         if weight is None or weight.dtype is x.dtype:
             # One dtype: torch's op itself, in one call (a patched model's host cost).
             try:
-                return torch.rms_norm(x, normalized_shape if normalized_shape.__class__
-                                      in _native.SHAPES else (normalized_shape,), weight, eps)
+                return torch.rms_norm(x, normalized_shape if isinstance(
+                                          normalized_shape, _native.SHAPES)
+                                      else (normalized_shape,), weight, eps)
             except _native.ERRORS:
                 pass  # (the call below raises fusedops' error, naming the argument)
         return _native.rms_norm(x, normalized_shape, weight, eps)
