@@ -54,7 +54,7 @@ def single_block_limit(limit: int | None) -> Iterator[None]:
     if limit is None:
         yield
         return
-    from fusedops.triton import _common
+    from fusedops.backends.triton import _common
 
     _common.set_single_block_limit(limit)
     try:

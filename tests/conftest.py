@@ -198,7 +198,7 @@ def device() -> str:
 def triton_kernels_ready() -> bool:
     """True where Triton is installed (every Linux install; not macOS): the Triton backend then
     implements the whole row contract, so a missing entry point fails a test, not skips it."""
-    from fusedops import triton as tb
+    from fusedops.backends import triton as tb
 
     return bool(tb.AVAILABLE)
 
@@ -219,11 +219,11 @@ def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
     kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``), for 16-bit and float32 rows: rows of
     N <= limit take the single-block kernel, N = limit + 1 the looped one. ``default`` where
     Triton is not installed (macOS: the reference path only)."""
-    from fusedops import triton as tb
+    from fusedops.backends import triton as tb
 
     if not tb.AVAILABLE:
         return [default]
-    from fusedops.triton import _common
+    from fusedops.backends.triton import _common
 
     base = _common.single_block_limit()
     return sorted({min(base, _common._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
@@ -279,9 +279,9 @@ def _fresh_backward_plans():
     yield
     if HAS_CUDA:
         try:
-            from fusedops.triton import layernorm as tln
-            from fusedops.triton import layernorm_epilogue as tle
-            from fusedops.triton import softmax_masked as tsmm
+            from fusedops.backends.triton import layernorm as tln
+            from fusedops.backends.triton import layernorm_epilogue as tle
+            from fusedops.backends.triton import softmax_masked as tsmm
         except ImportError:
             return
         for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
@@ -295,7 +295,7 @@ def require_replay_plans(enabled: bool = True) -> None:
     (``_common._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
     import triton
 
-    from fusedops.triton import _common
+    from fusedops.backends.triton import _common
 
     if not torch.cuda.is_available() or _common._interpreting():
         pytest.skip("replay plans need compiled kernels on a CUDA GPU")
@@ -328,10 +328,10 @@ def recording_entries(monkeypatch):
     (the LayerNorm backward, the LayerNorm epilogues, the masked softmax), each entry recording
     its calls in the returned ``log`` as ("replay", grid, raw args); normal launches log
     ("normal", grid, args). Their plans are dropped afterwards."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import layernorm_epilogue as tle
-    from fusedops.triton import softmax_masked as tsmm
+    from fusedops.backends.triton import _common
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_epilogue as tle
+    from fusedops.backends.triton import softmax_masked as tsmm
 
     log = []
 
@@ -366,9 +366,9 @@ def recording_entries(monkeypatch):
 def fake_stream(monkeypatch):
     """The Triton forwards' plan and replay paths with a stand-in stream (("stream", device))
     and no launch hooks; their plans are dropped afterwards."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import rmsnorm as trms
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import rmsnorm as trms
+    from fusedops.backends.triton import softmax as tsm
 
     for mod in (tsm, tln, trms):
         monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))

@@ -1,4 +1,5 @@
-"""LayerNorm backward replay plans (fusedops.triton.layernorm.layernorm_backward): a call whose
+"""LayerNorm backward replay plans (fusedops.backends.triton.layernorm.layernorm_backward): a call
+whose
 signature ran before through launches alone replays those launches with the new call's tensors.
 
 Under the interpreter the plans are built with a recording C entry and compared launch by launch
@@ -14,8 +15,8 @@ import torch
 from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
 
 import fusedops
-from fusedops.triton import _common
-from fusedops.triton import layernorm as tln
+from fusedops.backends.triton import _common
+from fusedops.backends.triton import layernorm as tln
 
 BF16, F32 = torch.bfloat16, torch.float32
 

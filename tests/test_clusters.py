@@ -1,4 +1,4 @@
-"""The LayerNorm backward's split-row kernel in thread-block clusters (``fusedops/triton/
+"""The LayerNorm backward's split-row kernel in thread-block clusters (``fusedops/backends/triton/
 _clusters.py``): a row's pieces exchange their sums through distributed shared memory and the
 cluster barrier (inline PTX) instead of global memory and counters.
 
@@ -23,8 +23,8 @@ from _reliability import gpu
 from conftest import INTERPRETING, assert_close_to_ref, assert_row_sum_close, exhaustive_unless
 
 import fusedops
-from fusedops.triton import _clusters, _common
-from fusedops.triton import layernorm as tln
+from fusedops.backends.triton import _clusters, _common
+from fusedops.backends.triton import layernorm as tln
 
 
 def _clustered(cfg) -> bool:
@@ -73,7 +73,7 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     fn = tln._ln_bwd_split
     names = fn.arg_names

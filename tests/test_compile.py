@@ -192,7 +192,7 @@ def test_dynamic_shapes():
 @needs_triton
 def test_fullgraph_with_triton_kernels(monkeypatch):
     """Forced Triton backend under compile: the opaque custom ops run the (interpreted) kernels."""
-    import fusedops.triton as tb
+    import fusedops.backends.triton as tb
 
     calls = []
     for name in ("softmax_forward", "softmax_backward", "layernorm_forward",
@@ -500,11 +500,11 @@ def test_gpu_long_rows(n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_layernorm_unaligned_16bit_rows(n, dtype):
     """16-bit rows of 2^k + 1: 8193 on the fused kernel's aligned-body variant, 65537 (too long
-    for it) on dx pieces + the column kernel (fusedops/triton/layernorm.py: DX_PIECES_BWD),
+    for it) on dx pieces + the column kernel (fusedops/backends/triton/layernorm.py: DX_PIECES_BWD),
     whatever the weights' dtype. Both must match the float64 oracle, and the fused forward must
     stay ours. Where the rows' starts rule out vector accesses, PyTorch's native backward would
     run (weights in x's dtype; NATIVE_UNALIGNED_16BIT_BWD)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     torch.manual_seed(n)
     x = _cuda(40, n, dtype=dtype, scale=2)

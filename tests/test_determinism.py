@@ -114,7 +114,7 @@ def check_determinism(op: str, m: int, n: int, dtype: torch.dtype, device: str,
     # Batch split: two (m, n) calls vs one (2m, n) call, row-wise results. Rows that are not a
     # multiple of 16 bytes are read as an aligned body plus edges, whose split depends on where
     # the row starts; a split that moves rows to another 16-byte phase keeps the bits only under
-    # torch.use_deterministic_algorithms (see fusedops/triton/_common.py, unaligned_vec).
+    # torch.use_deterministic_algorithms (see fusedops/backends/triton/_common.py, unaligned_vec).
     elt = x.element_size()
     same_phase = (n * elt) % 16 == 0 or (m * n * elt) % 16 == 0
     with _deterministic(not same_phase):
@@ -175,7 +175,7 @@ def test_gpu_layernorm_determinism(monkeypatch, m, n, dtype, strategy):
     column kernel for long rows; partials parked in dx, the low_memory mode), the same in the
     fast mode (separate scratch), and the dx row kernel + column-blocked dweight/dbias kernel,
     forced at every row length by FUSED_BWD_MAX_BLOCK = 0 (where split rows do not apply)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     if strategy == "column_kernel":
         monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)

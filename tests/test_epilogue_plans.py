@@ -1,4 +1,5 @@
-"""Replay plans of the LayerNorm epilogue kernels (fusedops.triton.layernorm_epilogue_forward /
+"""Replay plans of the LayerNorm epilogue kernels
+(fusedops.backends.triton.layernorm_epilogue_forward /
 _backward): a call whose signature ran before through launches alone relaunches them with the
 new call's tensors and seed, skipping the checks and launch rules.
 
@@ -16,14 +17,14 @@ import torch
 from conftest import INTERPRETING, count_calls, require_replay_plans
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 
 import fusedops  # noqa: E402
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton import _common  # noqa: E402
+from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 SEED_A, SEED_B = 0x3A5F_1234_DEAD_BEEF, 12345

@@ -14,7 +14,7 @@ from conftest import INTERPRETING, triton_kernels_ready
 
 import fusedops
 from fusedops import _dispatch
-from fusedops.triton import _common
+from fusedops.backends.triton import _common
 
 ON_DEVICE = True
 
@@ -74,7 +74,7 @@ def test_inference_non_contiguous_and_inner_dims():
 
 
 def test_layernorm_inference_allocates_no_statistics(monkeypatch):
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     # the rule below belongs to the reload and single-block kernels (8K rows would otherwise
     # take the unrolled kernel, which measured no slower without statistics)
@@ -131,7 +131,7 @@ def test_direct_launch_matches_triton_launch():
     """After the first (Triton) launch of a specialisation, later calls take the cached direct
     path; results stay identical, including on a non-default stream and for a misaligned view
     that needs a different compiled kernel."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     x = torch.randn(300, 1000, device="cuda")
     first = tsm.softmax_forward(x, x.dtype)
@@ -228,7 +228,7 @@ def test_softmax_plan_replays_the_recorded_launch(fake_stream, monkeypatch):
     """A call whose plan exists allocates its output and launches the plan's kernel with the
     tensors' addresses first, then the recorded tail; calls the plan's key cannot describe
     (strided rows, misaligned base, launch hooks) take the normal path."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     x = torch.randn(6, 64, device=_dev())
     go = _Recorder()
@@ -254,7 +254,7 @@ def test_layernorm_plan_replays_the_recorded_launch(fake_stream, with_stats, aff
     """The LayerNorm forward plan passes (x, weight, bias, y, mean, rstd) addresses in the
     kernel's order, y's address where a parameter or the statistics are absent (the kernel's
     placeholders), and allocates the statistics only when asked for."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     x = torch.randn(5, 48, device=_dev(), dtype=torch.bfloat16)
     w = torch.randn(48, device=_dev()) if affine != "none" else None
@@ -312,8 +312,8 @@ def test_plans_replay_compiled_kernels(dtype):
     """On the GPU the first call of a signature records a plan and later calls replay it: same
     bits as the first call, on any stream, for every LayerNorm parameter combination and with
     the statistics; a registered launch hook sends calls back through Triton."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import softmax as tsm
 
     _common.set_single_block_limit(None)
     x = torch.randn(8, 128, 768, device="cuda", dtype=dtype)
@@ -366,7 +366,7 @@ def test_plans_replay_compiled_kernels(dtype):
 def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
     """The unrolled LayerNorm forward records plans too: replayed calls give the first call's
     bits, with and without statistics."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 2048): ((512, 4),)})
@@ -399,7 +399,7 @@ def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
 @pytest.mark.gpu
 def test_unrolled_softmax_plans_replay(monkeypatch):
     """The unrolled softmax forward records plans: a replayed call gives the first call's bits."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     monkeypatch.setattr(tsm, "UNROLLED_FWD", {(2, 2048): ((512, 4),)})
     _common.set_single_block_limit(None)

@@ -1,4 +1,5 @@
-"""The host-side launch rules of the Triton backend (fusedops/triton/_common.py, layernorm.py,
+"""The host-side launch rules of the Triton backend (fusedops/backends/triton/_common.py,
+layernorm.py,
 softmax.py): the invariants every rule must keep, whatever configs measurements pick.
 
 Each test states the invariant it protects: every row length maps to a config, the kernel a
@@ -19,9 +20,9 @@ import torch
 import triton
 from conftest import assert_close_to_ref
 
-from fusedops.triton import _common
-from fusedops.triton import layernorm as tln
-from fusedops.triton import softmax as tsm
+from fusedops.backends.triton import _common
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import softmax as tsm
 
 KINDS = sorted(_common.KIND_CAPS)
 ELT_SIZES = (2, 4)

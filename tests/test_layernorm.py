@@ -561,7 +561,7 @@ def test_fused_backward_pipelined(triton_backend, monkeypatch, n, dtype, stages)
     """The fused backward with its tile loop pipelined by Triton (three stages, as shipped for
     aligned 16-bit blocks of 1K-2K; forced here on every dtype and on unaligned rows too) and
     not: enough rows that every program loops over several tiles."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "FUSED_BWD_STAGES", stages)
     torch.manual_seed(n + stages)

@@ -114,8 +114,8 @@ def test_modes_give_the_same_bits(triton_backend, device, m, n, dtype):
 def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx):
     """The column path (dx row kernel + column kernel, forced at every length here; split rows
     off, which would otherwise take these rows on CUDA)."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import _common
+    from fusedops.backends.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)
     monkeypatch.setattr(_common, "_split_state", {"enabled": False})
@@ -155,7 +155,7 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
     """low_memory mode, fused kernel: partials in dx's storage, dx of the rows from M_dx on by
     a second launch of the same kernel (no dweight/dbias), dweight/dbias in the parameters'
     dtypes; the same values (bitwise) as with the partials in separate scratch."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     if body_from is not None:  # the aligned-body variant (VEC > 0) even for short rows
         monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", body_from)
@@ -190,7 +190,7 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
 def test_fast_mode_keeps_separate_scratch(monkeypatch, triton_backend, device):
     """fast mode: one launch of the fused kernel (not its parked variant), partials in their
     own buffer."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     launches = []
     real = tln._launch_bwd_single
@@ -227,8 +227,8 @@ def _pieces_case(device, dtype, n: int, piece: int, vec: bool):
     into C pieces of L columns as the split kernel cuts them. ``vec``: contiguous rows read as
     an aligned body (pieces of L, a multiple of 16) plus edges, VEC = 16 bytes of elements;
     else strided rows (VEC 0)."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import _common
+    from fusedops.backends.triton import layernorm as tln
 
     torch.manual_seed(n)
     m, row0 = 7, 3
@@ -266,8 +266,8 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
     row0.. against float64, rows before row0 untouched, pieces past the row's end masked;
     unaligned rows (vec) as body pieces plus edges, every head 0..VEC-1 among the rows."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import _common
+    from fusedops.backends.triton import layernorm as tln
 
     m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
@@ -289,8 +289,8 @@ def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, p
     per-piece statistics it published): rows row0.. against float64, rows before untouched.
     Here the statistics sit in a buffer of their own, so no program has to wait (late_from =
     the grid); the overlapping layout and the waiting are GPU-tested (modes bitwise)."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import _common
+    from fusedops.backends.triton import layernorm as tln
 
     m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     xhat = (x.float() - mean[:, None]) * rstd[:, None]

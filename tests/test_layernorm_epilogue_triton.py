@@ -1,4 +1,4 @@
-"""The Triton LayerNorm-with-epilogue kernels (fusedops.triton.layernorm_epilogue_forward /
+"""The Triton LayerNorm-with-epilogue kernels (fusedops.backends.triton.layernorm_epilogue_forward /
 _backward: ``out = activation(dropout(layer_norm(x + residual)))``, the 2-D row contract) against
 a float64 oracle: F.layer_norm in float64, the dropout mask of ``fusedops._philox.keep_mask`` and
 autograd for dx / dweight / dbias.
@@ -25,17 +25,18 @@ from conftest import (
 )
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops import _philox, reference  # noqa: E402
-from fusedops.triton import _philox as tphilox  # noqa: E402
-from fusedops.triton import layernorm as tln  # noqa: E402
-from fusedops.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops import _philox  # noqa: E402
+from fusedops.backends import reference
+from fusedops.backends.triton import _philox as tphilox  # noqa: E402
+from fusedops.backends.triton import layernorm as tln  # noqa: E402
+from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -376,7 +377,7 @@ def test_launch_rules():
     per thread, a software pipeline of 1-3 stages); without dropout or activation the
     backward takes LayerNorm's fused-backward configuration for its rows (what it is, plus a
     read of ds); the Philox column tiles cover the padded row exactly."""
-    from fusedops.triton import _common
+    from fusedops.backends.triton import _common
 
     for dropout in (False, True):
         assert _pow2(tle._fwd_cap(dropout)) and tle._fwd_cap(dropout) <= tle.single_block_limit()

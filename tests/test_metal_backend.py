@@ -1,4 +1,5 @@
-"""fusedops.metal on Linux: availability and fallback, shader sources as Metal will receive them,
+"""fusedops.backends.metal on Linux: availability and fallback, shader sources as Metal will
+receive them,
 the extension's mirror of the host contract, the compile_shader path end to end (with
 torch.mps.compile_shader replaced by the CPU emulation), and the Apple chip table."""
 
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref
 
 import fusedops
-from fusedops import _dispatch, metal
+from fusedops import _dispatch
+from fusedops.backends import metal
 from fusedops.tools import apple_chips
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
@@ -148,7 +150,7 @@ def test_metal_extension_constants_match_host_and_shaders():
 
 def test_metal_extension_geometry_matches_host(tmp_path):
     """Compile the extension's constants and geometry functions (plain C++) and compare them
-    with fusedops.metal over many shapes and pipeline limits."""
+    with fusedops.backends.metal over many shapes and pipeline limits."""
     text = MM.read_text()
     start = text.index("namespace {")
     end = text.index("// --- Kernels")
@@ -257,7 +259,7 @@ def fake_mps_compile_shader(monkeypatch, seed: int):
 
 @pytest.fixture
 def fake_mps(monkeypatch):
-    """Pretend to be macOS with MPS but without the extension: fusedops.metal must take the
+    """Pretend to be macOS with MPS but without the extension: fusedops.backends.metal must take the
     compile_shader path (here backed by the emulation, on CPU tensors)."""
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tol
 
-from fusedops import _philox, metal
+from fusedops import _philox
+from fusedops.backends import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 

@@ -2,7 +2,8 @@
 
 Every kernel (softmax / LayerNorm, forward / backward, single-row / looped, every instantiated
 dtype pair, the dweight/dbias reduction) runs through the *real host code* of
-``fusedops.metal`` (``*_with(launcher, ...)``): the same kernel choice, argument order, flags
+``fusedops.backends.metal`` (``*_with(launcher, ...)``): the same kernel choice, argument order,
+flags
 and dispatch geometry as the ``torch.mps.compile_shader`` path, which the extension mirrors.
 The emulator plays a device whose pipelines allow 256 threads per threadgroup (single-row limit
 1024, so N = 1024 / 1025 is the switch) and, for the switch at the real 1024-thread limit,
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_close_to_ref, tol
 
-from fusedops import metal
+from fusedops.backends import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import launcher, rows  # noqa: E402

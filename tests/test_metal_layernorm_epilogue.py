@@ -3,7 +3,8 @@ against a float64 oracle (``F.layer_norm`` in float64, the dropout mask of fused
 activation in float64, and autograd for the gradients).
 
 Every kernel (forward / backward, single-row / looped, every dtype pair) runs through the *real
-host code* of ``fusedops.metal`` (``layernorm_epilogue_*_with(launcher, ...)``) in the thread
+host code* of ``fusedops.backends.metal`` (``layernorm_epilogue_*_with(launcher, ...)``) in the
+thread
 layouts the host picks: a thread's READS consecutive columns (no dropout, or a pipeline below
 256 threads: one Philox call per element) and the Philox layout (columns W = 256 apart, one
 Philox call per thread and step). The residual / dropout / activation combinations run in each;
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref, tol
 
 import fusedops
-from fusedops import _philox, metal
+from fusedops import _philox
+from fusedops.backends import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import Recorder, mm_bindings, rows  # noqa: E402
@@ -409,7 +411,8 @@ def test_metal_layernorm_epilogue_empty_shapes_and_fallbacks(metal_lib):
 
 
 def test_metal_layernorm_epilogue_geometry_matches_extension(tmp_path):
-    """The extension's Philox-layout geometry (plain C++ in the .mm) equals fusedops.metal's."""
+    """The extension's Philox-layout geometry (plain C++ in the .mm) equals
+    fusedops.backends.metal's."""
     text = (REPO / "csrc" / "fusedops_metal.mm").read_text()
     src = tmp_path / "geometry.cpp"
     src.write_text(

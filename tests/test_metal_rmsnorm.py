@@ -2,7 +2,7 @@
 reference (``F.rms_norm`` in float64 and its autograd).
 
 Every kernel (forward single-row / looped, backward single-row / looped, every instantiated
-dtype pair, the dweight reduction) runs through the *real host code* of ``fusedops.metal``
+dtype pair, the dweight reduction) runs through the *real host code* of ``fusedops.backends.metal``
 (``rmsnorm_*_with(launcher, ...)``), at the variant boundaries of test_metal_emulation.py: a
 device whose pipelines allow 256 threads (single-row limit 1024) and one allowing 1024
 (N = 4096 / 4097). Also: the public functions through both implementation paths (the
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref, tol
 
 import fusedops
-from fusedops import metal
+from fusedops.backends import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import launcher, mm_bindings, rows  # noqa: E402

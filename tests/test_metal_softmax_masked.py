@@ -2,7 +2,7 @@
 a float64 oracle (torch ops in float64).
 
 Every kernel (forward single-row / looped for every (x, y, mask) type triple, backward single-row
-/ looped for every (y, dx) pair) runs through the *real host code* of ``fusedops.metal``
+/ looped for every (y, dx) pair) runs through the *real host code* of ``fusedops.backends.metal``
 (``softmax_masked_*_with(launcher, ...)``). Cheap devices do most of the work: pipelines of 64
 threads (single-row limit 256, so N = 257 and 600 run the looped kernels on two SIMD-groups);
 the real boundaries (256 threads: N = 1024 / 1025, 1024 threads: N = 4096 / 4097) run once per
@@ -24,7 +24,7 @@ import torch
 from conftest import assert_close_to_ref, tol
 
 import fusedops
-from fusedops import metal
+from fusedops.backends import metal
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import Recorder, mm_bindings  # noqa: E402

@@ -15,7 +15,7 @@ from conftest import tol
 
 import fusedops
 from fusedops import _dispatch, _replay
-from fusedops.triton import _common
+from fusedops.backends.triton import _common
 
 
 @pytest.fixture(autouse=True)
@@ -302,7 +302,7 @@ def _launch_head(grid: int, device: int) -> tuple:
 def test_softmax_runner_launches_the_plan(as_cuda, monkeypatch):
     """A new plan with out dtype = x's dtype registers a runner; a plain call then launches the
     plan's kernel with (x, y) addresses and the recorded tail; calls it cannot run decline."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     x = torch.randn(6, 64)
     launch = _Launch()
@@ -330,7 +330,7 @@ def test_layernorm_runner_launches_the_plan(as_cuda, affine):
     """The LayerNorm runner passes (x, weight, bias, y, y, y) addresses (y's address for absent
     parameters and the absent statistics) and the recorded tail; only inference plans in x's
     dtype register one."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     x = torch.randn(5, 48, dtype=torch.bfloat16)
     w = torch.randn(48) if affine in ("both", "weight") else None
@@ -354,7 +354,7 @@ def test_layernorm_runner_launches_the_plan(as_cuda, affine):
 def test_layernorm_runner_declines_other_parameters(as_cuda):
     """Every parameter property the plan depends on is re-checked: presence, class, dtype,
     shape, layout, alignment (and x's layout)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     x = torch.randn(5, 48)
     w = torch.randn(48)
@@ -396,7 +396,7 @@ def test_rmsnorm_runner_launches_the_plan(as_cuda, weighted):
     """The RMSNorm runner passes (x, weight, y, y) addresses (y's for an absent weight and the
     absent rstd) and the recorded tail; only inference plans in x's dtype register one, and it
     declines a weight unlike the registering call's."""
-    from fusedops.triton import rmsnorm as trms
+    from fusedops.backends.triton import rmsnorm as trms
 
     x = torch.randn(5, 48, dtype=torch.bfloat16)
     w = torch.randn(48) if weighted else None

@@ -1,4 +1,5 @@
-"""The Triton RMSNorm kernels (fusedops.triton.rmsnorm_forward / _forward_y / _backward, the
+"""The Triton RMSNorm kernels (fusedops.backends.triton.rmsnorm_forward / _forward_y / _backward,
+the
 2-D row contract) against a float64 oracle: F.rms_norm in float64 and autograd for dx/dweight.
 
 On CPU they run through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA),
@@ -20,15 +21,15 @@ from conftest import (
 )
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import rmsnorm as trms  # noqa: E402
+from fusedops.backends.triton import _common  # noqa: E402
+from fusedops.backends.triton import rmsnorm as trms  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -227,7 +228,7 @@ def test_column_kernel_splits(small_single_block):
     """Enough rows that the dweight column kernel splits them (float32 partials summed in a
     fixed order): close to the oracle and the same bits on every run. (rstd from the PyTorch
     reference: the looped forward over this many rows is slow in the interpreter.)"""
-    from fusedops import reference
+    from fusedops.backends import reference
 
     xw, w, dy = make(130, 40, torch.bfloat16, "fp32", seed=10)
     x, w, dy = xw[:, :33], w[:33].contiguous(), dy[:, 7:40]

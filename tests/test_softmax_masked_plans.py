@@ -1,4 +1,4 @@
-"""Replay plans of the masked softmax kernels (fusedops.triton.softmax_masked_forward /
+"""Replay plans of the masked softmax kernels (fusedops.backends.triton.softmax_masked_forward /
 _backward): a call whose signature ran before relaunches the recorded kernel with the new call's
 tensors, skipping the checks and launch rules.
 
@@ -15,13 +15,13 @@ import torch
 from conftest import INTERPRETING, count_calls, require_replay_plans
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 
 import fusedops  # noqa: E402
-from fusedops.triton import softmax_masked as tsmm  # noqa: E402
+from fusedops.backends.triton import softmax_masked as tsmm  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 

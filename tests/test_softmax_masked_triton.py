@@ -1,5 +1,6 @@
 """The Triton kernels of the scaled / masked / causal softmax of attention
-(fusedops.triton.softmax_masked_forward / _backward) against a float64 oracle written with torch
+(fusedops.backends.triton.softmax_masked_forward / _backward) against a float64 oracle written with
+torch
 ops here: z = x·scale, a bool mask fills -inf where False, a float mask is added, causal drops
 column j of query row q when j > q, softmax over the last dim, rows with nothing kept give zeros;
 dx from autograd through that oracle.
@@ -22,15 +23,15 @@ from conftest import (
 )
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import softmax_masked as tsm  # noqa: E402
+from fusedops.backends.triton import _common  # noqa: E402
+from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True

@@ -390,7 +390,7 @@ def _long_softmax_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
 def _looped_only_at_70000(monkeypatch, n: int) -> None:
     """Rows of 70000 run the looped kernels (split rows, which take any long row on CUDA, off)."""
     if n == 70000:
-        from fusedops.triton import _common
+        from fusedops.backends.triton import _common
 
         monkeypatch.setitem(_common._split_state, "enabled", False)
 

@@ -17,9 +17,9 @@ from _reliability import gpu
 from conftest import assert_close_to_ref, assert_row_sum_close
 
 from fusedops import fused_layernorm, fused_softmax
-from fusedops.triton import _common
-from fusedops.triton import layernorm as tln
-from fusedops.triton import softmax as tsm
+from fusedops.backends.triton import _common
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import softmax as tsm
 
 pytestmark = gpu
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref, assert_row_sum_close, exhaustive_unless, one_of_each, tol
 
 import fusedops
-from fusedops.triton import _common
+from fusedops.backends.triton import _common
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -32,7 +32,7 @@ def test_unaligned_vec_rule():
 
 
 def test_unaligned_fused_backward_rule(monkeypatch):
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
 
@@ -133,7 +133,7 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
     partial row. Programs loop over row tiles that must share one misalignment (a grid of a
     multiple of VEC programs); a batch too small for VEC partial rows (3 x 33: scratch is capped
     at an eighth of x) is read with scalar accesses instead."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     monkeypatch.setattr(_common, "num_sms", lambda dev: sms)
     monkeypatch.setattr(tln, "num_sms", lambda dev: sms)
@@ -172,7 +172,7 @@ def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, pai
     (48 of a 64-lane block: masked lanes carry dy = 0 and no select) and with a NaN row: dx,
     dweight, dbias against float64; the NaN row's dx NaN, every other row finite, dweight NaN,
     dbias finite."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     assert tln._paired_sums(2, 0, 4096) and not tln._paired_sums(2, 0, 8192)
     assert not tln._paired_sums(4, 0, 1024) and not tln._paired_sums(4, 4, 8192)
@@ -211,7 +211,7 @@ def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device,
     edges) and dweight/dbias from the column kernel (DX_PIECES_BWD): rows of every
     misalignment against float64, with and without weight, for each gradient subset; a NaN row
     stays in its row (dx) and dweight; a dy with its own row stride takes the other path."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 32)
     monkeypatch.setattr(tln, "DX_PIECES_BWD", (16, 1))
@@ -275,7 +275,7 @@ def _ln_rows_far_and_near(n: int, device, dtype, affine: bool):
 def _check_ln_forward(x, w, b, dtype, far: int):
     """LayerNorm forward of rows x (the first ``far`` of them far from zero) against float64:
     y, mean, rstd, and the statistics-free call bitwise equal to it."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     n = x.shape[1]
     x64 = x.double()
@@ -307,8 +307,8 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
     small spread) check the statistics' shift, strided x the row stride (float32 parameters
     with 16-bit rows: mixed dtypes). ``third``: the forward's THIRD_READ variant (x read again
     for the variance)."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "RELOAD_FWD", {(elt, 64): (16, 4, third)})
@@ -333,7 +333,7 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
 def _per_gpu_rules() -> list[tuple[int, int, int]]:
     """(padded row, chunk, warps) of the per-GPU 16-bit unrolled rules a power-of-two row of
     that length takes (the first config: its chunk divides the row)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     return sorted({(padded, *configs[0]) for rules in tln.UNROLLED_FWD_GPU.values()
                    for (elt, padded), configs in rules.items() if elt == 2 and configs[0][1]})
@@ -343,7 +343,7 @@ def _per_gpu_rules() -> list[tuple[int, int, int]]:
 def test_unrolled_forward_h100_configs(monkeypatch, triton_backend, device, n, chunk, warps):
     """The per-GPU 16-bit rules (UNROLLED_FWD_GPU) at their own shapes and configs, checked
     against float64."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     monkeypatch.setattr(tln, "UNROLLED_FWD", {(2, n): ((chunk, warps),)})
     calls = []
@@ -369,7 +369,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     unrolled): one, three and four chunks per row, rows far from zero (the per-lane shift),
     strided x, mixed parameter dtypes; a row length that is no multiple of its rule's chunk
     takes the other kernels."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
@@ -409,7 +409,7 @@ def test_softmax_backward_reload_variants(monkeypatch, triton_backend, device, d
                                           unroll):
     """The softmax backward reload kernel, first pass whole or in pieces, with power-of-two rows
     unrolled without masks (EVEN) or masked like every other row; strided dy."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): cfg})
@@ -433,7 +433,7 @@ def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tenso
     """Softmax forward of ``rows`` rows (at least 6) of 80 columns cut to ``n``, strided then
     contiguous, against float64 torch: rows with -inf (masked attention), all -inf (NaN, as
     torch), a NaN, far from zero, a +inf (NaN, as torch). Returns the (rows, 80) input."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     torch.manual_seed(n)
     base = torch.randn(rows, 80, device=device, dtype=torch.float64) * 4
@@ -460,7 +460,7 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
     to write y) with its rule shrunk to 64-element rows: the unrolled power-of-two row, masked
     rows shorter than the padded block, chunks past the row's end, a strided input; rows with
     -inf (masked attention), all -inf (NaN, as torch), a NaN, a +inf, rows far from zero."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tsm, "RELOAD_FWD", {(elt, 64): (chunk, 4)})
@@ -482,7 +482,7 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
     passes): one, three and four chunks, strided and contiguous rows with -inf (masked
     attention), all -inf (NaN, as torch), a NaN, +inf (NaN, as torch) and rows far from zero;
     a length no config divides takes the other kernels."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
@@ -515,7 +515,7 @@ def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend
     the head and tail in the edge tile) with its rule shrunk to 64-element bodies: 17
     contiguous rows cover every head 0..VEC-1, with -inf, all -inf, NaN, +inf and far rows
     (_check_softmax_special_rows); the strided pass (row stride 80) takes the other kernels."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tsm, "UNROLLED_VEC_FWD", {(elt, 64): (16, 1), (elt, 128): (16, 1)})
@@ -553,7 +553,7 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
     and bias from copies shifted per head) with its rule shrunk to 32/64-element bodies in
     16-element chunks: 17 rows cover every head 0..VEC-1 with bodies shorter than the padded
     block and chunks past the body's end; rows far from zero check the statistics' shift."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "RELOAD_VEC_FWD", {(elt, 32): (16, 4), (elt, 64): (16, 2)})
@@ -579,7 +579,7 @@ def test_unrolled_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_
     unrolled chunks, a partial last chunk masked (99/32, and 67/16 in bfloat16), the head and
     the up to 2·VEC - 1 tail elements in the edge tile) with its rule shrunk to 64/128-element
     bodies: 17 rows cover every head 0..VEC-1; rows far from zero check the statistics' shift."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "UNROLLED_VEC_FWD", {(elt, 64): (chunk, 1), (elt, 128): (chunk, 2)})
@@ -599,7 +599,7 @@ def test_shifted_weights(triton_backend, device, dtype):
     """Row h of the shifted copies is the weight from column h on, zero-padded to a multiple of
     16 elements; weight and bias of one dtype share one allocation, otherwise each has its own;
     an absent tensor has none."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     n, vec = 37, 16 // torch.empty((), dtype=dtype).element_size()
     w = torch.randn(n, device=device, dtype=dtype)
@@ -627,7 +627,7 @@ def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n
     dy; unaligned rows (67, 73, 79: 17 rows cover every head 0..VEC-1, a partial last chunk
     where 16 does not divide the body, head and tail in the edge tile) with a contiguous dy, and
     with a strided dy, which takes the other kernels; rows with NaN and inf gradients."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     vec = 16 // elt

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import triton
 
-from fusedops.triton import layernorm as tln
-from fusedops.triton import softmax as tsm
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import softmax as tsm
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "benchmarks" / "results" / "h200" / "sweep.json"
@@ -88,7 +88,7 @@ def profiled_kernels(fn) -> list[dict]:
 def triton_spills() -> dict[tuple[str, int], tuple[int, int]]:
     """(kernel name, registers) -> (spilled bytes, warps) over every compiled fusedops kernel."""
     found = {}
-    for mod in (tsm, tln, sys.modules["fusedops.triton._common"]):
+    for mod in (tsm, tln, sys.modules["fusedops.backends.triton._common"]):
         for obj in vars(mod).values():
             caches = getattr(obj, "device_caches", None)
             if not isinstance(caches, dict):

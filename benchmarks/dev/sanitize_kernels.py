@@ -7,7 +7,7 @@ Meant to run under NVIDIA's compute-sanitizer (see docs/reliability.md):
 
 Shapes are small (a few rows) so the sanitizer's slowdown stays bearable; each case is still
 checked against a float64 reference with the tests' tolerance table (tests/conftest.py), so a
-kernel that skips work without an error fails here too. Every launcher of fusedops/triton/softmax.py
+kernel that skips work without an error fails here too. Every launcher of fusedops/backends/triton/softmax.py
 and layernorm.py (the module attributes named ``_launch_*``) is wrapped to count its launches;
 the run fails if any of them never launched, so a new variant of those kernels without a case
 here is noticed. The RMSNorm, masked-softmax, LayerNorm-epilogue and cluster kernels have no
@@ -57,9 +57,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import TOLERANCES  # noqa: E402  (the tests' one tolerance table)
 
 import fusedops  # noqa: E402
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import layernorm as tln  # noqa: E402
-from fusedops.triton import softmax as tsm  # noqa: E402
+from fusedops.backends.triton import _common  # noqa: E402
+from fusedops.backends.triton import layernorm as tln  # noqa: E402
+from fusedops.backends.triton import softmax as tsm  # noqa: E402
 
 DEV = torch.device(ARGS.device)
 DTYPES = [torch.float32, torch.bfloat16]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_close_to_ref
 
-from fusedops import metal
+from fusedops.backends import metal
 from metal_emu import emu
 
 

@@ -29,7 +29,9 @@ from typing import Protocol
 
 import torch
 
-from fusedops import _philox, _shader_source, reference
+from fusedops import _philox
+from fusedops.backends import reference
+from fusedops.backends.metal import shader_source as _shader_source
 
 NAME = "metal"
 
@@ -382,7 +384,7 @@ _MASK_DTYPES = {"bool": torch.bool, "float": torch.float32, "half": torch.float1
 def softmax_masked_forward_with(launch: Launcher, x: torch.Tensor, mask, scale: float,
                                 causal: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """Softmax of ``x * scale`` (B, H, Q, N), masked (bool: keep; float: added) and causal, over
-    N; see ``fusedops.reference.softmax_masked_forward``."""
+    N; see ``fusedops.backends.reference.softmax_masked_forward``."""
     if x.dim() != 4:
         raise ValueError(f"fusedops metal: x must be (B, H, Q, N), got shape {list(x.shape)}")
     bsz, heads, queries, n = x.shape
@@ -475,7 +477,7 @@ def layernorm_epilogue_forward_with(launch: Launcher, x: torch.Tensor, residual,
                                     eps: float, out_dtype: torch.dtype, dropout_p: float,
                                     seed: int, activation: str | None, need_stats: bool):
     """``(out, s, mean, rstd)`` of ``activation(dropout(layer_norm(x + residual)))``; see
-    ``fusedops.reference.layernorm_epilogue_forward``."""
+    ``fusedops.backends.reference.layernorm_epilogue_forward``."""
     m, n = x.shape
     ep_flags, threshold, keep = _epilogue_flags(dropout_p, activation)
     types = (TYPE_NAMES.get(x.dtype), TYPE_NAMES.get(out_dtype))
@@ -519,7 +521,7 @@ def layernorm_epilogue_backward_with(launch: Launcher, dout: torch.Tensor, ds, s
                                      dropout_p: float, seed: int, activation: str | None,
                                      need_dx: bool, need_dw: bool, need_db: bool):
     """``(dx, dw, db)`` of :func:`layernorm_epilogue_forward_with`; see
-    ``fusedops.reference.layernorm_epilogue_backward``."""
+    ``fusedops.backends.reference.layernorm_epilogue_backward``."""
     m, n = s.shape
     need_dx, need_dw, need_db = bool(need_dx), bool(need_dw), bool(need_db)
     ep_flags, threshold, keep = _epilogue_flags(dropout_p, activation)
@@ -579,8 +581,8 @@ def layernorm_epilogue_backward_with(launch: Launcher, dout: torch.Tensor, ds, s
 
 def shader_dir() -> Path | None:
     """Where the .metal sources are: the installed package, else the source checkout."""
-    here = Path(__file__).resolve().parent
-    for d in (here / "_shaders", here.parent / "metal"):
+    package = Path(__file__).resolve().parents[2]  # fusedops/
+    for d in (package / "_shaders", package.parent / "metal"):
         if all((d / f).is_file() for f in SHADER_FILES):
             return d
     return None
@@ -700,7 +702,8 @@ def _get_impl() -> object:
         _impl = _load_impl()
     if _impl is False:
         raise RuntimeError("fusedops: the Metal backend is not available in this process "
-                           "(needs macOS with an MPS device); see fusedops.metal.is_available()")
+                           "(needs macOS with an MPS device); see "
+                           "fusedops.backends.metal.is_available()")
     return _impl
 
 

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fusedops import _replay
-from fusedops.triton._common import (
+from fusedops.backends.triton._common import (
     Launcher,
     PlanCache,
     cdiv,
@@ -48,7 +48,7 @@ from fusedops.triton._common import (
     rows_and_output,
     single_block_limit,
 )
-from fusedops.triton.layernorm import _param_ptr, _reduce_partials
+from fusedops.backends.triton.layernorm import _param_ptr, _reduce_partials
 
 
 @triton.jit

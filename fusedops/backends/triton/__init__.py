@@ -25,11 +25,11 @@ if AVAILABLE:
 
     import torch
 
-    from fusedops.triton import layernorm as _layernorm
-    from fusedops.triton import layernorm_epilogue as _layernorm_epilogue
-    from fusedops.triton import rmsnorm as _rmsnorm
-    from fusedops.triton import softmax as _softmax
-    from fusedops.triton import softmax_masked as _softmax_masked
+    from fusedops.backends.triton import layernorm as _layernorm
+    from fusedops.backends.triton import layernorm_epilogue as _layernorm_epilogue
+    from fusedops.backends.triton import rmsnorm as _rmsnorm
+    from fusedops.backends.triton import softmax as _softmax
+    from fusedops.backends.triton import softmax_masked as _softmax_masked
 
     def _on_tensor_device(fn):
         """Run ``fn`` with its first tensor's GPU as the current device: Triton launches on the

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.triton._common import Launcher, cdiv, next_pow2
+from fusedops.backends.triton._common import Launcher, cdiv, next_pow2
 
 
 @triton.jit

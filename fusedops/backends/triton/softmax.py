@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from fusedops import _replay
-from fusedops.triton._common import (
+from fusedops.backends.triton._common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
     PlanCache,
@@ -385,7 +385,8 @@ def _softmax_fwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
     VEC: tl.constexpr, FULL: tl.constexpr,
 ):
-    # Work item = (row, piece), row-major; see fusedops/triton/_common.py "split rows". The grid
+    # Work item = (row, piece), row-major; see fusedops/backends/triton/_common.py "split rows".
+    # The grid
     # is a multiple of C, so a program always has the same piece of rows num_progs // C apart.
     # Pieces: split_piece (L elements of the row, or of its aligned body when VEC > 0; piece 0
     # then also has the edges; x and y then share the row stride). PREFETCH: see _common.py.

@@ -1,7 +1,7 @@
 """Triton kernels of the softmax of attention: ``softmax(x * scale + mask)`` over the last dim,
 optionally causal, forward and backward, and their launch wrappers.
 
-Contract (``fusedops.reference.softmax_masked_forward`` / ``_backward`` are the oracle):
+Contract (``fusedops.backends.reference.softmax_masked_forward`` / ``_backward`` are the oracle):
 
 * forward: x (B, H, Q, N) contiguous; mask None or a (B, H, Q, N) view with any strides (0
   along broadcast dims) of dtype bool (True = keep) or float (added to the scaled scores);
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from fusedops import _replay
-from fusedops.triton._common import (
+from fusedops.backends.triton._common import (
     Launcher,
     SequencePlans,
     cdiv,

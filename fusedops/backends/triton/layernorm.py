@@ -47,14 +47,14 @@ import triton.language as tl
 
 from fusedops import _replay
 from fusedops._settings import get_layernorm_backward
-from fusedops.triton._clusters import (
+from fusedops.backends.triton._clusters import (
     ClusterLauncher,
     cluster_peer_sums,
     cluster_publish,
     cluster_start,
     clusters_enabled,
 )
-from fusedops.triton._common import (
+from fusedops.backends.triton._common import (
     _BODY,
     DEFAULT_SINGLE_BLOCK_LIMIT,
     Launcher,
@@ -471,7 +471,8 @@ def _ln_fwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
 ):
-    # Work item = (row, piece), row-major; see fusedops/triton/_common.py "split rows". Each
+    # Work item = (row, piece), row-major; see fusedops/backends/triton/_common.py "split rows".
+    # Each
     # piece publishes its (mean, M2) about its own mean; the row's statistics are merged with
     # Chan's formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation.
     # Pieces: split_piece in _common.py (VEC > 0: pieces of the aligned body, piece 0 also has

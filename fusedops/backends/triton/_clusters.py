@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.triton._common import (
+from fusedops.backends.triton._common import (
     _direct_entry,
     _launch_key,
     _record,
@@ -196,7 +196,7 @@ def max_active_clusters(function: int, chunks: int, num_warps: int, shared: int)
 
 class ClusterLauncher:
     """Launches a split-row kernel (CLUSTER mode) in clusters of C CTAs, one cluster per row at
-    a time; the interface of :class:`~fusedops.triton._common.SplitLauncher`.
+    a time; the interface of :class:`~fusedops.backends.triton._common.SplitLauncher`.
 
     The kernel's last runtime parameter is ``num_progs`` (the CTA count, a multiple of C),
     followed only by constexprs. Each specialisation is compiled ahead (``warmup``) and always

@@ -1,6 +1,6 @@
 """Triton LayerNorm with fused epilogues: ``out = activation(dropout(layer_norm(x + residual)))``.
 
-The row contract of ``fusedops.reference.layernorm_epilogue_forward`` / ``_backward`` (same
+The row contract of ``fusedops.backends.reference.layernorm_epilogue_forward`` / ``_backward`` (same
 arguments, same results). Bytes moved: the forward reads x (and residual) once and writes out
 (and s = x + residual) once; the backward reads dout and s (and ds) once and writes dx once, plus
 float32 per-program dweight/dbias partials summed in a fixed order (``_reduce_partials``).
@@ -17,7 +17,8 @@ constexpr specialisations: the plain paths carry none of the dropout or activati
 * Forward, looped (longer rows): one program per row; pass 1 streams the row in chunks of
   ``LOOPED_GROUPS`` x 1024 columns (writing s), keeping per-lane shifted sums merged with Chan's
   formula; pass 2 reads s (or x) again, from L2, and writes out. Its columns are a
-  ``[Q, R, G, NI]`` tile (``col = g * 1024 + q * 256 + i``, ``fusedops.triton._philox``) so each
+  ``[Q, R, G, NI]`` tile (``col = g * 1024 + q * 256 + i``, ``fusedops.backends.triton._philox``)
+  so each
   Philox counter is computed once for its four 256-column slices.
 * Backward, single-block (padded rows up to 4K-8K, ``_bwd_cap``): a persistent grid whose
   programs loop over [ROWS, BLOCK] row tiles (Q slices with dropout), write dx and accumulate
@@ -47,8 +48,8 @@ import triton
 import triton.language as tl
 
 from fusedops import _philox, _replay
-from fusedops.triton import layernorm as _ln
-from fusedops.triton._common import (
+from fusedops.backends.triton import layernorm as _ln
+from fusedops.backends.triton._common import (
     Launcher,
     SequencePlans,
     cdiv,
@@ -62,8 +63,8 @@ from fusedops.triton._common import (
     single_block_limit,
     tensor_key,
 )
-from fusedops.triton._philox import element_keep, philox4x32, uint32_key
-from fusedops.triton.layernorm import _over_rows, _reduce_partials, _row_sums
+from fusedops.backends.triton._philox import element_keep, philox4x32, uint32_key
+from fusedops.backends.triton.layernorm import _over_rows, _reduce_partials, _row_sums
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 
@@ -84,7 +85,7 @@ def _activate(y, ACT: tl.constexpr):
 
 @triton.jit
 def _activation_grad(v, ACT: tl.constexpr):
-    # d activation / dv (ACT 1 or 2), as fusedops.reference._activation_grad.
+    # d activation / dv (ACT 1 or 2), as fusedops.backends.reference._activation_grad.
     if ACT == 1:
         d = tl.where(v > 0.0, 1.0, 0.0)
     else:
@@ -919,7 +920,7 @@ def layernorm_epilogue_forward(
     need_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``out = activation(dropout(layer_norm(x + residual)))`` over rows (the contract of
-    ``fusedops.reference.layernorm_epilogue_forward``).
+    ``fusedops.backends.reference.layernorm_epilogue_forward``).
 
     x, residual: (M, N) float32/float16/bfloat16, unit column stride, any row strides, the same
     dtype (residual may be None), or contiguous tensors of any other rank >= 1 (rows along the
@@ -1063,7 +1064,7 @@ def layernorm_epilogue_backward(
     grad_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`layernorm_epilogue_forward` (the contract of
-    ``fusedops.reference.layernorm_epilogue_backward``).
+    ``fusedops.backends.reference.layernorm_epilogue_backward``).
 
     dout: (M, N) gradient of out; ds: (M, N) gradient reaching s, or None; s: the LayerNorm's
     input (x + residual, or x); all with unit column stride and any row strides. The dropout
