@@ -54,13 +54,13 @@ def single_block_limit(limit: int | None) -> Iterator[None]:
     if limit is None:
         yield
         return
-    from fusedops.backends.triton import _common
+    from fusedops.backends.triton.configs import common as tcfg
 
-    _common.set_single_block_limit(limit)
+    tcfg.set_single_block_limit(limit)
     try:
         yield
     finally:
-        _common.set_single_block_limit(None)
+        tcfg.set_single_block_limit(None)
 
 
 @contextlib.contextmanager

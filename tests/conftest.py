@@ -223,10 +223,10 @@ def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
 
     if not tb.AVAILABLE:
         return [default]
-    from fusedops.backends.triton import _common
+    from fusedops.backends.triton.configs import common as tcfg
 
-    base = _common.single_block_limit()
-    return sorted({min(base, _common._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
+    base = tcfg.single_block_limit()
+    return sorted({min(base, tcfg._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
 
 
 @pytest.fixture
@@ -292,16 +292,17 @@ def _fresh_backward_plans():
 def require_replay_plans(enabled: bool = True) -> None:
     """Skip a replay test where no call can replay: it would only compare the normal path with
     itself. Plans need compiled kernels (a CUDA GPU), Triton's C launch entries
-    (``_common._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
+    (``rt_launcher._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
     import triton
 
-    from fusedops.backends.triton import _common
+    from fusedops.backends.triton.runtime import device as rt_device
+    from fusedops.backends.triton.runtime import launcher as rt_launcher
 
-    if not torch.cuda.is_available() or _common._interpreting():
+    if not torch.cuda.is_available() or rt_device.interpreting():
         pytest.skip("replay plans need compiled kernels on a CUDA GPU")
-    if not triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
+    if not triton.__version__.startswith(rt_launcher._C_ENTRY_VERSIONS):
         pytest.skip(f"replay plans need Triton's C launch entries "
-                    f"({', '.join(_common._C_ENTRY_VERSIONS)}x); Triton {triton.__version__} "
+                    f"({', '.join(rt_launcher._C_ENTRY_VERSIONS)}x); Triton {triton.__version__} "
                     "runs every call on the normal path, which this test would compare with "
                     "itself")
     if not enabled:
@@ -328,10 +329,11 @@ def recording_entries(monkeypatch):
     (the LayerNorm backward, the LayerNorm epilogues, the masked softmax), each entry recording
     its calls in the returned ``log`` as ("replay", grid, raw args); normal launches log
     ("normal", grid, args). Their plans are dropped afterwards."""
-    from fusedops.backends.triton import _common
     from fusedops.backends.triton import layernorm as tln
     from fusedops.backends.triton import layernorm_epilogue as tle
     from fusedops.backends.triton import softmax_masked as tsmm
+    from fusedops.backends.triton.runtime import launcher as rt_launcher
+    from fusedops.backends.triton.runtime import plans as rt_plans
 
     log = []
 
@@ -341,7 +343,7 @@ def recording_entries(monkeypatch):
         go.raw_pointers = True
         return go
 
-    real_call = _common.Launcher.__call__
+    real_call = rt_launcher.Launcher.__call__
 
     def spy(self, grid, args, num_warps):
         log.append(("normal", grid, args))
@@ -350,11 +352,11 @@ def recording_entries(monkeypatch):
     monkeypatch.setattr(tln, "BWD_PLANS", True)
     monkeypatch.setattr(tle, "PLANS", True)
     monkeypatch.setattr(tsmm, "PLANS", True)
-    monkeypatch.setattr(_common.Launcher, "entry", entry)
-    monkeypatch.setattr(_common.Launcher, "__call__", spy)
+    monkeypatch.setattr(rt_launcher.Launcher, "entry", entry)
+    monkeypatch.setattr(rt_launcher.Launcher, "__call__", spy)
     for mod in (tln, tle, tsmm):
         monkeypatch.setattr(mod, "hooks_registered", lambda: False)
-    for mod in (tln, _common):
+    for mod in (tln, rt_launcher, rt_plans):
         monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
     yield log
     for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,

@@ -15,8 +15,11 @@ import torch
 from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
 
 import fusedops
-from fusedops.backends.triton import _common
 from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.runtime import launcher as rt_launcher
+from fusedops.backends.triton.runtime import recording as rt_recording
+from fusedops.backends.triton.runtime import split as rt_split
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -152,17 +155,17 @@ def test_plans_cleared_with_the_launch_rules():
     """Plans go when the launch rules change (set_single_block_limit) or the split-row kernels
     are disabled."""
     tln._bwd_plans.put(("k",), lambda *a: None)
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not tln._bwd_plans
     tln._bwd_plans.put(("k",), lambda *a: None)
-    state = dict(_common._split_state)
-    _common._split_state["enabled"] = True
+    state = dict(rt_split.SPLIT_STATE)
+    rt_split.SPLIT_STATE["enabled"] = True
     try:
         with pytest.warns(RuntimeWarning, match="split-row kernels disabled"):
-            _common.disable_split_rows("test")
+            rt_split.disable_split_rows("test")
         assert not tln._bwd_plans
     finally:
-        _common._split_state.update(state)
+        rt_split.SPLIT_STATE.update(state)
 
 
 # ------------------------------------------------------------------ end to end on the GPU
@@ -248,11 +251,11 @@ def test_recordings_are_per_thread():
 
     def work(i):
         try:
-            with _common.record_launches() as record:
+            with rt_recording.record_launches() as record:
                 both_recording.wait()
                 with one_launch:
-                    _common.zero_counters(tensors[i])
-                _common.mark_replayable()
+                    rt_split.zero_counters(tensors[i])
+                rt_recording.mark_replayable()
                 both_recording.wait()
             records[i] = record
         except BaseException as exc:  # reported by the main thread
@@ -268,10 +271,10 @@ def test_recordings_are_per_thread():
     for i, record in enumerate(records):
         assert record.replayable and len(record) == 1 and record[0][2][0] is tensors[i]
         assert not tensors[i].any()
-    assert not _common._recording
-    with _common.record_launches() as outer:
-        with _common.record_launches() as inner:
-            _common.zero_counters(tensors[0])
-        _common.zero_counters(tensors[1])
+    assert not rt_launcher.recording
+    with rt_recording.record_launches() as outer:
+        with rt_recording.record_launches() as inner:
+            rt_split.zero_counters(tensors[0])
+        rt_split.zero_counters(tensors[1])
     assert len(inner) == 1 and len(outer) == 1 and outer[0][2][0] is tensors[1]
-    assert not _common._recording
+    assert not rt_launcher.recording

@@ -23,8 +23,10 @@ from _reliability import gpu
 from conftest import INTERPRETING, assert_close_to_ref, assert_row_sum_close, exhaustive_unless
 
 import fusedops
-from fusedops.backends.triton import _clusters, _common
 from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton.runtime import clusters as _clusters
+from fusedops.backends.triton.runtime import device as rt_device
+from fusedops.backends.triton.runtime import recording as rt_recording
 
 
 def _clustered(cfg) -> bool:
@@ -44,7 +46,7 @@ def test_cluster_rules(n, elt, aligned, clustered):
     cfg = tln._split_config("bwd", n, elt, aligned)
     assert _clustered(cfg) == clustered, cfg
     if clustered:
-        assert _common.cdiv(n, cfg[0]) in (2, 4, 8, 16)
+        assert rt_device.cdiv(n, cfg[0]) in (2, 4, 8, 16)
 
 
 def test_cluster_rules_can_be_turned_off(monkeypatch):
@@ -59,7 +61,7 @@ def test_cluster_rules_can_be_turned_off(monkeypatch):
 def test_clusters_off_without_a_hopper_gpu():
     cpu = torch.device("cpu")
     assert not _clusters.clusters_enabled(cpu, 16384, 2048, 8)
-    if torch.cuda.is_available() and not _common._interpreting():
+    if torch.cuda.is_available() and not rt_device.interpreting():
         dev = torch.device("cuda", torch.cuda.current_device())
         hopper = torch.cuda.get_device_capability(dev)[0] >= 9
         assert _clusters.clusters_enabled(dev, 16384, 2048, 8) == hopper
@@ -233,7 +235,7 @@ def _launchers(record) -> set:
 
 def _backward(dy, x, w, mean, rstd, need=(True, True, True)):
     # (no grad_dtypes: no replay plans, so every call runs the launch rules)
-    with _common.record_launches() as record:
+    with rt_recording.record_launches() as record:
         out = tln.layernorm_backward(dy, x, w, mean, rstd, *need)
     return out, _launchers(record)
 
@@ -309,7 +311,7 @@ def test_gpu_cluster_launch_failure_falls_back(monkeypatch):
     pieces on a cooperative grid."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need Hopper")
-    monkeypatch.setitem(_clusters._state, "enabled", True)
+    monkeypatch.setitem(_clusters.CLUSTER_STATE, "enabled", True)
     inputs = _case(64, 16384, torch.bfloat16, seed=3)
 
     def refuse(self, args, chunks, num_warps):

@@ -114,7 +114,8 @@ def check_determinism(op: str, m: int, n: int, dtype: torch.dtype, device: str,
     # Batch split: two (m, n) calls vs one (2m, n) call, row-wise results. Rows that are not a
     # multiple of 16 bytes are read as an aligned body plus edges, whose split depends on where
     # the row starts; a split that moves rows to another 16-byte phase keeps the bits only under
-    # torch.use_deterministic_algorithms (see fusedops/backends/triton/_common.py, unaligned_vec).
+    # torch.use_deterministic_algorithms (see fusedops/backends/triton/configs/common.py,
+    # unaligned_vec).
     elt = x.element_size()
     same_phase = (n * elt) % 16 == 0 or (m * n * elt) % 16 == 0
     with _deterministic(not same_phase):

@@ -23,8 +23,9 @@ if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 
 import fusedops  # noqa: E402
-from fusedops.backends.triton import _common  # noqa: E402
 from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.runtime import launcher as rt_launcher  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 SEED_A, SEED_B = 0x3A5F_1234_DEAD_BEEF, 12345
@@ -263,14 +264,14 @@ def test_plans_cleared_with_the_launch_rules():
     """Plans go when the launch rules change (set_single_block_limit)."""
     tle._fwd_plans.put(("k",), lambda *a: None)
     tle._bwd_plans.put(("k",), lambda *a: None)
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not tle._fwd_plans and not tle._bwd_plans
 
 
 def test_every_seeded_kernel_takes_k0_then_k1():
     """The replay substitutes the seed words at k0 and the argument after it: every launcher of
     the module whose kernel takes k0 takes k1 right after it, after its tensor arguments."""
-    launchers = [v for v in vars(tle).values() if isinstance(v, _common.Launcher)]
+    launchers = [v for v in vars(tle).values() if isinstance(v, rt_launcher.Launcher)]
     seeded = [la for la in launchers if tle._seed_position(la) is not None]
     assert len(seeded) == 5
     for la in seeded:

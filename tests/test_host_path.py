@@ -14,7 +14,9 @@ from conftest import INTERPRETING, triton_kernels_ready
 
 import fusedops
 from fusedops import _dispatch
-from fusedops.backends.triton import _common
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.runtime import launcher as rt_launcher
+from fusedops.backends.triton.runtime import plans as rt_plans
 
 ON_DEVICE = True
 
@@ -107,7 +109,7 @@ def test_layernorm_inference_allocates_no_statistics(monkeypatch):
 def test_launch_key_separates_specialisations():
     """Every property Triton specialises on changes the key; nothing else does."""
     base = torch.zeros(64, dtype=torch.float32)
-    key = _common._launch_key
+    key = rt_launcher.launch_key
 
     def k(*args, warps=4, n=None):
         return key(warps, args, len(args) if n is None else n)
@@ -154,10 +156,10 @@ def test_generated_key_equals_the_generic_key():
     t = torch.zeros(64)
     n = 8
     first = (t, t[1:], 32, 7, 1, 2**31 + 5, 1e-5, True, 128, "const")
-    key = _common._key_function(first, n)
+    key = rt_launcher._key_function(first, n)
     for args in (first, (t.half(), t, 48, 1, 33, -(2**31) - 1, 2.0, False, 64, "other"),
                  (t[3:], t[4:], 0, 16, 2, 3, 0.0, True, 1, None)):
-        assert key(8, args) == _common._launch_key(8, args, n)
+        assert key(8, args) == rt_launcher.launch_key(8, args, n)
     for other in ((1, t, 32, 7, 1, 5, 1e-5, True, 1, 2),  # an int where a tensor was
                   (t, t, t, 7, 1, 5, 1e-5, True, 1, 2),  # a tensor where an int was
                   (t, t, 32, 7.0, 1, 5, 1e-5, True, 1, 2),  # a float where an int was
@@ -165,7 +167,7 @@ def test_generated_key_equals_the_generic_key():
                   (t, t, 32, 7, 1, 5, 1e-5, 1, 1, 2)):  # an int where a bool was
         with pytest.raises((TypeError, AttributeError, RuntimeError)):
             key(8, other)
-    assert _common._key_function((4, 2), 0)(8, (4, 2)) == _common._launch_key(8, (4, 2), 0)
+    assert rt_launcher._key_function((4, 2), 0)(8, (4, 2)) == rt_launcher.launch_key(8, (4, 2), 0)
 
 
 class _FakeCompiled:
@@ -188,8 +190,8 @@ def test_direct_entry_calls_the_c_entry_on_known_triton(monkeypatch):
         def __call__(self, *a):
             calls.append(("run", a))
 
-    monkeypatch.setattr(_common.triton, "__version__", "3.6.0")
-    go = _common._direct_entry(_FakeCompiled(CudaLauncher()))
+    monkeypatch.setattr(rt_launcher.triton, "__version__", "3.6.0")
+    go = rt_launcher.direct_entry(_FakeCompiled(CudaLauncher()))
     go((5,), 123, ("x", 1))
     go((5, 2), 123, ("x", 1))
     assert calls == [
@@ -199,12 +201,12 @@ def test_direct_entry_calls_the_c_entry_on_known_triton(monkeypatch):
                     "x", 1))]
     # another Triton version, or a kernel that needs scratch memory: Triton's runner
     calls.clear()
-    monkeypatch.setattr(_common.triton, "__version__", "3.9.0")
-    _common._direct_entry(_FakeCompiled(CudaLauncher()))((5,), 123, ("x",))
-    monkeypatch.setattr(_common.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(rt_launcher.triton, "__version__", "3.9.0")
+    rt_launcher.direct_entry(_FakeCompiled(CudaLauncher()))((5,), 123, ("x",))
+    monkeypatch.setattr(rt_launcher.triton, "__version__", "3.6.0")
     runner = CudaLauncher()
     runner.global_scratch_size = 256
-    _common._direct_entry(_FakeCompiled(runner))((5,), 123, ("x",))
+    rt_launcher.direct_entry(_FakeCompiled(runner))((5,), 123, ("x",))
     assert [c[0] for c in calls] == ["run", "run"]
     assert calls[0][1] == (5, 1, 1, 123, 77, (4, 1, 0), None, None, None, "x")
 
@@ -282,7 +284,7 @@ def test_layernorm_plan_replays_the_recorded_launch(fake_stream, with_stats, aff
 
 
 def test_plan_cache_keeps_only_direct_c_entries(monkeypatch):
-    plans = _common.PlanCache()
+    plans = rt_plans.PlanCache()
     go = _Recorder()
 
     class FakeLauncher:
@@ -298,10 +300,10 @@ def test_plan_cache_keeps_only_direct_c_entries(monkeypatch):
     plans.add("other", FakeLauncher(lambda *a: None), (1,), (t, t, 3), 4, 2)  # not a C entry
     plans.add("none", FakeLauncher(None), (1,), (t, t, 3), 4, 2)  # nothing compiled
     assert set(plans) == {"k"}
-    monkeypatch.setattr(_common.PlanCache, "MAX_PLANS", 1)
+    monkeypatch.setattr(rt_plans.PlanCache, "MAX_PLANS", 1)
     plans.add("next", FakeLauncher(go), (1,), (t, t), 4, 2)  # full: start again
     assert set(plans) == {"next"}
-    _common.set_single_block_limit(None)  # rule changes clear every plan cache
+    tcfg.set_single_block_limit(None)  # rule changes clear every plan cache
     assert not plans
 
 
@@ -315,7 +317,7 @@ def test_plans_replay_compiled_kernels(dtype):
     from fusedops.backends.triton import layernorm as tln
     from fusedops.backends.triton import softmax as tsm
 
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     x = torch.randn(8, 128, 768, device="cuda", dtype=dtype)
     w = torch.randn(768, device="cuda", dtype=dtype)
     b = torch.randn(768, device="cuda", dtype=dtype)
@@ -356,7 +358,7 @@ def test_plans_replay_compiled_kernels(dtype):
             else:
                 hooks.launch_enter_hook = chain
         assert seen, "the launch hook did not see the launch"
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not tsm._fwd_plans and not tln._fwd_plans
 
 
@@ -370,7 +372,7 @@ def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
 
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 2048): ((512, 4),)})
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     launched = []
     real = tln._launch_fwd_unrolled
 
@@ -392,7 +394,7 @@ def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
         torch.testing.assert_close(again[0].float(), torch.nn.functional.layer_norm(
             x.float(), (1536,), w.float(), b.float(), 1e-5), atol=2e-2, rtol=2e-2)
     assert len(launched) == 2 and len(tln._fwd_plans) == 2
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
@@ -402,10 +404,10 @@ def test_unrolled_softmax_plans_replay(monkeypatch):
     from fusedops.backends.triton import softmax as tsm
 
     monkeypatch.setattr(tsm, "UNROLLED_FWD", {(2, 2048): ((512, 4),)})
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     x = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)  # 3 chunks
     first = tsm.softmax_forward(x, torch.bfloat16)
     assert len(tsm._fwd_plans) == 1
     assert torch.equal(tsm.softmax_forward(x, torch.bfloat16), first)
     torch.testing.assert_close(first.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)

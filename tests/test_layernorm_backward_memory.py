@@ -114,11 +114,11 @@ def test_modes_give_the_same_bits(triton_backend, device, m, n, dtype):
 def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx):
     """The column path (dx row kernel + column kernel, forced at every length here; split rows
     off, which would otherwise take these rows on CUDA)."""
-    from fusedops.backends.triton import _common
     from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.runtime import split as rt_split
 
     monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)
-    monkeypatch.setattr(_common, "_split_state", {"enabled": False})
+    monkeypatch.setattr(rt_split, "SPLIT_STATE", {"enabled": False})
     seen = []
     real = tln._launch_dwdb_columns
     monkeypatch.setattr(tln, "_launch_dwdb_columns", lambda grid, args, warps: seen.append(
@@ -227,8 +227,9 @@ def _pieces_case(device, dtype, n: int, piece: int, vec: bool):
     into C pieces of L columns as the split kernel cuts them. ``vec``: contiguous rows read as
     an aligned body (pieces of L, a multiple of 16) plus edges, VEC = 16 bytes of elements;
     else strided rows (VEC 0)."""
-    from fusedops.backends.triton import _common
     from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.configs import common as tcfg
+    from fusedops.backends.triton.runtime import split as rt_split
 
     torch.manual_seed(n)
     m, row0 = 7, 3
@@ -236,11 +237,11 @@ def _pieces_case(device, dtype, n: int, piece: int, vec: bool):
     x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]
     if vec:
         x = x.contiguous()
-        assert _common.unaligned_vec(n, (n, n), x.element_size(), (x,)) == v
+        assert tcfg.unaligned_vec(n, (n, n), x.element_size(), (x,)) == v
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    return (m, row0, x, dy, w, mean, rstd, v, *_common.split_pieces(n, piece, v))
+    return (m, row0, x, dy, w, mean, rstd, v, *rt_split.split_pieces(n, piece, v))
 
 
 def _piece_columns(r: int, n: int, v: int, C: int, L: int) -> list[list[int]]:
@@ -266,14 +267,14 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
     row0.. against float64, rows before row0 untouched, pieces past the row's end masked;
     unaligned rows (vec) as body pieces plus edges, every head 0..VEC-1 among the rows."""
-    from fusedops.backends.triton import _common
     from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.runtime import device as rt_device
 
     m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     tln._launch_dx_pieces((m - row0,), (
         dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
-        _common.next_pow2(L), C, _common.next_pow2(C), True, False, v, tln.SPLIT_PAIRED), 4)
+        rt_device.next_pow2(L), C, rt_device.next_pow2(C), True, False, v, tln.SPLIT_PAIRED), 4)
     assert torch.all(dx[:row0] == 7)
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
@@ -289,8 +290,8 @@ def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, p
     per-piece statistics it published): rows row0.. against float64, rows before untouched.
     Here the statistics sit in a buffer of their own, so no program has to wait (late_from =
     the grid); the overlapping layout and the waiting are GPU-tested (modes bitwise)."""
-    from fusedops.backends.triton import _common
     from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.runtime import device as rt_device
 
     m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
@@ -306,7 +307,7 @@ def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, p
     grid = (m - row0) * C
     tln._launch_dx_published((grid,), (
         dy, x, w, mean, rstd, dx, stats, done, n, L, dy.stride(0), x.stride(0), n, row0, grid,
-        grid, _common.next_pow2(L), C, _common.next_pow2(C), True, False, v), 4)
+        grid, rt_device.next_pow2(L), C, rt_device.next_pow2(C), True, False, v), 4)
     assert torch.all(dx[:row0] == 7) and done.item() == grid
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())

@@ -34,9 +34,9 @@ if not HAS_CUDA and not INTERPRETING:
 
 from fusedops import _philox  # noqa: E402
 from fusedops.backends import reference
-from fusedops.backends.triton import _philox as tphilox  # noqa: E402
 from fusedops.backends.triton import layernorm as tln  # noqa: E402
 from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton.runtime import philox as tphilox  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -377,7 +377,7 @@ def test_launch_rules():
     per thread, a software pipeline of 1-3 stages); without dropout or activation the
     backward takes LayerNorm's fused-backward configuration for its rows (what it is, plus a
     read of ds); the Philox column tiles cover the padded row exactly."""
-    from fusedops.backends.triton import _common
+    from fusedops.backends.triton.configs import common as tcfg
 
     for dropout in (False, True):
         assert _pow2(tle._fwd_cap(dropout)) and tle._fwd_cap(dropout) <= tle.single_block_limit()
@@ -385,11 +385,11 @@ def test_launch_rules():
             cap = tle._bwd_cap(dropout, act)
             assert _pow2(cap) and cap <= tle.single_block_limit()
     assert tle._fwd_cap(True) <= tle._fwd_cap(False)
-    _common.set_single_block_limit(1024)
+    tcfg.set_single_block_limit(1024)
     try:
         assert tle._fwd_cap(False) <= 1024 and tle._bwd_cap(True, 2) <= 1024
     finally:
-        _common.set_single_block_limit(None)
+        tcfg.set_single_block_limit(None)
     for elt in (2, 4):
         for dropout in (False, True):
             for k in range(0, tle._fwd_cap(dropout).bit_length()):

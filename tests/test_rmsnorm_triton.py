@@ -28,8 +28,8 @@ if not tb.AVAILABLE:
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.backends.triton import _common  # noqa: E402
 from fusedops.backends.triton import rmsnorm as trms  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -169,11 +169,11 @@ def test_empty(m, n):
 
 
 def _fwd_limit() -> int:
-    return min(_common.single_block_limit(), _common.KIND_CAPS["ln_fwd"])
+    return min(tcfg.single_block_limit(), tcfg.KIND_CAPS["ln_fwd"])
 
 
 def _bwd_limit() -> int:
-    return min(_common.single_block_limit(), trms.FUSED_BWD_MAX_BLOCK_UNALIGNED)
+    return min(tcfg.single_block_limit(), trms.FUSED_BWD_MAX_BLOCK_UNALIGNED)
 
 
 def test_unaligned_16k_rows_fused_on_32_warps():

@@ -30,8 +30,8 @@ if not tb.AVAILABLE:
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.backends.triton import _common  # noqa: E402
 from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -357,8 +357,8 @@ def test_deterministic():
 
 
 def _fwd_cap(elt: int) -> int:
-    return min(_common.single_block_limit(), tsm.FWD_SINGLE_CAP[elt],
-               _common.KIND_CAPS["softmax_fwd"])
+    return min(tcfg.single_block_limit(), tsm.FWD_SINGLE_CAP[elt],
+               tcfg.KIND_CAPS["softmax_fwd"])
 
 
 def test_config_rules():
@@ -517,12 +517,12 @@ def force_looped(request):
     """Run under the default rules, then with the single-block limit at 64 (every row of the
     GPU sweep through the looped kernels)."""
     if request.param:
-        _common.set_single_block_limit(64)
+        tcfg.set_single_block_limit(64)
     try:
         yield request.param
     finally:
         if request.param:
-            _common.set_single_block_limit(None)
+            tcfg.set_single_block_limit(None)
 
 
 @pytest.mark.gpu

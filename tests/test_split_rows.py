@@ -17,9 +17,9 @@ from _reliability import gpu
 from conftest import assert_close_to_ref, assert_row_sum_close
 
 from fusedops import fused_layernorm, fused_softmax
-from fusedops.backends.triton import _common
 from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton import softmax as tsm
+from fusedops.backends.triton.runtime import split as rt_split
 
 pytestmark = gpu
 
@@ -111,7 +111,7 @@ def test_unaligned_grid_is_a_multiple_of_pieces_times_vec():
     x = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     stats = torch.empty(4, device="cuda")
     count = torch.zeros(4, dtype=torch.int32, device="cuda")
-    C, L = _common.split_pieces(n, 8192, 8)
+    C, L = rt_split.split_pieces(n, 8192, 8)
     assert L % 16 == 0 and (C - 1) * L < n - 16  # every piece has part of every row's body
     runtime = (x, x, x, x, stats, stats, stats, count, n, L, n, n, 1e-5, m * C)
     consts = (8192, C, 16, True, True, 1, 8)

@@ -9,7 +9,10 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref, assert_row_sum_close, exhaustive_unless, one_of_each, tol
 
 import fusedops
-from fusedops.backends.triton import _common
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.runtime import device as rt_device
+from fusedops.backends.triton.runtime import plans as rt_plans
+from fusedops.backends.triton.runtime import split as rt_split
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -20,15 +23,15 @@ def _t(n: int, dtype=torch.bfloat16, offset: int = 0) -> torch.Tensor:
 
 def test_unaligned_vec_rule():
     a = _t(64)
-    assert _common.unaligned_vec(33, (33, 33), 2, (a, a)) == 8  # unaligned rows: body + edges
-    assert _common.unaligned_vec(33, (33, 33), 4, (a, a)) == 4
-    assert _common.unaligned_vec(32, (32, 32), 2, (a, a)) == 0  # aligned rows need no split
-    assert _common.unaligned_vec(33, (40, 33), 2, (a, a)) == 0  # strides differ: no common split
-    assert _common.unaligned_vec(15, (15, 15), 2, (a, a)) == 0  # rows shorter than two vectors
-    assert _common.unaligned_vec(33, (33, 33), 2, (a, _t(64, offset=1))) == 0  # base unaligned
-    assert _common.body_len(8193, 8) == 8192
-    assert _common.body_len(8193, 4) == 8192
-    assert _common.body_len(8192, 0) == 8192
+    assert tcfg.unaligned_vec(33, (33, 33), 2, (a, a)) == 8  # unaligned rows: body + edges
+    assert tcfg.unaligned_vec(33, (33, 33), 4, (a, a)) == 4
+    assert tcfg.unaligned_vec(32, (32, 32), 2, (a, a)) == 0  # aligned rows need no split
+    assert tcfg.unaligned_vec(33, (40, 33), 2, (a, a)) == 0  # strides differ: no common split
+    assert tcfg.unaligned_vec(15, (15, 15), 2, (a, a)) == 0  # rows shorter than two vectors
+    assert tcfg.unaligned_vec(33, (33, 33), 2, (a, _t(64, offset=1))) == 0  # base unaligned
+    assert tcfg.body_len(8193, 8) == 8192
+    assert tcfg.body_len(8193, 4) == 8192
+    assert tcfg.body_len(8192, 0) == 8192
 
 
 def test_unaligned_fused_backward_rule(monkeypatch):
@@ -48,9 +51,9 @@ def test_unaligned_fused_backward_rule(monkeypatch):
 
 
 def test_unaligned_split_can_be_turned_off(monkeypatch):
-    monkeypatch.setitem(_common._BODY, "enabled", False)
+    monkeypatch.setitem(tcfg.ROW_BODY, "enabled", False)
     a = _t(64)
-    assert _common.unaligned_vec(33, (33, 33), 2, (a, a)) == 0
+    assert tcfg.unaligned_vec(33, (33, 33), 2, (a, a)) == 0
 
 
 @exhaustive_unless(one_of_each({"m,n": [(1, 17), (3, 33), (7, 1025), (5, 255), (9, 23)],
@@ -62,7 +65,7 @@ def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
     # is one vector (n = 17 bf16) and rows whose edges hold VEC - 1 elements on both sides.
     torch.manual_seed(m * n)
     x = (torch.randn(m, n, device=device) * 3 + 1).to(dtype).requires_grad_(True)
-    assert _common.unaligned_vec(n, (n, n), x.element_size(), (x, x)) > 0  # the split path runs
+    assert tcfg.unaligned_vec(n, (n, n), x.element_size(), (x, x)) > 0  # the split path runs
     w = torch.randn(n, device=device, requires_grad=True)
     b = torch.randn(n, device=device, requires_grad=True)
     g = torch.randn(m, n, device=device).to(dtype)
@@ -87,10 +90,10 @@ def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
 
 def test_split_rows_rule():
     cuda = torch.device("cuda")
-    enabled = _common._split_state["enabled"] and not _common._interpreting()
+    enabled = rt_split.SPLIT_STATE["enabled"] and not rt_device.interpreting()
     # equal pieces of at most `chunk`; all pieces of a row must be resident at once
-    assert _common.split_rows_enabled(cuda, 4 * 8192 + 1, 8192) == enabled
-    assert _common.split_rows_enabled(torch.device("cpu"), 8 * 8192, 8192) is False
+    assert rt_split.split_rows_enabled(cuda, 4 * 8192 + 1, 8192) == enabled
+    assert rt_split.split_rows_enabled(torch.device("cpu"), 8 * 8192, 8192) is False
 
 
 @exhaustive_unless(lambda dtype: dtype == torch.float32)
@@ -98,10 +101,10 @@ def test_split_rows_rule():
 def test_unaligned_rows_on_a_persistent_grid(monkeypatch, triton_backend, device, dtype):
     # More row tiles than programs: each program loops over tiles that must all share one
     # misalignment, since it holds the weight shifted by it (grid rounded to a multiple of VEC).
-    monkeypatch.setattr(_common, "num_sms", lambda dev: 1)
+    monkeypatch.setattr(tcfg, "num_sms", lambda dev: 1)
     m, n = 1100, 33
-    assert _common.grid_size(100, 8, "ln_bwd", torch.device(device), vec=8) == 8
-    assert _common.grid_size(100, 16, "ln_bwd", torch.device(device), vec=8) == 8
+    assert tcfg.grid_size(100, 8, "ln_bwd", torch.device(device), vec=8) == 8
+    assert tcfg.grid_size(100, 16, "ln_bwd", torch.device(device), vec=8) == 8
     torch.manual_seed(0)
     x = (torch.randn(m, n, device=device) * 2 - 1).to(dtype).requires_grad_(True)
     w = torch.randn(n, device=device)  # no gradient: the dx row kernel runs
@@ -135,7 +138,7 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
     at an eighth of x) is read with scalar accesses instead."""
     from fusedops.backends.triton import layernorm as tln
 
-    monkeypatch.setattr(_common, "num_sms", lambda dev: sms)
+    monkeypatch.setattr(tcfg, "num_sms", lambda dev: sms)
     monkeypatch.setattr(tln, "num_sms", lambda dev: sms)
     # short bodies take the scalar variant by default (measured faster); force the body one
     monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", 16)
@@ -372,7 +375,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
+    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, rt_device.next_pow2(n)): ((chunk, 4),)})
     monkeypatch.setattr(tln, "UNROLLED_FWD_ABOVE", 0)
     calls = []
     real = tln._launch_fwd_unrolled
@@ -465,7 +468,7 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
     elt = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(tsm, "RELOAD_FWD", {(elt, 64): (chunk, 4)})
     monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "_fwd_plans", _common.PlanCache())
+    monkeypatch.setattr(tsm, "_fwd_plans", rt_plans.PlanCache())
     calls = []
     real = tsm._launch_fwd_reload
     monkeypatch.setattr(tsm, "_launch_fwd_reload",
@@ -485,9 +488,9 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
     from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
+    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, rt_device.next_pow2(n)): ((chunk, 4),)})
     monkeypatch.setattr(tsm, "UNROLLED_FWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "_fwd_plans", _common.PlanCache())
+    monkeypatch.setattr(tsm, "_fwd_plans", rt_plans.PlanCache())
     calls = []
     real = tsm._launch_fwd_unrolled
 
@@ -564,7 +567,7 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
                         lambda g, a, w: calls.append((g, a[10], a[11], a[15])) or real(g, a, w))
     _check_ln_forward(*_unaligned_rows_and_affine(n, device, dtype, affine), dtype, far=4)
     vec = 16 // elt
-    block = _common.next_pow2(n // vec * vec)
+    block = rt_device.next_pow2(n // vec * vec)
     assert calls == [((17,), block, 16, vec)] * 2
 
 

@@ -57,9 +57,11 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import TOLERANCES  # noqa: E402  (the tests' one tolerance table)
 
 import fusedops  # noqa: E402
-from fusedops.backends.triton import _common  # noqa: E402
 from fusedops.backends.triton import layernorm as tln  # noqa: E402
 from fusedops.backends.triton import softmax as tsm  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.runtime import launcher as rt_launcher  # noqa: E402
+from fusedops.backends.triton.runtime import split as rt_split  # noqa: E402
 
 DEV = torch.device(ARGS.device)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -92,8 +94,8 @@ def wrap_launchers() -> list[str]:
         short = module.__name__.rsplit(".", 1)[-1]
         for attr in sorted(vars(module)):
             value = getattr(module, attr)
-            if attr.startswith("_launch_") and isinstance(value, (_common.Launcher,
-                                                                  _common.SplitLauncher)):
+            if attr.startswith("_launch_") and isinstance(value, (rt_launcher.Launcher,
+                                                                  rt_split.SplitLauncher)):
                 name = f"{short}.{attr}"
                 setattr(module, attr, CountingLauncher(name, getattr(module, attr)))
                 names.append(name)
@@ -162,15 +164,15 @@ def softmax_cases(dtype: torch.dtype) -> None:
     # Unaligned rows: aligned body plus element-wise edges (the default).
     softmax_case(f"softmax unaligned {t}", randn(5, 1025, dtype=dtype, seed=3),
                  randn(5, 1025, dtype=dtype, seed=4))
-    _common.set_single_block_limit(256)  # rows of 1000: looped, 4 chunks
-    split = _common._split_state["enabled"]
-    _common._split_state["enabled"] = False  # (split rows take any long row on CUDA)
+    tcfg.set_single_block_limit(256)  # rows of 1000: looped, 4 chunks
+    split = rt_split.SPLIT_STATE["enabled"]
+    rt_split.SPLIT_STATE["enabled"] = False  # (split rows take any long row on CUDA)
     try:
         softmax_case(f"softmax looped {t}", randn(3, 1000, dtype=dtype, seed=5),
                      randn(3, 1000, dtype=dtype, seed=6))
     finally:
-        _common.set_single_block_limit(None)
-        _common._split_state["enabled"] = split
+        tcfg.set_single_block_limit(None)
+        rt_split.SPLIT_STATE["enabled"] = split
     # 16-bit rows of 4K: the backward's reload variant (row read whole, then again in chunks)
     softmax_case(f"softmax reload N=4000 {t}", randn(3, 4000, dtype=dtype, seed=9),
                  randn(3, 4000, dtype=dtype, seed=10))
@@ -200,16 +202,16 @@ def layernorm_cases(dtype: torch.dtype) -> None:
                        randn(1, 1000, dtype=dtype, seed=3).expand(6, 1000))
         layernorm_case(f"layernorm unaligned {tag}", randn(5, 1025, dtype=dtype, seed=4),
                        *params(1025), randn(5, 1025, dtype=dtype, seed=5))
-        _common.set_single_block_limit(256)
+        tcfg.set_single_block_limit(256)
         # Split rows off too: LayerNorm's even-chunk split kernels take any long row on CUDA.
-        split = _common._split_state["enabled"]
-        _common._split_state["enabled"] = False
+        split = rt_split.SPLIT_STATE["enabled"]
+        rt_split.SPLIT_STATE["enabled"] = False
         try:
             layernorm_case(f"layernorm looped {tag}", randn(3, 1000, dtype=dtype, seed=6),
                            *params(1000), randn(3, 1000, dtype=dtype, seed=7))
         finally:
-            _common.set_single_block_limit(None)
-            _common._split_state["enabled"] = split
+            tcfg.set_single_block_limit(None)
+            rt_split.SPLIT_STATE["enabled"] = split
         saved = tln.FUSED_BWD_MAX_BLOCK
         tln.FUSED_BWD_MAX_BLOCK = 0  # dx row kernel + column dweight/dbias kernel at short rows
         try:

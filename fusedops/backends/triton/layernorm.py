@@ -47,51 +47,55 @@ import triton.language as tl
 
 from fusedops import _replay
 from fusedops._settings import get_layernorm_backward
-from fusedops.backends.triton._clusters import (
-    ClusterLauncher,
-    cluster_peer_sums,
-    cluster_publish,
-    cluster_start,
-    clusters_enabled,
-)
-from fusedops.backends.triton._common import (
-    _BODY,
+from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
-    Launcher,
-    PlanCache,
-    SequencePlans,
-    SplitLauncher,
-    _interpreting,
-    await_row,
+    ROW_BODY,
     body_len,
-    cdiv,
-    current_stream,
-    device_name,
     grid_size,
-    hooks_registered,
-    mark_replayable,
-    next_pow2,
     num_row_tiles,
-    num_sms,
-    publish_row,
-    record_launches,
-    row_body,
     row_config,
-    row_edges,
-    rows_and_output,
-    run_steps,
-    sequence_steps,
     single_block_limit,
-    split_edges,
-    split_head,
-    split_piece,
-    split_pieces,
-    split_rows_enabled,
-    tile_rows,
     unaligned_config,
     unaligned_vec,
     unrolled_config,
+)
+from fusedops.backends.triton.kernels.clusters import (
+    cluster_peer_sums,
+    cluster_publish,
+    cluster_start,
+)
+from fusedops.backends.triton.kernels.common import (
+    await_row,
+    publish_row,
+    row_body,
+    row_edges,
+    split_edges,
+    split_head,
+    split_piece,
+    tile_rows,
     unrolled_edges,
+)
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
+from fusedops.backends.triton.runtime.device import (
+    cdiv,
+    device_name,
+    interpreting,
+    next_pow2,
+    num_sms,
+    rows_and_output,
+)
+from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
+from fusedops.backends.triton.runtime.plans import (
+    PlanCache,
+    SequencePlans,
+    run_steps,
+    sequence_steps,
+)
+from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
+from fusedops.backends.triton.runtime.split import (
+    SplitLauncher,
+    split_pieces,
+    split_rows_enabled,
     zero_counters,
 )
 
@@ -803,7 +807,7 @@ def _ln_bwd_split(
     # also has the row's edges (split_edges). The grid is a multiple of C·VEC (or one item per
     # program), so all rows of a program share one head: its weight and accumulator columns,
     # edges included, are fixed.
-    # CLUSTER (aligned rows, launched by _clusters.ClusterLauncher): the C programs of a row
+    # CLUSTER (aligned rows, launched by runtime.clusters.ClusterLauncher): the C programs of a row
     # are one thread-block cluster, which exchanges the sums through shared memory and the
     # cluster barrier instead of the counters (the statistics are still stored for the parked
     # tail's second launch); VEC must be 0. w·dy is an explicitly rounded product (never
@@ -1243,7 +1247,7 @@ def _split_config(kind: str, n: int, elt_size: int, aligned: bool,
     (256K: 1.75 vs 1.62); float32 from 2048 x 4 to 8192 x 8 as rows grow (H200: 8193: 1.86 vs
     1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47).
     A fifth value True: the pieces of a row run as one thread-block cluster exchanging on chip
-    (``_clusters.py``; aligned rows on Hopper, else the same pieces on a cooperative grid).
+    (``runtime/clusters.py``; aligned rows on Hopper, else the same pieces on a cooperative grid).
     H100, a probe of the cluster kernel against the cooperative rules above in the same run
     (TB/s of 3·M·N·size bytes, copy 3.01): 16-bit 16K and 32K 2048 x 4 capped at 128 (bf16
     2.34 / 2.27 vs 2.08 / 2.04; 4096 x 8: 2.28 / 2.18), 64K 4096 x 8 (2.10 vs 1.98; 128K on
@@ -1937,7 +1941,7 @@ def layernorm_backward(
            dy.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15,
            None if weight is None else (weight.dtype, weight.data_ptr() & 15),
            need_dx, need_dw, need_db, grad_dtypes, get_layernorm_backward(), x.get_device(),
-           torch.are_deterministic_algorithms_enabled(), _BODY["enabled"])
+           torch.are_deterministic_algorithms_enabled(), ROW_BODY["enabled"])
     plan = _bwd_plans.get(key)
     if plan and not hooks_registered():
         return plan(dy, x, weight, mean, rstd)
@@ -2168,7 +2172,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     def dx_pieces(row0: int) -> None:  # dx of rows row0.. with the split kernel's arithmetic
         _launch_dx_pieces((M - row0,), (
             dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, row0,
-            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec, paired,
+            next_pow2(L), C, next_pow2(C), has_w, not interpreting(), vec, paired,
         ), split_warps)
 
     m_dx = M
@@ -2218,7 +2222,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
         _launch_dx_published((n_progs,), (
             dy, x, w, mean, rstd, dx, stats, zero_counters(count[M - 1:]), N, L, dy.stride(0),
             x.stride(0), N, m_dx, n_progs, max(0, late_from),
-            next_pow2(L), C, next_pow2(C), has_w, not _interpreting(), vec,
+            next_pow2(L), C, next_pow2(C), has_w, not interpreting(), vec,
         ), split_warps)
     mark_replayable()
     return dx, dw, db

@@ -17,7 +17,8 @@ constexpr specialisations: the plain paths carry none of the dropout or activati
 * Forward, looped (longer rows): one program per row; pass 1 streams the row in chunks of
   ``LOOPED_GROUPS`` x 1024 columns (writing s), keeping per-lane shifted sums merged with Chan's
   formula; pass 2 reads s (or x) again, from L2, and writes out. Its columns are a
-  ``[Q, R, G, NI]`` tile (``col = g * 1024 + q * 256 + i``, ``fusedops.backends.triton._philox``)
+  ``[Q, R, G, NI]`` tile (``col = g * 1024 + q * 256 + i``,
+  ``fusedops.backends.triton.runtime.philox``)
   so each
   Philox counter is computed once for its four 256-column slices.
 * Backward, single-block (padded rows up to 4K-8K, ``_bwd_cap``): a persistent grid whose
@@ -49,22 +50,13 @@ import triton.language as tl
 
 from fusedops import _philox, _replay
 from fusedops.backends.triton import layernorm as _ln
-from fusedops.backends.triton._common import (
-    Launcher,
-    SequencePlans,
-    cdiv,
-    grid_size,
-    hooks_registered,
-    mark_replayable,
-    next_pow2,
-    num_sms,
-    record_launches,
-    replay_runner,
-    single_block_limit,
-    tensor_key,
-)
-from fusedops.backends.triton._philox import element_keep, philox4x32, uint32_key
+from fusedops.backends.triton.configs.common import grid_size, single_block_limit
+from fusedops.backends.triton.kernels.philox import element_keep, philox4x32, uint32_key
 from fusedops.backends.triton.layernorm import _over_rows, _reduce_partials, _row_sums
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
+from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
+from fusedops.backends.triton.runtime.plans import SequencePlans, replay_runner, tensor_key
+from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 

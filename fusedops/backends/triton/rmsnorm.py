@@ -35,20 +35,11 @@ import triton
 import triton.language as tl
 
 from fusedops import _replay
-from fusedops.backends.triton._common import (
-    Launcher,
-    PlanCache,
-    cdiv,
-    current_stream,
-    grid_size,
-    hooks_registered,
-    next_pow2,
-    num_sms,
-    row_config,
-    rows_and_output,
-    single_block_limit,
-)
+from fusedops.backends.triton.configs.common import grid_size, row_config, single_block_limit
 from fusedops.backends.triton.layernorm import _param_ptr, _reduce_partials
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms, rows_and_output
+from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
+from fusedops.backends.triton.runtime.plans import PlanCache
 
 
 @triton.jit

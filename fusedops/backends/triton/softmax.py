@@ -32,33 +32,30 @@ import triton
 import triton.language as tl
 
 from fusedops import _replay
-from fusedops.backends.triton._common import (
+from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
-    Launcher,
-    PlanCache,
-    SplitLauncher,
-    await_row,
     body_len,
-    current_stream,
     grid_size,
-    hooks_registered,
-    next_pow2,
     num_row_tiles,
-    publish_row,
-    row_body,
-    row_edges,
-    rows_and_output,
     single_block_limit,
-    split_edges,
-    split_piece,
-    split_pieces,
-    split_rows_enabled,
-    tile_rows,
     unaligned_config,
     unaligned_vec,
     unrolled_config,
+)
+from fusedops.backends.triton.kernels.common import (
+    await_row,
+    publish_row,
+    row_body,
+    row_edges,
+    split_edges,
+    split_piece,
+    tile_rows,
     unrolled_edges,
 )
+from fusedops.backends.triton.runtime.device import next_pow2, rows_and_output
+from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
+from fusedops.backends.triton.runtime.plans import PlanCache
+from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces, split_rows_enabled
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

@@ -39,20 +39,12 @@ import triton
 import triton.language as tl
 
 from fusedops import _replay
-from fusedops.backends.triton._common import (
-    Launcher,
-    SequencePlans,
-    cdiv,
-    config_cache,
-    grid_size,
-    hooks_registered,
-    mark_replayable,
-    record_launches,
-    replay_runner,
-    row_config,
-    single_block_limit,
-    tensor_key,
-)
+from fusedops.backends.triton.configs.common import grid_size, row_config, single_block_limit
+from fusedops.backends.triton.runtime.caches import config_cache
+from fusedops.backends.triton.runtime.device import cdiv
+from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
+from fusedops.backends.triton.runtime.plans import SequencePlans, replay_runner, tensor_key
+from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
 
 LOG2E = tl.constexpr(1.4426950408889634)
 _LOG2E = 1.4426950408889634
