@@ -17,6 +17,8 @@ if "TRITON_INTERPRET" not in os.environ:
         _has_cuda = _torch.cuda.is_available()
     os.environ["TRITON_INTERPRET"] = "0" if _has_cuda else "1"
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -279,12 +281,12 @@ def _fresh_backward_plans():
     yield
     if HAS_CUDA:
         try:
-            from fusedops.backends.triton import layernorm as tln
+            from fusedops.backends.triton import layernorm_bwd as tlnb
             from fusedops.backends.triton import layernorm_epilogue as tle
             from fusedops.backends.triton import softmax_masked as tsmm
         except ImportError:
             return
-        for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
+        for plans in (tlnb._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
                       tsmm._bwd_plans):
             plans.clear()
 
@@ -324,12 +326,13 @@ def count_calls(monkeypatch, module, name: str) -> list:
 
 
 @pytest.fixture
-def recording_entries(monkeypatch):
+def recording_entries(monkeypatch, launch_rules):
     """Replay plans on (as with Triton 3.6's C entries) for the sequence-replaying backends
     (the LayerNorm backward, the LayerNorm epilogues, the masked softmax), each entry recording
     its calls in the returned ``log`` as ("replay", grid, raw args); normal launches log
     ("normal", grid, args). Their plans are dropped afterwards."""
     from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
     from fusedops.backends.triton import layernorm_epilogue as tle
     from fusedops.backends.triton import softmax_masked as tsmm
     from fusedops.backends.triton.runtime import launcher as rt_launcher
@@ -349,17 +352,17 @@ def recording_entries(monkeypatch):
         log.append(("normal", grid, args))
         return real_call(self, grid, args, num_warps)
 
-    monkeypatch.setattr(tln, "BWD_PLANS", True)
+    launch_rules("layernorm", BWD_PLANS=True)
     monkeypatch.setattr(tle, "PLANS", True)
     monkeypatch.setattr(tsmm, "PLANS", True)
     monkeypatch.setattr(rt_launcher.Launcher, "entry", entry)
     monkeypatch.setattr(rt_launcher.Launcher, "__call__", spy)
-    for mod in (tln, tle, tsmm):
+    for mod in (tln, tlnb, tle, tsmm):
         monkeypatch.setattr(mod, "hooks_registered", lambda: False)
-    for mod in (tln, rt_launcher, rt_plans):
+    for mod in (tln, tlnb, rt_launcher, rt_plans):
         monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
     yield log
-    for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
+    for plans in (tlnb._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
                   tsmm._bwd_plans):
         plans.clear()
 
@@ -379,3 +382,18 @@ def fake_stream(monkeypatch):
     tsm._fwd_plans.clear()
     tln._fwd_plans.clear()
     trms._fwd_plans.clear()
+
+
+@pytest.fixture
+def launch_rules():
+    """``launch_rules(op, **rules)``: ``fusedops.backends.triton.configs.override(op, **rules)``
+    for the rest of the test (rules restored, caches and plans dropped, at teardown)."""
+    from fusedops.backends.triton import configs
+
+    with contextlib.ExitStack() as stack:
+        yield lambda *op, **rules: stack.enter_context(configs.override(*op, **rules))
+
+
+def forced_split_config(fwd, bwd):
+    """A ``split_config`` rule giving ``fwd`` / ``bwd`` whatever the row (for overrides)."""
+    return lambda kind, *args, **kwargs: fwd if kind == "fwd" else bwd

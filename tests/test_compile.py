@@ -504,13 +504,13 @@ def test_gpu_layernorm_unaligned_16bit_rows(n, dtype):
     whatever the weights' dtype. Both must match the float64 oracle, and the fused forward must
     stay ours. Where the rows' starts rule out vector accesses, PyTorch's native backward would
     run (weights in x's dtype; NATIVE_UNALIGNED_16BIT_BWD)."""
-    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
     torch.manual_seed(n)
     x = _cuda(40, n, dtype=dtype, scale=2)
-    assert (tln._dx_pieces_plan(n, x, x) is not None) == (n > tln.FUSED_BWD_MAX_BLOCK)
-    assert tln._native_unaligned(x, x, _cuda(n, dtype=dtype))
-    assert not tln._native_unaligned(x, x, _cuda(n))
+    assert (ln_rules.dx_pieces_plan(n, x, x) is not None) == (n > ln_rules.FUSED_BWD_MAX_BLOCK)
+    assert ln_rules.native_unaligned(x, x, _cuda(n, dtype=dtype))
+    assert not ln_rules.native_unaligned(x, x, _cuda(n))
     _gpu_check_layernorm(x, n, _cuda(n, dtype=dtype), _cuda(n, dtype=dtype))
     _gpu_check_layernorm(x, n, _cuda(n), _cuda(n))
     with fusedops.count_fused_calls() as counts:

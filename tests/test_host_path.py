@@ -75,13 +75,13 @@ def test_inference_non_contiguous_and_inner_dims():
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_layernorm_inference_allocates_no_statistics(monkeypatch):
+def test_layernorm_inference_allocates_no_statistics(monkeypatch, launch_rules):
     from fusedops.backends.triton import layernorm as tln
 
     # the rule below belongs to the reload and single-block kernels (8K rows would otherwise
     # take the unrolled kernel, which measured no slower without statistics)
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {})
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
+    launch_rules("layernorm", UNROLLED_FWD={})
+    launch_rules("layernorm", UNROLLED_FWD_GPU={})
 
     x = torch.randn(8, 64, device=_dev())
     y, mean, rstd = tln._forward(x, None, None, 1e-5, x.dtype, False)
@@ -365,13 +365,13 @@ def test_plans_replay_compiled_kernels(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
+def test_unrolled_layernorm_plans_replay(monkeypatch, dtype, launch_rules):
     """The unrolled LayerNorm forward records plans too: replayed calls give the first call's
     bits, with and without statistics."""
     from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 2048): ((512, 4),)})
+    launch_rules("layernorm", UNROLLED_FWD={(elt, 2048): ((512, 4),)})
     tcfg.set_single_block_limit(None)
     launched = []
     real = tln._launch_fwd_unrolled

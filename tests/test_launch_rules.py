@@ -18,11 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from conftest import assert_close_to_ref
+from conftest import assert_close_to_ref, forced_split_config
 
+from fusedops.backends.triton import configs as tconfigs
 from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
 from fusedops.backends.triton import softmax as tsm
 from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import split as rt_split
 
@@ -194,7 +197,7 @@ def test_layernorm_split_configs_are_valid(elt, aligned):
     for n in (m for m in ROW_LENGTHS if m > 8192):
         for vec in ((0, 16 // elt) if not aligned else (0,)):
             for kind in ("fwd", "bwd"):
-                cfg = tln._split_config(kind, n, elt, aligned, vec)
+                cfg = tln.split_config(kind, n, elt, aligned, vec)
                 if cfg is None:
                     # forward: aligned 16-bit rows of 256K+ (looped); backward with VEC: the
                     # scalar pieces or PyTorch's native kernel (16-bit)
@@ -210,25 +213,24 @@ def test_softmax_split_configs_are_valid():
         for elt in ELT_SIZES:
             for vec in (0, 16 // elt):
                 for kind in ("fwd", "bwd"):
-                    cfg = tsm._split_config(kind, elt, vec, n)
+                    cfg = tsm.split_config(kind, elt, vec, n)
                     assert len(cfg) == 3
                     _check_split_config(cfg, n, elt, not vec, vec)
 
 
-def test_split_config_overrides(monkeypatch):
-    monkeypatch.setattr(tln, "SPLIT_CONFIG", (1024, 2, 0))
-    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (512, 4, 2))
-    assert tln._split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
-    assert tln._split_config("bwd", 16384, 2, True) == (512, 4, 2)
+def test_split_config_overrides(monkeypatch, launch_rules):
+    launch_rules("layernorm", split_config=forced_split_config((1024, 2, 0), (512, 4, 2)))
+    assert tln.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
+    assert ln_rules.split_config("bwd", 16384, 2, True) == (512, 4, 2)
     monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (4096, 4, 2))
-    assert tsm._split_config("bwd", 4) == (4096, 4, 2)
+    assert tsm.split_config("bwd", 4) == (4096, 4, 2)
 
 
 def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     """Invariant: a split-row grid is a multiple of the pieces per row C (all pieces of a row
     in one round), deterministic for the same arguments, and with unaligned rows a multiple
     of C·VEC (a program's rows share one misalignment) or 0 where none fits."""
-    launcher = rt_split.SplitLauncher(tln._ln_fwd_split)
+    launcher = rt_split.SplitLauncher(tln.ln_fwd_split)
     dev = torch.device("cpu")
     x = torch.empty(2, 8)
     runtime = (x, x, x, x, x, x, x, x, 8, 4, 8, 8, 1e-5, 6)
@@ -248,7 +250,7 @@ def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
 
 # ------------------------------------------------------------------------ fused LayerNorm backward
 
-FUSED_BITS = tln.FUSED_BWD_MAX_BLOCK.bit_length() - 1  # log2 of the longest padded row
+FUSED_BITS = ln_rules.FUSED_BWD_MAX_BLOCK.bit_length() - 1  # log2 of the longest padded row
 
 
 def test_fused_backward_configs_are_valid():
@@ -259,9 +261,9 @@ def test_fused_backward_configs_are_valid():
         for k in range(0, FUSED_BITS + 1):
             block = 1 << k
             for body in (False, True):
-                if body and block < tln.FUSED_BWD_UNALIGNED_MIN_BLOCK:
+                if body and block < ln_rules.FUSED_BWD_UNALIGNED_MIN_BLOCK:
                     continue  # shorter bodies take the scalar variant
-                rows, warps, per_sm, acc_1d = tln._fused_bwd_config(block, body, elt)
+                rows, warps, per_sm, acc_1d = ln_rules.fused_bwd_config(block, body, elt)
                 assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 16, (block, body, elt)
                 assert rows * block >= 32 * warps and per_sm >= 1
                 assert isinstance(acc_1d, bool)
@@ -270,27 +272,27 @@ def test_fused_backward_configs_are_valid():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype):
+def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype, launch_rules):
     """Invariant: the fused backward's plan covers every row (tiles·ROWS >= M, the block holds
     the row or its aligned body), uses no more programs than tiles nor partial rows than the
     scratch budget, and with unaligned rows a multiple of VEC programs unless every tile has
     its own; rows longer than FUSED_BWD_MAX_BLOCK get no plan (the split / column paths)."""
-    monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
+    launch_rules("layernorm", num_sms=lambda dev: 132)
     elt = torch.empty((), dtype=dtype).element_size()
     for m in (1, 3, 37, 300, 4096):
         for n in (1, 33, 64, 1000, 1025, 2049, 4097, 8192, 8193):
             x = torch.empty(m, n, dtype=dtype)
-            plan = tln._fused_plan(m, n, x, x)
-            if rt_device.next_pow2(n) > tln.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
+            plan = ln_rules.fused_plan(m, n, x, x)
+            if rt_device.next_pow2(n) > ln_rules.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
                 assert plan is None
                 continue
             if plan is None:  # an unaligned body too long for the fused kernel
-                assert rt_device.next_pow2(n) > tln.FUSED_BWD_MAX_BLOCK
+                assert rt_device.next_pow2(n) > ln_rules.FUSED_BWD_MAX_BLOCK
                 continue
             vec, block, rows, warps, acc_1d, tiles, progs = plan
             assert block >= tcfg.body_len(n, vec) and _pow2(block)
             assert tiles * rows >= m
-            assert 1 <= progs <= min(tiles, max(1, tln._max_partial_rows(x)))
+            assert 1 <= progs <= min(tiles, max(1, ln_rules.max_partial_rows(x)))
             if vec and progs < tiles:
                 assert progs % vec == 0
 
@@ -301,7 +303,7 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
     for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
                         (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
         x = torch.empty(m, n, dtype=dtype)
-        rows = tln._max_partial_rows(x)
+        rows = ln_rules.max_partial_rows(x)
         assert rows >= 1
         if rows > 1:
             assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
@@ -310,29 +312,28 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
 def test_fused_backward_stages_rule(monkeypatch, device):
     """Invariant: the tile loop is pipelined (stages > 1) only for 16-bit rows of the blocks
     PIPELINED_BWD_BLOCKS lists whose row strides are 16-byte multiples, never for float32 or
-    unaligned strides; FUSED_BWD_STAGES overrides it; the launch passes the rule's value
+    unaligned strides; an override of the rule replaces it; the launch passes the rule's value
     (STAGES, the kernel's last argument), also to the parked dx launch."""
-    stages = tln._fused_bwd_stages
+    stages = ln_rules.fused_bwd_stages
     for k in range(4, FUSED_BITS + 1):
         block = 1 << k
-        pipelined = block in tln.PIPELINED_BWD_BLOCKS
+        pipelined = block in ln_rules.PIPELINED_BWD_BLOCKS
         assert (stages(block, 2, (block,) * 3) > 1) == pipelined
         assert stages(block, 4, (block,) * 3) == 1  # float32
         assert stages(block, 2, (block, block, block - 4)) == 1  # unaligned rows
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", 2)
-    assert stages(4096, 4, (4096,) * 3) == 2
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", None)
+    with tconfigs.override("layernorm", fused_bwd_stages=lambda *args: 2):
+        assert tlnb.fused_bwd_stages(4096, 4, (4096,) * 3) == 2
     seen = []
-    real = tln._launch_bwd_single
-    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: seen.append(
+    real = tlnb._launch_bwd_single
+    monkeypatch.setattr(tlnb, "_launch_bwd_single", lambda grid, args, warps: seen.append(
         args[-1]) or real(grid, args, warps))
-    piped = min(tln.PIPELINED_BWD_BLOCKS)
+    piped = min(ln_rules.PIPELINED_BWD_BLOCKS)
     for n in (piped * 3 // 4, piped // 2):  # a pipelined block, one outside the set
         x = torch.randn(8, n, dtype=torch.bfloat16, device=device)
         w = torch.randn(n, dtype=torch.bfloat16, device=device)
         _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
         seen.clear()
-        tln.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
+        tlnb.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
         want = stages(rt_device.next_pow2(n), 2, (n,) * 3)
         assert seen and set(seen) == {want}, n  # (a parked dx launch follows in low_memory)
 
@@ -340,7 +341,7 @@ def test_fused_backward_stages_rule(monkeypatch, device):
 def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
     # CPU tensors never take the native path (it is measured and enabled on CUDA only)
     x = torch.empty(2, 8193, dtype=torch.bfloat16)
-    assert not tln._native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
+    assert not ln_rules.native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------- reload / unrolled tables
@@ -369,9 +370,9 @@ def test_reload_and_unrolled_tables_are_valid():
     aligned and unaligned rows, the per-GPU tables) is valid for its kernel and reachable."""
     _check_table(tln.RELOAD_FWD, tln.RELOAD_FWD_ABOVE)
     _check_table(tln.RELOAD_VEC_FWD, 0, min_warps=1)
-    _check_table(tln.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
+    _check_table(ln_rules.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
     _check_table(tln.UNROLLED_VEC_FWD, 0, min_warps=1)
-    for rules in tln.UNROLLED_FWD_GPU.values():
+    for rules in ln_rules.UNROLLED_FWD_GPU.values():
         _check_table(rules, tln.UNROLLED_FWD_ABOVE)
     _check_table(tsm.RELOAD_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
     _check_table(tsm.RELOAD_BWD, tsm.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
@@ -384,27 +385,27 @@ def test_reload_and_unrolled_tables_are_valid():
         assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE
 
 
-def test_unrolled_rules_per_gpu(monkeypatch):
+def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
     """Invariant: a GPU whose name matches a per-GPU table reads that table's rules for the
     keys it holds and the shared table for every other key; other GPUs and the CPU read the
     shared table, which the per-GPU rules never change."""
-    if not tln.UNROLLED_FWD_GPU:
+    if not ln_rules.UNROLLED_FWD_GPU:
         pytest.skip("no per-GPU rules to check")
-    shared = {k: v for k, v in tln.UNROLLED_FWD.items()}
-    for part, rules in tln.UNROLLED_FWD_GPU.items():
-        monkeypatch.setattr(tln, "device_name", lambda index, part=part: f"NVIDIA {part} X")
+    shared = {k: v for k, v in ln_rules.UNROLLED_FWD.items()}
+    for part, rules in ln_rules.UNROLLED_FWD_GPU.items():
+        launch_rules("layernorm", device_name=lambda index, part=part: f"NVIDIA {part} X")
         for key in rules:
-            assert tln._unrolled_fwd_table(0, key) is rules
-        for key in tln.UNROLLED_FWD:
+            assert tln.unrolled_fwd_table(0, key) is rules
+        for key in ln_rules.UNROLLED_FWD:
             if key not in rules:
-                assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
-        assert all(tln._unrolled_fwd_table(-1, key) is tln.UNROLLED_FWD for key in rules)
-        monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA A100-SXM4-80GB")
-        assert all(tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD for key in rules)
-    assert tln.UNROLLED_FWD == shared
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
-    key = next(iter(tln.UNROLLED_FWD))
-    assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
+                assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
+        assert all(tln.unrolled_fwd_table(-1, key) is ln_rules.UNROLLED_FWD for key in rules)
+        launch_rules("layernorm", device_name=lambda index: "NVIDIA A100-SXM4-80GB")
+        assert all(tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD for key in rules)
+    assert ln_rules.UNROLLED_FWD == shared
+    launch_rules("layernorm", UNROLLED_FWD_GPU={})
+    key = next(iter(ln_rules.UNROLLED_FWD))
+    assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
 
 
 # ------------------------------------------------------------------- rows routed to their rules
@@ -447,13 +448,13 @@ def recording(monkeypatch, mod, name, calls, pick):
 
 
 @NEEDS_KERNELS
-def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch):
+def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch, launch_rules):
     """16-bit rows of 64K take the split-row kernel on a GPU; without it (the interpreter, a
     refused cooperative launch) the two-pass looped kernel, with row_config's chunk."""
     calls = []
     recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
-    monkeypatch.setattr(rt_split, "SPLIT_STATE", {"enabled": False})
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {})  # 64K rows may have an unrolled rule
+    launch_rules(SPLIT_ROWS=False)
+    launch_rules("layernorm", UNROLLED_FWD={})  # 64K rows may have an unrolled rule
     x = (torch.randn(2, 65536, device=_dev()) * 3 + 100).to(torch.bfloat16)
     w = torch.randn(65536, device=_dev())
     y, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, torch.bfloat16)
@@ -481,7 +482,7 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
     x = torch.randn(3, n, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
-    table = tln._unrolled_fwd_table(x.get_device(), (2, whole))
+    table = tln.unrolled_fwd_table(x.get_device(), (2, whole))
     rule = _first_dividing(table, 2, n, tln.UNROLLED_FWD_ABOVE)
     if rule:
         assert unrolled == [((3,), n, rule[0], rule[1])] and fwd == []
@@ -565,18 +566,18 @@ def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     (torch.bfloat16, 16640),
     (torch.float32, 16384),
 ], ids=str)
-def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
-    """LayerNorm forward: aligned rows run _ln_fwd_unrolled with the first config of their
+def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
+    """LayerNorm forward: aligned rows run ln_fwd_unrolled with the first config of their
     rule whose chunk divides N (a config of 0 warps, or none dividing: the other kernels);
     results against float64."""
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})  # the shared table (per-GPU: above)
+    launch_rules("layernorm", UNROLLED_FWD_GPU={})  # the shared table (per-GPU: above)
     calls = []
     recording(monkeypatch, tln, "_launch_fwd_unrolled", calls,
                lambda g, a, w: (a[10], a[11], w))
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     w = torch.randn(n, device=_dev())
     y = tln.layernorm_forward_y(x, w, None, 1e-5, dtype)
-    rule = _first_dividing(tln.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
+    rule = _first_dividing(ln_rules.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
     assert calls == ([(n, *rule)] if rule else [])
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double())
     assert_close_to_ref(y, ref, dtype, scale=4)
@@ -609,11 +610,11 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n):
 
 @NEEDS_KERNELS
 @pytest.mark.parametrize("n", [4097, 8193])
-def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n):
-    """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run _ln_fwd_reload_vec with the rule's
+def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n, launch_rules):
+    """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run ln_fwd_reload_vec with the rule's
     chunk and warps in calls of RELOAD_VEC_MIN_ELEMS elements or more (float32 rows, and smaller
     calls, keep the single-block kernel); results against float64."""
-    monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 5 * n)
+    launch_rules("layernorm", RELOAD_VEC_MIN_ELEMS=5 * n)
     calls = []
     recording(monkeypatch, tln, "_launch_fwd_reload_vec", calls,
                lambda g, a, w: (g, a[10], a[11], a[15], w))

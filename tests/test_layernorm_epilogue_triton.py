@@ -34,8 +34,8 @@ if not HAS_CUDA and not INTERPRETING:
 
 from fusedops import _philox  # noqa: E402
 from fusedops.backends import reference
-from fusedops.backends.triton import layernorm as tln  # noqa: E402
 from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
 from fusedops.backends.triton.runtime import philox as tphilox  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
@@ -412,7 +412,7 @@ def test_launch_rules():
                             assert rows * block >= 32 * warps
                         if not dropout and not act and block < 4096:
                             assert (rows, warps, per_sm, acc_1d) == \
-                                tln._fused_bwd_config(block, False, elt)
+                                ln_rules.fused_bwd_config(block, False, elt)
     # The column tiles: col = g * 1024 + q * 256 + i covers the padded row exactly.
     for block in (1, 64, 256, 512, 1024, 4096, 8192):
         g, q, i = tphilox.column_tile(block)

@@ -103,7 +103,7 @@ def test_amdahl_cli(capsys):
         ("aten::native_layer_norm", "layernorm"),
         ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>",
          "layernorm"),
-        ("_ln_fwd_single", "layernorm"),
+        ("ln_fwd_single", "layernorm"),
         ("_smm_fwd_single", "softmax"),  # the masked softmax (attention's)
         ("_smm_bwd_looped", "softmax"),
         ("_ln_epi_fwd_2d", "layernorm"),  # add + LayerNorm, LayerNorm + dropout + activation

@@ -26,6 +26,7 @@ import torch
 import triton
 
 from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
 from fusedops.backends.triton import softmax as tsm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def make_call(op: str, dt: torch.dtype, n: int):
         return lambda: tln.layernorm_forward(x, w, b, 1e-5, dt)
     dy = torch.randn_like(x)
     _, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dt)
-    return lambda: tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    return lambda: tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
 
 
 def profiled_kernels(fn) -> list[dict]:

@@ -60,6 +60,7 @@ import fusedops  # noqa: E402
 from fusedops.backends.triton import layernorm as tln  # noqa: E402
 from fusedops.backends.triton import softmax as tsm  # noqa: E402
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
 from fusedops.backends.triton.runtime import launcher as rt_launcher  # noqa: E402
 from fusedops.backends.triton.runtime import split as rt_split  # noqa: E402
 
@@ -212,8 +213,8 @@ def layernorm_cases(dtype: torch.dtype) -> None:
         finally:
             tcfg.set_single_block_limit(None)
             rt_split.SPLIT_STATE["enabled"] = split
-        saved = tln.FUSED_BWD_MAX_BLOCK
-        tln.FUSED_BWD_MAX_BLOCK = 0  # dx row kernel + column dweight/dbias kernel at short rows
+        saved = ln_rules.FUSED_BWD_MAX_BLOCK
+        ln_rules.FUSED_BWD_MAX_BLOCK = 0  # dx row kernel + column dweight/dbias kernel at short rows
         try:
             layernorm_case(f"layernorm column-kernel {tag}", randn(70, 1000, dtype=dtype, seed=8),
                            *params(1000), randn(70, 1000, dtype=dtype, seed=9))
@@ -222,7 +223,7 @@ def layernorm_cases(dtype: torch.dtype) -> None:
                                randn(9, 300, dtype=dtype, seed=12), *params(300),
                                randn(9, 300, dtype=dtype, seed=13), need_x=False)
         finally:
-            tln.FUSED_BWD_MAX_BLOCK = saved
+            ln_rules.FUSED_BWD_MAX_BLOCK = saved
         if affine != "none":  # the fused backward with partials only
             layernorm_case(f"layernorm params-only {tag}", randn(40, 300, dtype=dtype, seed=14),
                            *params(300), randn(40, 300, dtype=dtype, seed=15), need_x=False)
@@ -242,8 +243,8 @@ def layernorm_cases(dtype: torch.dtype) -> None:
                 with fusedops.layernorm_backward_mode(mode):
                     for m, n in ((40, 32768), (3, 32768), (70, 1000), (2, 1000), (256, 8193)):
                         # 40 rows: the split kernel writes dx before its parked scratch and
-                        # _ln_bwd_dx_published the rest; 3 rows: no room, all rows from
-                        # _ln_bwd_dx_pieces; 70 / 2 rows: the fused kernel's parked variant and
+                        # ln_bwd_dx_published the rest; 3 rows: no room, all rows from
+                        # ln_bwd_dx_pieces; 70 / 2 rows: the fused kernel's parked variant and
                         # its second launch / no room; 8193: the aligned-body variant
                         layernorm_case(f"layernorm {mode} {m} x {n} {tag}",
                                        randn(m, n, dtype=dtype, seed=26), *params(n),

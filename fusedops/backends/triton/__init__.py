@@ -26,6 +26,7 @@ if AVAILABLE:
     import torch
 
     from fusedops.backends.triton import layernorm as _layernorm
+    from fusedops.backends.triton import layernorm_bwd as _layernorm_backward
     from fusedops.backends.triton import layernorm_epilogue as _layernorm_epilogue
     from fusedops.backends.triton import rmsnorm as _rmsnorm
     from fusedops.backends.triton import softmax as _softmax
@@ -50,7 +51,7 @@ if AVAILABLE:
 
     layernorm_forward = _on_tensor_device(_layernorm.layernorm_forward)
     layernorm_forward_y = _on_tensor_device(_layernorm.layernorm_forward_y)
-    layernorm_backward = _on_tensor_device(_layernorm.layernorm_backward)
+    layernorm_backward = _on_tensor_device(_layernorm_backward.layernorm_backward)
     layernorm_epilogue_forward = _on_tensor_device(_layernorm_epilogue.layernorm_epilogue_forward)
     layernorm_epilogue_backward = _on_tensor_device(
         _layernorm_epilogue.layernorm_epilogue_backward)

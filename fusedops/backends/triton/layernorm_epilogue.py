@@ -3,7 +3,7 @@
 The row contract of ``fusedops.backends.reference.layernorm_epilogue_forward`` / ``_backward`` (same
 arguments, same results). Bytes moved: the forward reads x (and residual) once and writes out
 (and s = x + residual) once; the backward reads dout and s (and ds) once and writes dx once, plus
-float32 per-program dweight/dbias partials summed in a fixed order (``_reduce_partials``).
+float32 per-program dweight/dbias partials summed in a fixed order (``reduce_partials``).
 The dropout mask is never stored: the backward regenerates it from the seed.
 
 Kernels (``dropout_p == 0``, no activation, no residual, no weight / bias, no statistics are
@@ -49,13 +49,19 @@ import triton
 import triton.language as tl
 
 from fusedops import _philox, _replay
-from fusedops.backends.triton import layernorm as _ln
+from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.configs.common import grid_size, single_block_limit
+from fusedops.backends.triton.kernels.layernorm_bwd import over_rows, row_sums
 from fusedops.backends.triton.kernels.philox import element_keep, philox4x32, uint32_key
-from fusedops.backends.triton.layernorm import _over_rows, _reduce_partials, _row_sums
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
 from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
-from fusedops.backends.triton.runtime.plans import SequencePlans, replay_runner, tensor_key
+from fusedops.backends.triton.runtime.partials import reduce_partials
+from fusedops.backends.triton.runtime.plans import (
+    SequencePlans,
+    param_ptr,
+    replay_runner,
+    tensor_key,
+)
 from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
@@ -549,7 +555,7 @@ def _acc_zeros(ROWS: tl.constexpr, L: tl.constexpr, ACC_1D: tl.constexpr):
 
 @triton.jit
 def _store_partial(ptr, acc, cols, N, ACC_1D: tl.constexpr):
-    tl.store(ptr + cols, _over_rows(acc, ACC_1D), mask=cols < N)
+    tl.store(ptr + cols, over_rows(acc, ACC_1D), mask=cols < N)
 
 
 @triton.jit(do_not_specialize=_RANDOM_ARGS)
@@ -563,7 +569,7 @@ def _ln_epi_bwd_2d(
 ):
     # A persistent grid over [ROWS, BLOCK] row tiles, held as Q slices as in _ln_epi_fwd_2d
     # (one Philox call per counter with dropout). ACC_1D, PAIRED, STAGES as in LayerNorm's
-    # _ln_bwd_single: fold each tile's rows into the dweight/dbias accumulators at once, or keep
+    # ln_bwd_single: fold each tile's rows into the dweight/dbias accumulators at once, or keep
     # (ROWS, BLOCK) ones reduced once at the end (no cross-warp reduction per tile); the two
     # row sums of dx in one paired reduction; Triton's software pipelining of the tile loop.
     pid = tl.program_id(0)
@@ -630,7 +636,7 @@ def _ln_epi_bwd_2d(
             t1 += xh2 * wg2 + xh3 * wg3
             t2 += wg2 + wg3
         if NEED_DX:
-            c1s, c2s = _row_sums(t1, t2, 1, PAIRED)
+            c1s, c2s = row_sums(t1, t2, 1, PAIRED)
             c1s = c1s / N
             c2s = c2s / N
             _bwd_slice_dx(xh0, wg0, c1s, c2s, rstd, ds_ptr, dx_ptr, rows64, c0, m0, N,
@@ -761,7 +767,7 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
     """(ROWS, warps, programs per SM, ACC_1D, PAIRED, STAGES) of the single-block backward for
     padded rows of ``block`` elements. Without dropout or activation the kernel is LayerNorm's
     fused backward plus a read of ds, and takes its measured configuration
-    (``layernorm._fused_bwd_config``, ``_paired_sums``, ``_fused_bwd_stages``). With them, the
+    (``layernorm.fused_bwd_config``, ``paired_sums``, ``fused_bwd_stages``). With them, the
     2K-element tiles of ``_tile_2d`` (Philox and the activation's registers), one reduction per
     tile, about 32 resident warps per SM."""
     if BWD_PLAN_OVERRIDE is not None:
@@ -791,10 +797,10 @@ def _bwd_plan(block: int, elt_size: int, dropout: bool, act: int,
         return 1, 16, 1, False, True, 2
     # ds's loads add registers: 16-bit rows of 4K+ columns take float32 rows' 8K-element tiles
     # (the 16K-element ones spill, ptxas sm_90 with Triton 3.6: 32 B at 4K, 104 B at 8K).
-    rows, warps, per_sm, acc_1d = _ln._fused_bwd_config(block, False,
+    rows, warps, per_sm, acc_1d = ln_rules.fused_bwd_config(block, False,
                                                          4 if block >= 4096 else elt_size)
-    return (rows, warps, per_sm, acc_1d, _ln._paired_sums(elt_size, 0, block),
-            _ln._fused_bwd_stages(block, elt_size, strides))
+    return (rows, warps, per_sm, acc_1d, ln_rules.paired_sums(elt_size, 0, block),
+            ln_rules.fused_bwd_stages(block, elt_size, strides))
 
 
 def _slices(block: int, dropout: bool) -> int:
@@ -963,7 +969,7 @@ def _ops_runner(run, x, residual, weight, bias, eps, out_dtype, dropout_p, activ
     shape, dtype, device, n = x.shape, x.dtype, x.get_device(), x.shape[-1]
     dtypes = []
     for t in (weight, bias):
-        if t is not None and _ln._param_ptr(t, t.dtype, n, device) < 0:
+        if t is not None and param_ptr(t, t.dtype, n, device) < 0:
             return None
         dtypes.append(None if t is None else t.dtype)
     w_dtype, b_dtype = dtypes
@@ -973,8 +979,8 @@ def _ops_runner(run, x, residual, weight, bias, eps, out_dtype, dropout_p, activ
                 or residual.dtype is not dtype or not residual.is_cuda
                 or residual.get_device() != device or not x.is_contiguous()
                 or not residual.is_contiguous() or (x.data_ptr() | residual.data_ptr()) & 15
-                or _ln._param_ptr(weight, w_dtype, n, device) < 0
-                or _ln._param_ptr(bias, b_dtype, n, device) < 0 or hooks_registered()):
+                or param_ptr(weight, w_dtype, n, device) < 0
+                or param_ptr(bias, b_dtype, n, device) < 0 or hooks_registered()):
             return None
         out, s, _, _ = run(x, residual, weight, bias)
         return out, s
@@ -1122,7 +1128,7 @@ def _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation
         rows2, warps2, per_sm, acc_1d, paired, stages = _bwd_plan(
             block, s.element_size(), dropout, act, strides)
         tiles2 = cdiv(M, rows2)
-        progs2 = max(1, min(tiles2, num_sms(dev) * per_sm, _ln._max_partial_rows(s)))
+        progs2 = max(1, min(tiles2, num_sms(dev) * per_sm, ln_rules.max_partial_rows(s)))
         dw, db, dwp, dbp, part = _partials(progs2, N, need_dw, need_db, dxp)
         scratch = ()
         _launch_bwd_2d((progs2,), (
@@ -1154,7 +1160,7 @@ def _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation
             COLUMN_ROWS, 1, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
         ), _warps(COLUMN_ROWS * 1024, BWD_ELEMS_PER_THREAD))
     if part is not None:
-        dw, db = _reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
+        dw, db = reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
         scratch = (*scratch, part)
     mark_replayable()
     return dx, dw, db, scratch
@@ -1164,7 +1170,7 @@ def _partials(progs: int, N: int, need_dw: bool, need_db: bool, placeholder: tor
     """(dw, db, dweight target, dbias target, partials to sum or None) for ``progs`` programs
     writing one float32 row each: with one program the results themselves (float32 dw, db
     allocated here), else the two halves of a (2, progs, N) float32 buffer (the layout
-    ``_reduce_partials`` sums; dw, db None until it makes them)."""
+    ``reduce_partials`` sums; dw, db None until it makes them)."""
     if not (need_dw or need_db):
         return None, None, placeholder, placeholder, None
     dev = placeholder.device

@@ -14,7 +14,7 @@ once (3·M·N·elt, plus the weight, rstd and the float32 dweight partials).
   (keeping the row in L2), pass 2 reads it again and writes y.
 * Backward, fused (padded rows up to ``FUSED_BWD_MAX_BLOCK``): a persistent grid whose
   programs loop over row tiles, write dx and accumulate dweight in float32 registers, one
-  partial row per program; LayerNorm's ``_sum_partials`` adds them in a fixed order
+  partial row per program; LayerNorm's ``sum_partials`` adds them in a fixed order
   (deterministic: no atomics). With one program the partial row is dweight itself.
 * Backward, longer rows: dx from a looped row kernel (two passes over the row: the sum, then
   dx) and dweight from a column-blocked kernel (x and dy read twice in all).
@@ -36,10 +36,10 @@ import triton.language as tl
 
 from fusedops import _replay
 from fusedops.backends.triton.configs.common import grid_size, row_config, single_block_limit
-from fusedops.backends.triton.layernorm import _param_ptr, _reduce_partials
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms, rows_and_output
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
-from fusedops.backends.triton.runtime.plans import PlanCache
+from fusedops.backends.triton.runtime.partials import reduce_partials
+from fusedops.backends.triton.runtime.plans import PlanCache, param_ptr
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _rms_fwd_single(
     STATS: tl.constexpr,
 ):
     # HOLD_W: the weight stays in registers across a program's tiles (short rows); long rows
-    # reload it per tile from L2 rather than spill (see _hold_w).
+    # reload it per tile from L2 rather than spill (see hold_w).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -244,11 +244,11 @@ _launch_dw_columns = Launcher(_rms_bwd_dw_columns)
 HOLD_W_MAX_PER_THREAD = 32
 
 
-def _hold_w(block: int, warps: int) -> bool:
+def hold_w(block: int, warps: int) -> bool:
     return warps <= 16 and block // (32 * warps) <= HOLD_W_MAX_PER_THREAD
 
 
-# The backward's tiles and warps are LayerNorm's measured ones (layernorm._fused_bwd_config),
+# The backward's tiles and warps are LayerNorm's measured ones (layernorm.fused_bwd_config),
 # not re-tuned for RMSNorm; only the fused kernel's row limit was measured (below).
 # Padded rows up to this many elements take the fused backward (the row, dy and the dweight
 # accumulator in registers); longer rows the looped dx kernel plus the column kernel.
@@ -329,7 +329,7 @@ def _replay_runner(key: tuple, plan: tuple):
         p = x.data_ptr()
         if p & 15 or not x.is_contiguous() or not x.is_cuda or hooks_registered():
             return None
-        wp = _param_ptr(weight, w_dtype, n, device)
+        wp = param_ptr(weight, w_dtype, n, device)
         if wp < 0:
             return None
         y = torch.empty_like(x)
@@ -391,7 +391,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
             progs = (grid_size(tiles, warps, "ln_fwd", x.device, block, persistent=True)
                      if persistent else tiles)
         args = (x, w, y, r, M, N, stride, N, eps, tiles, progs,
-                block, rows, has_w, _hold_w(block, warps), with_stats)
+                block, rows, has_w, hold_w(block, warps), with_stats)
         _launch_fwd_single((progs,), args, warps)
         if key is not None:
             _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 4)
@@ -473,10 +473,10 @@ def rmsnorm_backward(
         _launch_bwd_single((progs,), (
             dy, x, w, rstd, dx if need_dx else x, part, M, N, dy.stride(0), x.stride(0), N,
             tiles, progs,
-            block, rows, has_w, _hold_w(block, warps), need_dx, need_dw, acc_1d,
+            block, rows, has_w, hold_w(block, warps), need_dx, need_dw, acc_1d,
         ), warps)
         if need_dw and progs > 1:
-            _reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
+            reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
         return dx, dw
     if need_dx:
         chunk, warps = _looped_config()
@@ -503,4 +503,4 @@ def _dw_columns(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dw: torch
         dy, x, rstd, out, M, N, dy.stride(0), x.stride(0), rows_per_split, block_c, block_r,
     ), COLUMN_WARPS)
     if splits > 1:
-        _reduce_partials(out.view(1, splits, N), True, False, out=(dw, None))
+        reduce_partials(out.view(1, splits, N), True, False, out=(dw, None))

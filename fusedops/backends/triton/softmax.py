@@ -559,7 +559,7 @@ _fwd_plans = PlanCache(_replay.SOFTMAX, _replay_runner)
 SPLIT_CONFIG: dict[str, tuple[int, int, int] | None] = {"fwd": None, "bwd": None}
 
 
-def _split_config(kind: str, elt_size: int, vec: int = 0, n: int = 0) -> tuple[int, int, int]:
+def split_config(kind: str, elt_size: int, vec: int = 0, n: int = 0) -> tuple[int, int, int]:
     forced = SPLIT_CONFIG[kind]
     if forced is not None:
         return forced
@@ -578,7 +578,7 @@ def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_
                   elt_size: int, kind: str, vec: int, device: torch.device) -> bool:
     """Run the split-row kernel ``launcher`` over (M, N) rows if it applies; False otherwise
     (the caller then runs the looped kernel)."""
-    chunk, warps, prefetch = _split_config(kind, elt_size, vec, N)
+    chunk, warps, prefetch = split_config(kind, elt_size, vec, N)
     if not split_rows_enabled(device, N, chunk):
         return False
     C, L = split_pieces(N, chunk, vec)

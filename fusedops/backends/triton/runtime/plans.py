@@ -171,3 +171,19 @@ def run_steps(steps: tuple, ptrs: tuple, stream: int) -> None:
     """Launch replay ``steps`` (see :func:`sequence_steps`) with the call's tensor addresses."""
     for go, grid, slots, tail in steps:
         go(grid, stream, (*[ptrs[i] + off for i, off in slots], *tail))
+
+
+def param_ptr(t, dtype, n: int, device: int) -> int:
+    """The address of parameter ``t`` (weight or bias) if a replayed plan, made for a parameter
+    of ``dtype`` (None: no parameter) on ``device``, can read it as it read the registering
+    call's: a plain tensor or Parameter of that dtype and shape (n,), contiguous, 16-byte
+    aligned, on that CUDA device; -1 otherwise (0 for no parameter)."""
+    if t is None:
+        return 0 if dtype is None else -1
+    cls = t.__class__
+    if ((cls is not torch.Tensor and cls is not torch.nn.Parameter) or t.dtype is not dtype
+            or not t.is_cuda or t.get_device() != device
+            or t.shape != (n,) or not t.is_contiguous()):
+        return -1
+    p = t.data_ptr()
+    return -1 if p & 15 else p

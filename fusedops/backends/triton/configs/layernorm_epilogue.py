@@ -1,0 +1,3 @@
+"""layernorm_epilogue launch rules."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""rmsnorm launch rules."""
+
+from __future__ import annotations

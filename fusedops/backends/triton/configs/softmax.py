@@ -1,0 +1,3 @@
+"""softmax launch rules."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""softmax_masked launch rules."""
+
+from __future__ import annotations
