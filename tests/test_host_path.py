@@ -399,11 +399,11 @@ def test_unrolled_layernorm_plans_replay(monkeypatch, dtype, launch_rules):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
-def test_unrolled_softmax_plans_replay(monkeypatch):
+def test_unrolled_softmax_plans_replay(monkeypatch, launch_rules):
     """The unrolled softmax forward records plans: a replayed call gives the first call's bits."""
     from fusedops.backends.triton import softmax as tsm
 
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(2, 2048): ((512, 4),)})
+    launch_rules("softmax", UNROLLED_FWD={(2, 2048): ((512, 4),)})
     tcfg.set_single_block_limit(None)
     x = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)  # 3 chunks
     first = tsm.softmax_forward(x, torch.bfloat16)

@@ -26,6 +26,7 @@ from fusedops.backends.triton import layernorm_bwd as tlnb
 from fusedops.backends.triton import softmax as tsm
 from fusedops.backends.triton.configs import common as tcfg
 from fusedops.backends.triton.configs import layernorm as ln_rules
+from fusedops.backends.triton.configs import softmax as sm_rules
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import split as rt_split
 
@@ -222,7 +223,7 @@ def test_split_config_overrides(monkeypatch, launch_rules):
     launch_rules("layernorm", split_config=forced_split_config((1024, 2, 0), (512, 4, 2)))
     assert tln.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
     assert ln_rules.split_config("bwd", 16384, 2, True) == (512, 4, 2)
-    monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (4096, 4, 2))
+    launch_rules("softmax", split_config=forced_split_config(None, (4096, 4, 2)))
     assert tsm.split_config("bwd", 4) == (4096, 4, 2)
 
 
@@ -378,9 +379,9 @@ def test_reload_and_unrolled_tables_are_valid():
     _check_table(tsm.RELOAD_BWD, tsm.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
     _check_table(tsm.UNROLLED_FWD, tsm.UNROLLED_FWD_ABOVE)
     _check_table(tsm.UNROLLED_VEC_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
-    _check_table(tsm.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
-    _check_table(tsm.UNROLLED_VEC_BWD, 0, min_warps=1)
-    for (_, padded) in tsm.UNROLLED_VEC_BWD:
+    _check_table(sm_rules.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.UNROLLED_VEC_BWD, 0, min_warps=1)
+    for (_, padded) in sm_rules.UNROLLED_VEC_BWD:
         # unaligned rows: N > padded / 2 + 1 > UNROLLED_BWD_ABOVE for any body padded to it
         assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE
 
@@ -508,7 +509,7 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
 ], ids=str)
 def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
     """Rows with an unrolled backward rule (aligned: the first config dividing N; unaligned: the
-    rule for the padded body, if the body holds a chunk) run _softmax_bwd_unrolled with its
+    rule for the padded body, if the body holds a chunk) run softmax_bwd_unrolled with its
     chunk and warps, the body of unaligned rows ((N // VEC - 1)·VEC) and VEC; other rows do
     not; results against float64."""
     calls = []
@@ -517,11 +518,11 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
     vec = 0 if n % (16 // elt) == 0 else 16 // elt
     if vec:
         body = (n // vec - 1) * vec
-        rule = tsm.UNROLLED_VEC_BWD.get((elt, rt_device.next_pow2(tcfg.body_len(n, vec))))
+        rule = sm_rules.UNROLLED_VEC_BWD.get((elt, rt_device.next_pow2(tcfg.body_len(n, vec))))
         rule = rule if rule and body >= rule[0] else None
     else:
         body = n
-        rule = _first_dividing(tsm.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
+        rule = _first_dividing(sm_rules.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
     y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1).to(dtype)
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64).to(dtype)
     dx = tsm.softmax_backward(y, dy, dtype)
@@ -542,7 +543,7 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
 ], ids=str)
 def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     """Aligned rows whose padded length has an unrolled forward rule with a chunk dividing N
-    run _softmax_fwd_unrolled with that chunk and warps; other rows do not; results against
+    run softmax_fwd_unrolled with that chunk and warps; other rows do not; results against
     float64."""
     calls = []
     recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
@@ -591,13 +592,13 @@ def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     (torch.bfloat16, 32768),
     (torch.bfloat16, 65537),  # unaligned rows: split rows or looped
 ], ids=str)
-def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n):
+def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     """Aligned rows longer than RELOAD_FWD_ABOVE whose padded length has a reload rule run
-    _softmax_fwd_reload with the rule's chunk and warps, unrolled without masks (EVEN = N) for
+    softmax_fwd_reload with the rule's chunk and warps, unrolled without masks (EVEN = N) for
     power-of-two rows; unaligned rows and rows without a rule do not."""
     calls = []
     recording(monkeypatch, tsm, "_launch_fwd_reload", calls, lambda g, a, w: (g, *a[5:], w))
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {})  # rows with an unrolled rule take it first
+    launch_rules("softmax", UNROLLED_FWD={})  # rows with an unrolled rule take it first
     x = torch.randn(3, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
     whole = rt_device.next_pow2(n)

@@ -19,7 +19,6 @@ from conftest import assert_close_to_ref, assert_row_sum_close, forced_split_con
 from fusedops import fused_layernorm, fused_softmax
 from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton import layernorm_bwd as tlnb
-from fusedops.backends.triton import softmax as tsm
 from fusedops.backends.triton.runtime import split as rt_split
 
 pytestmark = gpu
@@ -67,11 +66,11 @@ def _layernorm_case(m, n, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
-def test_softmax_split(monkeypatch, shape, dtype, prefetch):
-    monkeypatch.setitem(tsm.SPLIT_CONFIG, "fwd", (8192, 8, prefetch))
-    monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (8192, 8, prefetch))
-    for table in ("UNROLLED_VEC_FWD", "UNROLLED_BWD", "UNROLLED_VEC_BWD"):
-        monkeypatch.setattr(tsm, table, {})  # 16-bit rows of these shapes: unrolled kernels
+def test_softmax_split(monkeypatch, shape, dtype, prefetch, launch_rules):
+    forced = (8192, 8, prefetch)
+    launch_rules("softmax", split_config=forced_split_config(forced, forced))
+    # 16-bit rows of these shapes: unrolled kernels
+    launch_rules("softmax", UNROLLED_VEC_FWD={}, UNROLLED_BWD={}, UNROLLED_VEC_BWD={})
     _softmax_case(*shape, dtype)
 
 

@@ -321,9 +321,9 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
 
     elt = torch.empty((), dtype=dtype).element_size()
     launch_rules("layernorm", RELOAD_FWD={(elt, 64): (16, 4, third)})
-    monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): (16, 4)})
+    launch_rules("softmax", RELOAD_BWD={(elt, 64): (16, 4)})
     launch_rules("layernorm", RELOAD_FWD_ABOVE=0)
-    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
+    launch_rules("softmax", RELOAD_BWD_ABOVE=0)
     calls = []
     real = tln._launch_fwd_reload
     monkeypatch.setattr(tln, "_launch_fwd_reload",
@@ -416,15 +416,15 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
 @pytest.mark.parametrize("cfg", [(16, 4), (16, 4, 32)], ids=["whole", "pieces"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["even", "masked"])
 def test_softmax_backward_reload_variants(monkeypatch, triton_backend, device, dtype, n, cfg,
-                                          unroll):
+                                          unroll, launch_rules):
     """The softmax backward reload kernel, first pass whole or in pieces, with power-of-two rows
     unrolled without masks (EVEN) or masked like every other row; strided dy."""
     from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): cfg})
-    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "UNROLL_RELOAD_BWD", unroll)
+    launch_rules("softmax", RELOAD_BWD={(elt, 64): cfg})
+    launch_rules("softmax", RELOAD_BWD_ABOVE=0)
+    launch_rules("softmax", UNROLL_RELOAD_BWD=unroll)
     calls = []
     real = tsm._launch_bwd_looped
     monkeypatch.setattr(tsm, "_launch_bwd_looped",
@@ -465,7 +465,7 @@ def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tenso
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 50])  # a power of two (EVEN), 48 and 50 masked
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, chunk):
+def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, chunk, launch_rules):
     """The softmax forward reload kernel (row read whole for max and sum, then again in chunks
     to write y) with its rule shrunk to 64-element rows: the unrolled power-of-two row, masked
     rows shorter than the padded block, chunks past the row's end, a strided input; rows with
@@ -473,8 +473,8 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
     from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "RELOAD_FWD", {(elt, 64): (chunk, 4)})
-    monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
+    launch_rules("softmax", RELOAD_FWD={(elt, 64): (chunk, 4)})
+    launch_rules("softmax", RELOAD_FWD_ABOVE=0)
     monkeypatch.setattr(tsm, "_fwd_plans", rt_plans.PlanCache())
     calls = []
     real = tsm._launch_fwd_reload
@@ -487,16 +487,17 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
-def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n, chunk):
-    """_softmax_fwd_unrolled (row length a compile-time multiple of the chunk, three unrolled
+def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n, chunk,
+                                  launch_rules):
+    """softmax_fwd_unrolled (row length a compile-time multiple of the chunk, three unrolled
     passes): one, three and four chunks, strided and contiguous rows with -inf (masked
     attention), all -inf (NaN, as torch), a NaN, +inf (NaN, as torch) and rows far from zero;
     a length no config divides takes the other kernels."""
     from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, rt_device.next_pow2(n)): ((chunk, 4),)})
-    monkeypatch.setattr(tsm, "UNROLLED_FWD_ABOVE", 0)
+    launch_rules("softmax", UNROLLED_FWD={(elt, rt_device.next_pow2(n)): ((chunk, 4),)})
+    launch_rules("softmax", UNROLLED_FWD_ABOVE=0)
     monkeypatch.setattr(tsm, "_fwd_plans", rt_plans.PlanCache())
     calls = []
     real = tsm._launch_fwd_unrolled
@@ -511,7 +512,7 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
     x = _check_softmax_special_rows(8, n, device, dtype)
     assert calls == [(n, chunk, 4)] * 2
     calls.clear()
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
+    launch_rules("softmax", UNROLLED_FWD={(elt, 64): ((16, 4),)})
     tsm.softmax_forward(x[:, :40], dtype)  # 40 % 16 != 0
     assert calls == []
 
@@ -519,8 +520,8 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [67, 73, 79])
 def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend, device, dtype,
-                                                     n):
-    """_softmax_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements
+                                                     n, launch_rules):
+    """softmax_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements
     in unrolled 16-element chunks, a partial last chunk masked where 16 does not divide it,
     the head and tail in the edge tile) with its rule shrunk to 64-element bodies: 17
     contiguous rows cover every head 0..VEC-1, with -inf, all -inf, NaN, +inf and far rows
@@ -528,8 +529,8 @@ def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend
     from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "UNROLLED_VEC_FWD", {(elt, 64): (16, 1), (elt, 128): (16, 1)})
-    monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
+    launch_rules("softmax", UNROLLED_VEC_FWD={(elt, 64): (16, 1), (elt, 128): (16, 1)})
+    launch_rules("softmax", RELOAD_FWD_ABOVE=0)
     calls = []
     real = tsm._launch_fwd_unrolled_vec
     monkeypatch.setattr(tsm, "_launch_fwd_unrolled_vec",
@@ -631,8 +632,8 @@ def test_shifted_weights(triton_backend, device, dtype):
 @exhaustive_unless(one_of_each({"n": [64, 48, 67, 73, 79], "dtype": DTYPES}))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 67, 73, 79])
-def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n):
-    """_softmax_bwd_unrolled with its rules shrunk to 64-element rows in 16-element chunks:
+def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n, launch_rules):
+    """softmax_bwd_unrolled with its rules shrunk to 64-element rows in 16-element chunks:
     aligned rows (64: four full chunks; 48: three) with a strided and an expanded (row stride 0)
     dy; unaligned rows (67, 73, 79: 17 rows cover every head 0..VEC-1, a partial last chunk
     where 16 does not divide the body, head and tail in the edge tile) with a contiguous dy, and
@@ -641,9 +642,9 @@ def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n
 
     elt = torch.empty((), dtype=dtype).element_size()
     vec = 16 // elt
-    monkeypatch.setattr(tsm, "UNROLLED_BWD", {(elt, 64): ((16, 4),)})
-    monkeypatch.setattr(tsm, "UNROLLED_VEC_BWD", {(elt, 64): (16, 2), (elt, 128): (16, 1)})
-    monkeypatch.setattr(tsm, "UNROLLED_BWD_ABOVE", 0)
+    launch_rules("softmax", UNROLLED_BWD={(elt, 64): ((16, 4),)})
+    launch_rules("softmax", UNROLLED_VEC_BWD={(elt, 64): (16, 2), (elt, 128): (16, 1)})
+    launch_rules("softmax", UNROLLED_BWD_ABOVE=0)
     calls = []
     real = tsm._launch_bwd_unrolled
     monkeypatch.setattr(tsm, "_launch_bwd_unrolled",

@@ -97,7 +97,7 @@ def test_amdahl_cli(capsys):
         ("aten::_softmax", "softmax"),
         ("aten::log_softmax", "other"),
         ("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16>", "softmax"),
-        ("_softmax_fwd_single", "softmax"),
+        ("softmax_fwd_single", "softmax"),
         ("fusedops::softmax_forward", "softmax"),
         ("aten::layer_norm", "layernorm"),
         ("aten::native_layer_norm", "layernorm"),
