@@ -30,6 +30,7 @@ if not HAS_CUDA and not INTERPRETING:
 
 from fusedops.backends.triton import rmsnorm as trms  # noqa: E402
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -178,10 +179,10 @@ def _bwd_limit() -> int:
 
 def test_unaligned_16k_rows_fused_on_32_warps():
     """Rows of 8K-16K whose N is not a multiple of 16: the fused backward on 32 warps."""
-    assert trms._bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
-    assert trms._bwd_config(16384, 2) == (1, 16, 1, True)
-    assert trms._bwd_config(8192, 2) == trms.BWD_RULES_16BIT[8192]
-    assert trms._bwd_config(8192, 2, aligned=False) != trms.BWD_RULES_16BIT[8192]
+    assert trms.bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
+    assert trms.bwd_config(16384, 2) == (1, 16, 1, True)
+    assert trms.bwd_config(8192, 2) == rms_rules.BWD_RULES_16BIT[8192]
+    assert trms.bwd_config(8192, 2, aligned=False) != rms_rules.BWD_RULES_16BIT[8192]
     if _bwd_limit() >= 16384:
         x, w, dy = make(2, 8193, torch.bfloat16, "fp32", seed=13)
         check_all(x, w, dy)
@@ -240,10 +241,10 @@ def test_column_kernel_splits(small_single_block):
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_forward_rules(monkeypatch, persistent):
+def test_forward_rules(monkeypatch, persistent, launch_rules):
     """A measured forward rule (FWD_RULES: rows per program, warps, persistent grid) in place of
     LayerNorm's: the same results, tiles looped over by fewer programs when persistent."""
-    monkeypatch.setattr(trms, "FWD_RULES", {(4, 64): (2, 2, persistent)})
+    launch_rules("rmsnorm", FWD_RULES={(4, 64): (2, 2, persistent)})
     x, w, dy = make(11, 64, torch.float32, "same", seed=12)
     check_all(x, w, dy)
 
