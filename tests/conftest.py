@@ -353,8 +353,8 @@ def recording_entries(monkeypatch, launch_rules):
         return real_call(self, grid, args, num_warps)
 
     launch_rules("layernorm", BWD_PLANS=True)
-    monkeypatch.setattr(tle, "PLANS", True)
-    monkeypatch.setattr(tsmm, "PLANS", True)
+    launch_rules("layernorm_epilogue", PLANS=True)
+    launch_rules("softmax_masked", PLANS=True)
     monkeypatch.setattr(rt_launcher.Launcher, "entry", entry)
     monkeypatch.setattr(rt_launcher.Launcher, "__call__", spy)
     for mod in (tln, tlnb, tle, tsmm):

@@ -115,13 +115,12 @@ BWD_CASES = {
 }
 
 
-def _run_case(kind, case, monkeypatch):
+def _run_case(kind, case, launch_rules):
     """(call(seed) -> outputs, the case's tensors): the backend call of ``case``."""
     case = dict(case)
     if case.pop("looped", False):  # rows past the single-block caps
-        for name in ("FWD_MAX_BLOCK", "FWD_MAX_BLOCK_DROPOUT", "BWD_MAX_BLOCK",
-                     "BWD_MAX_BLOCK_EPILOGUE"):
-            monkeypatch.setattr(tle, name, 32)
+        launch_rules("layernorm_epilogue", FWD_MAX_BLOCK=32, FWD_MAX_BLOCK_DROPOUT=32,
+                     BWD_MAX_BLOCK=32, BWD_MAX_BLOCK_EPILOGUE=32)
     M, N, dtype, p, act = (case.pop(k) for k in ("M", "N", "dtype", "p", "act"))
     need = case.pop("need", (True, True, True))
     need_stats = case.pop("need_stats", True)
@@ -141,12 +140,12 @@ def _run_case(kind, case, monkeypatch):
 @pytestmark_interp
 @pytest.mark.parametrize("kind,name", [("forward", n) for n in FWD_CASES]
                          + [("backward", n) for n in BWD_CASES])
-def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, kind, name):
+def test_replay_repeats_the_normal_launches(recording_entries, launch_rules, kind, name):
     """A call of a signature seen before replays: the launches a normal call with its seed
     would make (grids, scalars with its seed words, pointers at the same places), into new
     outputs of the normal call's shapes and dtypes."""
     call, inputs = _run_case(kind, (FWD_CASES if kind == "forward" else BWD_CASES)[name],
-                             monkeypatch)
+                             launch_rules)
     plans = tle._fwd_plans if kind == "forward" else tle._bwd_plans
     log = recording_entries
     call(SEED_A)
@@ -199,7 +198,7 @@ def test_replayed_seed_is_checked(recording_entries):
 @pytestmark_interp
 @pytest.mark.parametrize("case", ["strided weight", "shared input", "hooks", "no grad_dtypes",
                                   "plans off"])
-def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
+def test_calls_that_do_not_replay(recording_entries, monkeypatch, case, launch_rules):
     """A launch argument that is neither an input nor inside an output (a weight made
     contiguous for the call) or inputs sharing an address record no plan (a False entry, not
     recorded again); with a launch hook the normal path runs; backward calls without
@@ -211,7 +210,7 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
     if case == "shared input":
         t["residual"], t["ds"] = t["x"], t["dout"]
     if case == "plans off":
-        monkeypatch.setattr(tle, "PLANS", False)
+        launch_rules("layernorm_epilogue", PLANS=False)
     grad_dtypes = None if case == "no grad_dtypes" else "params"
     first = (_forward(t, 0.1, SEED_A, "relu"), _backward(t, 0.1, SEED_A, "relu",
                                                            grad_dtypes=grad_dtypes))

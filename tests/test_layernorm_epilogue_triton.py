@@ -36,6 +36,7 @@ from fusedops import _philox  # noqa: E402
 from fusedops.backends import reference
 from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
 from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
+from fusedops.backends.triton.configs import layernorm_epilogue as le_rules  # noqa: E402
 from fusedops.backends.triton.runtime import philox as tphilox  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
@@ -288,9 +289,9 @@ def test_seed_changes_mask_deterministically():
                                   (False, False, True), (False, True, True),
                                   (False, False, False)])
 @pytest.mark.parametrize("looped", [False, True], ids=["single", "long-rows"])
-def test_need_combinations(need, looped, monkeypatch):
+def test_need_combinations(need, looped, monkeypatch, launch_rules):
     if looped:
-        monkeypatch.setattr(tle, "BWD_MAX_BLOCK_EPILOGUE", 16)
+        launch_rules("layernorm_epilogue", BWD_MAX_BLOCK_EPILOGUE=16)
     t = make(5, 300, torch.float16, "fp32", seed=8)
     _, s, mean, rstd = forward(t, 0.1, SEED, "gelu")
     _, _, _, dx64, dw64, db64 = oracle(t, 0.1, SEED, "gelu", s)
@@ -313,12 +314,12 @@ def test_ds_added_once():
 
 
 @pytest.mark.parametrize("looped", [False, True], ids=["single", "looped"])
-def test_row_strides(looped, monkeypatch):
+def test_row_strides(looped, monkeypatch, launch_rules):
     """x, residual, dout and ds as column slices of wider tensors (different row strides), s as
     one too, and an expanded dout (row stride 0)."""
     if looped:
-        monkeypatch.setattr(tle, "FWD_MAX_BLOCK_DROPOUT", 256)
-        monkeypatch.setattr(tle, "BWD_MAX_BLOCK_EPILOGUE", 256)
+        launch_rules("layernorm_epilogue", FWD_MAX_BLOCK_DROPOUT=256)
+        launch_rules("layernorm_epilogue", BWD_MAX_BLOCK_EPILOGUE=256)
     m, n = 4, 300
     wide = make(m, n + 40, torch.bfloat16, "fp32", seed=10)
     t = {
@@ -380,30 +381,30 @@ def test_launch_rules():
     from fusedops.backends.triton.configs import common as tcfg
 
     for dropout in (False, True):
-        assert _pow2(tle._fwd_cap(dropout)) and tle._fwd_cap(dropout) <= tle.single_block_limit()
+        assert _pow2(tle.fwd_cap(dropout)) and tle.fwd_cap(dropout) <= le_rules.single_block_limit()
         for act in (0, 1, 2):
-            cap = tle._bwd_cap(dropout, act)
-            assert _pow2(cap) and cap <= tle.single_block_limit()
-    assert tle._fwd_cap(True) <= tle._fwd_cap(False)
+            cap = tle.bwd_cap(dropout, act)
+            assert _pow2(cap) and cap <= le_rules.single_block_limit()
+    assert tle.fwd_cap(True) <= tle.fwd_cap(False)
     tcfg.set_single_block_limit(1024)
     try:
-        assert tle._fwd_cap(False) <= 1024 and tle._bwd_cap(True, 2) <= 1024
+        assert tle.fwd_cap(False) <= 1024 and tle.bwd_cap(True, 2) <= 1024
     finally:
         tcfg.set_single_block_limit(None)
     for elt in (2, 4):
         for dropout in (False, True):
-            for k in range(0, tle._fwd_cap(dropout).bit_length()):
+            for k in range(0, tle.fwd_cap(dropout).bit_length()):
                 block = 1 << k
                 for has_res in (False, True):
-                    rows, warps, per_sm, stages = tle._fwd_plan(block, elt, dropout, has_res)
+                    rows, warps, per_sm, stages = tle.fwd_plan(block, elt, dropout, has_res)
                     assert _pow2(rows) and _pow2(warps) and warps <= 32
                     assert per_sm is None or per_sm >= 1
                     assert stages is None or 1 <= stages <= 3
             for act in (0, 1, 2):
-                for k in range(0, tle._bwd_cap(dropout, act).bit_length()):
+                for k in range(0, tle.bwd_cap(dropout, act).bit_length()):
                     block = 1 << k
                     for strides in ((block, block), (block, block, block)):
-                        rows, warps, per_sm, acc_1d, paired, stages = tle._bwd_plan(
+                        rows, warps, per_sm, acc_1d, paired, stages = tle.bwd_plan(
                             block, elt, dropout, act, strides)
                         assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 32
                         assert per_sm >= 1 and 1 <= stages <= 3
@@ -422,13 +423,13 @@ def test_launch_rules():
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["at-cap", "past-cap"])
 @pytest.mark.parametrize("p, act", [(0.0, None), (0.1, "relu")], ids=["plain", "epilogue"])
-def test_single_block_caps(monkeypatch, extra, p, act):
+def test_single_block_caps(monkeypatch, extra, p, act, launch_rules):
     """Rows at each single-block cap and one column past it (the looped forward and the
     long-row backward), caps shrunk to 512 (plain) / 256 (dropout, activation)."""
-    monkeypatch.setattr(tle, "FWD_MAX_BLOCK", 512)
-    monkeypatch.setattr(tle, "BWD_MAX_BLOCK", 512)
-    monkeypatch.setattr(tle, "FWD_MAX_BLOCK_DROPOUT", 256)
-    monkeypatch.setattr(tle, "BWD_MAX_BLOCK_EPILOGUE", 256)
+    launch_rules("layernorm_epilogue", FWD_MAX_BLOCK=512)
+    launch_rules("layernorm_epilogue", BWD_MAX_BLOCK=512)
+    launch_rules("layernorm_epilogue", FWD_MAX_BLOCK_DROPOUT=256)
+    launch_rules("layernorm_epilogue", BWD_MAX_BLOCK_EPILOGUE=256)
     n = (512 if p == 0 and act is None else 256) + extra
     t = make(3, n, torch.bfloat16, "fp32", seed=n)
     check(t, p, act)
@@ -465,7 +466,7 @@ def test_deterministic_partials():
     """The single-block backward with several programs (dweight/dbias partials summed in a fixed
     order): close to the oracle, the same bits on every run."""
     t = make(9, 300, torch.float32, "same", seed=11)
-    assert 9 > tle.BWD_TILE // 512  # several row tiles: several programs, several partials
+    assert 9 > le_rules.BWD_TILE // 512  # several row tiles: several programs, several partials
     _, s, mean, rstd = forward(t, 0.1, SEED, "gelu")
     _, _, _, dx64, dw64, db64 = oracle(t, 0.1, SEED, "gelu", s)
     runs = [backward(t, s, mean, rstd, 0.1, SEED, "gelu") for _ in range(2)]

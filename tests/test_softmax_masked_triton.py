@@ -32,6 +32,7 @@ if not HAS_CUDA and not INTERPRETING:
 
 from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.configs import softmax_masked as smm_rules  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -357,7 +358,7 @@ def test_deterministic():
 
 
 def _fwd_cap(elt: int) -> int:
-    return min(tcfg.single_block_limit(), tsm.FWD_SINGLE_CAP[elt],
+    return min(tcfg.single_block_limit(), smm_rules.FWD_SINGLE_CAP[elt],
                tcfg.KIND_CAPS["softmax_fwd"])
 
 

@@ -104,10 +104,10 @@ def test_amdahl_cli(capsys):
         ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>",
          "layernorm"),
         ("ln_fwd_single", "layernorm"),
-        ("_smm_fwd_single", "softmax"),  # the masked softmax (attention's)
-        ("_smm_bwd_looped", "softmax"),
-        ("_ln_epi_fwd_2d", "layernorm"),  # add + LayerNorm, LayerNorm + dropout + activation
-        ("_ln_epi_bwd_columns", "layernorm"),
+        ("smm_fwd_single", "softmax"),  # the masked softmax (attention's)
+        ("smm_bwd_looped", "softmax"),
+        ("ln_epi_fwd_2d", "layernorm"),  # add + LayerNorm, LayerNorm + dropout + activation
+        ("ln_epi_bwd_columns", "layernorm"),
         ("fusedops::layer_norm_forward", "layernorm"),
         ("aten::linear", "matmul"),
         ("aten::addmm", "matmul"),
