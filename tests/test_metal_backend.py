@@ -19,6 +19,8 @@ from conftest import assert_close_to_ref
 import fusedops
 from fusedops import _dispatch
 from fusedops.backends import metal
+from fusedops.backends.metal import loader as metal_loader
+from fusedops.backends.metal import rules as metal_rules
 from fusedops.tools import apple_chips
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
@@ -55,7 +57,7 @@ def test_metal_forced_backend_falls_back_with_one_warning():
 # --- shader sources -------------------------------------------------------------------------
 
 def test_metal_library_source_is_self_contained_ascii():
-    src = metal.library_source()
+    src = metal_loader.library_source()
     src.encode("ascii")  # torch hands the source to Metal as an ASCII string
     assert not re.search(r'^\s*#\s*include\s+"', src, re.MULTILINE)
     assert len(re.findall(r"^\s*#\s*include\s+<metal_stdlib>", src, re.MULTILINE)) == 1
@@ -68,7 +70,7 @@ def test_metal_library_source_compiles_in_one_unit():
     res = subprocess.run(
         [emu.CXX, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-x", "c++",
          "-I", str(emu.SHIM_DIR), "-I", str(emu.RUNTIME_DIR), "-"],
-        input=metal.library_source(), capture_output=True, text=True)
+        input=metal_loader.library_source(), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -76,16 +78,16 @@ def test_metal_instantiated_kernels_match_the_host_tables():
     names = {k.host_name for f in emu.SHADER_FILES
              for k in emu.scan_kernels(emu.SHADER_DIR / f, [emu.SHADER_DIR])}
     expected = {"fusedops_layernorm_dwdb_reduce"}
-    for op, pairs in (("softmax_fwd", metal.SOFTMAX_FWD_TYPES),
-                      ("softmax_bwd", metal.SOFTMAX_BWD_TYPES),
-                      ("layernorm_fwd", metal.LAYERNORM_TYPES),
-                      ("layernorm_bwd", metal.LAYERNORM_TYPES),
-                      ("rmsnorm_fwd", metal.RMSNORM_TYPES),
-                      ("rmsnorm_bwd", metal.RMSNORM_TYPES),
-                      ("softmax_masked_fwd", metal.SOFTMAX_MASKED_FWD_TYPES),
-                      ("softmax_masked_bwd", metal.SOFTMAX_MASKED_BWD_TYPES),
-                      ("layernorm_epilogue_fwd", metal.LAYERNORM_EPILOGUE_TYPES),
-                      ("layernorm_epilogue_bwd", metal.LAYERNORM_EPILOGUE_TYPES)):
+    for op, pairs in (("softmax_fwd", metal_rules.SOFTMAX_FWD_TYPES),
+                      ("softmax_bwd", metal_rules.SOFTMAX_BWD_TYPES),
+                      ("layernorm_fwd", metal_rules.LAYERNORM_TYPES),
+                      ("layernorm_bwd", metal_rules.LAYERNORM_TYPES),
+                      ("rmsnorm_fwd", metal_rules.RMSNORM_TYPES),
+                      ("rmsnorm_bwd", metal_rules.RMSNORM_TYPES),
+                      ("softmax_masked_fwd", metal_rules.SOFTMAX_MASKED_FWD_TYPES),
+                      ("softmax_masked_bwd", metal_rules.SOFTMAX_MASKED_BWD_TYPES),
+                      ("layernorm_epilogue_fwd", metal_rules.LAYERNORM_EPILOGUE_TYPES),
+                      ("layernorm_epilogue_bwd", metal_rules.LAYERNORM_EPILOGUE_TYPES)):
         for types in pairs:
             for variant in ("single", "looped"):
                 expected.add(f"fusedops_{op}_{variant}_{'_'.join(types)}")
@@ -97,7 +99,7 @@ def test_metal_embedded_header_matches_runtime_source(tmp_path):
     embed_shaders.write_embedded_header(REPO / "metal", header)
     text = header.read_text()
     body = text.split('R"FUSEDOPS_METAL(\n', 1)[1].rsplit(')FUSEDOPS_METAL"', 1)[0]
-    assert body == metal.library_source()
+    assert body == metal_loader.library_source()
     mtime = header.stat().st_mtime_ns
     embed_shaders.write_embedded_header(REPO / "metal", header)  # unchanged: not rewritten
     assert header.stat().st_mtime_ns == mtime
@@ -108,7 +110,7 @@ def test_metal_embedded_header_matches_runtime_source(tmp_path):
     exe = tmp_path / "dump"
     subprocess.run([emu.CXX, "-I", str(tmp_path), str(prog), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    assert out == "\n" + metal.library_source()
+    assert out == "\n" + metal_loader.library_source()
 
 
 # --- the extension mirrors the host contract ------------------------------------------------
@@ -124,28 +126,29 @@ def _mm_constants() -> dict[str, int]:
 
 def test_metal_extension_constants_match_host_and_shaders():
     mm = _mm_constants()
+    R = metal_rules
     py = {
-        "kSimdWidth": metal.SIMD_WIDTH, "kReads": metal.READS, "kMaxThreads": metal.MAX_THREADS,
-        "kMaxRowGroups": metal.MAX_ROW_GROUPS, "kLnBwdPartialBudget": metal.LN_BWD_PARTIAL_BUDGET,
-        "kLnBwdMinGroups": metal.LN_BWD_MIN_GROUPS, "kLnBwdMaxGroups": metal.LN_BWD_MAX_GROUPS,
-        "kReduceThreads": metal.REDUCE_THREADS, "kFlagVec": metal.FLAG_VEC,
-        "kFlagWeight": metal.FLAG_WEIGHT, "kFlagBias": metal.FLAG_BIAS, "kFlagDx": metal.FLAG_DX,
-        "kFlagDw": metal.FLAG_DW, "kFlagDb": metal.FLAG_DB, "kFlagMask": metal.FLAG_MASK,
-        "kFlagMaskVec": metal.FLAG_MASK_VEC, "kFlagCausal": metal.FLAG_CAUSAL,
-        "kFlagAdd": metal.FLAG_ADD, "kFlagDropout": metal.FLAG_DROPOUT,
-        "kFlagRelu": metal.FLAG_RELU, "kFlagGelu": metal.FLAG_GELU,
-        "kFlagStats": metal.FLAG_STATS, "kFlagPhilox": metal.FLAG_PHILOX,
-        "kPhiloxW": metal.PHILOX_W,
+        "kSimdWidth": R.SIMD_WIDTH, "kReads": R.READS, "kMaxThreads": R.MAX_THREADS,
+        "kMaxRowGroups": R.MAX_ROW_GROUPS, "kLnBwdPartialBudget": R.LN_BWD_PARTIAL_BUDGET,
+        "kLnBwdMinGroups": R.LN_BWD_MIN_GROUPS, "kLnBwdMaxGroups": R.LN_BWD_MAX_GROUPS,
+        "kReduceThreads": R.REDUCE_THREADS, "kFlagVec": R.FLAG_VEC,
+        "kFlagWeight": R.FLAG_WEIGHT, "kFlagBias": R.FLAG_BIAS, "kFlagDx": R.FLAG_DX,
+        "kFlagDw": R.FLAG_DW, "kFlagDb": R.FLAG_DB, "kFlagMask": R.FLAG_MASK,
+        "kFlagMaskVec": R.FLAG_MASK_VEC, "kFlagCausal": R.FLAG_CAUSAL,
+        "kFlagAdd": R.FLAG_ADD, "kFlagDropout": R.FLAG_DROPOUT,
+        "kFlagRelu": R.FLAG_RELU, "kFlagGelu": R.FLAG_GELU,
+        "kFlagStats": R.FLAG_STATS, "kFlagPhilox": R.FLAG_PHILOX,
+        "kPhiloxW": R.PHILOX_W,
     }
     assert mm == py
     common = (REPO / "metal" / "common.metal").read_text()
     defines = dict(re.findall(r"#define FUSEDOPS_(\w+) (\d+)", common))
-    assert int(defines["SIMD_WIDTH"]) == metal.SIMD_WIDTH
-    assert int(defines["READS"]) == metal.READS
+    assert int(defines["SIMD_WIDTH"]) == R.SIMD_WIDTH
+    assert int(defines["READS"]) == R.READS
     for flag in ("VEC", "WEIGHT", "BIAS", "DX", "DW", "DB", "MASK", "MASK_VEC", "CAUSAL", "ADD",
                  "DROPOUT", "RELU", "GELU", "STATS", "PHILOX"):
-        assert int(defines[f"FLAG_{flag}"]) == getattr(metal, f"FLAG_{flag}")
-    assert int(defines["PHILOX_W"]) == metal.PHILOX_W
+        assert int(defines[f"FLAG_{flag}"]) == getattr(R, f"FLAG_{flag}")
+    assert int(defines["PHILOX_W"]) == R.PHILOX_W
 
 
 def test_metal_extension_geometry_matches_host(tmp_path):
@@ -173,8 +176,9 @@ def test_metal_extension_geometry_matches_host(tmp_path):
     out = subprocess.run([str(exe)], input="".join(f"{n} {t}\n" for n, t in cases),
                          capture_output=True, text=True, check=True).stdout.split("\n")
     for (n, t), line in zip(cases, out, strict=False):
-        expect = [metal.threadgroup_limit(t), metal.single_row_limit(t), metal.row_threads(n, t),
-                  metal.row_groups(n), metal.layernorm_bwd_groups(n, n), metal.reduce_threads(t)]
+        expect = [metal_rules.threadgroup_limit(t), metal_rules.single_row_limit(t),
+                  metal_rules.row_threads(n, t), metal_rules.row_groups(n),
+                  metal_rules.layernorm_bwd_groups(n, n), metal_rules.reduce_threads(t)]
         assert [int(v) for v in line.split()] == expect, (n, t)
 
 
@@ -250,11 +254,11 @@ def fake_mps_compile_shader(monkeypatch, seed: int):
     monkeypatch.setattr(torch.mps, "compile_shader",
                         lambda src: _FakeShaderLibrary(src, 256), raising=False)
     monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
     emu.load().set_mode("fibers-random", seed)
     with fusedops.use_backend("metal"):
         yield
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
 
 
 @pytest.fixture
@@ -266,17 +270,17 @@ def fake_mps(monkeypatch):
     monkeypatch.setattr(torch.mps, "compile_shader",
                         lambda src: _FakeShaderLibrary(src, 256), raising=False)
     monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
     emu.load().set_mode("fibers-random", 11)
     _FakeShaderLibrary.compiled.clear()
     with fusedops.use_backend("metal"):
         yield
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
 
 
 def test_metal_compile_shader_path_end_to_end(fake_mps):
     assert metal.is_available() and metal.implementation() == "compile_shader"
-    assert _FakeShaderLibrary.compiled == [metal.library_source()]  # compiled once
+    assert _FakeShaderLibrary.compiled == [metal_loader.library_source()]  # compiled once
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: the kernels ran

@@ -15,8 +15,6 @@ from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
 # take the split-row or looped kernels. Tests shrink it (see ``set_single_block_limit``) so the
 # looped path is exercised with small rows.
 DEFAULT_SINGLE_BLOCK_LIMIT = 65536
-
-
 _limits = {"single_block": DEFAULT_SINGLE_BLOCK_LIMIT}
 
 
@@ -47,28 +45,23 @@ def set_single_block_limit(n: int | None) -> None:
 # one program per tile.
 KIND_CAPS = {"softmax_fwd": 32768, "softmax_bwd": 32768, "ln_fwd": 32768, "ln_bwd": 16384}
 
-
 # (softmax forward rows of 64K run split: measured faster than one program per row, H100
 # 16-bit 2.50 vs 1.84-2.28 TB/s, H200 float32 3.29 vs 2.89.)
 _TILE_ELEMS = {"softmax_fwd": 2048, "softmax_bwd": 4096, "ln_fwd": 8192, "ln_bwd": 4096}
 
-
 # Tiles of this many bytes, for kinds listed here (measured: softmax forward peaks at 4 KB per
 # program with one program per tile, 0.96-0.99 of copy bandwidth at N <= 8K).
 _TILE_BYTES = {"softmax_fwd": 4096}
-
 
 # Measured on H200: one program per tile is 2-10% faster for softmax and LayerNorm forward
 # (each program's loads do not wait for a previous tile's reduction); the LayerNorm backward
 # row kernel stays persistent.
 PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_bwd": True}
 
-
 # Experiments only (a launch-rule sweep sets it, then restores it): per kind, "tile" (elements
 # per program), "warps" and "looped" ((chunk, warps) of the looped kernels) replace the
 # measured rules below.
 OVERRIDES: dict[str, dict[str, object]] = {}
-
 
 # Short 16-bit rows: (tile elements, warps) by padded row length (measured on H200). One or
 # two warps per program, as Inductor does here, so a row's reductions stay within a warp or two

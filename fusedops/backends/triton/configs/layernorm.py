@@ -114,7 +114,6 @@ def split_config(kind: str, n: int, elt_size: int, aligned: bool,
 # The backward's cluster rules in split_config (tests turn them off to compare).
 CLUSTER_BWD = True
 
-
 # 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
 # long for the fused single kernel, that cannot take DX_PIECES_BWD (below: strides differing
 # between x and dy, unaligned base pointers, deterministic mode): every Triton kernel here then
@@ -123,7 +122,6 @@ CLUSTER_BWD = True
 # calls run PyTorch's native CUDA kernel instead (same math: fp32 statistics from our forward,
 # fp32 accumulation).
 NATIVE_UNALIGNED_16BIT_BWD = True
-
 
 # 16-bit rows not a multiple of 8 and too long for the fused kernel, whose starts allow vector
 # accesses (see unaligned_vec): dx from ln_bwd_dx_pieces, one program per row reading its
@@ -227,7 +225,6 @@ def paired_sums(elt_size: int, vec: int, block: int) -> bool:
 
 PAIRED_SUMS = True  # off: the separate reductions (for experiments)
 
-
 # The fused backward's tile loop pipelined by Triton (num_stages) for these padded blocks of
 # 16-bit rows whose starts are 16-byte aligned. H100, TB/s (not pipelined -> three stages, the
 # same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.65-2.69 (five
@@ -279,16 +276,9 @@ def fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
 # 187 on (128, 64) x 16 warps, one program per column block, vs 622 on the earlier (256, 32) x 8
 # at eight programs per SM; N = 16384 140 on (64, 64) x 16 at two per SM vs 167.
 COLUMN_TILE = (128, 64)
-
-
 COLUMN_WARPS = 16
-
-
 COLUMN_PER_SM = 2
-
-
 SHIFT_W_BLOCK = 1024  # columns per program of shift_weights
-
 
 # Inference calls use the kernel variant that writes no mean/rstd (and allocate neither), except
 # 16-bit rows of 8K+ columns above this many elements. Measured on H200 at M·N = 2^27 (the same
@@ -296,7 +286,6 @@ SHIFT_W_BLOCK = 1024  # columns per program of shift_weights
 # 2.98, 16K 2.78 vs 2.71; fp16 within 2%; float32 8K 4.02 vs 4.04, 16K 3.52 vs 3.80. Calls this
 # small are bound by host time, where two allocations count.
 STATS_FREE_16BIT_MAX = 1 << 22
-
 
 # Aligned rows read whole, then again from L2 (ln_fwd_reload): (element size, padded row) ->
 # (second-pass chunk, warps[, THIRD_READ]). H200, TB/s vs the kernels these rows ran
@@ -308,10 +297,7 @@ RELOAD_FWD: dict[tuple[int, int], tuple] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16),
     (2, 32768): (8192, 32, True), (4, 16384): (2048, 16), (4, 32768): (8192, 32),
 }
-
-
 RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
-
 
 # Aligned rows on ln_fwd_unrolled (N compile-time): (element size, padded row) -> (chunk,
 # warps) configs, the first whose chunk divides N taken; warps 0 sends those rows to the other
@@ -340,10 +326,7 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (4, 4096): ((2048, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
     (4, 65536): ((16384, 32),),
 }
-
-
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
-
 
 # Entries of UNROLLED_FWD replaced on GPUs whose name contains the key. H100 (inference calls,
 # TB/s, torch.compile in the same run), where the H200's rules left the 16-bit forward 2-3%
@@ -382,13 +365,11 @@ RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16), (2, 32768): (8192, 32),
 }
 
-
 # ... for calls of at least this many elements: the shifted copies cost a launch and an
 # allocation (14.5 µs of host time per call on an H100 host), which small calls do not win
 # back. Wall time per call on an H100 host, bf16 rows of 8193: 512 rows 36.4 vs 22.2 µs
 # single-block, 2048 rows 40.6 vs 48.2, 8192 rows 101 vs 156.
 RELOAD_VEC_MIN_ELEMS = 1 << 24
-
 
 # Unaligned rows (VEC > 0) with longer bodies on ln_fwd_unrolled_vec (N compile-time, like
 # UNROLLED_FWD): (element size, padded body) -> (chunk, warps), for calls of at least

@@ -19,53 +19,32 @@ from fusedops.backends.triton.configs.common import single_block_limit
 # looped kernels, which they took before). All are also capped by the project's
 # single-block limit (tests shrink it to exercise the looped kernels on short rows).
 FWD_MAX_BLOCK = 16384
-
-
 FWD_MAX_BLOCK_DROPOUT = 8192
-
-
 BWD_MAX_BLOCK = 8192
-
-
 BWD_MAX_BLOCK_EPILOGUE = 8192
-
 
 # Elements per row tile of the single-block kernels (R rows of the padded row, up to MAX_ROWS).
 FWD_TILE = 4096
-
-
 BWD_TILE = 2048
-
-
 MAX_ROWS = 128
-
 
 # Elements of a tile per thread (forward, backward, looped kernels): with 16-byte vectors along
 # the columns, 32 let a thread hold all four 256-column slices of its Philox counters (16-bit
 # rows; float32 rows need 16). Fewer cost a shared-memory move of the packed keep bits (see the
 # module docstring); more spill registers in the backward (its accumulators, weight and bias).
 FWD_ELEMS_PER_THREAD = 32
-
-
 BWD_ELEMS_PER_THREAD = 16
-
-
 LOOPED_ELEMS_PER_THREAD = 16
-
 
 # Backward single-block: programs per SM in the persistent grid (and so the number of float32
 # partial rows to sum).
 BWD_PER_SM = 2
 
-
 # The looped kernels: 1024-column groups per chunk.
 LOOPED_GROUPS = 4
 
-
 # Long-row backward, column kernel: rows per iteration, programs per SM.
 COLUMN_ROWS = 4
-
-
 COLUMN_PER_SM = 2
 
 

@@ -25,25 +25,16 @@ def hold_w(block: int, warps: int) -> bool:
 # accesses, up to half the padded row masked off) take it on 32 warps (8193: bf16 1.11 vs 0.78
 # on 16 warps and 0.74 looped; float32 2.03 vs 1.24 and 1.44).
 FUSED_BWD_MAX_BLOCK = 16384
-
-
 FUSED_BWD_MAX_BLOCK_UNALIGNED = 16384
-
 
 # Chunk of the looped kernels (elements per iteration; smaller while tests shrink the
 # single-block limit, so short rows loop over several chunks).
 LOOPED_CHUNK = 8192
 
-
 # The dweight column kernel: (columns, rows) per iteration, warps, programs per SM.
 COLUMN_TILE = (128, 64)
-
-
 COLUMN_WARPS = 16
-
-
 COLUMN_PER_SM = 2
-
 
 # 16-bit rows (N a multiple of 16): (ROWS, num_warps, programs per SM, ACC_1D) by padded row,
 # measured (H200, TB/s against LayerNorm's rule): 1K 3.46 vs 3.35, 2K 3.46

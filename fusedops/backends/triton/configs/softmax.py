@@ -61,15 +61,11 @@ RELOAD_BWD: dict[tuple[int, ...], tuple[int, ...]] = {
     (4, 32768): (32768, 32),
 }
 
-
 # Power-of-two rows on the reload kernel without masks, loops unrolled (EVEN): H200, TB/s vs
 # masked loops: 32K 4.04-4.07 vs 4.00-4.05 (16-bit), 4.00 vs 3.95 (float32);
 # 2K-16K level or +0.5%; the 32K first pass in 16K pieces 4.07-4.11 vs 3.26-3.34 masked.
 UNROLL_RELOAD_BWD = True
-
-
 RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
-
 
 # The forward's reload kernel (softmax_fwd_reload), aligned rows: (element size, padded row)
 # -> (second-pass chunk, warps); power-of-two rows always unrolled without masks. H200, TB/s:
@@ -81,10 +77,7 @@ RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves
 RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 65536): (16384, 32), (4, 32768): (8192, 32),
 }
-
-
 RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; saves host time)
-
 
 # Aligned rows on softmax_fwd_unrolled (N compile-time): (element size, padded row) ->
 # (chunk, warps) configs, the first whose chunk divides N taken (warps 0: the other kernels).
@@ -97,10 +90,7 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
     (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),),
 }
-
-
 UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
-
 
 # Unaligned rows (VEC > 0) on softmax_fwd_unrolled_vec: (element size, padded body) ->
 # (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, TB/s
@@ -109,7 +99,6 @@ UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
 # (2.53-2.73 vs 2.90), and 128K+ rows (16-bit 131073 / 262145 0.58-1.00 vs 2.07 / 2.04; the
 # aligned kernel alike at 128K / 256K: 0.42-1.10 vs 2.78-3.33).
 UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 16)}
-
 
 # The backward on softmax_bwd_unrolled: aligned rows (element size, padded row) -> (chunk,
 # warps) configs, the first whose chunk divides N; unaligned rows (VEC > 0) by (element size,
@@ -120,11 +109,7 @@ UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 1
 # 3.52. Slower: float32 (65536 / 65537 2.78-3.08 vs 3.84 / 3.58) and aligned 16-bit 128K / 256K
 # (2.29-2.90 vs 3.42 / 3.30), which stay on split rows.
 UNROLLED_BWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(2, 65536): ((16384, 32),)}
-
-
 UNROLLED_BWD_ABOVE = 32768  # shorter rows skip the lookup (no rule below 64K; saves host time)
-
-
 UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 65536): (8192, 32), (2, 131072): (16384, 32), (2, 262144): (8192, 16),
 }

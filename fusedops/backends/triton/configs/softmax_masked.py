@@ -14,7 +14,6 @@ from fusedops.backends.triton.runtime.caches import config_cache
 # softmax forward's 32K cap. Longer rows take the looped (online) kernel.
 FWD_SINGLE_CAP = {2: 16384, 4: 16384}
 
-
 # The looped forward: (chunk elements, warps) per iteration of its two passes.
 FWD_LOOPED = (4096, 8)
 
