@@ -32,9 +32,8 @@ run the call as the registering call ran, which then takes the normal path: a re
 changes a result, and never turns an error into a result.
 
 Tables are cleared whenever the choice of backend or the launch rules change
-(``fusedops.set_backend``, ``fusedops.backends.triton.set_single_block_limit``) and when a backend
-drops
-its plans.
+(``fusedops.set_backend``, ``fusedops.backends.triton.configs.override``) and when a backend
+drops its plans.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""LayerNorm backward replay plans (fusedops.backends.triton.layernorm.layernorm_backward): a call
-whose
-signature ran before through launches alone replays those launches with the new call's tensors.
+"""LayerNorm backward replay plans (fusedops.backends.triton.layernorm_bwd.layernorm_backward): a
+call whose signature ran before through launches alone replays those launches with the new call's
+tensors.
 
 Under the interpreter the plans are built with a recording C entry and compared launch by launch
 with the normal path (same grids, same scalars, every pointer at the same place relative to the

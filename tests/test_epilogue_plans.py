@@ -1,7 +1,6 @@
-"""Replay plans of the LayerNorm epilogue kernels
-(fusedops.backends.triton.layernorm_epilogue_forward /
-_backward): a call whose signature ran before through launches alone relaunches them with the
-new call's tensors and seed, skipping the checks and launch rules.
+"""Replay plans of the LayerNorm epilogue kernels (``layernorm_epilogue_forward`` /
+``_backward`` of fusedops.backends.triton): a call whose signature ran before through launches
+alone relaunches them with the new call's tensors and seed, skipping the checks and launch rules.
 
 Under the interpreter the plans are built with a recording C entry (conftest's
 ``recording_entries``) and compared launch by launch with the normal path of a call with the

@@ -1,6 +1,5 @@
-"""The host-side launch rules of the Triton backend (fusedops/backends/triton/configs/,
-layernorm.py,
-softmax.py): the invariants every rule must keep, whatever configs measurements pick.
+"""The host-side launch rules of the Triton backend (fusedops/backends/triton/configs/): the
+invariants every rule must keep, whatever configs measurements pick.
 
 Each test states the invariant it protects: every row length maps to a config, the kernel a
 config picks covers the row, the single-block/looped switch sits at the documented limit and

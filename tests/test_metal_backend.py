@@ -1,6 +1,5 @@
 """fusedops.backends.metal on Linux: availability and fallback, shader sources as Metal will
-receive them,
-the extension's mirror of the host contract, the compile_shader path end to end (with
+receive them, the extension's mirror of the host contract, the compile_shader path end to end (with
 torch.mps.compile_shader replaced by the CPU emulation), and the Apple chip table."""
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The shipped Metal shaders, run on the CPU emulation, against a float64 reference.
 
-Every kernel (softmax / LayerNorm, forward / backward, single-row / looped, every instantiated
-dtype pair, the dweight/dbias reduction) runs through the *real host code* of
-``fusedops.backends.metal`` (``*_with(launcher, ...)``): the same kernel choice, argument order,
-flags
-and dispatch geometry as the ``torch.mps.compile_shader`` path, which the extension mirrors.
-The emulator plays a device whose pipelines allow 256 threads per threadgroup (single-row limit
-1024, so N = 1024 / 1025 is the switch) and, for the switch at the real 1024-thread limit,
-one allowing 1024 (N = 4096 / 4097).
-"""
+Every kernel (softmax / LayerNorm, forward / backward, single-row / looped, every instantiated dtype
+pair, the dweight/dbias reduction) runs through the *real host code* of ``fusedops.backends.metal``
+(``*_with(launcher, ...)``): the same kernel choice, argument order, flags and dispatch geometry as
+the ``torch.mps.compile_shader`` path, which the extension mirrors. The emulator plays a device
+whose pipelines allow 256 threads per threadgroup (single-row limit 1024, so N = 1024 / 1025 is the
+switch) and, for the switch at the real 1024-thread limit, one allowing 1024 (N = 4096 / 4097). """
 
 from __future__ import annotations
 

@@ -2,16 +2,14 @@
 against a float64 oracle (``F.layer_norm`` in float64, the dropout mask of fusedops._philox, the
 activation in float64, and autograd for the gradients).
 
-Every kernel (forward / backward, single-row / looped, every dtype pair) runs through the *real
-host code* of ``fusedops.backends.metal`` (``layernorm_epilogue_*_with(launcher, ...)``) in the
-thread
-layouts the host picks: a thread's READS consecutive columns (no dropout, or a pipeline below
-256 threads: one Philox call per element) and the Philox layout (columns W = 256 apart, one
-Philox call per thread and step). The residual / dropout / activation combinations run in each;
-the dropout mask is checked bit for bit against ``fusedops._philox.keep_mask`` in the forward
-(zero pattern of the output) and in the backward (the per-threadgroup dbias partials read back);
-the GELU (Metal has no erf: a fitted approximation) and its derivative against float64.
-"""
+Every kernel (forward / backward, single-row / looped, every dtype pair) runs through the *real host
+code* of ``fusedops.backends.metal.epilogue`` (``layernorm_epilogue_*_with(launcher, ...)``) in the
+thread layouts the host picks: a thread's READS consecutive columns (no dropout, or a pipeline below
+256 threads: one Philox call per element) and the Philox layout (columns W = 256 apart, one Philox
+call per thread and step). The residual / dropout / activation combinations run in each; the dropout
+mask is checked bit for bit against ``fusedops._philox.keep_mask`` in the forward (zero pattern of
+the output) and in the backward (the per-threadgroup dbias partials read back); the GELU (Metal has
+no erf: a fitted approximation) and its derivative against float64. """
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The Triton RMSNorm kernels (fusedops.backends.triton.rmsnorm_forward / _forward_y / _backward,
-the
-2-D row contract) against a float64 oracle: F.rms_norm in float64 and autograd for dx/dweight.
+the 2-D row contract) against a float64 oracle: F.rms_norm in float64 and autograd for dx/dweight.
 
 On CPU they run through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA),
 so shapes stay small; the ``gpu`` tests at the end take large shapes on a CUDA device.

@@ -1,9 +1,8 @@
 """The Triton kernels of the scaled / masked / causal softmax of attention
 (fusedops.backends.triton.softmax_masked_forward / _backward) against a float64 oracle written with
-torch
-ops here: z = x·scale, a bool mask fills -inf where False, a float mask is added, causal drops
-column j of query row q when j > q, softmax over the last dim, rows with nothing kept give zeros;
-dx from autograd through that oracle.
+torch ops here: z = x·scale, a bool mask fills -inf where False, a float mask is added, causal drops
+column j of query row q when j > q, softmax over the last dim, rows with nothing kept give zeros; dx
+from autograd through that oracle.
 
 On CPU they run through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA),
 so shapes stay small; the ``gpu`` tests at the end take large shapes on a CUDA device.

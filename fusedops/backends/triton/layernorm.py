@@ -265,7 +265,7 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
               if N > RELOAD_FWD_ABOVE and not vec
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     if reload:
-        # Measured with the statistics written (see STATS_FREE_16BIT_MAX below).
+        # Measured with the statistics written (see STATS_FREE_16BIT_MAX, configs/layernorm.py).
         stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
         return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload,
                                key=key if stats == with_stats else None)
@@ -306,23 +306,28 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
         if key is not None and not vec and with_stats == requested_stats:
             _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 6)
     else:
-        cfg = split_config("fwd", N, x.element_size(), stride % 8 == 0 and N % 8 == 0)
-        chunk, split_warps, prefetch = cfg or (0, 0, 0)
-        if cfg and split_rows_enabled(x.device, N, chunk):
-            C, L = split_pieces(N, chunk, vec)
-            stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
-            count = torch.zeros((M,), dtype=torch.int32, device=x.device)
-            if _launch_fwd_split(
-                M * C, C,
-                (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
-                (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec), split_warps,
-                x.device, vec=vec,
-            ):
-                return y, mean, rstd
-        _launch_fwd_looped((M,), (
-            x, w, b, y, mean, rstd, N, stride, N, eps, block, has_w, has_b,
-        ), warps)
+        _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, block, warps, vec)
     return y, mean, rstd
+
+
+def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, block, warps, vec):
+    """Rows too long for one program: the split-row kernel where it runs, else looped."""
+    cfg = split_config("fwd", N, x.element_size(), stride % 8 == 0 and N % 8 == 0)
+    chunk, split_warps, prefetch = cfg or (0, 0, 0)
+    if cfg and split_rows_enabled(x.device, N, chunk):
+        C, L = split_pieces(N, chunk, vec)
+        stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
+        count = torch.zeros((M,), dtype=torch.int32, device=x.device)
+        if _launch_fwd_split(
+            M * C, C,
+            (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
+            (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec), split_warps,
+            x.device, vec=vec,
+        ):
+            return
+    _launch_fwd_looped((M,), (
+        x, w, b, y, mean, rstd, N, stride, N, eps, block, has_w, has_b,
+    ), warps)
 
 
 def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):

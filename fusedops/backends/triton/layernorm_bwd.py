@@ -107,7 +107,7 @@ def _bwd_cluster_launcher(maxnreg: int | None) -> ClusterLauncher:
     return launcher
 
 
-# Backward replay plans (see _common.record_launches), per call signature: everything the
+# Backward replay plans (see runtime/recording.py), per call signature: everything the
 # launch rules read (shapes, strides, dtypes, 16-byte alignment of every pointer, the gradients
 # needed, the mode, the device, torch's deterministic-algorithms flag, the row-body switch).
 # Paths whose results come from launches alone into dx, dweight and dbias (scratch parked in
@@ -324,12 +324,8 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     """The split-row kernel (long rows): partials, per-row statistics and counters in scratch
     or (``parked``, with a dx) parked in dx (see _park). None if the cooperative launch was
     refused or no grid fits (the caller then uses the other kernels). ``vec`` > 0: unaligned
-    rows as aligned-body pieces plus edges (dx is then contiguous like x and dy).
-
-    Parked: partials, then statistics and counters, at the end of dx's storage. Once the
-    partials are summed, the rows over them (from M_dx) get their dx from
-    ln_bwd_dx_published, which reads the statistics the split launch left there: bitwise as
-    that launch would have written those rows."""
+    rows as aligned-body pieces plus edges (dx is then contiguous like x and dy). Parked:
+    partials, then statistics and counters, at the end of dx's storage (see _published_dx)."""
     M, N = x.shape
     dev = x.device
     need_dx = dx is not None
@@ -341,17 +337,12 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    progs = 0
-    if len(extra) > 1 and extra[1] and need_dx and not vec and clusters_enabled(dev, N, chunk, C):
-        launcher = _bwd_cluster_launcher(cap)
-        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch,
-                  parked, vec, paired, True)
-        progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec)
-    if not progs:  # a cooperative grid
-        launcher = _bwd_split_launcher(cap)
-        consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch,
-                  parked, vec, paired, False)
-        progs = launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec)
+    head = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
+            vec, paired)
+    clusters = (len(extra) > 1 and extra[1] and need_dx and not vec
+                and clusters_enabled(dev, N, chunk, C))
+    launcher, consts, progs = _split_grid(M * C, C, args, head, split_warps, dev, vec, cap,
+                                          clusters)
     if not progs:
         return None
     progs = max(C, min(progs, max_partial_rows(x) * C))
@@ -404,20 +395,44 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     if need_part:
         dw, db = reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
     if m_dx < M:
-        # The programs whose piece of dx covers the statistics of rows m_dx.. (or what
-        # follows them) write last; the last counter, no longer needed, counts the readers.
-        row_bytes, first = N * dx.element_size(), offset + part_bytes + 8 * C * m_dx
-        late_from = (first // row_bytes - m_dx) * C
-        if not vec:  # the piece too (with VEC > 0, piece 0 also writes the row's tail edge)
-            late_from += first % row_bytes // (L * dx.element_size())
-        n_progs = (M - m_dx) * C
-        _launch_dx_published((n_progs,), (
-            dy, x, w, mean, rstd, dx, stats, zero_counters(count[M - 1:]), N, L, dy.stride(0),
-            x.stride(0), N, m_dx, n_progs, max(0, late_from),
-            next_pow2(L), C, next_pow2(C), has_w, not interpreting(), vec,
-        ), split_warps)
+        _published_dx(dy, x, w, has_w, mean, rstd, dx, stats, count, m_dx,
+                      offset + part_bytes + 8 * C * m_dx, C, L, vec, split_warps)
     mark_replayable()
     return dx, dw, db
+
+
+def _split_grid(items, C, args, head, warps, dev, vec, cap, clusters: bool):
+    """(launcher, constexprs, programs) of the split-row backward: a thread-block cluster
+    where ``clusters`` and a grid of them fits, else a cooperative grid (programs 0: none
+    fits)."""
+    progs = 0
+    if clusters:
+        launcher, consts = _bwd_cluster_launcher(cap), (*head, True)
+        progs = launcher.programs(items, C, tuple(args), consts, warps, dev, vec)
+    if not progs:  # a cooperative grid
+        launcher, consts = _bwd_split_launcher(cap), (*head, False)
+        progs = launcher.programs(items, C, tuple(args), consts, warps, dev, vec)
+    return launcher, consts, progs
+
+
+def _published_dx(dy, x, w, has_w, mean, rstd, dx, stats, count, m_dx, first, C, L, vec, warps):
+    """The dx of rows m_dx.. of a parked split-row call (scratch from byte ``first`` of dx).
+    Once the partials are summed, the rows over them (from M_dx) get their dx from
+    ln_bwd_dx_published, which reads the statistics the split launch left there: bitwise as
+    that launch would have written those rows."""
+    M, N = x.shape
+    # The programs whose piece of dx covers the statistics of rows m_dx.. (or what follows
+    # them) write last; the last counter, no longer needed, counts the readers.
+    row_bytes = N * dx.element_size()
+    late_from = (first // row_bytes - m_dx) * C
+    if not vec:  # the piece too (with VEC > 0, piece 0 also writes the row's tail edge)
+        late_from += first % row_bytes // (L * dx.element_size())
+    n_progs = (M - m_dx) * C
+    _launch_dx_published((n_progs,), (
+        dy, x, w, mean, rstd, dx, stats, zero_counters(count[M - 1:]), N, L, dy.stride(0),
+        x.stride(0), N, m_dx, n_progs, max(0, late_from),
+        next_pow2(L), C, next_pow2(C), has_w, not interpreting(), vec,
+    ), warps)
 
 
 def _zeroed(count: torch.Tensor, need_dx: bool, parked: bool) -> torch.Tensor:

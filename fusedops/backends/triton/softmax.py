@@ -5,7 +5,7 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
 
 * single-block: a program owns ``ROWS`` whole rows padded to ``BLOCK_N`` (a power of two up to
   the kind's cap), keeps them in registers, reduces once, writes once; one program per row tile.
-  Rows that do not start 16-byte aligned are read as an aligned body plus edges (_common.py).
+  Rows that do not start 16-byte aligned are read as an aligned body plus edges (kernels/common.py).
 * split-row (longer rows, CUDA): equal pieces of a row in cooperating programs that publish
   partial statistics, wait for their row's other pieces and write: one read, one write.
 * looped (longer rows elsewhere: the interpreter, a refused cooperative launch): one program

@@ -61,7 +61,7 @@ def split_config(kind: str, n: int, elt_size: int, aligned: bool,
     """Split-row kernels: (largest piece in elements, warps, PREFETCH) per program; a row of N
     is cut into C = ceil(N / piece) equal pieces (no nearly empty last piece at N = 2^k + 1).
     (piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
-    where the other kernels measured faster (H200 unless noted; PREFETCH: see _common.py).
+    where the other kernels measured faster (H200 unless noted; PREFETCH: see runtime/split.py).
 
     Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
     256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
@@ -155,12 +155,12 @@ def native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | N
             and dy.dtype == x.dtype and (weight is None or weight.dtype == x.dtype))
 
 
-# Backward strategy (module docstring). Padded rows up to FUSED_BWD_MAX_BLOCK run one persistent
-# kernel that writes dx and accumulates dweight/dbias partials per program (3 passes of memory
-# plus (2, programs, N) float32 partials; above 8K the row and the accumulators no longer fit
-# one program's registers without spilling). Longer rows run the split-row kernel where
-# split_config says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy
-# read twice: 5 passes).
+# Backward strategy (triton/layernorm.py docstring). Padded rows up to FUSED_BWD_MAX_BLOCK run one
+# persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes of
+# memory plus (2, programs, N) float32 partials; above 8K the row and the accumulators no longer fit
+# one program's registers without spilling). Longer rows run the split-row kernel where split_config
+# says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy read twice: 5
+# passes).
 FUSED_BWD_MAX_BLOCK = 8192
 
 

@@ -31,7 +31,8 @@ MAX_ROWS = 128
 # Elements of a tile per thread (forward, backward, looped kernels): with 16-byte vectors along
 # the columns, 32 let a thread hold all four 256-column slices of its Philox counters (16-bit
 # rows; float32 rows need 16). Fewer cost a shared-memory move of the packed keep bits (see the
-# module docstring); more spill registers in the backward (its accumulators, weight and bias).
+# docstring of triton/layernorm_epilogue.py); more spill registers in the backward (its
+# accumulators, weight and bias).
 FWD_ELEMS_PER_THREAD = 32
 BWD_ELEMS_PER_THREAD = 16
 LOOPED_ELEMS_PER_THREAD = 16

@@ -20,8 +20,8 @@ from fusedops.backends.triton.runtime.device import next_pow2
 
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
 # rows are unaligned (VEC > 0: aligned-body pieces plus edges); a row of N is cut into equal
-# pieces of at most that many elements (_common.split_pieces). Measured, TB/s, against the
-# first split kernel (16384-element pieces on 16 warps, no prefetch) on H200 and H100:
+# pieces of at most that many elements (split_pieces, runtime/split.py). Measured, TB/s,
+# against the first split kernel (16384-element pieces on 16 warps, no prefetch) on H200 and H100:
 # * forward: 16-bit aligned rows prefetching between publishing and waiting (PREFETCH 3; H100
 #   bf16 128K / 256K: 2.47 / 2.38 vs 2.20 / 2.01 without prefetch), on 4096 x 4 up to 64K
 #   (2.51 vs 2.42 at 8192 x 8); float32 aligned 8192 x 8 prefetching before publishing (H200

@@ -52,7 +52,7 @@ def ln_bwd_single(
     # NEED_DW/NEED_DB: per-program partials, part_ptr is (2, num_progs, N) float32. ACC_1D: fold
     # each tile's rows into (BLOCK_N,) accumulators at once (fewer registers); otherwise keep
     # (ROWS, BLOCK_N) accumulators and reduce over rows once at the end (no cross-warp reduction
-    # per tile). VEC > 0 (unaligned rows, see row_body in _common.py): all tiles of a program
+    # per tile). VEC > 0 (unaligned rows, see row_body in kernels/common.py): all tiles of a program
     # share one misalignment (the launcher makes num_progs a multiple of VEC, or gives each
     # program one tile), so accumulator lane j is column pid_head + j throughout, and the
     # columns outside the aligned body accumulate in (2·VEC,) edge accumulators.

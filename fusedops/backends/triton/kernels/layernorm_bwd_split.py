@@ -27,9 +27,9 @@ def ln_bwd_split(
     # Work item = (row, chunk), row-major, on a grid that is a multiple of C: a program always
     # gets the same chunk (pid % C), so it keeps that chunk's weight and its dweight/dbias
     # partials in registers across rows. Each chunk publishes its two partial row sums, waits for
-    # its row's other chunks (see "split rows" in _common.py), then writes its piece of dx:
+    # its row's other chunks (see runtime/split.py), then writes its piece of dx:
     # x and dy are read once, dx written once, partials are (2, num_progs / C, N) float32.
-    # PREFETCH: see _common.py. PARKED: dx is written for rows below M_dx only (see
+    # PREFETCH: see runtime/split.py. PARKED: dx is written for rows below M_dx only (see
     # ln_bwd_single); ln_bwd_dx_published writes the others with the same arithmetic.
     # VEC > 0 (rows that start unaligned; x, dy and dx share the row stride): lane j is
     # position chunk·L + j of the row's aligned body, column head + chunk·L + j, and piece 0

@@ -45,7 +45,7 @@ def ln_fwd_single(
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_mask = rows < M
         # VEC > 0: unaligned rows as an aligned body (lane j = column head + j) plus edges (see
-        # row_body in _common.py); the launcher then guarantees stride_x == stride_y.
+        # row_body in kernels/common.py); the launcher then guarantees stride_x == stride_y.
         offs, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
         offs_y, _ = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -394,15 +394,14 @@ def ln_fwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
     HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
 ):
-    # Work item = (row, piece), row-major; see fusedops/backends/triton/_common.py "split rows".
-    # Each
-    # piece publishes its (mean, M2) about its own mean; the row's statistics are merged with
-    # Chan's formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation.
-    # Pieces: split_piece in _common.py (VEC > 0: pieces of the aligned body, piece 0 also has
-    # the edges, x and y share the row stride). The grid is a multiple of C: a program always
-    # has the same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC
-    # (or one item per program), so its rows share one misalignment and its weight columns are
-    # fixed: weight and bias are loaded once. PREFETCH: see _common.py.
+    # Work item = (row, piece), row-major; see fusedops/backends/triton/runtime/split.py. Each piece
+    # publishes its (mean, M2) about its own mean; the row's statistics are merged with Chan's
+    # formula, so the row is read once and there is no E[x^2] - E[x]^2 cancellation. Pieces:
+    # split_piece in kernels/common.py (VEC > 0: pieces of the aligned body, piece 0 also has the
+    # edges, x and y share the row stride). The grid is a multiple of C: a program always has the
+    # same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC (or one item
+    # per program), so its rows share one misalignment and its weight columns are fixed: weight and
+    # bias are loaded once. PREFETCH: see runtime/split.py.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)

@@ -25,7 +25,7 @@ def softmax_fwd_single(
     x_ptr, y_ptr, M, N, stride_x, stride_y, num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
 ):
-    # VEC > 0: unaligned rows as an aligned body plus edges (see row_body in _common.py); the
+    # VEC > 0: unaligned rows as an aligned body plus edges (see row_body in kernels/common.py); the
     # launcher then guarantees stride_x == stride_y, so one split serves x and y.
     pid = tl.program_id(0)
     for tile in range(pid, num_tiles, num_progs):
@@ -342,11 +342,11 @@ def softmax_fwd_split(
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
     VEC: tl.constexpr, FULL: tl.constexpr,
 ):
-    # Work item = (row, piece), row-major; see fusedops/backends/triton/_common.py "split rows".
+    # Work item = (row, piece), row-major; see fusedops/backends/triton/runtime/split.py.
     # The grid
     # is a multiple of C, so a program always has the same piece of rows num_progs // C apart.
     # Pieces: split_piece (L elements of the row, or of its aligned body when VEC > 0; piece 0
-    # then also has the edges; x and y then share the row stride). PREFETCH: see _common.py.
+    # then also has the edges; x and y then share the row stride). PREFETCH: see runtime/split.py.
     # FULL: pieces fill their BLOCK lanes (L == BLOCK), which saves the per-lane piece mask
     # (bf16 at 8192 x 8: 64 registers instead of 79).
     pid = tl.program_id(0)

@@ -118,7 +118,7 @@ def max_active_clusters(function: int, chunks: int, num_warps: int, shared: int)
 
 class ClusterLauncher:
     """Launches a split-row kernel (CLUSTER mode) in clusters of C CTAs, one cluster per row at
-    a time; the interface of :class:`~fusedops.backends.triton._common.SplitLauncher`.
+    a time; the interface of :class:`~fusedops.backends.triton.runtime.split.SplitLauncher`.
 
     The kernel's last runtime parameter is ``num_progs`` (the CTA count, a multiple of C),
     followed only by constexprs. Each specialisation is compiled ahead (``warmup``) and always

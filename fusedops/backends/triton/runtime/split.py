@@ -31,7 +31,7 @@ from fusedops.backends.triton.runtime.launcher import Launcher, launch_spec
 # between publishing and waiting. The release that publishes is a fence (MEMBAR.GPU in SASS):
 # it waits for the publishing thread's outstanding loads, so loads issued before it (1) are
 # waited for before the release, while loads issued after it (3) are in flight during the wait.
-# Each kernel kind's measured choice is in its split config (softmax.py, layernorm.py).
+# Each kernel kind's measured choice is in its split config (configs/softmax.py, layernorm.py).
 # FUSEDOPS_SPLIT_ROWS=0 turns them off (the looped kernels then handle long rows).
 SPLIT_STATE = {"enabled": os.environ.get("FUSEDOPS_SPLIT_ROWS", "1") != "0"}
 
