@@ -15,7 +15,6 @@ import torch
 from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
 
 import fusedops
-from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton import layernorm_bwd as tlnb
 from fusedops.backends.triton.configs import common as tcfg
 from fusedops.backends.triton.configs import layernorm as ln_rules
@@ -191,7 +190,7 @@ def test_gpu_replayed_backward_is_bitwise_the_normal_path(monkeypatch, M, N, dty
     side stream too; and with plans dropped, the normal path again. Skipped where plans
     cannot run (see conftest.require_replay_plans)."""
     require_replay_plans(ln_rules.BWD_PLANS)
-    normal = count_calls(monkeypatch, tln, "_backward")
+    normal = count_calls(monkeypatch, tlnb, "_backward")
     inputs = _inputs(M, N, dtype, weight, device="cuda")
     first = _backward(inputs, need, (dtype, dtype))
     assert len(tlnb._bwd_plans) == 1 and next(iter(tlnb._bwd_plans.values()))
@@ -223,7 +222,7 @@ def test_gpu_autograd_backward_replays(monkeypatch):
     """Through fused_layernorm and autograd: repeated backward calls replay (one normal-path
     call in three) and give the same gradients."""
     require_replay_plans(ln_rules.BWD_PLANS)
-    normal = count_calls(monkeypatch, tln, "_backward")
+    normal = count_calls(monkeypatch, tlnb, "_backward")
     x = torch.randn(2048, 2048, device="cuda", dtype=BF16, requires_grad=True)
     w = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
     b = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)

@@ -84,13 +84,10 @@ def test_single_block_switch_is_at_the_limit(kind, elt):
     assert switch in single_block_limits(kind)
     for n in ROW_LENGTHS:
         assert tcfg.row_config(n, kind, elt)[0] == (n <= switch), (n, switch)
-    tcfg.set_single_block_limit(16)
-    try:
+    with tconfigs.override(SINGLE_BLOCK_LIMIT=16):
         assert tcfg.row_config(16, kind, elt)[0]
         assert not tcfg.row_config(17, kind, elt)[0]
         assert tcfg.row_config(17, kind, elt)[1] <= 16  # chunks within the shrunk limit
-    finally:
-        tcfg.set_single_block_limit(None)
     assert tcfg.row_config(switch, kind, elt)[0] and not tcfg.row_config(
         switch + 1, kind, elt)[0]
 

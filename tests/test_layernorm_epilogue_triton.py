@@ -34,6 +34,7 @@ if not HAS_CUDA and not INTERPRETING:
 
 from fusedops import _philox  # noqa: E402
 from fusedops.backends import reference
+from fusedops.backends.triton import configs  # noqa: E402
 from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
 from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
 from fusedops.backends.triton.configs import layernorm_epilogue as le_rules  # noqa: E402
@@ -378,7 +379,6 @@ def test_launch_rules():
     per thread, a software pipeline of 1-3 stages); without dropout or activation the
     backward takes LayerNorm's fused-backward configuration for its rows (what it is, plus a
     read of ds); the Philox column tiles cover the padded row exactly."""
-    from fusedops.backends.triton.configs import common as tcfg
 
     for dropout in (False, True):
         assert _pow2(tle.fwd_cap(dropout)) and tle.fwd_cap(dropout) <= le_rules.single_block_limit()
@@ -386,11 +386,8 @@ def test_launch_rules():
             cap = tle.bwd_cap(dropout, act)
             assert _pow2(cap) and cap <= le_rules.single_block_limit()
     assert tle.fwd_cap(True) <= tle.fwd_cap(False)
-    tcfg.set_single_block_limit(1024)
-    try:
+    with configs.override(SINGLE_BLOCK_LIMIT=1024):
         assert tle.fwd_cap(False) <= 1024 and tle.bwd_cap(True, 2) <= 1024
-    finally:
-        tcfg.set_single_block_limit(None)
     for elt in (2, 4):
         for dropout in (False, True):
             for k in range(0, tle.fwd_cap(dropout).bit_length()):

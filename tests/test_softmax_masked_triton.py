@@ -29,6 +29,7 @@ if not tb.AVAILABLE:
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
+from fusedops.backends.triton import configs  # noqa: E402
 from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
 from fusedops.backends.triton.configs import softmax_masked as smm_rules  # noqa: E402
@@ -516,13 +517,8 @@ GPU_NS = [128, 512, 1024, 2048, 4096, 8192, 16385]
 def force_looped(request):
     """Run under the default rules, then with the single-block limit at 64 (every row of the
     GPU sweep through the looped kernels)."""
-    if request.param:
-        tcfg.set_single_block_limit(64)
-    try:
+    with configs.override(SINGLE_BLOCK_LIMIT=64 if request.param else None):
         yield request.param
-    finally:
-        if request.param:
-            tcfg.set_single_block_limit(None)
 
 
 @pytest.mark.gpu
