@@ -95,15 +95,21 @@ def _owner(op: str | None, name: str) -> str:
 
 
 def _bindings(op: str, name: str) -> list[ModuleType]:
-    """The modules whose global ``name`` is the rule: its rules module, the op's host modules,
-    and any other module of the backend bound to the very same object."""
+    """The modules whose global ``name`` is the rule: its rules module, the op's host modules
+    (which import rules by name), and any other module of the backend bound to the very same
+    object (a shared rule imported elsewhere; scalars are matched by name in the op's modules
+    only, since equal small ints or bools of other ops' rules are the same object)."""
     mod = OPS[op]
     value = getattr(mod, name)
     found = [mod]
-    for host in _HOSTS.get(op, ()):
+    hosts = _HOSTS.get(op, ()) if op != "common" else tuple(
+        h for hs in _HOSTS.values() for h in hs)
+    for host in hosts:
         m = sys.modules.get(_PACKAGE + host)
-        if m is not None and name in vars(m):
+        if m is not None and name in vars(m) and m not in found:
             found.append(m)
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return found
     for key, m in list(sys.modules.items()):
         if (key.startswith(_PACKAGE) and m is not None and m not in found
                 and vars(m).get(name, _MISSING) is value):
