@@ -58,10 +58,6 @@ _TILE_BYTES = {"softmax_fwd": 4096}
 # row kernel stays persistent.
 PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_bwd": True}
 
-# Experiments only (a launch-rule sweep sets it, then restores it): per kind, "tile" (elements
-# per program), "warps" and "looped" ((chunk, warps) of the looped kernels) replace the
-# measured rules below.
-OVERRIDES: dict[str, dict[str, object]] = {}
 
 # Short 16-bit rows: (tile elements, warps) by padded row length (measured on H200). One or
 # two warps per program, as Inductor does here, so a row's reductions stay within a warp or two
@@ -74,9 +70,6 @@ _SHORT_16BIT = {
 
 
 def _warps_for(tile: int, kind: str, elt_size: int, block: int) -> int:
-    forced = OVERRIDES.get(kind, {}).get("warps")
-    if forced:
-        return forced
     if kind == "softmax_bwd" and elt_size == 2 and block >= 2048:
         # 16-bit rows of 2K-32K (H200, bf16/fp16): 16 warps up to 8K-element tiles
         # (4.24-4.26 vs 4.20-4.23 TB/s at 8), 8 warps for 16K/32K rows (32K: 3.84-3.89 vs
@@ -92,9 +85,6 @@ def _warps_for(tile: int, kind: str, elt_size: int, block: int) -> int:
 
 
 def _tile_elems(kind: str, block: int, elt_size: int) -> int:
-    forced = OVERRIDES.get(kind, {}).get("tile")
-    if forced:
-        return forced
     if kind in _TILE_BYTES:
         return _TILE_BYTES[kind] // elt_size
     if kind == "ln_fwd" and block * elt_size <= 2048:
@@ -121,16 +111,13 @@ def row_config(n: int, kind: str, elt_size: int = 2) -> tuple[bool, int, int, in
     """
     block = next_pow2(n)
     if block <= min(single_block_limit(), _cap(kind, elt_size)):
-        short = _SHORT_16BIT.get(kind) if elt_size == 2 and not OVERRIDES.get(kind) else None
+        short = _SHORT_16BIT.get(kind) if elt_size == 2 else None
         if short and block <= 1024 and max(block, 256) in short:
             tile, warps = short[max(block, 256)]
             return True, block, max(1, tile // block), warps
         tile = _tile_elems(kind, block, elt_size)
         rows = max(1, min(64, tile // block))
         return True, block, rows, _warps_for(rows * block, kind, elt_size, block)
-    forced = OVERRIDES.get(kind, {}).get("looped")
-    if forced:
-        return (False, *forced[:1], 1, *forced[1:])
     chunk = min(single_block_limit(), 8192)
     # Looped kernels run one program per row: more threads keep more bytes in flight.
     return False, chunk, 1, max(1, min(16, chunk // 512))
@@ -207,7 +194,7 @@ def unaligned_config(n: int, kind: str, elt_size: int, vec: int) -> tuple[int, i
     single, block, rows, warps = row_config(body_len(n, vec), kind, elt_size)
     if not vec:
         return single, block, rows, warps, 0
-    if not single or OVERRIDES.get(kind, {}).get("warps"):
+    if not single:
         return single, block, rows, warps, vec
     if kind in ("softmax_bwd", "ln_bwd") and block <= 1024 and (elt_size == 4 or kind == "ln_bwd"):
         # float32 softmax backward 1025: 4.06 TB/s scalar vs 3.36; LayerNorm dx 3.39 vs 2.98
