@@ -1,7 +1,7 @@
 """Backend selection: which implementation runs a call, chosen from the tensor's device.
 
-Every backend module (``fusedops.triton``, ``fusedops.metal``, ``fusedops.reference``) implements
-the same *2-D row contract* (see ``docs/design.md``):
+Every backend module (``fusedops.backends.triton``, ``.metal``, ``.reference``) implements the
+same *2-D row contract* (typed as ``fusedops.backends.Backend``; see ``docs/design.md``):
 
 * ``softmax_forward(x, out_dtype) -> y``
 * ``softmax_backward(y, dy, out_dtype) -> dx``
@@ -34,17 +34,20 @@ import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from fusedops import _replay
 
+if TYPE_CHECKING:
+    from fusedops.backends import Backend
+
 BACKENDS = ("triton", "metal", "reference")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _forced: str | None = None
-_cache: dict[tuple[str, torch.dtype], ModuleType] = {}
+_cache: dict[tuple[str, torch.dtype], Backend] = {}
 _warned: set[str] = set()
 # Per-op counts of calls that ran on a fused backend; None (the default) means "not counting",
 # which keeps the hot path to one `is None` test.
@@ -69,7 +72,7 @@ def set_backend(name: str | None) -> None:
     PyTorch's ops with a one-time warning saying so. A forced backend runs every call it can
     take, whatever its size (the size rule of :data:`NATIVE_BELOW` is for automatic selection);
     ``"reference"`` runs fusedops' autograd Functions on its pure-PyTorch implementation of the
-    row contract (``fusedops.reference``), for tests and debugging.
+    row contract (``fusedops.backends.reference``), for tests and debugging.
     """
     global _forced, _below
     _forced = _check_name(name)
@@ -111,27 +114,27 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
-def _load(name: str) -> ModuleType | None:
+def _load(name: str) -> Backend | None:
     """Import a backend module, or None when it cannot run in this process."""
     if name == "reference":
-        from fusedops import reference
+        from fusedops.backends import reference
 
         return reference
     if name == "triton":
         try:
-            from fusedops import triton as triton_backend
+            from fusedops.backends import triton as triton_backend
         except ImportError:
             return None
         return triton_backend if triton_backend.AVAILABLE else None
     if name == "metal":
-        from fusedops import metal
+        from fusedops.backends import metal
 
         return metal if metal.is_available() else None
     raise AssertionError(name)
 
 
-def _select(device_type: str, dtype: torch.dtype) -> ModuleType:
-    from fusedops import reference
+def _select(device_type: str, dtype: torch.dtype) -> Backend:
+    from fusedops.backends import reference
 
     if _forced is not None:
         wanted = _forced
@@ -169,7 +172,7 @@ def _select(device_type: str, dtype: torch.dtype) -> ModuleType:
     return backend
 
 
-def backend_for(x: torch.Tensor) -> ModuleType:
+def backend_for(x: torch.Tensor) -> Backend:
     """The backend module that runs an op on ``x`` (cached per device type and dtype)."""
     # is_cuda is a cheap flag; building x.device costs more on the per-call path.
     key = ("cuda" if x.is_cuda else x.device.type, x.dtype)
@@ -243,7 +246,7 @@ def runs_native_numel(op: str, like: torch.Tensor, grad: bool, numel: int) -> bo
     return numel < below or native_now()
 
 
-def fused_backend(x: torch.Tensor, op: str, grad: bool) -> ModuleType | None:
+def fused_backend(x: torch.Tensor, op: str, grad: bool) -> Backend | None:
     """The fused backend that should run this public call of ``op`` on ``x``, or None when
     PyTorch's own op should (see the module docstring). ``grad``: autograd will need the call.
     (The hot paths of the plain ops read :data:`SIZE_RULES` inline instead.)
@@ -258,13 +261,13 @@ def native_below() -> dict[tuple[str, bool], int]:
     return _below
 
 
-def backend_fn(x: torch.Tensor, name: str) -> tuple[ModuleType, object]:
+def backend_fn(x: torch.Tensor, name: str) -> tuple[Backend, object]:
     """(backend, its function ``name``) for ``x``; a backend that lacks the function (an op added
     after it, e.g. an epilogue) falls back to the reference with a one-time warning."""
     backend = backend_for(x)
     fn = getattr(backend, name, None)
     if fn is None:
-        from fusedops import reference
+        from fusedops.backends import reference
 
         warn_once(
             f"missing-op:{backend.NAME}:{name}",
@@ -274,12 +277,12 @@ def backend_fn(x: torch.Tensor, name: str) -> tuple[ModuleType, object]:
     return backend, fn
 
 
-def is_fused(backend: ModuleType) -> bool:
+def is_fused(backend: Backend) -> bool:
     """True when ``backend`` is a real fused-kernel backend (not the reference)."""
     return backend.NAME != "reference"
 
 
-def record(op: str, backend: ModuleType) -> None:
+def record(op: str, backend: Backend) -> None:
     """Count one call of ``op`` on a fused backend while counting is enabled."""
     if _counts is not None and backend.NAME != "reference":
         _counts[op] += 1

@@ -3,7 +3,7 @@
 A kernel that runs for a few microseconds is bound by host time (docs/performance.md, "Small
 shapes"), and most of that time goes to argument checks, dispatch and launch rules that give
 the same answer every time a model calls an op with the same shapes. After a backend has run a
-call through the normal path and recorded a launch plan for it (``fusedops.triton``'s
+call through the normal path and recorded a launch plan for it (``fusedops.backends.triton``'s
 ``PlanCache``), it registers here a *runner* under a signature the ops layer computes in a few
 hundred nanoseconds. The next call with that signature goes straight to the runner.
 
@@ -32,8 +32,8 @@ run the call as the registering call ran, which then takes the normal path: a re
 changes a result, and never turns an error into a result.
 
 Tables are cleared whenever the choice of backend or the launch rules change
-(``fusedops.set_backend``, ``fusedops.triton.set_single_block_limit``) and when a backend drops
-its plans.
+(``fusedops.set_backend``, ``fusedops.backends.triton.configs.override``) and when a backend
+drops its plans.
 """
 
 from __future__ import annotations

@@ -54,13 +54,10 @@ def single_block_limit(limit: int | None) -> Iterator[None]:
     if limit is None:
         yield
         return
-    from fusedops.triton import _common
+    from fusedops.backends.triton import configs
 
-    _common.set_single_block_limit(limit)
-    try:
+    with configs.override(SINGLE_BLOCK_LIMIT=limit):
         yield
-    finally:
-        _common.set_single_block_limit(None)
 
 
 @contextlib.contextmanager

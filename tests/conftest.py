@@ -17,6 +17,8 @@ if "TRITON_INTERPRET" not in os.environ:
         _has_cuda = _torch.cuda.is_available()
     os.environ["TRITON_INTERPRET"] = "0" if _has_cuda else "1"
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -198,7 +200,7 @@ def device() -> str:
 def triton_kernels_ready() -> bool:
     """True where Triton is installed (every Linux install; not macOS): the Triton backend then
     implements the whole row contract, so a missing entry point fails a test, not skips it."""
-    from fusedops import triton as tb
+    from fusedops.backends import triton as tb
 
     return bool(tb.AVAILABLE)
 
@@ -219,14 +221,14 @@ def single_block_limits(*kinds: str, default: int = 65536) -> list[int]:
     kinds (e.g. ``"softmax_fwd"``, ``"ln_bwd"``), for 16-bit and float32 rows: rows of
     N <= limit take the single-block kernel, N = limit + 1 the looped one. ``default`` where
     Triton is not installed (macOS: the reference path only)."""
-    from fusedops import triton as tb
+    from fusedops.backends import triton as tb
 
     if not tb.AVAILABLE:
         return [default]
-    from fusedops.triton import _common
+    from fusedops.backends.triton.configs import common as tcfg
 
-    base = _common.single_block_limit()
-    return sorted({min(base, _common._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
+    base = tcfg.single_block_limit()
+    return sorted({min(base, tcfg._cap(kind, elt)) for kind in kinds for elt in (2, 4)})
 
 
 @pytest.fixture
@@ -279,12 +281,12 @@ def _fresh_backward_plans():
     yield
     if HAS_CUDA:
         try:
-            from fusedops.triton import layernorm as tln
-            from fusedops.triton import layernorm_epilogue as tle
-            from fusedops.triton import softmax_masked as tsmm
+            from fusedops.backends.triton import layernorm_bwd as tlnb
+            from fusedops.backends.triton import layernorm_epilogue as tle
+            from fusedops.backends.triton import softmax_masked as tsmm
         except ImportError:
             return
-        for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
+        for plans in (tlnb._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
                       tsmm._bwd_plans):
             plans.clear()
 
@@ -292,16 +294,17 @@ def _fresh_backward_plans():
 def require_replay_plans(enabled: bool = True) -> None:
     """Skip a replay test where no call can replay: it would only compare the normal path with
     itself. Plans need compiled kernels (a CUDA GPU), Triton's C launch entries
-    (``_common._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
+    (``rt_launcher._C_ENTRY_VERSIONS``) and the module's plan switch (``enabled``) on."""
     import triton
 
-    from fusedops.triton import _common
+    from fusedops.backends.triton.runtime import device as rt_device
+    from fusedops.backends.triton.runtime import launcher as rt_launcher
 
-    if not torch.cuda.is_available() or _common._interpreting():
+    if not torch.cuda.is_available() or rt_device.interpreting():
         pytest.skip("replay plans need compiled kernels on a CUDA GPU")
-    if not triton.__version__.startswith(_common._C_ENTRY_VERSIONS):
+    if not triton.__version__.startswith(rt_launcher._C_ENTRY_VERSIONS):
         pytest.skip(f"replay plans need Triton's C launch entries "
-                    f"({', '.join(_common._C_ENTRY_VERSIONS)}x); Triton {triton.__version__} "
+                    f"({', '.join(rt_launcher._C_ENTRY_VERSIONS)}x); Triton {triton.__version__} "
                     "runs every call on the normal path, which this test would compare with "
                     "itself")
     if not enabled:
@@ -323,15 +326,17 @@ def count_calls(monkeypatch, module, name: str) -> list:
 
 
 @pytest.fixture
-def recording_entries(monkeypatch):
+def recording_entries(monkeypatch, launch_rules):
     """Replay plans on (as with Triton 3.6's C entries) for the sequence-replaying backends
     (the LayerNorm backward, the LayerNorm epilogues, the masked softmax), each entry recording
     its calls in the returned ``log`` as ("replay", grid, raw args); normal launches log
     ("normal", grid, args). Their plans are dropped afterwards."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import layernorm_epilogue as tle
-    from fusedops.triton import softmax_masked as tsmm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
+    from fusedops.backends.triton import layernorm_epilogue as tle
+    from fusedops.backends.triton import softmax_masked as tsmm
+    from fusedops.backends.triton.runtime import launcher as rt_launcher
+    from fusedops.backends.triton.runtime import plans as rt_plans
 
     log = []
 
@@ -341,23 +346,23 @@ def recording_entries(monkeypatch):
         go.raw_pointers = True
         return go
 
-    real_call = _common.Launcher.__call__
+    real_call = rt_launcher.Launcher.__call__
 
     def spy(self, grid, args, num_warps):
         log.append(("normal", grid, args))
         return real_call(self, grid, args, num_warps)
 
-    monkeypatch.setattr(tln, "BWD_PLANS", True)
-    monkeypatch.setattr(tle, "PLANS", True)
-    monkeypatch.setattr(tsmm, "PLANS", True)
-    monkeypatch.setattr(_common.Launcher, "entry", entry)
-    monkeypatch.setattr(_common.Launcher, "__call__", spy)
-    for mod in (tln, tle, tsmm):
+    launch_rules("layernorm", BWD_PLANS=True)
+    launch_rules("layernorm_epilogue", PLANS=True)
+    launch_rules("softmax_masked", PLANS=True)
+    monkeypatch.setattr(rt_launcher.Launcher, "entry", entry)
+    monkeypatch.setattr(rt_launcher.Launcher, "__call__", spy)
+    for mod in (tln, tlnb, tle, tsmm):
         monkeypatch.setattr(mod, "hooks_registered", lambda: False)
-    for mod in (tln, _common):
+    for mod in (tln, tlnb, rt_launcher, rt_plans):
         monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
     yield log
-    for plans in (tln._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
+    for plans in (tlnb._bwd_plans, tle._fwd_plans, tle._bwd_plans, tsmm._fwd_plans,
                   tsmm._bwd_plans):
         plans.clear()
 
@@ -366,9 +371,9 @@ def recording_entries(monkeypatch):
 def fake_stream(monkeypatch):
     """The Triton forwards' plan and replay paths with a stand-in stream (("stream", device))
     and no launch hooks; their plans are dropped afterwards."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import rmsnorm as trms
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import rmsnorm as trms
+    from fusedops.backends.triton import softmax as tsm
 
     for mod in (tsm, tln, trms):
         monkeypatch.setattr(mod, "current_stream", lambda device: ("stream", device))
@@ -377,3 +382,18 @@ def fake_stream(monkeypatch):
     tsm._fwd_plans.clear()
     tln._fwd_plans.clear()
     trms._fwd_plans.clear()
+
+
+@pytest.fixture
+def launch_rules():
+    """``launch_rules(op, **rules)``: ``fusedops.backends.triton.configs.override(op, **rules)``
+    for the rest of the test (rules restored, caches and plans dropped, at teardown)."""
+    from fusedops.backends.triton import configs
+
+    with contextlib.ExitStack() as stack:
+        yield lambda *op, **rules: stack.enter_context(configs.override(*op, **rules))
+
+
+def forced_split_config(fwd, bwd):
+    """A ``split_config`` rule giving ``fwd`` / ``bwd`` whatever the row (for overrides)."""
+    return lambda kind, *args, **kwargs: fwd if kind == "fwd" else bwd

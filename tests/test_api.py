@@ -253,7 +253,7 @@ def test_set_get_use_backend():
 
 
 def test_default_selection_on_cpu(fresh_warnings):
-    from fusedops import reference
+    from fusedops.backends import reference
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         assert _dispatch.backend_for(torch.empty(1, dtype=dtype)) is reference
@@ -318,7 +318,7 @@ def test_unavailable_backend_falls_back_once(fresh_warnings):
 
 
 def test_triton_missing_falls_back(fresh_warnings, monkeypatch):
-    import fusedops.triton as triton_backend
+    import fusedops.backends.triton as triton_backend
 
     monkeypatch.setattr(triton_backend, "AVAILABLE", False)
     x = torch.randn(3, 5)

@@ -1,5 +1,6 @@
-"""LayerNorm backward replay plans (fusedops.triton.layernorm.layernorm_backward): a call whose
-signature ran before through launches alone replays those launches with the new call's tensors.
+"""LayerNorm backward replay plans (fusedops.backends.triton.layernorm_bwd.layernorm_backward): a
+call whose signature ran before through launches alone replays those launches with the new call's
+tensors.
 
 Under the interpreter the plans are built with a recording C entry and compared launch by launch
 with the normal path (same grids, same scalars, every pointer at the same place relative to the
@@ -14,17 +15,21 @@ import torch
 from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
 
 import fusedops
-from fusedops.triton import _common
-from fusedops.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.configs import layernorm as ln_rules
+from fusedops.backends.triton.runtime import launcher as rt_launcher
+from fusedops.backends.triton.runtime import recording as rt_recording
+from fusedops.backends.triton.runtime import split as rt_split
 
 BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.fixture(autouse=True)
 def _no_plans():
-    tln._bwd_plans.clear()
+    tlnb._bwd_plans.clear()
     yield
-    tln._bwd_plans.clear()
+    tlnb._bwd_plans.clear()
 
 
 def _inputs(M, N, dtype, weight=True, device=None):
@@ -42,7 +47,7 @@ def _inputs(M, N, dtype, weight=True, device=None):
 def _backward(inputs, need=(True, True, True), grad_dtypes=(None, None)):
     """The backend call as the eager autograd path makes it (grad_dtypes given)."""
     dy, x, w, mean, rstd = inputs
-    return tln.layernorm_backward(dy, x, w, mean, rstd, *need, grad_dtypes=grad_dtypes)
+    return tlnb.layernorm_backward(dy, x, w, mean, rstd, *need, grad_dtypes=grad_dtypes)
 
 
 def _where(bases, p):
@@ -73,15 +78,15 @@ pytestmark_interp = pytest.mark.skipif(
     dict(M=64, N=64, dtype=BF16, need=(False, True, True)),  # no dx: the column kernel
     dict(M=70, N=64, dtype=F32, max_block=32),  # column kernel (partials in dx), then dx rows
 ], ids=str)
-def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case):
+def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case, launch_rules):
     """The second call of a signature launches exactly what the first launched (grids, scalars,
     every pointer at the same place relative to the call's tensors) and allocates outputs like
     the first call's; the first call's results are right."""
     case = dict(case)
     if "body_from" in case:
-        monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", case.pop("body_from"))
+        launch_rules("layernorm", FUSED_BWD_UNALIGNED_MIN_BLOCK=case.pop("body_from"))
     if "max_block" in case:
-        monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", case.pop("max_block"))
+        launch_rules("layernorm", FUSED_BWD_MAX_BLOCK=case.pop("max_block"))
     need = case.pop("need", (True, True, True))
     grad_dtypes = case.pop("grad_dtypes", (None, None))
     inputs = _inputs(case.pop("M"), case.pop("N"), case.pop("dtype"), **case)
@@ -89,7 +94,7 @@ def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case
     first = _backward(inputs, need, grad_dtypes)
     normal = [e for e in log if e[0] == "normal"]
     assert normal and len(normal) == len(log)
-    assert len(tln._bwd_plans) == 1 and next(iter(tln._bwd_plans.values()))
+    assert len(tlnb._bwd_plans) == 1 and next(iter(tlnb._bwd_plans.values()))
     log.clear()
     second = _backward(inputs, need, grad_dtypes)
     assert [e[0] for e in log] == ["replay"] * len(normal)
@@ -132,14 +137,14 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
     with fusedops.layernorm_backward_mode(mode):
         first = _backward(inputs, need, grad_dtypes)
         if case == "hooks":
-            monkeypatch.setattr(tln, "hooks_registered", lambda: True)
+            monkeypatch.setattr(tlnb, "hooks_registered", lambda: True)
         log.clear()
         second = _backward(inputs, need, grad_dtypes)
     assert log and all(e[0] == "normal" for e in log)
     if case == "compiled":
-        assert not tln._bwd_plans
+        assert not tlnb._bwd_plans
     else:
-        (plan,) = tln._bwd_plans.values()
+        (plan,) = tlnb._bwd_plans.values()
         assert plan if case == "hooks" else plan is False
     for a, b in zip(first, second, strict=True):
         assert (a is None) == (b is None)
@@ -150,18 +155,18 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
 def test_plans_cleared_with_the_launch_rules():
     """Plans go when the launch rules change (set_single_block_limit) or the split-row kernels
     are disabled."""
-    tln._bwd_plans.put(("k",), lambda *a: None)
-    _common.set_single_block_limit(None)
-    assert not tln._bwd_plans
-    tln._bwd_plans.put(("k",), lambda *a: None)
-    state = dict(_common._split_state)
-    _common._split_state["enabled"] = True
+    tlnb._bwd_plans.put(("k",), lambda *a: None)
+    tcfg.set_single_block_limit(None)
+    assert not tlnb._bwd_plans
+    tlnb._bwd_plans.put(("k",), lambda *a: None)
+    state = dict(rt_split.SPLIT_STATE)
+    rt_split.SPLIT_STATE["enabled"] = True
     try:
         with pytest.warns(RuntimeWarning, match="split-row kernels disabled"):
-            _common.disable_split_rows("test")
-        assert not tln._bwd_plans
+            rt_split.disable_split_rows("test")
+        assert not tlnb._bwd_plans
     finally:
-        _common._split_state.update(state)
+        rt_split.SPLIT_STATE.update(state)
 
 
 # ------------------------------------------------------------------ end to end on the GPU
@@ -184,11 +189,11 @@ def test_gpu_replayed_backward_is_bitwise_the_normal_path(monkeypatch, M, N, dty
     """The second call replays (no normal-path call) and gives the first call's bits; on a
     side stream too; and with plans dropped, the normal path again. Skipped where plans
     cannot run (see conftest.require_replay_plans)."""
-    require_replay_plans(tln.BWD_PLANS)
-    normal = count_calls(monkeypatch, tln, "_backward")
+    require_replay_plans(ln_rules.BWD_PLANS)
+    normal = count_calls(monkeypatch, tlnb, "_backward")
     inputs = _inputs(M, N, dtype, weight, device="cuda")
     first = _backward(inputs, need, (dtype, dtype))
-    assert len(tln._bwd_plans) == 1 and next(iter(tln._bwd_plans.values()))
+    assert len(tlnb._bwd_plans) == 1 and next(iter(tlnb._bwd_plans.values()))
     second = _backward(inputs, need, (dtype, dtype))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -196,7 +201,7 @@ def test_gpu_replayed_backward_is_bitwise_the_normal_path(monkeypatch, M, N, dty
         third = _backward(inputs, need, (dtype, dtype))
     torch.cuda.current_stream().wait_stream(s)
     assert len(normal) == 1  # the second and third calls replayed
-    tln._bwd_plans.clear()
+    tlnb._bwd_plans.clear()
     fourth = _backward(inputs, need, (dtype, dtype))
     assert len(normal) == 2
     for outs in (second, third, fourth):
@@ -216,8 +221,8 @@ def test_gpu_replayed_backward_is_bitwise_the_normal_path(monkeypatch, M, N, dty
 def test_gpu_autograd_backward_replays(monkeypatch):
     """Through fused_layernorm and autograd: repeated backward calls replay (one normal-path
     call in three) and give the same gradients."""
-    require_replay_plans(tln.BWD_PLANS)
-    normal = count_calls(monkeypatch, tln, "_backward")
+    require_replay_plans(ln_rules.BWD_PLANS)
+    normal = count_calls(monkeypatch, tlnb, "_backward")
     x = torch.randn(2048, 2048, device="cuda", dtype=BF16, requires_grad=True)
     w = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
     b = torch.randn(2048, device="cuda", dtype=BF16, requires_grad=True)
@@ -226,7 +231,7 @@ def test_gpu_autograd_backward_replays(monkeypatch):
     grads = [torch.autograd.grad(y, (x, w, b), dy, retain_graph=True) for _ in range(3)]
     for g in grads[1:]:
         assert all(torch.equal(a, c) for a, c in zip(grads[0], g, strict=True))
-    assert any(tln._bwd_plans.values()) and len(normal) == 1
+    assert any(tlnb._bwd_plans.values()) and len(normal) == 1
 
 
 def test_recordings_are_per_thread():
@@ -247,11 +252,11 @@ def test_recordings_are_per_thread():
 
     def work(i):
         try:
-            with _common.record_launches() as record:
+            with rt_recording.record_launches() as record:
                 both_recording.wait()
                 with one_launch:
-                    _common.zero_counters(tensors[i])
-                _common.mark_replayable()
+                    rt_split.zero_counters(tensors[i])
+                rt_recording.mark_replayable()
                 both_recording.wait()
             records[i] = record
         except BaseException as exc:  # reported by the main thread
@@ -267,10 +272,10 @@ def test_recordings_are_per_thread():
     for i, record in enumerate(records):
         assert record.replayable and len(record) == 1 and record[0][2][0] is tensors[i]
         assert not tensors[i].any()
-    assert not _common._recording
-    with _common.record_launches() as outer:
-        with _common.record_launches() as inner:
-            _common.zero_counters(tensors[0])
-        _common.zero_counters(tensors[1])
+    assert not rt_launcher.recording
+    with rt_recording.record_launches() as outer:
+        with rt_recording.record_launches() as inner:
+            rt_split.zero_counters(tensors[0])
+        rt_split.zero_counters(tensors[1])
     assert len(inner) == 1 and len(outer) == 1 and outer[0][2][0] is tensors[1]
-    assert not _common._recording
+    assert not rt_launcher.recording

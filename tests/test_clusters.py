@@ -1,4 +1,4 @@
-"""The LayerNorm backward's split-row kernel in thread-block clusters (``fusedops/triton/
+"""The LayerNorm backward's split-row kernel in thread-block clusters (``fusedops/backends/triton/
 _clusters.py``): a row's pieces exchange their sums through distributed shared memory and the
 cluster barrier (inline PTX) instead of global memory and counters.
 
@@ -20,11 +20,21 @@ import warnings
 import pytest
 import torch
 from _reliability import gpu
-from conftest import INTERPRETING, assert_close_to_ref, assert_row_sum_close, exhaustive_unless
+from conftest import (
+    INTERPRETING,
+    assert_close_to_ref,
+    assert_row_sum_close,
+    exhaustive_unless,
+    forced_split_config,
+)
 
 import fusedops
-from fusedops.triton import _clusters, _common
-from fusedops.triton import layernorm as tln
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton.kernels import layernorm_bwd_split as k_layernorm_bwd_split
+from fusedops.backends.triton.runtime import clusters as _clusters
+from fusedops.backends.triton.runtime import device as rt_device
+from fusedops.backends.triton.runtime import recording as rt_recording
 
 
 def _clustered(cfg) -> bool:
@@ -41,25 +51,25 @@ def _clustered(cfg) -> bool:
 def test_cluster_rules(n, elt, aligned, clustered):
     """The rows the cluster rules are for (docs: aligned 16-bit and float32 rows of 16K-64K)
     take clusters, in pieces that fit one cluster; no other row does."""
-    cfg = tln._split_config("bwd", n, elt, aligned)
+    cfg = tln.split_config("bwd", n, elt, aligned)
     assert _clustered(cfg) == clustered, cfg
     if clustered:
-        assert _common.cdiv(n, cfg[0]) in (2, 4, 8, 16)
+        assert rt_device.cdiv(n, cfg[0]) in (2, 4, 8, 16)
 
 
-def test_cluster_rules_can_be_turned_off(monkeypatch):
+def test_cluster_rules_can_be_turned_off(monkeypatch, launch_rules):
     """CLUSTER_BWD off: no config asks for clusters, and the rows keep a split config."""
-    monkeypatch.setattr(tln, "CLUSTER_BWD", False)
+    launch_rules("layernorm", CLUSTER_BWD=False)
     for n in (16384, 32768, 65536):
         for elt in (2, 4):
-            cfg = tln._split_config("bwd", n, elt, True)
+            cfg = tln.split_config("bwd", n, elt, True)
             assert cfg is not None and not _clustered(cfg), (n, elt, cfg)
 
 
 def test_clusters_off_without_a_hopper_gpu():
     cpu = torch.device("cpu")
     assert not _clusters.clusters_enabled(cpu, 16384, 2048, 8)
-    if torch.cuda.is_available() and not _common._interpreting():
+    if torch.cuda.is_available() and not rt_device.interpreting():
         dev = torch.device("cuda", torch.cuda.current_device())
         hopper = torch.cuda.get_device_capability(dev)[0] >= 9
         assert _clusters.clusters_enabled(dev, 16384, 2048, 8) == hopper
@@ -73,9 +83,11 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.kernels import layernorm_bwd_split as k_layernorm_bwd_split
+    from fusedops.backends.triton import layernorm_bwd as tlnb
 
-    fn = tln._ln_bwd_split
+    fn = k_layernorm_bwd_split.ln_bwd_split
     names = fn.arg_names
     f32 = ("mean_ptr", "rstd_ptr", "part_ptr", "stats_ptr")
     sig = {a: ("*fp32" if a in f32 else "*i32" if a == "count_ptr" else "*bf16")
@@ -171,17 +183,17 @@ def test_split_backward_buffers(monkeypatch, parked, path):
             calls.append(("coop", runtime[8].clone(), consts, progs))
             return progs
 
-    monkeypatch.setattr(tln, "_bwd_cluster_launcher", lambda cap: Cluster())
-    monkeypatch.setattr(tln, "_bwd_split_launcher", lambda cap: Coop())
-    monkeypatch.setattr(tln, "clusters_enabled", lambda *a: True)
+    monkeypatch.setattr(tlnb, "_bwd_cluster_launcher", lambda cap: Cluster())
+    monkeypatch.setattr(tlnb, "_bwd_split_launcher", lambda cap: Coop())
+    monkeypatch.setattr(tlnb, "clusters_enabled", lambda *a: True)
     # the parked rows' second launch waits on other programs (the interpreter runs them in turn)
-    monkeypatch.setattr(tln, "_launch_dx_published", lambda grid, args, warps: calls.append(
+    monkeypatch.setattr(tlnb, "_launch_dx_published", lambda grid, args, warps: calls.append(
         ("published", args[7].clone(), args[6], grid)))
     m, n = 64, 256
     x, dy, w = torch.randn(m, n), torch.randn(m, n), torch.randn(n)
     mean, rstd = x.mean(1), torch.rsqrt(x.var(1, unbiased=False) + 1e-5)
     cfg = (64, 4, 1, None, True) if path != "cooperative" else (64, 4, 1)
-    out = tln._split_backward(dy, x, w, True, mean, rstd, torch.empty_like(x), True, True, None,
+    out = tlnb._split_backward(dy, x, w, True, mean, rstd, torch.empty_like(x), True, True, None,
                               cfg, 0, parked)
     assert out is not None
     if parked:  # the parked rows: their own zeroed counter, the split launch's statistics
@@ -223,8 +235,8 @@ def _reference(dy, x, w):
 
 # A split-row launch on a cooperative grid (SplitLauncher launches through a Launcher), and one
 # in clusters, as _launchers lists them.
-COOP = ("Launcher", "_ln_bwd_split")
-CLUSTER = ("ClusterLauncher", "_ln_bwd_split")
+COOP = ("Launcher", "ln_bwd_split")
+CLUSTER = ("ClusterLauncher", "ln_bwd_split")
 
 
 def _launchers(record) -> set:
@@ -233,8 +245,8 @@ def _launchers(record) -> set:
 
 def _backward(dy, x, w, mean, rstd, need=(True, True, True)):
     # (no grad_dtypes: no replay plans, so every call runs the launch rules)
-    with _common.record_launches() as record:
-        out = tln.layernorm_backward(dy, x, w, mean, rstd, *need)
+    with rt_recording.record_launches() as record:
+        out = tlnb.layernorm_backward(dy, x, w, mean, rstd, *need)
     return out, _launchers(record)
 
 
@@ -257,7 +269,8 @@ CLUSTER_CASES = [(5, 16384, 8192), (300, 16384, 4096), (40, 32768, 4096), (200, 
 @pytest.mark.parametrize("m,n,piece", CLUSTER_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
-def test_gpu_cluster_backward_matches_float64(monkeypatch, m, n, piece, dtype, prefetch):
+def test_gpu_cluster_backward_matches_float64(monkeypatch, m, n, piece, dtype, prefetch,
+                                              launch_rules):
     """Forced configs: every cluster size and load placement, against float64, dx bit for bit
     as the cooperative kernel with the same pieces writes it (the same per-piece sums, combined
     in the same order)."""
@@ -267,11 +280,11 @@ def test_gpu_cluster_backward_matches_float64(monkeypatch, m, n, piece, dtype, p
     got = {}
     for mode in ("fast", "low_memory"):  # low_memory: few rows leave no room to park: the
         with fusedops.layernorm_backward_mode(mode):  # dx-pieces kernel instead
-            monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", cluster_cfg)
+            launch_rules("layernorm", split_config=forced_split_config(None, cluster_cfg))
             got[mode], used = _backward(*inputs)
             assert mode == "low_memory" or (CLUSTER in used and COOP not in used)
             _check(got[mode], *inputs[:3], dtype)
-            monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", coop_cfg)
+            launch_rules("layernorm", split_config=forced_split_config(None, coop_cfg))
             coop, used = _backward(*inputs)
             assert CLUSTER not in used and (mode == "low_memory" or COOP in used)
             assert torch.equal(got[mode][0], coop[0])
@@ -309,7 +322,7 @@ def test_gpu_cluster_launch_failure_falls_back(monkeypatch):
     pieces on a cooperative grid."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need Hopper")
-    monkeypatch.setitem(_clusters._state, "enabled", True)
+    monkeypatch.setitem(_clusters.CLUSTER_STATE, "enabled", True)
     inputs = _case(64, 16384, torch.bfloat16, seed=3)
 
     def refuse(self, args, chunks, num_warps):
@@ -337,7 +350,7 @@ def test_gpu_max_active_clusters():
     for n in (16384, 131072):
         dy, x, w, mean, rstd = _case(16, n, torch.bfloat16)
         C = n // 8192
-        launcher = _clusters.ClusterLauncher(tln._ln_bwd_split, maxnreg=128)
+        launcher = _clusters.ClusterLauncher(k_layernorm_bwd_split.ln_bwd_split, maxnreg=128)
         runtime = (dy, x, w, mean, rstd, x, mean, mean, mean, n, 8192, n, n, n, 16, 16 * C)
         consts = (8192, C, C, True, True, True, True, 1, False, 0, True, True)
         ctas[C] = launcher.programs(1 << 20, C, runtime, consts, 16, x.device)

@@ -192,7 +192,7 @@ def test_dynamic_shapes():
 @needs_triton
 def test_fullgraph_with_triton_kernels(monkeypatch):
     """Forced Triton backend under compile: the opaque custom ops run the (interpreted) kernels."""
-    import fusedops.triton as tb
+    import fusedops.backends.triton as tb
 
     calls = []
     for name in ("softmax_forward", "softmax_backward", "layernorm_forward",
@@ -500,17 +500,17 @@ def test_gpu_long_rows(n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_layernorm_unaligned_16bit_rows(n, dtype):
     """16-bit rows of 2^k + 1: 8193 on the fused kernel's aligned-body variant, 65537 (too long
-    for it) on dx pieces + the column kernel (fusedops/triton/layernorm.py: DX_PIECES_BWD),
+    for it) on dx pieces + the column kernel (fusedops/backends/triton/layernorm.py: DX_PIECES_BWD),
     whatever the weights' dtype. Both must match the float64 oracle, and the fused forward must
     stay ours. Where the rows' starts rule out vector accesses, PyTorch's native backward would
     run (weights in x's dtype; NATIVE_UNALIGNED_16BIT_BWD)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
     torch.manual_seed(n)
     x = _cuda(40, n, dtype=dtype, scale=2)
-    assert (tln._dx_pieces_plan(n, x, x) is not None) == (n > tln.FUSED_BWD_MAX_BLOCK)
-    assert tln._native_unaligned(x, x, _cuda(n, dtype=dtype))
-    assert not tln._native_unaligned(x, x, _cuda(n))
+    assert (ln_rules.dx_pieces_plan(n, x, x) is not None) == (n > ln_rules.FUSED_BWD_MAX_BLOCK)
+    assert ln_rules.native_unaligned(x, x, _cuda(n, dtype=dtype))
+    assert not ln_rules.native_unaligned(x, x, _cuda(n))
     _gpu_check_layernorm(x, n, _cuda(n, dtype=dtype), _cuda(n, dtype=dtype))
     _gpu_check_layernorm(x, n, _cuda(n), _cuda(n))
     with fusedops.count_fused_calls() as counts:

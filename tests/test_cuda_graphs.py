@@ -40,9 +40,9 @@ def _warm_up(fn, iters: int = 3) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_graph_forward_backward_variants(monkeypatch, n, dtype):
     if n == 70000:  # split rows take any long row on CUDA: turn them off for the looped kernels
-        from fusedops.triton import _common
+        from fusedops.backends.triton.runtime import split as rt_split
 
-        monkeypatch.setitem(_common._split_state, "enabled", False)
+        monkeypatch.setitem(rt_split.SPLIT_STATE, "enabled", False)
     m = 8
     g = torch.Generator().manual_seed(n)
     static_x = torch.randn(m, n, generator=g).to(dtype).cuda().requires_grad_(True)

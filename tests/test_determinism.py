@@ -114,7 +114,8 @@ def check_determinism(op: str, m: int, n: int, dtype: torch.dtype, device: str,
     # Batch split: two (m, n) calls vs one (2m, n) call, row-wise results. Rows that are not a
     # multiple of 16 bytes are read as an aligned body plus edges, whose split depends on where
     # the row starts; a split that moves rows to another 16-byte phase keeps the bits only under
-    # torch.use_deterministic_algorithms (see fusedops/triton/_common.py, unaligned_vec).
+    # torch.use_deterministic_algorithms (see fusedops/backends/triton/configs/common.py,
+    # unaligned_vec).
     elt = x.element_size()
     same_phase = (n * elt) % 16 == 0 or (m * n * elt) % 16 == 0
     with _deterministic(not same_phase):
@@ -169,16 +170,15 @@ GPU_SHAPES = [(4096, 256), (512, 4096), (4, 70000), (4, 2 * 16384), (3, 6 * 1638
 @pytest.mark.parametrize("strategy", ["default", "fast_mode", "column_kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m,n", GPU_SHAPES, ids=[f"{m}x{n}" for m, n in GPU_SHAPES])
-def test_gpu_layernorm_determinism(monkeypatch, m, n, dtype, strategy):
+def test_gpu_layernorm_determinism(monkeypatch, m, n, dtype, strategy, launch_rules):
     """The dweight/dbias strategies: the default for each shape (the fused backward's
     per-program partials for rows held in registers, the split-row backward's partials or the
     column kernel for long rows; partials parked in dx, the low_memory mode), the same in the
     fast mode (separate scratch), and the dx row kernel + column-blocked dweight/dbias kernel,
     forced at every row length by FUSED_BWD_MAX_BLOCK = 0 (where split rows do not apply)."""
-    from fusedops.triton import layernorm as tln
 
     if strategy == "column_kernel":
-        monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)
+        launch_rules("layernorm", FUSED_BWD_MAX_BLOCK=0)
     mode = "fast" if strategy == "fast_mode" else get_layernorm_backward()
     with layernorm_backward_mode(mode):
         check_determinism("layernorm", m, n, dtype, "cuda", repeats=5)

@@ -1,6 +1,6 @@
-"""Replay plans of the LayerNorm epilogue kernels (fusedops.triton.layernorm_epilogue_forward /
-_backward): a call whose signature ran before through launches alone relaunches them with the
-new call's tensors and seed, skipping the checks and launch rules.
+"""Replay plans of the LayerNorm epilogue kernels (``layernorm_epilogue_forward`` /
+``_backward`` of fusedops.backends.triton): a call whose signature ran before through launches
+alone relaunches them with the new call's tensors and seed, skipping the checks and launch rules.
 
 Under the interpreter the plans are built with a recording C entry (conftest's
 ``recording_entries``) and compared launch by launch with the normal path of a call with the
@@ -16,14 +16,15 @@ import torch
 from conftest import INTERPRETING, count_calls, require_replay_plans
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 
 import fusedops  # noqa: E402
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.runtime import launcher as rt_launcher  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 SEED_A, SEED_B = 0x3A5F_1234_DEAD_BEEF, 12345
@@ -113,13 +114,12 @@ BWD_CASES = {
 }
 
 
-def _run_case(kind, case, monkeypatch):
+def _run_case(kind, case, launch_rules):
     """(call(seed) -> outputs, the case's tensors): the backend call of ``case``."""
     case = dict(case)
     if case.pop("looped", False):  # rows past the single-block caps
-        for name in ("FWD_MAX_BLOCK", "FWD_MAX_BLOCK_DROPOUT", "BWD_MAX_BLOCK",
-                     "BWD_MAX_BLOCK_EPILOGUE"):
-            monkeypatch.setattr(tle, name, 32)
+        launch_rules("layernorm_epilogue", FWD_MAX_BLOCK=32, FWD_MAX_BLOCK_DROPOUT=32,
+                     BWD_MAX_BLOCK=32, BWD_MAX_BLOCK_EPILOGUE=32)
     M, N, dtype, p, act = (case.pop(k) for k in ("M", "N", "dtype", "p", "act"))
     need = case.pop("need", (True, True, True))
     need_stats = case.pop("need_stats", True)
@@ -139,12 +139,12 @@ def _run_case(kind, case, monkeypatch):
 @pytestmark_interp
 @pytest.mark.parametrize("kind,name", [("forward", n) for n in FWD_CASES]
                          + [("backward", n) for n in BWD_CASES])
-def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, kind, name):
+def test_replay_repeats_the_normal_launches(recording_entries, launch_rules, kind, name):
     """A call of a signature seen before replays: the launches a normal call with its seed
     would make (grids, scalars with its seed words, pointers at the same places), into new
     outputs of the normal call's shapes and dtypes."""
     call, inputs = _run_case(kind, (FWD_CASES if kind == "forward" else BWD_CASES)[name],
-                             monkeypatch)
+                             launch_rules)
     plans = tle._fwd_plans if kind == "forward" else tle._bwd_plans
     log = recording_entries
     call(SEED_A)
@@ -197,7 +197,7 @@ def test_replayed_seed_is_checked(recording_entries):
 @pytestmark_interp
 @pytest.mark.parametrize("case", ["strided weight", "shared input", "hooks", "no grad_dtypes",
                                   "plans off"])
-def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
+def test_calls_that_do_not_replay(recording_entries, monkeypatch, case, launch_rules):
     """A launch argument that is neither an input nor inside an output (a weight made
     contiguous for the call) or inputs sharing an address record no plan (a False entry, not
     recorded again); with a launch hook the normal path runs; backward calls without
@@ -209,7 +209,7 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
     if case == "shared input":
         t["residual"], t["ds"] = t["x"], t["dout"]
     if case == "plans off":
-        monkeypatch.setattr(tle, "PLANS", False)
+        launch_rules("layernorm_epilogue", PLANS=False)
     grad_dtypes = None if case == "no grad_dtypes" else "params"
     first = (_forward(t, 0.1, SEED_A, "relu"), _backward(t, 0.1, SEED_A, "relu",
                                                            grad_dtypes=grad_dtypes))
@@ -262,14 +262,14 @@ def test_plans_cleared_with_the_launch_rules():
     """Plans go when the launch rules change (set_single_block_limit)."""
     tle._fwd_plans.put(("k",), lambda *a: None)
     tle._bwd_plans.put(("k",), lambda *a: None)
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not tle._fwd_plans and not tle._bwd_plans
 
 
 def test_every_seeded_kernel_takes_k0_then_k1():
     """The replay substitutes the seed words at k0 and the argument after it: every launcher of
     the module whose kernel takes k0 takes k1 right after it, after its tensor arguments."""
-    launchers = [v for v in vars(tle).values() if isinstance(v, _common.Launcher)]
+    launchers = [v for v in vars(tle).values() if isinstance(v, rt_launcher.Launcher)]
     seeded = [la for la in launchers if tle._seed_position(la) is not None]
     assert len(seeded) == 5
     for la in seeded:

@@ -14,7 +14,9 @@ from conftest import INTERPRETING, triton_kernels_ready
 
 import fusedops
 from fusedops import _dispatch
-from fusedops.triton import _common
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.runtime import launcher as rt_launcher
+from fusedops.backends.triton.runtime import plans as rt_plans
 
 ON_DEVICE = True
 
@@ -73,13 +75,13 @@ def test_inference_non_contiguous_and_inner_dims():
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_layernorm_inference_allocates_no_statistics(monkeypatch):
-    from fusedops.triton import layernorm as tln
+def test_layernorm_inference_allocates_no_statistics(monkeypatch, launch_rules):
+    from fusedops.backends.triton import layernorm as tln
 
     # the rule below belongs to the reload and single-block kernels (8K rows would otherwise
     # take the unrolled kernel, which measured no slower without statistics)
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {})
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
+    launch_rules("layernorm", UNROLLED_FWD={})
+    launch_rules("layernorm", UNROLLED_FWD_GPU={})
 
     x = torch.randn(8, 64, device=_dev())
     y, mean, rstd = tln._forward(x, None, None, 1e-5, x.dtype, False)
@@ -107,7 +109,7 @@ def test_layernorm_inference_allocates_no_statistics(monkeypatch):
 def test_launch_key_separates_specialisations():
     """Every property Triton specialises on changes the key; nothing else does."""
     base = torch.zeros(64, dtype=torch.float32)
-    key = _common._launch_key
+    key = rt_launcher.launch_key
 
     def k(*args, warps=4, n=None):
         return key(warps, args, len(args) if n is None else n)
@@ -131,7 +133,7 @@ def test_direct_launch_matches_triton_launch():
     """After the first (Triton) launch of a specialisation, later calls take the cached direct
     path; results stay identical, including on a non-default stream and for a misaligned view
     that needs a different compiled kernel."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     x = torch.randn(300, 1000, device="cuda")
     first = tsm.softmax_forward(x, x.dtype)
@@ -154,10 +156,10 @@ def test_generated_key_equals_the_generic_key():
     t = torch.zeros(64)
     n = 8
     first = (t, t[1:], 32, 7, 1, 2**31 + 5, 1e-5, True, 128, "const")
-    key = _common._key_function(first, n)
+    key = rt_launcher._key_function(first, n)
     for args in (first, (t.half(), t, 48, 1, 33, -(2**31) - 1, 2.0, False, 64, "other"),
                  (t[3:], t[4:], 0, 16, 2, 3, 0.0, True, 1, None)):
-        assert key(8, args) == _common._launch_key(8, args, n)
+        assert key(8, args) == rt_launcher.launch_key(8, args, n)
     for other in ((1, t, 32, 7, 1, 5, 1e-5, True, 1, 2),  # an int where a tensor was
                   (t, t, t, 7, 1, 5, 1e-5, True, 1, 2),  # a tensor where an int was
                   (t, t, 32, 7.0, 1, 5, 1e-5, True, 1, 2),  # a float where an int was
@@ -165,7 +167,7 @@ def test_generated_key_equals_the_generic_key():
                   (t, t, 32, 7, 1, 5, 1e-5, 1, 1, 2)):  # an int where a bool was
         with pytest.raises((TypeError, AttributeError, RuntimeError)):
             key(8, other)
-    assert _common._key_function((4, 2), 0)(8, (4, 2)) == _common._launch_key(8, (4, 2), 0)
+    assert rt_launcher._key_function((4, 2), 0)(8, (4, 2)) == rt_launcher.launch_key(8, (4, 2), 0)
 
 
 class _FakeCompiled:
@@ -188,8 +190,8 @@ def test_direct_entry_calls_the_c_entry_on_known_triton(monkeypatch):
         def __call__(self, *a):
             calls.append(("run", a))
 
-    monkeypatch.setattr(_common.triton, "__version__", "3.6.0")
-    go = _common._direct_entry(_FakeCompiled(CudaLauncher()))
+    monkeypatch.setattr(rt_launcher.triton, "__version__", "3.6.0")
+    go = rt_launcher.direct_entry(_FakeCompiled(CudaLauncher()))
     go((5,), 123, ("x", 1))
     go((5, 2), 123, ("x", 1))
     assert calls == [
@@ -199,12 +201,12 @@ def test_direct_entry_calls_the_c_entry_on_known_triton(monkeypatch):
                     "x", 1))]
     # another Triton version, or a kernel that needs scratch memory: Triton's runner
     calls.clear()
-    monkeypatch.setattr(_common.triton, "__version__", "3.9.0")
-    _common._direct_entry(_FakeCompiled(CudaLauncher()))((5,), 123, ("x",))
-    monkeypatch.setattr(_common.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(rt_launcher.triton, "__version__", "3.9.0")
+    rt_launcher.direct_entry(_FakeCompiled(CudaLauncher()))((5,), 123, ("x",))
+    monkeypatch.setattr(rt_launcher.triton, "__version__", "3.6.0")
     runner = CudaLauncher()
     runner.global_scratch_size = 256
-    _common._direct_entry(_FakeCompiled(runner))((5,), 123, ("x",))
+    rt_launcher.direct_entry(_FakeCompiled(runner))((5,), 123, ("x",))
     assert [c[0] for c in calls] == ["run", "run"]
     assert calls[0][1] == (5, 1, 1, 123, 77, (4, 1, 0), None, None, None, "x")
 
@@ -228,7 +230,7 @@ def test_softmax_plan_replays_the_recorded_launch(fake_stream, monkeypatch):
     """A call whose plan exists allocates its output and launches the plan's kernel with the
     tensors' addresses first, then the recorded tail; calls the plan's key cannot describe
     (strided rows, misaligned base, launch hooks) take the normal path."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     x = torch.randn(6, 64, device=_dev())
     go = _Recorder()
@@ -254,7 +256,7 @@ def test_layernorm_plan_replays_the_recorded_launch(fake_stream, with_stats, aff
     """The LayerNorm forward plan passes (x, weight, bias, y, mean, rstd) addresses in the
     kernel's order, y's address where a parameter or the statistics are absent (the kernel's
     placeholders), and allocates the statistics only when asked for."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     x = torch.randn(5, 48, device=_dev(), dtype=torch.bfloat16)
     w = torch.randn(48, device=_dev()) if affine != "none" else None
@@ -282,7 +284,7 @@ def test_layernorm_plan_replays_the_recorded_launch(fake_stream, with_stats, aff
 
 
 def test_plan_cache_keeps_only_direct_c_entries(monkeypatch):
-    plans = _common.PlanCache()
+    plans = rt_plans.PlanCache()
     go = _Recorder()
 
     class FakeLauncher:
@@ -298,10 +300,10 @@ def test_plan_cache_keeps_only_direct_c_entries(monkeypatch):
     plans.add("other", FakeLauncher(lambda *a: None), (1,), (t, t, 3), 4, 2)  # not a C entry
     plans.add("none", FakeLauncher(None), (1,), (t, t, 3), 4, 2)  # nothing compiled
     assert set(plans) == {"k"}
-    monkeypatch.setattr(_common.PlanCache, "MAX_PLANS", 1)
+    monkeypatch.setattr(rt_plans.PlanCache, "MAX_PLANS", 1)
     plans.add("next", FakeLauncher(go), (1,), (t, t), 4, 2)  # full: start again
     assert set(plans) == {"next"}
-    _common.set_single_block_limit(None)  # rule changes clear every plan cache
+    tcfg.set_single_block_limit(None)  # rule changes clear every plan cache
     assert not plans
 
 
@@ -312,10 +314,10 @@ def test_plans_replay_compiled_kernels(dtype):
     """On the GPU the first call of a signature records a plan and later calls replay it: same
     bits as the first call, on any stream, for every LayerNorm parameter combination and with
     the statistics; a registered launch hook sends calls back through Triton."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import softmax as tsm
 
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     x = torch.randn(8, 128, 768, device="cuda", dtype=dtype)
     w = torch.randn(768, device="cuda", dtype=dtype)
     b = torch.randn(768, device="cuda", dtype=dtype)
@@ -356,21 +358,21 @@ def test_plans_replay_compiled_kernels(dtype):
             else:
                 hooks.launch_enter_hook = chain
         assert seen, "the launch hook did not see the launch"
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not tsm._fwd_plans and not tln._fwd_plans
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
+def test_unrolled_layernorm_plans_replay(monkeypatch, dtype, launch_rules):
     """The unrolled LayerNorm forward records plans too: replayed calls give the first call's
     bits, with and without statistics."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 2048): ((512, 4),)})
-    _common.set_single_block_limit(None)
+    launch_rules("layernorm", UNROLLED_FWD={(elt, 2048): ((512, 4),)})
+    tcfg.set_single_block_limit(None)
     launched = []
     real = tln._launch_fwd_unrolled
 
@@ -392,20 +394,20 @@ def test_unrolled_layernorm_plans_replay(monkeypatch, dtype):
         torch.testing.assert_close(again[0].float(), torch.nn.functional.layer_norm(
             x.float(), (1536,), w.float(), b.float(), 1e-5), atol=2e-2, rtol=2e-2)
     assert len(launched) == 2 and len(tln._fwd_plans) == 2
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
 @pytest.mark.gpu
-def test_unrolled_softmax_plans_replay(monkeypatch):
+def test_unrolled_softmax_plans_replay(monkeypatch, launch_rules):
     """The unrolled softmax forward records plans: a replayed call gives the first call's bits."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(2, 2048): ((512, 4),)})
-    _common.set_single_block_limit(None)
+    launch_rules("softmax", UNROLLED_FWD={(2, 2048): ((512, 4),)})
+    tcfg.set_single_block_limit(None)
     x = torch.randn(64, 1536, device="cuda", dtype=torch.bfloat16)  # 3 chunks
     first = tsm.softmax_forward(x, torch.bfloat16)
     assert len(tsm._fwd_plans) == 1
     assert torch.equal(tsm.softmax_forward(x, torch.bfloat16), first)
     torch.testing.assert_close(first.float(), torch.softmax(x.float(), -1), atol=1e-2, rtol=2e-2)
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)

@@ -1,5 +1,5 @@
-"""The host-side launch rules of the Triton backend (fusedops/triton/_common.py, layernorm.py,
-softmax.py): the invariants every rule must keep, whatever configs measurements pick.
+"""The host-side launch rules of the Triton backend (fusedops/backends/triton/configs/): the
+invariants every rule must keep, whatever configs measurements pick.
 
 Each test states the invariant it protects: every row length maps to a config, the kernel a
 config picks covers the row, the single-block/looped switch sits at the documented limit and
@@ -17,13 +17,19 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from conftest import assert_close_to_ref
+from conftest import assert_close_to_ref, forced_split_config
 
-from fusedops.triton import _common
-from fusedops.triton import layernorm as tln
-from fusedops.triton import softmax as tsm
+from fusedops.backends.triton import configs as tconfigs
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton import softmax as tsm
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.configs import layernorm as ln_rules
+from fusedops.backends.triton.configs import softmax as sm_rules
+from fusedops.backends.triton.runtime import device as rt_device
+from fusedops.backends.triton.runtime import split as rt_split
 
-KINDS = sorted(_common.KIND_CAPS)
+KINDS = sorted(tcfg.KIND_CAPS)
 ELT_SIZES = (2, 4)
 # Row lengths around every power of two a rule may switch at, and a few others.
 ROW_LENGTHS = sorted({1, 2, 3, 12000, 100000} | {
@@ -36,13 +42,13 @@ def _pow2(v: int) -> bool:
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 8, 9, 1000, 1024, 1025, 65537, 1 << 20])
 def test_next_pow2_matches_triton(n):
-    assert _common.next_pow2(n) == triton.next_power_of_2(max(n, 1))
+    assert rt_device.next_pow2(n) == triton.next_power_of_2(max(n, 1))
 
 
 def test_cdiv_matches_triton():
     for a in range(0, 70):
         for b in range(1, 17):
-            assert _common.cdiv(a, b) == triton.cdiv(a, b)
+            assert rt_device.cdiv(a, b) == triton.cdiv(a, b)
 
 
 # ------------------------------------------------------------------------- single-block / looped
@@ -55,12 +61,12 @@ def test_every_row_length_maps_to_a_config_that_covers_it(kind, elt):
     and warps (1-32); a single-block config holds the whole row (BLOCK = next_pow2(N) >= N,
     within the kind's cap and the single-block limit), a looped one streams it in several
     chunks of one row per program."""
-    limit = min(_common.single_block_limit(), _common._cap(kind, elt))
+    limit = min(tcfg.single_block_limit(), tcfg._cap(kind, elt))
     for n in ROW_LENGTHS:
-        single, block, rows, warps = _common.row_config(n, kind, elt)
+        single, block, rows, warps = tcfg.row_config(n, kind, elt)
         assert _pow2(block) and _pow2(rows) and _pow2(warps) and warps <= 32, (n, kind, elt)
         if single:
-            assert block == _common.next_pow2(n) >= n and block <= limit, (n, kind, elt)
+            assert block == rt_device.next_pow2(n) >= n and block <= limit, (n, kind, elt)
         else:
             assert rows == 1 and block < n, (n, kind, elt)
 
@@ -74,18 +80,15 @@ def test_single_block_switch_is_at_the_limit(kind, elt):
     (conftest.single_block_limits) are these switch points."""
     from conftest import single_block_limits
 
-    switch = min(_common.single_block_limit(), _common._cap(kind, elt))
+    switch = min(tcfg.single_block_limit(), tcfg._cap(kind, elt))
     assert switch in single_block_limits(kind)
     for n in ROW_LENGTHS:
-        assert _common.row_config(n, kind, elt)[0] == (n <= switch), (n, switch)
-    _common.set_single_block_limit(16)
-    try:
-        assert _common.row_config(16, kind, elt)[0]
-        assert not _common.row_config(17, kind, elt)[0]
-        assert _common.row_config(17, kind, elt)[1] <= 16  # chunks within the shrunk limit
-    finally:
-        _common.set_single_block_limit(None)
-    assert _common.row_config(switch, kind, elt)[0] and not _common.row_config(
+        assert tcfg.row_config(n, kind, elt)[0] == (n <= switch), (n, switch)
+    with tconfigs.override(SINGLE_BLOCK_LIMIT=16):
+        assert tcfg.row_config(16, kind, elt)[0]
+        assert not tcfg.row_config(17, kind, elt)[0]
+        assert tcfg.row_config(17, kind, elt)[1] <= 16  # chunks within the shrunk limit
+    assert tcfg.row_config(switch, kind, elt)[0] and not tcfg.row_config(
         switch + 1, kind, elt)[0]
 
 
@@ -93,8 +96,8 @@ def test_single_block_limit_must_be_a_power_of_two():
     """Invariant: only limits the kernels can take (powers of two >= 16) are accepted."""
     for bad in (8, 24, 1000):
         with pytest.raises(ValueError, match="power of two"):
-            _common.set_single_block_limit(bad)
-    assert _common.single_block_limit() == _common.DEFAULT_SINGLE_BLOCK_LIMIT
+            tcfg.set_single_block_limit(bad)
+    assert tcfg.single_block_limit() == tcfg.DEFAULT_SINGLE_BLOCK_LIMIT
 
 
 @pytest.mark.parametrize("elt", ELT_SIZES)
@@ -107,14 +110,14 @@ def test_unaligned_rows_are_configured_for_their_body(kind, elt):
     for n in ROW_LENGTHS:
         if n < 2 * vec or n % vec == 0:
             continue
-        single, block, rows, warps, v = _common.unaligned_config(n, kind, elt, vec)
+        single, block, rows, warps, v = tcfg.unaligned_config(n, kind, elt, vec)
         assert v in (0, vec) and _pow2(warps) and warps <= 32
         if v:
-            body = _common.body_len(n, vec)
+            body = tcfg.body_len(n, vec)
             assert body % vec == 0 and n - vec < body <= n
-            assert (single, block, rows) == _common.row_config(body, kind, elt)[:3]
+            assert (single, block, rows) == tcfg.row_config(body, kind, elt)[:3]
         else:
-            assert (single, block, rows, warps) == _common.row_config(n, kind, elt)
+            assert (single, block, rows, warps) == tcfg.row_config(n, kind, elt)
 
 
 def test_grid_sizes_stay_within_the_work():
@@ -123,16 +126,16 @@ def test_grid_sizes_stay_within_the_work():
     resident wave (2048 threads per SM) and, with unaligned rows (VEC > 0) and fewer programs
     than tiles, a multiple of VEC programs (a program's tiles share one misalignment)."""
     dev = torch.device("cpu")
-    sms = _common.num_sms(dev)
+    sms = rt_device.num_sms(dev)
     for kind in KINDS:
         for warps in (1, 2, 4, 8, 16, 32):
             for block in (256, 8192, 16384):
                 for tiles in (1, 3, 100, 1000, 100000):
                     for vec in (0, 4, 8):
-                        progs = _common.grid_size(tiles, warps, kind, dev, block, vec)
+                        progs = tcfg.grid_size(tiles, warps, kind, dev, block, vec)
                         assert 1 <= progs <= tiles
-                        per_block = _common.PERSISTENT_ABOVE.get(kind, 1 << 62)
-                        if not _common.PERSISTENT[kind] and block <= per_block:
+                        per_block = tcfg.PERSISTENT_ABOVE.get(kind, 1 << 62)
+                        if not tcfg.PERSISTENT[kind] and block <= per_block:
                             assert progs == tiles
                             continue
                         assert progs * warps * 32 <= max(sms * 2048, vec * warps * 32)
@@ -149,7 +152,7 @@ def test_grid_sizes_stay_within_the_work():
 def test_split_pieces_cover_the_row(n, chunk, vec):
     """Invariant: the C pieces of L elements cover the row, the last one starting inside it;
     with unaligned rows (VEC > 0) pieces of the body start 16-byte aligned."""
-    c, length = _common.split_pieces(n, chunk, vec)
+    c, length = rt_split.split_pieces(n, chunk, vec)
     assert length <= chunk
     # the pieces cover the row and the last one starts inside it (with unaligned rows it covers
     # part of the aligned body, up to 2·(VEC - 1) shorter than the row, and may be empty for
@@ -157,7 +160,7 @@ def test_split_pieces_cover_the_row(n, chunk, vec):
     assert c * length >= n > (c - 1) * length
     if c <= 132:  # no empty pieces where split rows run (all pieces resident on one GPU)
         assert (c - 1) * length < n - 2 * vec
-    assert c == _common.cdiv(n, chunk)
+    assert c == rt_device.cdiv(n, chunk)
     if vec:
         assert length % 16 == 0  # pieces of the body start 16-byte aligned
 
@@ -176,7 +179,7 @@ def _check_split_config(cfg, n, elt, aligned, vec):
         assert aligned and not vec, (n, elt, cfg)
         if _pow2(n):  # the rows the cluster rules are for fit one cluster (2-16 pieces);
             # other piece counts run cooperative (clusters_enabled)
-            assert _common.cdiv(n, piece) in (2, 4, 8, 16), (n, elt, cfg)
+            assert rt_device.cdiv(n, piece) in (2, 4, 8, 16), (n, elt, cfg)
 
 
 @pytest.mark.parametrize("elt", ELT_SIZES)
@@ -191,7 +194,7 @@ def test_layernorm_split_configs_are_valid(elt, aligned):
     for n in (m for m in ROW_LENGTHS if m > 8192):
         for vec in ((0, 16 // elt) if not aligned else (0,)):
             for kind in ("fwd", "bwd"):
-                cfg = tln._split_config(kind, n, elt, aligned, vec)
+                cfg = tln.split_config(kind, n, elt, aligned, vec)
                 if cfg is None:
                     # forward: aligned 16-bit rows of 256K+ (looped); backward with VEC: the
                     # scalar pieces or PyTorch's native kernel (16-bit)
@@ -207,25 +210,24 @@ def test_softmax_split_configs_are_valid():
         for elt in ELT_SIZES:
             for vec in (0, 16 // elt):
                 for kind in ("fwd", "bwd"):
-                    cfg = tsm._split_config(kind, elt, vec, n)
+                    cfg = tsm.split_config(kind, elt, vec, n)
                     assert len(cfg) == 3
                     _check_split_config(cfg, n, elt, not vec, vec)
 
 
-def test_split_config_overrides(monkeypatch):
-    monkeypatch.setattr(tln, "SPLIT_CONFIG", (1024, 2, 0))
-    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG", (512, 4, 2))
-    assert tln._split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
-    assert tln._split_config("bwd", 16384, 2, True) == (512, 4, 2)
-    monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (4096, 4, 2))
-    assert tsm._split_config("bwd", 4) == (4096, 4, 2)
+def test_split_config_overrides(monkeypatch, launch_rules):
+    launch_rules("layernorm", split_config=forced_split_config((1024, 2, 0), (512, 4, 2)))
+    assert tln.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
+    assert ln_rules.split_config("bwd", 16384, 2, True) == (512, 4, 2)
+    launch_rules("softmax", split_config=forced_split_config(None, (4096, 4, 2)))
+    assert tsm.split_config("bwd", 4) == (4096, 4, 2)
 
 
 def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     """Invariant: a split-row grid is a multiple of the pieces per row C (all pieces of a row
     in one round), deterministic for the same arguments, and with unaligned rows a multiple
     of C·VEC (a program's rows share one misalignment) or 0 where none fits."""
-    launcher = _common.SplitLauncher(tln._ln_fwd_split)
+    launcher = rt_split.SplitLauncher(tln.ln_fwd_split)
     dev = torch.device("cpu")
     x = torch.empty(2, 8)
     runtime = (x, x, x, x, x, x, x, x, 8, 4, 8, 8, 1e-5, 6)
@@ -238,14 +240,14 @@ def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     # unaligned rows: a multiple of C·VEC (rows of a program share one misalignment), all
     # items when they fit, 0 when no such grid fits
     assert launcher.programs(30, 3, runtime, consts, 4, dev, vec=8) in (0, 30)
-    monkeypatch.setattr(_common, "num_sms", lambda device: 100)
+    monkeypatch.setattr(rt_split, "num_sms", lambda device: 100)
     many = launcher.programs(3000, 3, runtime, consts, 4, dev, vec=2)
     assert many % 6 == 0 and 0 < many < 3000
 
 
 # ------------------------------------------------------------------------ fused LayerNorm backward
 
-FUSED_BITS = tln.FUSED_BWD_MAX_BLOCK.bit_length() - 1  # log2 of the longest padded row
+FUSED_BITS = ln_rules.FUSED_BWD_MAX_BLOCK.bit_length() - 1  # log2 of the longest padded row
 
 
 def test_fused_backward_configs_are_valid():
@@ -256,9 +258,9 @@ def test_fused_backward_configs_are_valid():
         for k in range(0, FUSED_BITS + 1):
             block = 1 << k
             for body in (False, True):
-                if body and block < tln.FUSED_BWD_UNALIGNED_MIN_BLOCK:
+                if body and block < ln_rules.FUSED_BWD_UNALIGNED_MIN_BLOCK:
                     continue  # shorter bodies take the scalar variant
-                rows, warps, per_sm, acc_1d = tln._fused_bwd_config(block, body, elt)
+                rows, warps, per_sm, acc_1d = ln_rules.fused_bwd_config(block, body, elt)
                 assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 16, (block, body, elt)
                 assert rows * block >= 32 * warps and per_sm >= 1
                 assert isinstance(acc_1d, bool)
@@ -267,27 +269,27 @@ def test_fused_backward_configs_are_valid():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype):
+def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype, launch_rules):
     """Invariant: the fused backward's plan covers every row (tiles·ROWS >= M, the block holds
     the row or its aligned body), uses no more programs than tiles nor partial rows than the
     scratch budget, and with unaligned rows a multiple of VEC programs unless every tile has
     its own; rows longer than FUSED_BWD_MAX_BLOCK get no plan (the split / column paths)."""
-    monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
+    launch_rules("layernorm", num_sms=lambda dev: 132)
     elt = torch.empty((), dtype=dtype).element_size()
     for m in (1, 3, 37, 300, 4096):
         for n in (1, 33, 64, 1000, 1025, 2049, 4097, 8192, 8193):
             x = torch.empty(m, n, dtype=dtype)
-            plan = tln._fused_plan(m, n, x, x)
-            if _common.next_pow2(n) > tln.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
+            plan = ln_rules.fused_plan(m, n, x, x)
+            if rt_device.next_pow2(n) > ln_rules.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
                 assert plan is None
                 continue
             if plan is None:  # an unaligned body too long for the fused kernel
-                assert _common.next_pow2(n) > tln.FUSED_BWD_MAX_BLOCK
+                assert rt_device.next_pow2(n) > ln_rules.FUSED_BWD_MAX_BLOCK
                 continue
             vec, block, rows, warps, acc_1d, tiles, progs = plan
-            assert block >= _common.body_len(n, vec) and _pow2(block)
+            assert block >= tcfg.body_len(n, vec) and _pow2(block)
             assert tiles * rows >= m
-            assert 1 <= progs <= min(tiles, max(1, tln._max_partial_rows(x)))
+            assert 1 <= progs <= min(tiles, max(1, ln_rules.max_partial_rows(x)))
             if vec and progs < tiles:
                 assert progs % vec == 0
 
@@ -298,7 +300,7 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
     for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
                         (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
         x = torch.empty(m, n, dtype=dtype)
-        rows = tln._max_partial_rows(x)
+        rows = ln_rules.max_partial_rows(x)
         assert rows >= 1
         if rows > 1:
             assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
@@ -307,37 +309,36 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
 def test_fused_backward_stages_rule(monkeypatch, device):
     """Invariant: the tile loop is pipelined (stages > 1) only for 16-bit rows of the blocks
     PIPELINED_BWD_BLOCKS lists whose row strides are 16-byte multiples, never for float32 or
-    unaligned strides; FUSED_BWD_STAGES overrides it; the launch passes the rule's value
+    unaligned strides; an override of the rule replaces it; the launch passes the rule's value
     (STAGES, the kernel's last argument), also to the parked dx launch."""
-    stages = tln._fused_bwd_stages
+    stages = ln_rules.fused_bwd_stages
     for k in range(4, FUSED_BITS + 1):
         block = 1 << k
-        pipelined = block in tln.PIPELINED_BWD_BLOCKS
+        pipelined = block in ln_rules.PIPELINED_BWD_BLOCKS
         assert (stages(block, 2, (block,) * 3) > 1) == pipelined
         assert stages(block, 4, (block,) * 3) == 1  # float32
         assert stages(block, 2, (block, block, block - 4)) == 1  # unaligned rows
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", 2)
-    assert stages(4096, 4, (4096,) * 3) == 2
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", None)
+    with tconfigs.override("layernorm", fused_bwd_stages=lambda *args: 2):
+        assert tlnb.fused_bwd_stages(4096, 4, (4096,) * 3) == 2
     seen = []
-    real = tln._launch_bwd_single
-    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: seen.append(
+    real = tlnb._launch_bwd_single
+    monkeypatch.setattr(tlnb, "_launch_bwd_single", lambda grid, args, warps: seen.append(
         args[-1]) or real(grid, args, warps))
-    piped = min(tln.PIPELINED_BWD_BLOCKS)
+    piped = min(ln_rules.PIPELINED_BWD_BLOCKS)
     for n in (piped * 3 // 4, piped // 2):  # a pipelined block, one outside the set
         x = torch.randn(8, n, dtype=torch.bfloat16, device=device)
         w = torch.randn(n, dtype=torch.bfloat16, device=device)
         _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
         seen.clear()
-        tln.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
-        want = stages(_common.next_pow2(n), 2, (n,) * 3)
+        tlnb.layernorm_backward(torch.randn_like(x), x, w, mean, rstd, True, True, True)
+        want = stages(rt_device.next_pow2(n), 2, (n,) * 3)
         assert seen and set(seen) == {want}, n  # (a parked dx launch follows in low_memory)
 
 
 def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
     # CPU tensors never take the native path (it is measured and enabled on CUDA only)
     x = torch.empty(2, 8193, dtype=torch.bfloat16)
-    assert not tln._native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
+    assert not ln_rules.native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------- reload / unrolled tables
@@ -366,47 +367,47 @@ def test_reload_and_unrolled_tables_are_valid():
     aligned and unaligned rows, the per-GPU tables) is valid for its kernel and reachable."""
     _check_table(tln.RELOAD_FWD, tln.RELOAD_FWD_ABOVE)
     _check_table(tln.RELOAD_VEC_FWD, 0, min_warps=1)
-    _check_table(tln.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
+    _check_table(ln_rules.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
     _check_table(tln.UNROLLED_VEC_FWD, 0, min_warps=1)
-    for rules in tln.UNROLLED_FWD_GPU.values():
+    for rules in ln_rules.UNROLLED_FWD_GPU.values():
         _check_table(rules, tln.UNROLLED_FWD_ABOVE)
     _check_table(tsm.RELOAD_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
     _check_table(tsm.RELOAD_BWD, tsm.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
     _check_table(tsm.UNROLLED_FWD, tsm.UNROLLED_FWD_ABOVE)
     _check_table(tsm.UNROLLED_VEC_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
-    _check_table(tsm.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
-    _check_table(tsm.UNROLLED_VEC_BWD, 0, min_warps=1)
-    for (_, padded) in tsm.UNROLLED_VEC_BWD:
+    _check_table(sm_rules.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.UNROLLED_VEC_BWD, 0, min_warps=1)
+    for (_, padded) in sm_rules.UNROLLED_VEC_BWD:
         # unaligned rows: N > padded / 2 + 1 > UNROLLED_BWD_ABOVE for any body padded to it
         assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE
 
 
-def test_unrolled_rules_per_gpu(monkeypatch):
+def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
     """Invariant: a GPU whose name matches a per-GPU table reads that table's rules for the
     keys it holds and the shared table for every other key; other GPUs and the CPU read the
     shared table, which the per-GPU rules never change."""
-    if not tln.UNROLLED_FWD_GPU:
+    if not ln_rules.UNROLLED_FWD_GPU:
         pytest.skip("no per-GPU rules to check")
-    shared = {k: v for k, v in tln.UNROLLED_FWD.items()}
-    for part, rules in tln.UNROLLED_FWD_GPU.items():
-        monkeypatch.setattr(tln, "device_name", lambda index, part=part: f"NVIDIA {part} X")
+    shared = {k: v for k, v in ln_rules.UNROLLED_FWD.items()}
+    for part, rules in ln_rules.UNROLLED_FWD_GPU.items():
+        launch_rules("layernorm", device_name=lambda index, part=part: f"NVIDIA {part} X")
         for key in rules:
-            assert tln._unrolled_fwd_table(0, key) is rules
-        for key in tln.UNROLLED_FWD:
+            assert tln.unrolled_fwd_table(0, key) is rules
+        for key in ln_rules.UNROLLED_FWD:
             if key not in rules:
-                assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
-        assert all(tln._unrolled_fwd_table(-1, key) is tln.UNROLLED_FWD for key in rules)
-        monkeypatch.setattr(tln, "device_name", lambda index: "NVIDIA A100-SXM4-80GB")
-        assert all(tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD for key in rules)
-    assert tln.UNROLLED_FWD == shared
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})
-    key = next(iter(tln.UNROLLED_FWD))
-    assert tln._unrolled_fwd_table(0, key) is tln.UNROLLED_FWD
+                assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
+        assert all(tln.unrolled_fwd_table(-1, key) is ln_rules.UNROLLED_FWD for key in rules)
+        launch_rules("layernorm", device_name=lambda index: "NVIDIA A100-SXM4-80GB")
+        assert all(tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD for key in rules)
+    assert ln_rules.UNROLLED_FWD == shared
+    launch_rules("layernorm", UNROLLED_FWD_GPU={})
+    key = next(iter(ln_rules.UNROLLED_FWD))
+    assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
 
 
 # ------------------------------------------------------------------- rows routed to their rules
 
-NEEDS_KERNELS = pytest.mark.skipif(not _common._interpreting() and not torch.cuda.is_available(),
+NEEDS_KERNELS = pytest.mark.skipif(not rt_device.interpreting() and not torch.cuda.is_available(),
                                    reason="needs the Triton interpreter or a GPU")
 
 
@@ -423,13 +424,13 @@ def _first_dividing(table: dict, elt: int, n: int, above: int) -> tuple[int, int
     chunk divides n (0 warps: the row is left to the other kernels); None without a rule."""
     if n <= above or n % (16 // elt):
         return None
-    for chunk, warps in table.get((elt, _common.next_pow2(n)), ()):
+    for chunk, warps in table.get((elt, rt_device.next_pow2(n)), ()):
         if n % chunk == 0:
             return (chunk, warps) if warps else None
     return None
 
 
-def _recording(monkeypatch, mod, name, calls, pick):
+def recording(monkeypatch, mod, name, calls, pick):
     """Replace launcher ``mod.name`` by one that records ``pick(grid, args, warps)`` per launch
     (launch plans still get the real launcher's C entry)."""
     real = getattr(mod, name)
@@ -444,17 +445,17 @@ def _recording(monkeypatch, mod, name, calls, pick):
 
 
 @NEEDS_KERNELS
-def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch):
+def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch, launch_rules):
     """16-bit rows of 64K take the split-row kernel on a GPU; without it (the interpreter, a
     refused cooperative launch) the two-pass looped kernel, with row_config's chunk."""
     calls = []
-    _recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
-    monkeypatch.setattr(_common, "_split_state", {"enabled": False})
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {})  # 64K rows may have an unrolled rule
+    recording(monkeypatch, tln, "_launch_fwd_looped", calls, lambda g, a, w: (a[10], w))
+    launch_rules(SPLIT_ROWS=False)
+    launch_rules("layernorm", UNROLLED_FWD={})  # 64K rows may have an unrolled rule
     x = (torch.randn(2, 65536, device=_dev()) * 3 + 100).to(torch.bfloat16)
     w = torch.randn(65536, device=_dev())
     y, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, torch.bfloat16)
-    single, block, _, warps = _common.row_config(65536, "ln_fwd", 2)
+    single, block, _, warps = tcfg.row_config(65536, "ln_fwd", 2)
     assert not single and calls == [(block, warps)]
     ref = torch.nn.functional.layer_norm(x.double(), (65536,), w.double())
     assert_close_to_ref(y, ref, torch.bfloat16, scale=2)
@@ -469,16 +470,16 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
     rule takes them (a chunk divides the row); unaligned rows do not (their forward has its own
     reload kernel, tested below)."""
     fwd, bwd, unrolled = [], [], []
-    _recording(monkeypatch, tln, "_launch_fwd_reload", fwd, lambda g, a, w: (g, a[10], a[11], w))
-    _recording(monkeypatch, tln, "_launch_fwd_unrolled", unrolled,
+    recording(monkeypatch, tln, "_launch_fwd_reload", fwd, lambda g, a, w: (g, a[10], a[11], w))
+    recording(monkeypatch, tln, "_launch_fwd_unrolled", unrolled,
                lambda g, a, w: (g, a[10], a[11], w))
-    _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
-    whole = _common.next_pow2(n)
+    recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
+    whole = rt_device.next_pow2(n)
     assert (2, whole) in tln.RELOAD_FWD and (2, whole) in tsm.RELOAD_BWD  # the rows tested
     x = torch.randn(3, n, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
-    table = tln._unrolled_fwd_table(x.get_device(), (2, whole))
+    table = tln.unrolled_fwd_table(x.get_device(), (2, whole))
     rule = _first_dividing(table, 2, n, tln.UNROLLED_FWD_ABOVE)
     if rule:
         assert unrolled == [((3,), n, rule[0], rule[1])] and fwd == []
@@ -504,20 +505,20 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
 ], ids=str)
 def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
     """Rows with an unrolled backward rule (aligned: the first config dividing N; unaligned: the
-    rule for the padded body, if the body holds a chunk) run _softmax_bwd_unrolled with its
+    rule for the padded body, if the body holds a chunk) run softmax_bwd_unrolled with its
     chunk and warps, the body of unaligned rows ((N // VEC - 1)·VEC) and VEC; other rows do
     not; results against float64."""
     calls = []
-    _recording(monkeypatch, tsm, "_launch_bwd_unrolled", calls, lambda g, a, w: (g, *a[5:], w))
+    recording(monkeypatch, tsm, "_launch_bwd_unrolled", calls, lambda g, a, w: (g, *a[5:], w))
     elt = _elt(dtype)
     vec = 0 if n % (16 // elt) == 0 else 16 // elt
     if vec:
         body = (n // vec - 1) * vec
-        rule = tsm.UNROLLED_VEC_BWD.get((elt, _common.next_pow2(_common.body_len(n, vec))))
+        rule = sm_rules.UNROLLED_VEC_BWD.get((elt, rt_device.next_pow2(tcfg.body_len(n, vec))))
         rule = rule if rule and body >= rule[0] else None
     else:
         body = n
-        rule = _first_dividing(tsm.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
+        rule = _first_dividing(sm_rules.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
     y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1).to(dtype)
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64).to(dtype)
     dx = tsm.softmax_backward(y, dy, dtype)
@@ -538,10 +539,10 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
 ], ids=str)
 def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     """Aligned rows whose padded length has an unrolled forward rule with a chunk dividing N
-    run _softmax_fwd_unrolled with that chunk and warps; other rows do not; results against
+    run softmax_fwd_unrolled with that chunk and warps; other rows do not; results against
     float64."""
     calls = []
-    _recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
+    recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
     rule = _first_dividing(tsm.UNROLLED_FWD, _elt(dtype), n, tsm.UNROLLED_FWD_ABOVE)
@@ -562,18 +563,18 @@ def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     (torch.bfloat16, 16640),
     (torch.float32, 16384),
 ], ids=str)
-def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
-    """LayerNorm forward: aligned rows run _ln_fwd_unrolled with the first config of their
+def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
+    """LayerNorm forward: aligned rows run ln_fwd_unrolled with the first config of their
     rule whose chunk divides N (a config of 0 warps, or none dividing: the other kernels);
     results against float64."""
-    monkeypatch.setattr(tln, "UNROLLED_FWD_GPU", {})  # the shared table (per-GPU: above)
+    launch_rules("layernorm", UNROLLED_FWD_GPU={})  # the shared table (per-GPU: above)
     calls = []
-    _recording(monkeypatch, tln, "_launch_fwd_unrolled", calls,
+    recording(monkeypatch, tln, "_launch_fwd_unrolled", calls,
                lambda g, a, w: (a[10], a[11], w))
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     w = torch.randn(n, device=_dev())
     y = tln.layernorm_forward_y(x, w, None, 1e-5, dtype)
-    rule = _first_dividing(tln.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
+    rule = _first_dividing(ln_rules.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
     assert calls == ([(n, *rule)] if rule else [])
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double())
     assert_close_to_ref(y, ref, dtype, scale=4)
@@ -587,16 +588,16 @@ def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     (torch.bfloat16, 32768),
     (torch.bfloat16, 65537),  # unaligned rows: split rows or looped
 ], ids=str)
-def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n):
+def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     """Aligned rows longer than RELOAD_FWD_ABOVE whose padded length has a reload rule run
-    _softmax_fwd_reload with the rule's chunk and warps, unrolled without masks (EVEN = N) for
+    softmax_fwd_reload with the rule's chunk and warps, unrolled without masks (EVEN = N) for
     power-of-two rows; unaligned rows and rows without a rule do not."""
     calls = []
-    _recording(monkeypatch, tsm, "_launch_fwd_reload", calls, lambda g, a, w: (g, *a[5:], w))
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {})  # rows with an unrolled rule take it first
+    recording(monkeypatch, tsm, "_launch_fwd_reload", calls, lambda g, a, w: (g, *a[5:], w))
+    launch_rules("softmax", UNROLLED_FWD={})  # rows with an unrolled rule take it first
     x = torch.randn(3, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
-    whole = _common.next_pow2(n)
+    whole = rt_device.next_pow2(n)
     aligned = n % (16 // _elt(dtype)) == 0
     rule = tsm.RELOAD_FWD.get((_elt(dtype), whole)) if aligned and n > tsm.RELOAD_FWD_ABOVE \
         else None
@@ -606,13 +607,13 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n):
 
 @NEEDS_KERNELS
 @pytest.mark.parametrize("n", [4097, 8193])
-def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n):
-    """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run _ln_fwd_reload_vec with the rule's
+def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n, launch_rules):
+    """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run ln_fwd_reload_vec with the rule's
     chunk and warps in calls of RELOAD_VEC_MIN_ELEMS elements or more (float32 rows, and smaller
     calls, keep the single-block kernel); results against float64."""
-    monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 5 * n)
+    launch_rules("layernorm", RELOAD_VEC_MIN_ELEMS=5 * n)
     calls = []
-    _recording(monkeypatch, tln, "_launch_fwd_reload_vec", calls,
+    recording(monkeypatch, tln, "_launch_fwd_reload_vec", calls,
                lambda g, a, w: (g, a[10], a[11], a[15], w))
     x = (torch.randn(5, n, device=_dev()) * 3 + 50).to(torch.bfloat16)
     w = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
@@ -637,12 +638,12 @@ def test_softmax_backward_32k_reads_whole_rows(monkeypatch, n, dtype):
     unrolled without masks (EVEN = N) while UNROLL_RELOAD_BWD is on; results against
     float64."""
     bwd = []
-    _recording(monkeypatch, tsm, "_launch_bwd_looped", bwd,
+    recording(monkeypatch, tsm, "_launch_bwd_looped", bwd,
                lambda g, a, w: (g, a[7], a[8], a[9], a[10], w))
     y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1)
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64)
     dx = tsm.softmax_backward(y.to(dtype), dy.to(dtype), dtype)
-    whole = _common.next_pow2(n)
+    whole = rt_device.next_pow2(n)
     assert (_elt(dtype), whole) in tsm.RELOAD_BWD, "the rows tested here need a reload rule"
     chunk, warps, *piece = tsm.RELOAD_BWD[(_elt(dtype), whole)]
     even = n if n == whole and tsm.UNROLL_RELOAD_BWD else 0

@@ -557,13 +557,12 @@ def test_inference_paths_match(backend):
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("n", [768, 1024, 1500, 2048])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_backward_pipelined(triton_backend, monkeypatch, n, dtype, stages):
+def test_fused_backward_pipelined(triton_backend, monkeypatch, n, dtype, stages, launch_rules):
     """The fused backward with its tile loop pipelined by Triton (three stages, as shipped for
     aligned 16-bit blocks of 1K-2K; forced here on every dtype and on unaligned rows too) and
     not: enough rows that every program loops over several tiles."""
-    from fusedops.triton import layernorm as tln
 
-    monkeypatch.setattr(tln, "FUSED_BWD_STAGES", stages)
+    launch_rules("layernorm", fused_bwd_stages=lambda *args: stages)
     torch.manual_seed(n + stages)
     x = (torch.randn(3 * 132 * 4 + 5, n) * 2 + 0.5).to(dtype)
     check(x, n, *make_params(n, dtype, seed=n), grad_scale=8.0)

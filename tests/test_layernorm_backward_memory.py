@@ -111,24 +111,25 @@ def test_modes_give_the_same_bits(triton_backend, device, m, n, dtype):
 
 
 @pytest.mark.parametrize("m,expect_in_dx", [(300, True), (3, False)])
-def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx):
+def test_partials_are_parked_in_dx(monkeypatch, triton_backend, device, m, expect_in_dx,
+                                   launch_rules):
     """The column path (dx row kernel + column kernel, forced at every length here; split rows
     off, which would otherwise take these rows on CUDA)."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
 
-    monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 0)
-    monkeypatch.setattr(_common, "_split_state", {"enabled": False})
+    launch_rules("layernorm", FUSED_BWD_MAX_BLOCK=0)
+    launch_rules(SPLIT_ROWS=False)
     seen = []
-    real = tln._launch_dwdb_columns
-    monkeypatch.setattr(tln, "_launch_dwdb_columns", lambda grid, args, warps: seen.append(
+    real = tlnb._launch_dwdb_columns
+    monkeypatch.setattr(tlnb, "_launch_dwdb_columns", lambda grid, args, warps: seen.append(
         (grid, args[4].untyped_storage().data_ptr())) or real(grid, args, warps))
     x = torch.randn(m, 64, device=device)
     dy = torch.randn(m, 64, device=device)
     w = torch.randn(64, device=device)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
     with fusedops.layernorm_backward_mode("low_memory"):
-        dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+        dx, dw, db = tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
     (grid, ptr), = seen
     # separate outputs (a custom op's outputs must not alias), none of them in dx
     ptrs = {t.untyped_storage().data_ptr() for t in (dx, dw, db)}
@@ -151,17 +152,18 @@ def _inside(t: torch.Tensor, owner: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m,n", [(300, 64), (137, 33), (8, 48)])
 def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, dtype,
-                                     body_from):
+                                     body_from, launch_rules):
     """low_memory mode, fused kernel: partials in dx's storage, dx of the rows from M_dx on by
     a second launch of the same kernel (no dweight/dbias), dweight/dbias in the parameters'
     dtypes; the same values (bitwise) as with the partials in separate scratch."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
 
     if body_from is not None:  # the aligned-body variant (VEC > 0) even for short rows
-        monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", body_from)
+        launch_rules("layernorm", FUSED_BWD_UNALIGNED_MIN_BLOCK=body_from)
     launches = []
-    real = tln._launch_bwd_single
-    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: launches.append(
+    real = tlnb._launch_bwd_single
+    monkeypatch.setattr(tlnb, "_launch_bwd_single", lambda grid, args, warps: launches.append(
         (grid, args)) or real(grid, args, warps))
     torch.manual_seed(m + n)
     x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
@@ -169,7 +171,7 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
     with fusedops.layernorm_backward_mode("low_memory"):
-        dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True,
+        dx, dw, db = tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True,
                                             grad_dtypes=(dtype, dtype))
     assert dw.dtype == db.dtype == dtype
     (_, main), (tail_grid, tail) = launches
@@ -190,17 +192,18 @@ def test_fused_partials_parked_in_dx(monkeypatch, triton_backend, device, m, n, 
 def test_fast_mode_keeps_separate_scratch(monkeypatch, triton_backend, device):
     """fast mode: one launch of the fused kernel (not its parked variant), partials in their
     own buffer."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
 
     launches = []
-    real = tln._launch_bwd_single
-    monkeypatch.setattr(tln, "_launch_bwd_single", lambda grid, args, warps: launches.append(
+    real = tlnb._launch_bwd_single
+    monkeypatch.setattr(tlnb, "_launch_bwd_single", lambda grid, args, warps: launches.append(
         args) or real(grid, args, warps))
     x, dy = torch.randn(300, 64, device=device), torch.randn(300, 64, device=device)
     w = torch.randn(64, device=device)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
     with fusedops.layernorm_backward_mode("fast"):
-        dx, _, _ = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+        dx, _, _ = tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
     (main,) = launches
     assert not main[25] and main[15] == 300 and not _inside(main[6], dx)
 
@@ -208,17 +211,20 @@ def test_fast_mode_keeps_separate_scratch(monkeypatch, triton_backend, device):
 def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     """The fused backward's parked variant with its partials in a separate buffer: dx from the
     first launch for every row."""
+    from fusedops.backends.triton import layernorm_bwd as tlnb
+    from fusedops.backends.triton.configs import layernorm as ln_rules
+
     M, N = x.shape
-    plan = tln._fused_plan(M, N, x, dy)
+    plan = ln_rules.fused_plan(M, N, x, dy)
     vec, block, rows, warps, acc_1d, tiles, progs = plan
     dx = torch.empty_like(x)
     part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)
-    tln._launch_bwd_single((progs,), (
+    tlnb._launch_bwd_single((progs,), (
         dy, x, w, mean, rstd, dx, part, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
         block, rows, True, True, True, True, vec, True, acc_1d, True,
-        tln._paired_sums(x.element_size(), vec, block),
-        tln._fused_bwd_stages(block, x.element_size(), (dy.stride(0), x.stride(0), N))), warps)
-    dw, db = tln._reduce_partials(part, True, True, dtypes=(dtype, dtype))
+        ln_rules.paired_sums(x.element_size(), vec, block),
+        ln_rules.fused_bwd_stages(block, x.element_size(), (dy.stride(0), x.stride(0), N))), warps)
+    dw, db = tlnb.reduce_partials(part, True, True, dtypes=(dtype, dtype))
     return dx, dw, db
 
 
@@ -227,8 +233,9 @@ def _pieces_case(device, dtype, n: int, piece: int, vec: bool):
     into C pieces of L columns as the split kernel cuts them. ``vec``: contiguous rows read as
     an aligned body (pieces of L, a multiple of 16) plus edges, VEC = 16 bytes of elements;
     else strided rows (VEC 0)."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton.configs import common as tcfg
+    from fusedops.backends.triton.runtime import split as rt_split
 
     torch.manual_seed(n)
     m, row0 = 7, 3
@@ -236,11 +243,11 @@ def _pieces_case(device, dtype, n: int, piece: int, vec: bool):
     x = (torch.randn(m, n + 5, device=device) * 2 - 1).to(dtype)[:, :n]
     if vec:
         x = x.contiguous()
-        assert _common.unaligned_vec(n, (n, n), x.element_size(), (x,)) == v
+        assert tcfg.unaligned_vec(n, (n, n), x.element_size(), (x,)) == v
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, x.dtype)
-    return (m, row0, x, dy, w, mean, rstd, v, *_common.split_pieces(n, piece, v))
+    return (m, row0, x, dy, w, mean, rstd, v, *rt_split.split_pieces(n, piece, v))
 
 
 def _piece_columns(r: int, n: int, v: int, C: int, L: int) -> list[list[int]]:
@@ -263,17 +270,19 @@ PIECE_CASES = [(40, 16, False), (37, 8, False), (64, 64, False), (37, 16, True),
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
 def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):
-    """_ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
+    """ln_bwd_dx_pieces (dx of the rows that held the split kernel's parked scratch): rows
     row0.. against float64, rows before row0 untouched, pieces past the row's end masked;
     unaligned rows (vec) as body pieces plus edges, every head 0..VEC-1 among the rows."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
+    from fusedops.backends.triton.configs import layernorm as ln_rules
+    from fusedops.backends.triton.runtime import device as rt_device
 
     m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
-    tln._launch_dx_pieces((m - row0,), (
+    tlnb._launch_dx_pieces((m - row0,), (
         dy, x, w, mean, rstd, dx, n, L, dy.stride(0), x.stride(0), n, row0,
-        _common.next_pow2(L), C, _common.next_pow2(C), True, False, v, tln.SPLIT_PAIRED), 4)
+        rt_device.next_pow2(L), C, rt_device.next_pow2(C), True, False, v, ln_rules.SPLIT_PAIRED),
+        4)
     assert torch.all(dx[:row0] == 7)
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
@@ -285,12 +294,12 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
 def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):
-    """_ln_bwd_dx_published (dx of the rows over the split kernel's parked scratch, from the
+    """ln_bwd_dx_published (dx of the rows over the split kernel's parked scratch, from the
     per-piece statistics it published): rows row0.. against float64, rows before untouched.
     Here the statistics sit in a buffer of their own, so no program has to wait (late_from =
     the grid); the overlapping layout and the waiting are GPU-tested (modes bitwise)."""
-    from fusedops.triton import _common
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
+    from fusedops.backends.triton.runtime import device as rt_device
 
     m, row0, x, dy, w, mean, rstd, v, C, L = _pieces_case(device, dtype, n, piece, vec)
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
@@ -304,9 +313,9 @@ def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, p
     done = torch.zeros(1, dtype=torch.int32, device=device)
     dx = torch.full((m, n), 7.0, device=device).to(dtype)
     grid = (m - row0) * C
-    tln._launch_dx_published((grid,), (
+    tlnb._launch_dx_published((grid,), (
         dy, x, w, mean, rstd, dx, stats, done, n, L, dy.stride(0), x.stride(0), n, row0, grid,
-        grid, _common.next_pow2(L), C, _common.next_pow2(C), True, False, v), 4)
+        grid, rt_device.next_pow2(L), C, rt_device.next_pow2(C), True, False, v), 4)
     assert torch.all(dx[:row0] == 7) and done.item() == grid
     r = x.double().requires_grad_()
     want, = torch.autograd.grad(F.layer_norm(r, (n,), w.double()), r, dy.double())
@@ -346,7 +355,7 @@ MODE_SHAPES = [(4096, 1024), (1000, 4097), (300, 8193), (2, 8193), (64, 70000), 
 @pytest.mark.parametrize("m,n", MODE_SHAPES, ids=[f"{m}x{n}" for m, n in MODE_SHAPES])
 def test_gpu_modes_give_the_same_bits(m, n, dtype):
     """Every kernel path in both modes, bitwise: low_memory's second launches (the fused
-    kernel's dx-only variant; for split rows _ln_bwd_dx_published on the statistics the split
-    launch left, or with too few rows _ln_bwd_dx_pieces) reproduce the rows the fast mode's
+    kernel's dx-only variant; for split rows ln_bwd_dx_published on the statistics the split
+    launch left, or with too few rows ln_bwd_dx_pieces) reproduce the rows the fast mode's
     single launch writes (on Hopper, 16K-64K rows run the split kernel in clusters)."""
     _modes_bitwise_equal(m, n, dtype, "cuda")

@@ -1,4 +1,4 @@
-"""The Triton LayerNorm-with-epilogue kernels (fusedops.triton.layernorm_epilogue_forward /
+"""The Triton LayerNorm-with-epilogue kernels (fusedops.backends.triton.layernorm_epilogue_forward /
 _backward: ``out = activation(dropout(layer_norm(x + residual)))``, the 2-D row contract) against
 a float64 oracle: F.layer_norm in float64, the dropout mask of ``fusedops._philox.keep_mask`` and
 autograd for dx / dweight / dbias.
@@ -25,17 +25,20 @@ from conftest import (
 )
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops import _philox, reference  # noqa: E402
-from fusedops.triton import _philox as tphilox  # noqa: E402
-from fusedops.triton import layernorm as tln  # noqa: E402
-from fusedops.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops import _philox  # noqa: E402
+from fusedops.backends import reference
+from fusedops.backends.triton import configs  # noqa: E402
+from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
+from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
+from fusedops.backends.triton.configs import layernorm_epilogue as le_rules  # noqa: E402
+from fusedops.backends.triton.runtime import philox as tphilox  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -287,9 +290,9 @@ def test_seed_changes_mask_deterministically():
                                   (False, False, True), (False, True, True),
                                   (False, False, False)])
 @pytest.mark.parametrize("looped", [False, True], ids=["single", "long-rows"])
-def test_need_combinations(need, looped, monkeypatch):
+def test_need_combinations(need, looped, monkeypatch, launch_rules):
     if looped:
-        monkeypatch.setattr(tle, "BWD_MAX_BLOCK_EPILOGUE", 16)
+        launch_rules("layernorm_epilogue", BWD_MAX_BLOCK_EPILOGUE=16)
     t = make(5, 300, torch.float16, "fp32", seed=8)
     _, s, mean, rstd = forward(t, 0.1, SEED, "gelu")
     _, _, _, dx64, dw64, db64 = oracle(t, 0.1, SEED, "gelu", s)
@@ -312,12 +315,12 @@ def test_ds_added_once():
 
 
 @pytest.mark.parametrize("looped", [False, True], ids=["single", "looped"])
-def test_row_strides(looped, monkeypatch):
+def test_row_strides(looped, monkeypatch, launch_rules):
     """x, residual, dout and ds as column slices of wider tensors (different row strides), s as
     one too, and an expanded dout (row stride 0)."""
     if looped:
-        monkeypatch.setattr(tle, "FWD_MAX_BLOCK_DROPOUT", 256)
-        monkeypatch.setattr(tle, "BWD_MAX_BLOCK_EPILOGUE", 256)
+        launch_rules("layernorm_epilogue", FWD_MAX_BLOCK_DROPOUT=256)
+        launch_rules("layernorm_epilogue", BWD_MAX_BLOCK_EPILOGUE=256)
     m, n = 4, 300
     wide = make(m, n + 40, torch.bfloat16, "fp32", seed=10)
     t = {
@@ -376,33 +379,29 @@ def test_launch_rules():
     per thread, a software pipeline of 1-3 stages); without dropout or activation the
     backward takes LayerNorm's fused-backward configuration for its rows (what it is, plus a
     read of ds); the Philox column tiles cover the padded row exactly."""
-    from fusedops.triton import _common
 
     for dropout in (False, True):
-        assert _pow2(tle._fwd_cap(dropout)) and tle._fwd_cap(dropout) <= tle.single_block_limit()
+        assert _pow2(tle.fwd_cap(dropout)) and tle.fwd_cap(dropout) <= le_rules.single_block_limit()
         for act in (0, 1, 2):
-            cap = tle._bwd_cap(dropout, act)
-            assert _pow2(cap) and cap <= tle.single_block_limit()
-    assert tle._fwd_cap(True) <= tle._fwd_cap(False)
-    _common.set_single_block_limit(1024)
-    try:
-        assert tle._fwd_cap(False) <= 1024 and tle._bwd_cap(True, 2) <= 1024
-    finally:
-        _common.set_single_block_limit(None)
+            cap = tle.bwd_cap(dropout, act)
+            assert _pow2(cap) and cap <= le_rules.single_block_limit()
+    assert tle.fwd_cap(True) <= tle.fwd_cap(False)
+    with configs.override(SINGLE_BLOCK_LIMIT=1024):
+        assert tle.fwd_cap(False) <= 1024 and tle.bwd_cap(True, 2) <= 1024
     for elt in (2, 4):
         for dropout in (False, True):
-            for k in range(0, tle._fwd_cap(dropout).bit_length()):
+            for k in range(0, tle.fwd_cap(dropout).bit_length()):
                 block = 1 << k
                 for has_res in (False, True):
-                    rows, warps, per_sm, stages = tle._fwd_plan(block, elt, dropout, has_res)
+                    rows, warps, per_sm, stages = tle.fwd_plan(block, elt, dropout, has_res)
                     assert _pow2(rows) and _pow2(warps) and warps <= 32
                     assert per_sm is None or per_sm >= 1
                     assert stages is None or 1 <= stages <= 3
             for act in (0, 1, 2):
-                for k in range(0, tle._bwd_cap(dropout, act).bit_length()):
+                for k in range(0, tle.bwd_cap(dropout, act).bit_length()):
                     block = 1 << k
                     for strides in ((block, block), (block, block, block)):
-                        rows, warps, per_sm, acc_1d, paired, stages = tle._bwd_plan(
+                        rows, warps, per_sm, acc_1d, paired, stages = tle.bwd_plan(
                             block, elt, dropout, act, strides)
                         assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 32
                         assert per_sm >= 1 and 1 <= stages <= 3
@@ -411,7 +410,7 @@ def test_launch_rules():
                             assert rows * block >= 32 * warps
                         if not dropout and not act and block < 4096:
                             assert (rows, warps, per_sm, acc_1d) == \
-                                tln._fused_bwd_config(block, False, elt)
+                                ln_rules.fused_bwd_config(block, False, elt)
     # The column tiles: col = g * 1024 + q * 256 + i covers the padded row exactly.
     for block in (1, 64, 256, 512, 1024, 4096, 8192):
         g, q, i = tphilox.column_tile(block)
@@ -421,13 +420,13 @@ def test_launch_rules():
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["at-cap", "past-cap"])
 @pytest.mark.parametrize("p, act", [(0.0, None), (0.1, "relu")], ids=["plain", "epilogue"])
-def test_single_block_caps(monkeypatch, extra, p, act):
+def test_single_block_caps(monkeypatch, extra, p, act, launch_rules):
     """Rows at each single-block cap and one column past it (the looped forward and the
     long-row backward), caps shrunk to 512 (plain) / 256 (dropout, activation)."""
-    monkeypatch.setattr(tle, "FWD_MAX_BLOCK", 512)
-    monkeypatch.setattr(tle, "BWD_MAX_BLOCK", 512)
-    monkeypatch.setattr(tle, "FWD_MAX_BLOCK_DROPOUT", 256)
-    monkeypatch.setattr(tle, "BWD_MAX_BLOCK_EPILOGUE", 256)
+    launch_rules("layernorm_epilogue", FWD_MAX_BLOCK=512)
+    launch_rules("layernorm_epilogue", BWD_MAX_BLOCK=512)
+    launch_rules("layernorm_epilogue", FWD_MAX_BLOCK_DROPOUT=256)
+    launch_rules("layernorm_epilogue", BWD_MAX_BLOCK_EPILOGUE=256)
     n = (512 if p == 0 and act is None else 256) + extra
     t = make(3, n, torch.bfloat16, "fp32", seed=n)
     check(t, p, act)
@@ -464,7 +463,7 @@ def test_deterministic_partials():
     """The single-block backward with several programs (dweight/dbias partials summed in a fixed
     order): close to the oracle, the same bits on every run."""
     t = make(9, 300, torch.float32, "same", seed=11)
-    assert 9 > tle.BWD_TILE // 512  # several row tiles: several programs, several partials
+    assert 9 > le_rules.BWD_TILE // 512  # several row tiles: several programs, several partials
     _, s, mean, rstd = forward(t, 0.1, SEED, "gelu")
     _, _, _, dx64, dw64, db64 = oracle(t, 0.1, SEED, "gelu", s)
     runs = [backward(t, s, mean, rstd, 0.1, SEED, "gelu") for _ in range(2)]

@@ -1,5 +1,5 @@
-"""fusedops.metal on Linux: availability and fallback, shader sources as Metal will receive them,
-the extension's mirror of the host contract, the compile_shader path end to end (with
+"""fusedops.backends.metal on Linux: availability and fallback, shader sources as Metal will
+receive them, the extension's mirror of the host contract, the compile_shader path end to end (with
 torch.mps.compile_shader replaced by the CPU emulation), and the Apple chip table."""
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref
 
 import fusedops
-from fusedops import _dispatch, metal
+from fusedops import _dispatch
+from fusedops.backends import metal
+from fusedops.backends.metal import loader as metal_loader
+from fusedops.backends.metal import rules as metal_rules
 from fusedops.tools import apple_chips
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
@@ -53,7 +56,7 @@ def test_metal_forced_backend_falls_back_with_one_warning():
 # --- shader sources -------------------------------------------------------------------------
 
 def test_metal_library_source_is_self_contained_ascii():
-    src = metal.library_source()
+    src = metal_loader.library_source()
     src.encode("ascii")  # torch hands the source to Metal as an ASCII string
     assert not re.search(r'^\s*#\s*include\s+"', src, re.MULTILINE)
     assert len(re.findall(r"^\s*#\s*include\s+<metal_stdlib>", src, re.MULTILINE)) == 1
@@ -66,7 +69,7 @@ def test_metal_library_source_compiles_in_one_unit():
     res = subprocess.run(
         [emu.CXX, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-x", "c++",
          "-I", str(emu.SHIM_DIR), "-I", str(emu.RUNTIME_DIR), "-"],
-        input=metal.library_source(), capture_output=True, text=True)
+        input=metal_loader.library_source(), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -74,16 +77,16 @@ def test_metal_instantiated_kernels_match_the_host_tables():
     names = {k.host_name for f in emu.SHADER_FILES
              for k in emu.scan_kernels(emu.SHADER_DIR / f, [emu.SHADER_DIR])}
     expected = {"fusedops_layernorm_dwdb_reduce"}
-    for op, pairs in (("softmax_fwd", metal.SOFTMAX_FWD_TYPES),
-                      ("softmax_bwd", metal.SOFTMAX_BWD_TYPES),
-                      ("layernorm_fwd", metal.LAYERNORM_TYPES),
-                      ("layernorm_bwd", metal.LAYERNORM_TYPES),
-                      ("rmsnorm_fwd", metal.RMSNORM_TYPES),
-                      ("rmsnorm_bwd", metal.RMSNORM_TYPES),
-                      ("softmax_masked_fwd", metal.SOFTMAX_MASKED_FWD_TYPES),
-                      ("softmax_masked_bwd", metal.SOFTMAX_MASKED_BWD_TYPES),
-                      ("layernorm_epilogue_fwd", metal.LAYERNORM_EPILOGUE_TYPES),
-                      ("layernorm_epilogue_bwd", metal.LAYERNORM_EPILOGUE_TYPES)):
+    for op, pairs in (("softmax_fwd", metal_rules.SOFTMAX_FWD_TYPES),
+                      ("softmax_bwd", metal_rules.SOFTMAX_BWD_TYPES),
+                      ("layernorm_fwd", metal_rules.LAYERNORM_TYPES),
+                      ("layernorm_bwd", metal_rules.LAYERNORM_TYPES),
+                      ("rmsnorm_fwd", metal_rules.RMSNORM_TYPES),
+                      ("rmsnorm_bwd", metal_rules.RMSNORM_TYPES),
+                      ("softmax_masked_fwd", metal_rules.SOFTMAX_MASKED_FWD_TYPES),
+                      ("softmax_masked_bwd", metal_rules.SOFTMAX_MASKED_BWD_TYPES),
+                      ("layernorm_epilogue_fwd", metal_rules.LAYERNORM_EPILOGUE_TYPES),
+                      ("layernorm_epilogue_bwd", metal_rules.LAYERNORM_EPILOGUE_TYPES)):
         for types in pairs:
             for variant in ("single", "looped"):
                 expected.add(f"fusedops_{op}_{variant}_{'_'.join(types)}")
@@ -95,7 +98,7 @@ def test_metal_embedded_header_matches_runtime_source(tmp_path):
     embed_shaders.write_embedded_header(REPO / "metal", header)
     text = header.read_text()
     body = text.split('R"FUSEDOPS_METAL(\n', 1)[1].rsplit(')FUSEDOPS_METAL"', 1)[0]
-    assert body == metal.library_source()
+    assert body == metal_loader.library_source()
     mtime = header.stat().st_mtime_ns
     embed_shaders.write_embedded_header(REPO / "metal", header)  # unchanged: not rewritten
     assert header.stat().st_mtime_ns == mtime
@@ -106,7 +109,7 @@ def test_metal_embedded_header_matches_runtime_source(tmp_path):
     exe = tmp_path / "dump"
     subprocess.run([emu.CXX, "-I", str(tmp_path), str(prog), "-o", str(exe)], check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
-    assert out == "\n" + metal.library_source()
+    assert out == "\n" + metal_loader.library_source()
 
 
 # --- the extension mirrors the host contract ------------------------------------------------
@@ -122,33 +125,34 @@ def _mm_constants() -> dict[str, int]:
 
 def test_metal_extension_constants_match_host_and_shaders():
     mm = _mm_constants()
+    R = metal_rules
     py = {
-        "kSimdWidth": metal.SIMD_WIDTH, "kReads": metal.READS, "kMaxThreads": metal.MAX_THREADS,
-        "kMaxRowGroups": metal.MAX_ROW_GROUPS, "kLnBwdPartialBudget": metal.LN_BWD_PARTIAL_BUDGET,
-        "kLnBwdMinGroups": metal.LN_BWD_MIN_GROUPS, "kLnBwdMaxGroups": metal.LN_BWD_MAX_GROUPS,
-        "kReduceThreads": metal.REDUCE_THREADS, "kFlagVec": metal.FLAG_VEC,
-        "kFlagWeight": metal.FLAG_WEIGHT, "kFlagBias": metal.FLAG_BIAS, "kFlagDx": metal.FLAG_DX,
-        "kFlagDw": metal.FLAG_DW, "kFlagDb": metal.FLAG_DB, "kFlagMask": metal.FLAG_MASK,
-        "kFlagMaskVec": metal.FLAG_MASK_VEC, "kFlagCausal": metal.FLAG_CAUSAL,
-        "kFlagAdd": metal.FLAG_ADD, "kFlagDropout": metal.FLAG_DROPOUT,
-        "kFlagRelu": metal.FLAG_RELU, "kFlagGelu": metal.FLAG_GELU,
-        "kFlagStats": metal.FLAG_STATS, "kFlagPhilox": metal.FLAG_PHILOX,
-        "kPhiloxW": metal.PHILOX_W,
+        "kSimdWidth": R.SIMD_WIDTH, "kReads": R.READS, "kMaxThreads": R.MAX_THREADS,
+        "kMaxRowGroups": R.MAX_ROW_GROUPS, "kLnBwdPartialBudget": R.LN_BWD_PARTIAL_BUDGET,
+        "kLnBwdMinGroups": R.LN_BWD_MIN_GROUPS, "kLnBwdMaxGroups": R.LN_BWD_MAX_GROUPS,
+        "kReduceThreads": R.REDUCE_THREADS, "kFlagVec": R.FLAG_VEC,
+        "kFlagWeight": R.FLAG_WEIGHT, "kFlagBias": R.FLAG_BIAS, "kFlagDx": R.FLAG_DX,
+        "kFlagDw": R.FLAG_DW, "kFlagDb": R.FLAG_DB, "kFlagMask": R.FLAG_MASK,
+        "kFlagMaskVec": R.FLAG_MASK_VEC, "kFlagCausal": R.FLAG_CAUSAL,
+        "kFlagAdd": R.FLAG_ADD, "kFlagDropout": R.FLAG_DROPOUT,
+        "kFlagRelu": R.FLAG_RELU, "kFlagGelu": R.FLAG_GELU,
+        "kFlagStats": R.FLAG_STATS, "kFlagPhilox": R.FLAG_PHILOX,
+        "kPhiloxW": R.PHILOX_W,
     }
     assert mm == py
     common = (REPO / "metal" / "common.metal").read_text()
     defines = dict(re.findall(r"#define FUSEDOPS_(\w+) (\d+)", common))
-    assert int(defines["SIMD_WIDTH"]) == metal.SIMD_WIDTH
-    assert int(defines["READS"]) == metal.READS
+    assert int(defines["SIMD_WIDTH"]) == R.SIMD_WIDTH
+    assert int(defines["READS"]) == R.READS
     for flag in ("VEC", "WEIGHT", "BIAS", "DX", "DW", "DB", "MASK", "MASK_VEC", "CAUSAL", "ADD",
                  "DROPOUT", "RELU", "GELU", "STATS", "PHILOX"):
-        assert int(defines[f"FLAG_{flag}"]) == getattr(metal, f"FLAG_{flag}")
-    assert int(defines["PHILOX_W"]) == metal.PHILOX_W
+        assert int(defines[f"FLAG_{flag}"]) == getattr(R, f"FLAG_{flag}")
+    assert int(defines["PHILOX_W"]) == R.PHILOX_W
 
 
 def test_metal_extension_geometry_matches_host(tmp_path):
     """Compile the extension's constants and geometry functions (plain C++) and compare them
-    with fusedops.metal over many shapes and pipeline limits."""
+    with fusedops.backends.metal over many shapes and pipeline limits."""
     text = MM.read_text()
     start = text.index("namespace {")
     end = text.index("// --- Kernels")
@@ -171,8 +175,9 @@ def test_metal_extension_geometry_matches_host(tmp_path):
     out = subprocess.run([str(exe)], input="".join(f"{n} {t}\n" for n, t in cases),
                          capture_output=True, text=True, check=True).stdout.split("\n")
     for (n, t), line in zip(cases, out, strict=False):
-        expect = [metal.threadgroup_limit(t), metal.single_row_limit(t), metal.row_threads(n, t),
-                  metal.row_groups(n), metal.layernorm_bwd_groups(n, n), metal.reduce_threads(t)]
+        expect = [metal_rules.threadgroup_limit(t), metal_rules.single_row_limit(t),
+                  metal_rules.row_threads(n, t), metal_rules.row_groups(n),
+                  metal_rules.layernorm_bwd_groups(n, n), metal_rules.reduce_threads(t)]
         assert [int(v) for v in line.split()] == expect, (n, t)
 
 
@@ -248,33 +253,33 @@ def fake_mps_compile_shader(monkeypatch, seed: int):
     monkeypatch.setattr(torch.mps, "compile_shader",
                         lambda src: _FakeShaderLibrary(src, 256), raising=False)
     monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
     emu.load().set_mode("fibers-random", seed)
     with fusedops.use_backend("metal"):
         yield
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
 
 
 @pytest.fixture
 def fake_mps(monkeypatch):
-    """Pretend to be macOS with MPS but without the extension: fusedops.metal must take the
+    """Pretend to be macOS with MPS but without the extension: fusedops.backends.metal must take the
     compile_shader path (here backed by the emulation, on CPU tensors)."""
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.mps, "compile_shader",
                         lambda src: _FakeShaderLibrary(src, 256), raising=False)
     monkeypatch.setitem(sys.modules, "fusedops._metal_ext", None)  # import fails
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
     emu.load().set_mode("fibers-random", 11)
     _FakeShaderLibrary.compiled.clear()
     with fusedops.use_backend("metal"):
         yield
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)
 
 
 def test_metal_compile_shader_path_end_to_end(fake_mps):
     assert metal.is_available() and metal.implementation() == "compile_shader"
-    assert _FakeShaderLibrary.compiled == [metal.library_source()]  # compiled once
+    assert _FakeShaderLibrary.compiled == [metal_loader.library_source()]  # compiled once
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: the kernels ran

@@ -11,7 +11,11 @@ import torch
 import torch.nn.functional as F
 from conftest import tol
 
-from fusedops import _philox, metal
+from fusedops import _philox
+from fusedops.backends.metal import epilogue as metal_epilogue
+from fusedops.backends.metal import norms as metal_norms
+from fusedops.backends.metal import rules as metal_rules
+from fusedops.backends.metal import softmax as metal_softmax
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 
@@ -26,9 +30,9 @@ SEEDS = (1, 2, 3)
 @pytest.fixture(autouse=True)
 def several_rows_per_threadgroup(monkeypatch):
     """5 rows on 2 threadgroups: threadgroup memory is reused from row to row."""
-    monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 2)
-    monkeypatch.setattr(metal, "LN_BWD_MIN_GROUPS", 1)
-    monkeypatch.setattr(metal, "LN_BWD_MAX_GROUPS", 2)
+    monkeypatch.setattr(metal_rules, "MAX_ROW_GROUPS", 2)
+    monkeypatch.setattr(metal_rules, "LN_BWD_MIN_GROUPS", 1)
+    monkeypatch.setattr(metal_rules, "LN_BWD_MAX_GROUPS", 2)
 
 
 def case_ok(L, op: str, n: int) -> bool:
@@ -40,21 +44,22 @@ def case_ok(L, op: str, n: int) -> bool:
     close = lambda a, e: torch.allclose(a.double(), e, **tol(torch.float32, scale=10))
     try:
         if op == "softmax_fwd":
-            return close(metal.softmax_forward_with(L, x, torch.float32),
+            return close(metal_softmax.softmax_forward_with(L, x, torch.float32),
                          torch.softmax(x.double(), -1))
         if op == "softmax_bwd":
             y = torch.softmax(x, -1)
             y64 = y.double()
             ref = y64 * (dy.double() - (y64 * dy.double()).sum(-1, keepdim=True))
-            return close(metal.softmax_backward_with(L, y, dy, torch.float32), ref)
+            return close(metal_softmax.softmax_backward_with(L, y, dy, torch.float32), ref)
         if op.startswith("softmax_masked"):
             y64 = torch.softmax((x.double() * 0.5).masked_fill(x < -1.0, -torch.inf), -1)
             if op == "softmax_masked_fwd":
-                y = metal.softmax_masked_forward_with(L, x.view(1, 1, 5, n), (x >= -1.0).view(
+                y = metal_softmax.softmax_masked_forward_with(L, x.view(1, 1, 5, n),
+                                                              (x >= -1.0).view(
                     1, 1, 5, n), 0.5, False, torch.float32)
                 return close(y.view(5, n), y64)
             ref = 0.5 * y64 * (dy.double() - (y64 * dy.double()).sum(-1, keepdim=True))
-            return close(metal.softmax_masked_backward_with(L, y64.float(), dy, 0.5,
+            return close(metal_softmax.softmax_masked_backward_with(L, y64.float(), dy, 0.5,
                                                             torch.float32), ref)
         if op.startswith("layernorm_epilogue"):
             # Dropout (the Philox layout: 256 threads) only where more than one SIMD-group runs
@@ -65,12 +70,13 @@ def case_ok(L, op: str, n: int) -> bool:
             w64 = w.double().requires_grad_()
             out64 = F.gelu(F.layer_norm(s64, (n,), w64, b.double(), 1e-5) * f)
             if op == "layernorm_epilogue_fwd":
-                out = metal.layernorm_epilogue_forward_with(L, x, dy, w, b, 1e-5, torch.float32,
+                out = metal_epilogue.layernorm_epilogue_forward_with(L, x, dy, w, b, 1e-5,
+                                                                     torch.float32,
                                                             p, 7, "gelu", False)[0]
                 return close(out, out64.detach())
             s = x + dy
             var, mean = torch.var_mean(s.double(), -1, correction=0)
-            dx, dw, _ = metal.layernorm_epilogue_backward_with(
+            dx, dw, _ = metal_epilogue.layernorm_epilogue_backward_with(
                 L, dy, x, s, w, b, mean.float(), torch.rsqrt(var + 1e-5).float(), p, 7, "gelu",
                 True, True, True)
             out64.backward(dy.double())
@@ -79,18 +85,19 @@ def case_ok(L, op: str, n: int) -> bool:
             x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
             ref = F.rms_norm(x64, (n,), w64, 1e-5)
             if op == "rmsnorm_fwd":
-                return close(metal.rmsnorm_forward_with(L, x, w, 1e-5, torch.float32)[0],
+                return close(metal_norms.rmsnorm_forward_with(L, x, w, 1e-5, torch.float32)[0],
                              ref.detach())
             rstd = torch.rsqrt(x.double().square().mean(-1) + 1e-5).float()
-            dx, dw = metal.rmsnorm_backward_with(L, dy, x, w, rstd, True, True)
+            dx, dw = metal_norms.rmsnorm_backward_with(L, dy, x, w, rstd, True, True)
             ref.backward(dy.double())
             return close(dx, x64.grad) and close(dw, w64.grad)
         ref = F.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
         if op == "layernorm_fwd":
-            return close(metal.layernorm_forward_with(L, x, w, b, 1e-5, torch.float32)[0], ref)
+            return close(metal_norms.layernorm_forward_with(L, x, w, b, 1e-5, torch.float32)[0],
+                         ref)
         mean = x.double().mean(-1).float()
         rstd = torch.rsqrt(x.double().var(-1, unbiased=False) + 1e-5).float()
-        dx, dw, _ = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
+        dx, dw, _ = metal_norms.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
         x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
         F.layer_norm(x64, (n,), w64, b.double(), 1e-5).backward(dy.double())
         return close(dx, x64.grad) and close(dw, w64.grad)

@@ -20,7 +20,9 @@ import torch
 from conftest import assert_close_to_ref, assert_row_sum_close
 
 import fusedops
-from fusedops import _philox, metal
+from fusedops import _philox
+from fusedops.backends import metal
+from fusedops.backends.metal import loader as metal_loader
 
 needs_metal = pytest.mark.skipif(not metal.is_available(),
                                  reason="needs an MPS device and the fusedops Metal backend")
@@ -42,7 +44,8 @@ def _paths():
 @pytest.fixture(params=_paths() or ["none"])
 def path(request, monkeypatch):
     if request.param == "compile_shader" and metal.implementation() != "compile_shader":
-        monkeypatch.setattr(metal, "_impl", metal.ShaderLauncher(metal.library_source()))
+        monkeypatch.setattr(metal_loader, "impl",
+                            metal_loader.ShaderLauncher(metal_loader.library_source()))
     with fusedops.use_backend("metal"):
         yield request.param
 
@@ -264,7 +267,7 @@ def test_metal_device_strided_and_ordered(path):
 def test_checks_on_cpu(check):
     """The device checks above, on the PyTorch reference path on the CPU (one size and dtype
     each): their references, tolerances and glue pass on correct results, wherever they run."""
-    from fusedops import reference
+    from fusedops.backends import reference
 
     n, dtype = 1025, torch.bfloat16
     with fusedops.use_backend("reference"):

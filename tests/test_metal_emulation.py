@@ -1,13 +1,11 @@
 """The shipped Metal shaders, run on the CPU emulation, against a float64 reference.
 
-Every kernel (softmax / LayerNorm, forward / backward, single-row / looped, every instantiated
-dtype pair, the dweight/dbias reduction) runs through the *real host code* of
-``fusedops.metal`` (``*_with(launcher, ...)``): the same kernel choice, argument order, flags
-and dispatch geometry as the ``torch.mps.compile_shader`` path, which the extension mirrors.
-The emulator plays a device whose pipelines allow 256 threads per threadgroup (single-row limit
-1024, so N = 1024 / 1025 is the switch) and, for the switch at the real 1024-thread limit,
-one allowing 1024 (N = 4096 / 4097).
-"""
+Every kernel (softmax / LayerNorm, forward / backward, single-row / looped, every instantiated dtype
+pair, the dweight/dbias reduction) runs through the *real host code* of ``fusedops.backends.metal``
+(``*_with(launcher, ...)``): the same kernel choice, argument order, flags and dispatch geometry as
+the ``torch.mps.compile_shader`` path, which the extension mirrors. The emulator plays a device
+whose pipelines allow 256 threads per threadgroup (single-row limit 1024, so N = 1024 / 1025 is the
+switch) and, for the switch at the real 1024-thread limit, one allowing 1024 (N = 4096 / 4097). """
 
 from __future__ import annotations
 
@@ -16,15 +14,17 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_close_to_ref, tol
 
-from fusedops import metal
+from fusedops.backends.metal import norms as metal_norms
+from fusedops.backends.metal import rules as metal_rules
+from fusedops.backends.metal import softmax as metal_softmax
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import launcher, rows  # noqa: E402
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
-FWD_PAIRS = sorted(metal.SOFTMAX_FWD_TYPES)
-BWD_PAIRS = sorted(metal.SOFTMAX_BWD_TYPES)
-LN_PAIRS = sorted(metal.LAYERNORM_TYPES)
+FWD_PAIRS = sorted(metal_rules.SOFTMAX_FWD_TYPES)
+BWD_PAIRS = sorted(metal_rules.SOFTMAX_BWD_TYPES)
+LN_PAIRS = sorted(metal_rules.LAYERNORM_TYPES)
 
 # (n, max_threads): every variant boundary of the two devices.
 SIZES_256 = [1, 31, 32, 33, 127, 128, 129, 1000, 1024, 1025, 2049]
@@ -33,7 +33,7 @@ CASES = [(n, 256) for n in SIZES_256] + [(n, 1024) for n in SIZES_1024]
 
 
 def expected_variant(n: int, max_threads: int) -> str:
-    return "single" if n <= metal.single_row_limit(max_threads) else "looped"
+    return "single" if n <= metal_rules.single_row_limit(max_threads) else "looped"
 
 
 def check_calls(L, kernel_prefix: str, n: int, max_threads: int) -> None:
@@ -42,7 +42,7 @@ def check_calls(L, kernel_prefix: str, n: int, max_threads: int) -> None:
     assert name.startswith(f"fusedops_{kernel_prefix}_{variant}_"), name
     assert threads % 32 == 0 and threads <= max_threads
     if variant == "single":
-        assert threads * metal.READS >= n
+        assert threads * metal_rules.READS >= n
 
 
 # --- softmax ---------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_metal_softmax_forward(metal_lib, pair, n, max_threads):
     m = 3
     x = rows(m, n, x_dtype, scale=3.0)
     L = launcher(metal_lib, max_threads, seed=n)
-    y = metal.softmax_forward_with(L, x, out_dtype)
+    y = metal_softmax.softmax_forward_with(L, x, out_dtype)
     assert y.dtype == out_dtype and y.shape == (m, n) and y.is_contiguous()
     check_calls(L, "softmax_fwd", n, max_threads)
     assert_close_to_ref(y, torch.softmax(x.double(), -1), out_dtype)
@@ -70,7 +70,7 @@ def test_metal_softmax_backward(metal_lib, pair, n, max_threads):
     y = torch.softmax(torch.randn(m, n, dtype=torch.float64) * 2, -1).to(y_dtype)
     dy = rows(m, n, y_dtype)
     L = launcher(metal_lib, max_threads, seed=n)
-    dx = metal.softmax_backward_with(L, y, dy, dx_dtype)
+    dx = metal_softmax.softmax_backward_with(L, y, dy, dx_dtype)
     assert dx.dtype == dx_dtype and dx.shape == (m, n)
     check_calls(L, "softmax_bwd", n, max_threads)
     y64, dy64 = y.double(), dy.double()
@@ -86,9 +86,9 @@ def test_metal_softmax_strided_rows(metal_lib, layout, n, max_threads):
     x = rows(3, n, torch.float16, layout)
     dy = rows(3, n, torch.float32, layout)
     L = launcher(metal_lib, max_threads)
-    y = metal.softmax_forward_with(L, x, torch.float32)
+    y = metal_softmax.softmax_forward_with(L, x, torch.float32)
     assert_close_to_ref(y, torch.softmax(x.double(), -1), torch.float32)
-    dx = metal.softmax_backward_with(L, y, dy, torch.float16)
+    dx = metal_softmax.softmax_backward_with(L, y, dy, torch.float16)
     y64, dy64 = y.double(), dy.double()
     assert_close_to_ref(dx, y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True)), torch.float16)
 
@@ -106,23 +106,23 @@ def test_metal_softmax_infinities(metal_lib, n, max_threads):
     x[4, 0] = 1.0
     x[5, n // 3] = float("nan")
     L = launcher(metal_lib, max_threads)
-    y = metal.softmax_forward_with(L, x, torch.float32)
+    y = metal_softmax.softmax_forward_with(L, x, torch.float32)
     ref = torch.softmax(x.double(), -1)
     torch.testing.assert_close(y.double(), ref, equal_nan=True, **tol(torch.float32))
 
 
 def test_metal_softmax_rows_stride_over_groups(metal_lib, monkeypatch):
     """More rows than threadgroups: each threadgroup loops over rows (shared memory reuse)."""
-    monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 3)
+    monkeypatch.setattr(metal_rules, "MAX_ROW_GROUPS", 3)
     torch.manual_seed(3)
     for n in (100, 1500):
         x = torch.randn(8, n)
         L = launcher(metal_lib, 256)
-        y = metal.softmax_forward_with(L, x, torch.float32)
+        y = metal_softmax.softmax_forward_with(L, x, torch.float32)
         assert L.calls[0][1] == 3
         assert_close_to_ref(y, torch.softmax(x.double(), -1), torch.float32)
         dy = torch.randn(8, n)
-        dx = metal.softmax_backward_with(L, y, dy, torch.float32)
+        dx = metal_softmax.softmax_backward_with(L, y, dy, torch.float32)
         y64, dy64 = y.double(), dy.double()
         ref = y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
         assert_close_to_ref(dx, ref, torch.float32)
@@ -154,7 +154,7 @@ def test_metal_layernorm_forward(metal_lib, pair, affine, n, max_threads):
     w = torch.randn(n) if "w" in affine else None
     b = torch.randn(n) if "b" in affine else None
     L = launcher(metal_lib, max_threads)
-    y, mean, rstd = metal.layernorm_forward_with(L, x, w, b, eps, y_dtype)
+    y, mean, rstd = metal_norms.layernorm_forward_with(L, x, w, b, eps, y_dtype)
     assert y.dtype == y_dtype and mean.dtype == rstd.dtype == torch.float32
     assert mean.shape == rstd.shape == (m,)
     check_calls(L, "layernorm_fwd", n, max_threads)
@@ -184,7 +184,7 @@ def test_metal_layernorm_backward(metal_lib, pair, need, n, max_threads):
     rstd = torch.rsqrt(x.double().var(-1, unbiased=False) + eps).float()
     L = launcher(metal_lib, max_threads)
     need_dx, need_dw, need_db = "dx" in need, "dw" in need, "db" in need
-    dx, dw, db = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, need_dx, need_dw,
+    dx, dw, db = metal_norms.layernorm_backward_with(L, dy, x, w, mean, rstd, need_dx, need_dw,
                                                need_db)
     check_calls(L, "layernorm_bwd", n, max_threads)
     assert (dx is not None, dw is not None, db is not None) == (need_dx, need_dw, need_db)
@@ -210,10 +210,10 @@ def test_metal_layernorm_strided_rows(metal_lib, layout, n, max_threads):
     dy = rows(4, n, torch.bfloat16, layout)
     w, b = torch.randn(n), torch.randn(n)
     L = launcher(metal_lib, max_threads)
-    y, mean, rstd = metal.layernorm_forward_with(L, x, w, b, eps, torch.bfloat16)
+    y, mean, rstd = metal_norms.layernorm_forward_with(L, x, w, b, eps, torch.bfloat16)
     y_ref, _, _ = layernorm_ref(x, w, b, eps)
     assert_close_to_ref(y, y_ref, torch.bfloat16)
-    dx, dw, db = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
+    dx, dw, db = metal_norms.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
     dx_ref, dw_ref, db_ref = layernorm_ref(x, w, b, eps, dy)
     assert_close_to_ref(dx, dx_ref, torch.bfloat16, scale=2)
     assert_close_to_ref(dw, dw_ref, torch.float32, scale=10)
@@ -225,25 +225,25 @@ def test_metal_layernorm_groups_own_several_rows(metal_lib, monkeypatch, n, max_
     """Forward rows striding over threadgroups; backward threadgroups accumulating the
     dweight/dbias partials of several rows (registers, or read-modify-write when looped),
     then the deterministic reduction."""
-    monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 3)
-    monkeypatch.setattr(metal, "LN_BWD_MIN_GROUPS", 1)
-    monkeypatch.setattr(metal, "LN_BWD_MAX_GROUPS", 3)
+    monkeypatch.setattr(metal_rules, "MAX_ROW_GROUPS", 3)
+    monkeypatch.setattr(metal_rules, "LN_BWD_MIN_GROUPS", 1)
+    monkeypatch.setattr(metal_rules, "LN_BWD_MAX_GROUPS", 3)
     torch.manual_seed(5)
     m, eps = 8, 1e-5
     x = torch.randn(m, n, dtype=torch.float16)
     dy = torch.randn(m, n, dtype=torch.float16)
     w, b = torch.randn(n), torch.randn(n)
     L = launcher(metal_lib, max_threads)
-    y, mean, rstd = metal.layernorm_forward_with(L, x, w, b, eps, torch.float16)
+    y, mean, rstd = metal_norms.layernorm_forward_with(L, x, w, b, eps, torch.float16)
     assert_close_to_ref(y, layernorm_ref(x, w, b, eps)[0], torch.float16)
-    dx, dw, db = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
+    dx, dw, db = metal_norms.layernorm_backward_with(L, dy, x, w, mean, rstd, True, True, True)
     assert L.calls[1][1] == 3  # backward threadgroups
     dx_ref, dw_ref, db_ref = layernorm_ref(x, w, b, eps, dy)
     assert_close_to_ref(dx, dx_ref, torch.float16, scale=4)
     assert_close_to_ref(dw, dw_ref, torch.float32, scale=10)
     assert_close_to_ref(db, db_ref, torch.float32, scale=10)
     # Deterministic: a second run gives bitwise the same dweight/dbias.
-    _, dw2, db2 = metal.layernorm_backward_with(L, dy, x, w, mean, rstd, False, True, True)
+    _, dw2, db2 = metal_norms.layernorm_backward_with(L, dy, x, w, mean, rstd, False, True, True)
     assert torch.equal(dw, dw2) and torch.equal(db, db2)
 
 
@@ -252,7 +252,8 @@ def test_metal_layernorm_constant_rows_and_eps(metal_lib):
     in float32 still give mean = the value and y = bias exactly (single-row and looped)."""
     x = torch.full((2, 300), 3.25)
     for eps in (1e-5, 0.5):
-        y, mean, rstd = metal.layernorm_forward_with(launcher(metal_lib, 256), x, None, None, eps,
+        y, mean, rstd = metal_norms.layernorm_forward_with(launcher(metal_lib, 256), x, None, None,
+                                                           eps,
                                                      torch.float32)
         y_ref, mean_ref, rstd_ref = layernorm_ref(x, None, None, eps)
         assert_close_to_ref(y, y_ref, torch.float32)
@@ -260,7 +261,7 @@ def test_metal_layernorm_constant_rows_and_eps(metal_lib):
     for n in (300, 2049):  # single-row and looped on the 256-thread device
         x = torch.full((3, n), 0.1)
         b = torch.randn(n)
-        y, mean, _ = metal.layernorm_forward_with(launcher(metal_lib, 256), x, None, b, 1e-5,
+        y, mean, _ = metal_norms.layernorm_forward_with(launcher(metal_lib, 256), x, None, b, 1e-5,
                                                   torch.float32)
         assert torch.equal(mean, torch.full((3,), 0.1))
         assert torch.equal(y, b.expand(3, n))
@@ -268,11 +269,11 @@ def test_metal_layernorm_constant_rows_and_eps(metal_lib):
 
 def test_metal_empty_and_degenerate_shapes(metal_lib):
     L = launcher(metal_lib, 256)
-    assert metal.softmax_forward_with(L, torch.empty(0, 7), torch.float32).shape == (0, 7)
-    y, mean, rstd = metal.layernorm_forward_with(L, torch.empty(0, 5), None, None, 1e-5,
+    assert metal_softmax.softmax_forward_with(L, torch.empty(0, 7), torch.float32).shape == (0, 7)
+    y, mean, rstd = metal_norms.layernorm_forward_with(L, torch.empty(0, 5), None, None, 1e-5,
                                                  torch.float32)
     assert y.shape == (0, 5) and mean.shape == (0,)
-    dx, dw, db = metal.layernorm_backward_with(L, torch.empty(0, 5), torch.empty(0, 5),
+    dx, dw, db = metal_norms.layernorm_backward_with(L, torch.empty(0, 5), torch.empty(0, 5),
                                                torch.ones(5), torch.empty(0), torch.empty(0),
                                                True, True, True)
     assert dx.shape == (0, 5) and torch.equal(dw, torch.zeros(5)) and torch.equal(db, dw)

@@ -2,15 +2,14 @@
 against a float64 oracle (``F.layer_norm`` in float64, the dropout mask of fusedops._philox, the
 activation in float64, and autograd for the gradients).
 
-Every kernel (forward / backward, single-row / looped, every dtype pair) runs through the *real
-host code* of ``fusedops.metal`` (``layernorm_epilogue_*_with(launcher, ...)``) in the thread
-layouts the host picks: a thread's READS consecutive columns (no dropout, or a pipeline below
-256 threads: one Philox call per element) and the Philox layout (columns W = 256 apart, one
-Philox call per thread and step). The residual / dropout / activation combinations run in each;
-the dropout mask is checked bit for bit against ``fusedops._philox.keep_mask`` in the forward
-(zero pattern of the output) and in the backward (the per-threadgroup dbias partials read back);
-the GELU (Metal has no erf: a fitted approximation) and its derivative against float64.
-"""
+Every kernel (forward / backward, single-row / looped, every dtype pair) runs through the *real host
+code* of ``fusedops.backends.metal.epilogue`` (``layernorm_epilogue_*_with(launcher, ...)``) in the
+thread layouts the host picks: a thread's READS consecutive columns (no dropout, or a pipeline below
+256 threads: one Philox call per element) and the Philox layout (columns W = 256 apart, one Philox
+call per thread and step). The residual / dropout / activation combinations run in each; the dropout
+mask is checked bit for bit against ``fusedops._philox.keep_mask`` in the forward (zero pattern of
+the output) and in the backward (the per-threadgroup dbias partials read back); the GELU (Metal has
+no erf: a fitted approximation) and its derivative against float64. """
 
 from __future__ import annotations
 
@@ -27,14 +26,18 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref, tol
 
 import fusedops
-from fusedops import _philox, metal
+from fusedops import _philox
+from fusedops.backends import metal
+from fusedops.backends.metal import epilogue as metal_epilogue
+from fusedops.backends.metal import loader as metal_loader
+from fusedops.backends.metal import rules as metal_rules
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import Recorder, mm_bindings, rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
-PAIRS = sorted(metal.LAYERNORM_EPILOGUE_TYPES)
+PAIRS = sorted(metal_rules.LAYERNORM_EPILOGUE_TYPES)
 EPS = 1e-5
 SEED = 0x1234_5678_9ABC  # key words both non-zero
 REDUCE = "fusedops_layernorm_dwdb_reduce"
@@ -46,9 +49,9 @@ COMBOS = [(r, p, a) for r in (True, False) for p in (0.0, 0.25) for a in (None, 
 
 def expected_kernel(op: str, n: int, max_threads: int, dropout: bool) -> tuple[str, bool]:
     """(kernel name prefix, Philox layout) the host should pick."""
-    philox = dropout and metal.philox_threadgroup_limit(max_threads) > 0
-    limit = metal.READS * (metal.philox_threadgroup_limit(max_threads) if philox
-                           else metal.threadgroup_limit(max_threads))
+    philox = dropout and metal_rules.philox_threadgroup_limit(max_threads) > 0
+    limit = metal_rules.READS * (metal_rules.philox_threadgroup_limit(max_threads) if philox
+                           else metal_rules.threadgroup_limit(max_threads))
     v = "single" if n <= limit else "looped"
     return f"fusedops_layernorm_epilogue_{op}_{v}_", philox
 
@@ -74,7 +77,8 @@ def stats(s):
 def forward(metal_lib, x, residual, w, b, p, activation, out_dtype, max_threads, need_stats=True,
             seed=SEED, fiber_seed=0):
     L = Recorder(metal_lib, max_threads, fiber_seed)
-    res = metal.layernorm_epilogue_forward_with(L, x, residual, w, b, EPS, out_dtype, p, seed,
+    res = metal_epilogue.layernorm_epilogue_forward_with(L, x, residual, w, b, EPS, out_dtype, p,
+                                                         seed,
                                                 activation, need_stats)
     return res, L
 
@@ -84,9 +88,9 @@ def check_forward(res, L, x, residual, w, b, p, activation, out_dtype, n, max_th
     m = x.shape[0]
     prefix, philox = expected_kernel("fwd", n, max_threads, p > 0)
     assert L.calls[0][0].startswith(prefix), L.calls[0][0]
-    assert bool(L.args[0][-1] & metal.FLAG_PHILOX) == philox
+    assert bool(L.args[0][-1] & metal_rules.FLAG_PHILOX) == philox
     if philox:
-        assert L.calls[0][2] % metal.PHILOX_W == 0
+        assert L.calls[0][2] % metal_rules.PHILOX_W == 0
     assert out.dtype == out_dtype and out.shape == (m, n) and out.is_contiguous()
     if residual is None:
         assert s is None
@@ -149,7 +153,7 @@ def backward(metal_lib, dout, ds, s, w, b, p, activation, max_threads, need=(Tru
              fiber_seed=0, seed=SEED):
     mean, rstd = stats(s)
     L = Recorder(metal_lib, max_threads, fiber_seed)
-    res = metal.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, p, seed,
+    res = metal_epilogue.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, p, seed,
                                                  activation, *need)
     return res, L
 
@@ -160,8 +164,8 @@ def check_backward(res, L, x, r, w, b, p, activation, dout, ds, n, max_threads, 
     m = x.shape[0]
     prefix, philox = expected_kernel("bwd", n, max_threads, p > 0)
     assert L.calls[0][0].startswith(prefix), L.calls[0][0]
-    assert bool(L.args[0][-1] & metal.FLAG_PHILOX) == philox
-    assert L.calls[0][1] == metal.layernorm_bwd_groups(m, n)
+    assert bool(L.args[0][-1] & metal_rules.FLAG_PHILOX) == philox
+    assert L.calls[0][1] == metal_rules.layernorm_bwd_groups(m, n)
     need_dx, need_dw, need_db = need
     assert (dx is not None, dw is not None, db is not None) == need
     assert [c[0] for c in L.calls[1:]] == ([REDUCE] if need_dw or need_db else [])
@@ -262,7 +266,7 @@ def test_metal_layernorm_epilogue_dropout_mask_is_philox_keep_mask(metal_lib, mo
     output times 1 / (1 - p)), in the backward the per-threadgroup dbias
     partials with dout = 1 (one row per threadgroup: exactly the factors). Rows stride over two
     forward threadgroups (the row index of the counter)."""
-    monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 2)
+    monkeypatch.setattr(metal_rules, "MAX_ROW_GROUPS", 2)
     m = 5
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(n))
     keep = _philox.keep_mask(seed, m, n, p)
@@ -326,12 +330,13 @@ def test_metal_layernorm_epilogue_strided_rows(metal_lib, n, max_threads, p):
     r = rows(4, n, torch.float16, "aligned-strided")
     w, b = torch.randn(n).half(), torch.randn(n).half()
     res, L = forward(metal_lib, x, r, w, b, p, "gelu", torch.float16, max_threads)
-    assert L.args[0][-1] & metal.FLAG_VEC == 0
+    assert L.args[0][-1] & metal_rules.FLAG_VEC == 0
     check_forward(res, L, x, r, w, b, p, "gelu", torch.float16, n, max_threads)
     dout, ds = rows(4, n, torch.float16, "broadcast"), rows(4, n, torch.float16, "misaligned")
     out, s, mean, rstd = res
     L = Recorder(metal_lib, max_threads)
-    bres = metal.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, p, SEED,
+    bres = metal_epilogue.layernorm_epilogue_backward_with(L, dout, ds, s, w, b, mean, rstd, p,
+                                                           SEED,
                                                   "gelu", True, True, True)
     check_backward(bres, L, x, r, w, b, p, "gelu", dout, ds, n, max_threads, (True, True, True))
 
@@ -342,9 +347,9 @@ def test_metal_layernorm_epilogue_groups_own_several_rows_deterministic(metal_li
     """Forward rows striding over threadgroups; backward threadgroups accumulating the partials
     of several rows (registers, or read-modify-write when looped) in both layouts, then the
     reduction: bitwise equal across fiber orders."""
-    monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 3)
-    monkeypatch.setattr(metal, "LN_BWD_MIN_GROUPS", 1)
-    monkeypatch.setattr(metal, "LN_BWD_MAX_GROUPS", 3)
+    monkeypatch.setattr(metal_rules, "MAX_ROW_GROUPS", 3)
+    monkeypatch.setattr(metal_rules, "LN_BWD_MIN_GROUPS", 1)
+    monkeypatch.setattr(metal_rules, "LN_BWD_MAX_GROUPS", 3)
     g = torch.Generator().manual_seed(n + 6)
     m = 8
     x, r = torch.randn(m, n, generator=g).half(), torch.randn(m, n, generator=g).half()
@@ -370,46 +375,50 @@ def test_metal_layernorm_epilogue_constant_rows_and_stats(metal_lib):
         b = torch.randn(n)
         (out, s, mean, rstd), L = forward(metal_lib, x, r, torch.randn(n), b, 0.0, "relu",
                                           torch.float32, max_threads, need_stats=False)
-        assert mean is None and rstd is None and L.args[0][-1] & metal.FLAG_STATS == 0
+        assert mean is None and rstd is None and L.args[0][-1] & metal_rules.FLAG_STATS == 0
         assert torch.equal(out, torch.relu(b).expand(3, n)) and torch.equal(s, x + r)
 
 
 def test_metal_layernorm_epilogue_empty_shapes_and_fallbacks(metal_lib):
     L = Recorder(metal_lib, 64)
-    out, s, mean, rstd = metal.layernorm_epilogue_forward_with(
+    out, s, mean, rstd = metal_epilogue.layernorm_epilogue_forward_with(
         L, torch.empty(0, 5), torch.empty(0, 5), None, None, EPS, torch.float32, 0.5, 1, "gelu",
         True)
     assert out.shape == (0, 5) and s.shape == (0, 5) and mean.shape == (0,)
-    out, s, mean, rstd = metal.layernorm_epilogue_forward_with(
+    out, s, mean, rstd = metal_epilogue.layernorm_epilogue_forward_with(
         L, torch.empty(3, 0).half(), None, None, None, EPS, torch.float16, 0.0, 1, None, True)
     assert out.shape == (3, 0) and s is None and mean.isnan().all() and rstd.isnan().all()
-    dx, dw, db = metal.layernorm_epilogue_backward_with(
+    dx, dw, db = metal_epilogue.layernorm_epilogue_backward_with(
         L, torch.empty(0, 5), None, torch.empty(0, 5), torch.ones(5), None, torch.empty(0),
         torch.empty(0), 0.5, 1, "relu", True, True, True)
     assert dx.shape == (0, 5) and torch.equal(dw, torch.zeros(5)) and torch.equal(db, dw)
     x = torch.randn(2, 5)
-    assert metal.layernorm_epilogue_backward_with(
+    assert metal_epilogue.layernorm_epilogue_backward_with(
         L, x, None, x, None, None, torch.zeros(2), torch.ones(2), 0.0, 1, None, False, False,
         False) == (None, None, None)
     assert L.calls == []
     # no kernel for float x -> half out, nor for a residual of another dtype: the reference
     for xx, rr, out_dtype in ((x, None, torch.float16), (x, x.half(), torch.float32)):
-        got = metal.layernorm_epilogue_forward_with(L, xx, rr, None, None, EPS, out_dtype, 0.5,
+        got = metal_epilogue.layernorm_epilogue_forward_with(L, xx, rr, None, None, EPS, out_dtype,
+                                                             0.5,
                                                     7, "relu", True)
         want = metal.reference.layernorm_epilogue_forward(xx, rr, None, None, EPS, out_dtype,
                                                           0.5, 7, "relu", True)
         assert torch.equal(got[0], want[0])
     assert L.calls == []
     with pytest.raises(ValueError, match="activation"):
-        metal.layernorm_epilogue_forward_with(L, x, None, None, None, EPS, torch.float32, 0.0, 1,
+        metal_epilogue.layernorm_epilogue_forward_with(L, x, None, None, None, EPS, torch.float32,
+                                                       0.0, 1,
                                               "tanh", False)
     with pytest.raises(ValueError, match="dropout_p"):
-        metal.layernorm_epilogue_forward_with(L, x, None, None, None, EPS, torch.float32, 1.0, 1,
+        metal_epilogue.layernorm_epilogue_forward_with(L, x, None, None, None, EPS, torch.float32,
+                                                       1.0, 1,
                                               None, False)
 
 
 def test_metal_layernorm_epilogue_geometry_matches_extension(tmp_path):
-    """The extension's Philox-layout geometry (plain C++ in the .mm) equals fusedops.metal's."""
+    """The extension's Philox-layout geometry (plain C++ in the .mm) equals
+    fusedops.backends.metal's."""
     text = (REPO / "csrc" / "fusedops_metal.mm").read_text()
     src = tmp_path / "geometry.cpp"
     src.write_text(
@@ -426,8 +435,8 @@ def test_metal_layernorm_epilogue_geometry_matches_extension(tmp_path):
     out = subprocess.run([str(exe)], input="".join(f"{n} {t}\n" for n, t in cases),
                          capture_output=True, text=True, check=True).stdout.split("\n")
     for (n, t), line in zip(cases, out, strict=False):
-        assert [int(v) for v in line.split()] == [metal.philox_threadgroup_limit(t),
-                                                  metal.philox_row_threads(n, t)], (n, t)
+        assert [int(v) for v in line.split()] == [metal_rules.philox_threadgroup_limit(t),
+                                                  metal_rules.philox_row_threads(n, t)], (n, t)
 
 
 # --- the public functions through the implementation chain -----------------------------------
@@ -492,7 +501,8 @@ class _FakeExt:
         self.calls.append("layernorm_epilogue_forward")
         assert isinstance(eps, float) and isinstance(dropout_p, float)
         assert -2**63 <= seed < 2**63 and isinstance(need_stats, bool)
-        return metal.layernorm_epilogue_forward_with(self.L, x, residual, weight, bias, eps,
+        return metal_epilogue.layernorm_epilogue_forward_with(self.L, x, residual, weight, bias,
+                                                              eps,
                                                      out_dtype, dropout_p, seed, activation,
                                                      need_stats)
 
@@ -501,7 +511,8 @@ class _FakeExt:
         self.calls.append("layernorm_epilogue_backward")
         assert isinstance(dropout_p, float) and -2**63 <= seed < 2**63
         assert all(isinstance(v, bool) for v in (need_dx, need_dw, need_db))
-        return metal.layernorm_epilogue_backward_with(self.L, dout, ds, s, weight, bias, mean,
+        return metal_epilogue.layernorm_epilogue_backward_with(self.L, dout, ds, s, weight, bias,
+                                                               mean,
                                                       rstd, dropout_p, seed, activation,
                                                       need_dx, need_dw, need_db)
 
@@ -515,8 +526,8 @@ def test_metal_layernorm_epilogue_extension_path(metal_lib, monkeypatch):
         params = list(inspect.signature(getattr(_FakeExt, name)).parameters)[1:]
         assert bindings[name] == params, name
     ext = _FakeExt(metal_lib)
-    monkeypatch.setattr(metal, "_impl", metal._Extension(ext))
-    assert metal._impl.layernorm_epilogue_fwd == {(DTYPES[a], DTYPES[b]) for a, b in PAIRS}
+    monkeypatch.setattr(metal_loader, "impl", metal_loader.Extension(ext))
+    assert metal_loader.impl.layernorm_epilogue_fwd == {(DTYPES[a], DTYPES[b]) for a, b in PAIRS}
     g = torch.Generator().manual_seed(34)
     x, r = torch.randn(4, 300, generator=g).half(), torch.randn(4, 300, generator=g).half()
     w, b = torch.randn(300, generator=g), torch.randn(300, generator=g)
@@ -535,4 +546,4 @@ def test_metal_layernorm_epilogue_extension_path(metal_lib, monkeypatch):
                                              0.0, 0, None, False)[0]  # no float -> half kernel
     assert ext.calls == ["layernorm_epilogue_forward", "layernorm_epilogue_backward"]
     assert out32.dtype == torch.float16
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)

@@ -2,7 +2,7 @@
 a float64 oracle (torch ops in float64).
 
 Every kernel (forward single-row / looped for every (x, y, mask) type triple, backward single-row
-/ looped for every (y, dx) pair) runs through the *real host code* of ``fusedops.metal``
+/ looped for every (y, dx) pair) runs through the *real host code* of ``fusedops.backends.metal``
 (``softmax_masked_*_with(launcher, ...)``). Cheap devices do most of the work: pipelines of 64
 threads (single-row limit 256, so N = 257 and 600 run the looped kernels on two SIMD-groups);
 the real boundaries (256 threads: N = 1024 / 1025, 1024 threads: N = 4096 / 4097) run once per
@@ -24,15 +24,18 @@ import torch
 from conftest import assert_close_to_ref, tol
 
 import fusedops
-from fusedops import metal
+from fusedops.backends import metal
+from fusedops.backends.metal import loader as metal_loader
+from fusedops.backends.metal import rules as metal_rules
+from fusedops.backends.metal import softmax as metal_softmax
 
 emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
 from metal_emu.harness import Recorder, mm_bindings  # noqa: E402
 
 DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
-FWD_TRIPLES = sorted(metal.SOFTMAX_MASKED_FWD_TYPES)
+FWD_TRIPLES = sorted(metal_rules.SOFTMAX_MASKED_FWD_TYPES)
 FWD_PAIRS = sorted({(a, b) for a, b, _ in FWD_TRIPLES})
-BWD_PAIRS = sorted(metal.SOFTMAX_MASKED_BWD_TYPES)
+BWD_PAIRS = sorted(metal_rules.SOFTMAX_MASKED_BWD_TYPES)
 # (n, max_threads): single-row on one / two SIMD-groups, looped on two SIMD-groups (several
 # steps, a partial last one).
 SMALL = [(33, 64), (129, 64), (600, 64)]
@@ -42,7 +45,7 @@ SCALE = 0.37
 
 
 def variant(n: int, max_threads: int) -> str:
-    return "single" if n <= metal.single_row_limit(max_threads) else "looped"
+    return "single" if n <= metal_rules.single_row_limit(max_threads) else "looped"
 
 
 def oracle(x, mask, scale, causal):
@@ -67,7 +70,7 @@ def make_mask(kind: str, shape, x_dtype, generator=None):
 def run_forward(metal_lib, x, mask, causal, out_dtype, max_threads, seed=0, scale=SCALE):
     L = Recorder(metal_lib, max_threads, seed)
     full = None if mask is None else mask.expand(x.shape)
-    y = metal.softmax_masked_forward_with(L, x, full, scale, causal, out_dtype)
+    y = metal_softmax.softmax_masked_forward_with(L, x, full, scale, causal, out_dtype)
     assert y.dtype == out_dtype and y.shape == x.shape and y.is_contiguous()
     return y, L
 
@@ -95,8 +98,8 @@ def test_metal_softmax_masked_forward(metal_lib, types, n, max_threads):
     assert name == f"fusedops_softmax_masked_fwd_{variant(n, max_threads)}_{a}_{b}_{kernel_mask}"
     assert L.calls[0][1] == 4  # one threadgroup per row
     flags = L.args[0][-1]
-    assert bool(flags & metal.FLAG_MASK) == (mask is not None)
-    assert bool(flags & metal.FLAG_CAUSAL) == causal
+    assert bool(flags & metal_rules.FLAG_MASK) == (mask is not None)
+    assert bool(flags & metal_rules.FLAG_CAUSAL) == causal
     assert_close_to_ref(y, oracle(x, mask, SCALE, causal), y_dtype)
 
 
@@ -170,7 +173,7 @@ def test_metal_softmax_masked_broadcast_patterns(metal_lib, pattern, kind):
         if mk in ("bool", "x"):  # read in place
             assert L.calls[0][0].endswith("_bool" if mk == "bool" else "_bfloat")
             assert bound_strides == strides
-            assert bool(L.args[0][-1] & metal.FLAG_MASK_VEC) == vec
+            assert bool(L.args[0][-1] & metal_rules.FLAG_MASK_VEC) == vec
         else:  # converted: the broadcast dims stay stride 0, none of them copied
             assert L.calls[0][0].endswith("_float") and bound.dtype == torch.float32
             assert [s == 0 for s in bound_strides] == [s == 0 for s in strides]
@@ -226,7 +229,7 @@ def test_metal_softmax_masked_scales(metal_lib, scale):
 def test_metal_softmax_masked_rows_stride_over_groups(metal_lib, monkeypatch, n, max_threads):
     """More rows than threadgroups: each threadgroup loops over rows whose (b, h, q) - and so
     their mask rows and causal limits - differ."""
-    monkeypatch.setattr(metal, "MAX_ROW_GROUPS", 3)
+    monkeypatch.setattr(metal_rules, "MAX_ROW_GROUPS", 3)
     g = torch.Generator().manual_seed(n)
     x = torch.randn(2, 3, 5, n, generator=g).half()
     mask = make_mask("x", (2, 3, 5, n), torch.float16, g)
@@ -238,10 +241,10 @@ def test_metal_softmax_masked_rows_stride_over_groups(metal_lib, monkeypatch, n,
 def test_metal_softmax_masked_empty_shapes_and_fallbacks(metal_lib):
     L = Recorder(metal_lib, 64)
     for shape in ((0, 2, 3, 5), (2, 2, 3, 0), (2, 0, 3, 5)):
-        y = metal.softmax_masked_forward_with(L, torch.randn(shape).half(), None, 0.5, True,
+        y = metal_softmax.softmax_masked_forward_with(L, torch.randn(shape).half(), None, 0.5, True,
                                               torch.float32)
         assert y.shape == shape and y.dtype == torch.float32
-    dx = metal.softmax_masked_backward_with(L, torch.empty(0, 4), torch.empty(0, 4), 2.0,
+    dx = metal_softmax.softmax_masked_backward_with(L, torch.empty(0, 4), torch.empty(0, 4), 2.0,
                                             torch.float32)
     assert dx.shape == (0, 4)
     assert L.calls == []
@@ -249,12 +252,13 @@ def test_metal_softmax_masked_empty_shapes_and_fallbacks(metal_lib):
     x = torch.randn(1, 2, 3, 9)
     mask = torch.rand(1, 1, 3, 9) > 0.5
     for xx, out in ((x, torch.float16), (x.double(), torch.float64)):
-        y = metal.softmax_masked_forward_with(L, xx, mask.expand(x.shape), 0.5, True, out)
+        y = metal_softmax.softmax_masked_forward_with(L, xx, mask.expand(x.shape), 0.5, True, out)
         assert y.dtype == out
         assert_close_to_ref(y, oracle(x, mask, 0.5, True), torch.float16)
     assert L.calls == []
     with pytest.raises(ValueError, match="B, H, Q, N"):
-        metal.softmax_masked_forward_with(L, torch.randn(3, 9), None, 1.0, False, torch.float32)
+        metal_softmax.softmax_masked_forward_with(L, torch.randn(3, 9), None, 1.0, False,
+                                                  torch.float32)
 
 
 # --- backward --------------------------------------------------------------------------------
@@ -276,7 +280,7 @@ def test_metal_softmax_masked_backward(metal_lib, pair, n, max_threads):
     y = oracle(x, mask, 1.0, False).to(y_dtype).view(4, n)
     dy = torch.randn(4, n, generator=g, dtype=torch.float64).to(y_dtype)
     L = Recorder(metal_lib, max_threads, seed=n)
-    dx = metal.softmax_masked_backward_with(L, y, dy, SCALE, dx_dtype)
+    dx = metal_softmax.softmax_masked_backward_with(L, y, dy, SCALE, dx_dtype)
     assert dx.dtype == dx_dtype and dx.shape == (4, n) and dx.is_contiguous()
     assert L.calls[0][0] == \
         f"fusedops_softmax_masked_bwd_{variant(n, max_threads)}_{pair[0]}_{pair[1]}"
@@ -297,8 +301,8 @@ def test_metal_softmax_masked_backward_strided(metal_lib, layout, n, max_threads
     y.copy_(torch.softmax(y * 2, -1))
     dy = rows(5, n, torch.float16 if layout == "broadcast" else torch.float32, layout)
     L = Recorder(metal_lib, max_threads)
-    dx = metal.softmax_masked_backward_with(L, y, dy, -2.0, torch.bfloat16)
-    assert L.args[0][-1] & metal.FLAG_VEC == 0
+    dx = metal_softmax.softmax_masked_backward_with(L, y, dy, -2.0, torch.bfloat16)
+    assert L.args[0][-1] & metal_rules.FLAG_VEC == 0
     assert_close_to_ref(dx, backward_oracle(y, dy.float(), -2.0), torch.bfloat16)
 
 
@@ -353,12 +357,12 @@ class _FakeExt:
     def softmax_masked_forward(self, x, mask, scale, causal, out_dtype):
         self.calls.append("softmax_masked_forward")
         assert isinstance(scale, float) and isinstance(causal, bool)
-        return metal.softmax_masked_forward_with(self.L, x, mask, scale, causal, out_dtype)
+        return metal_softmax.softmax_masked_forward_with(self.L, x, mask, scale, causal, out_dtype)
 
     def softmax_masked_backward(self, y, dy, scale, out_dtype):
         self.calls.append("softmax_masked_backward")
         assert isinstance(scale, float)
-        return metal.softmax_masked_backward_with(self.L, y, dy, scale, out_dtype)
+        return metal_softmax.softmax_masked_backward_with(self.L, y, dy, scale, out_dtype)
 
 
 def test_metal_softmax_masked_extension_path(metal_lib, monkeypatch):
@@ -369,9 +373,9 @@ def test_metal_softmax_masked_extension_path(metal_lib, monkeypatch):
         params = list(inspect.signature(getattr(_FakeExt, name)).parameters)[1:]
         assert bindings[name] == params, name
     ext = _FakeExt(metal_lib)
-    monkeypatch.setattr(metal, "_impl", metal._Extension(ext))
-    assert metal._impl.softmax_masked_fwd == {(DTYPES[a], DTYPES[b]) for a, b in FWD_PAIRS}
-    assert metal._impl.softmax_masked_bwd == {(DTYPES[a], DTYPES[b]) for a, b in BWD_PAIRS}
+    monkeypatch.setattr(metal_loader, "impl", metal_loader.Extension(ext))
+    assert metal_loader.impl.softmax_masked_fwd == {(DTYPES[a], DTYPES[b]) for a, b in FWD_PAIRS}
+    assert metal_loader.impl.softmax_masked_bwd == {(DTYPES[a], DTYPES[b]) for a, b in BWD_PAIRS}
     g = torch.Generator().manual_seed(32)
     x = torch.randn(2, 2, 3, 50, generator=g).half()
     mask = make_mask("half", (2, 1, 1, 50), torch.float16, g).expand(x.shape)
@@ -383,4 +387,4 @@ def test_metal_softmax_masked_extension_path(metal_lib, monkeypatch):
     y32 = metal.softmax_masked_forward(x.float(), None, 0.5, False, torch.float16)  # no kernel
     assert ext.calls == ["softmax_masked_forward", "softmax_masked_backward"]
     assert y32.dtype == torch.float16
-    monkeypatch.setattr(metal, "_impl", None)
+    monkeypatch.setattr(metal_loader, "impl", None)

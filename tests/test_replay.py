@@ -15,7 +15,8 @@ from conftest import tol
 
 import fusedops
 from fusedops import _dispatch, _replay
-from fusedops.triton import _common
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.runtime import plans as rt_plans
 
 
 @pytest.fixture(autouse=True)
@@ -272,7 +273,7 @@ class _Launch:
 
 
 class _Entry:
-    """A direct entry (``_common._direct_entry``'s go) exposing a recording C entry."""
+    """A direct entry (``rt_launcher.direct_entry``'s go) exposing a recording C entry."""
 
     raw_pointers = True
 
@@ -302,7 +303,7 @@ def _launch_head(grid: int, device: int) -> tuple:
 def test_softmax_runner_launches_the_plan(as_cuda, monkeypatch):
     """A new plan with out dtype = x's dtype registers a runner; a plain call then launches the
     plan's kernel with (x, y) addresses and the recorded tail; calls it cannot run decline."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     x = torch.randn(6, 64)
     launch = _Launch()
@@ -330,7 +331,7 @@ def test_layernorm_runner_launches_the_plan(as_cuda, affine):
     """The LayerNorm runner passes (x, weight, bias, y, y, y) addresses (y's address for absent
     parameters and the absent statistics) and the recorded tail; only inference plans in x's
     dtype register one."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     x = torch.randn(5, 48, dtype=torch.bfloat16)
     w = torch.randn(48) if affine in ("both", "weight") else None
@@ -354,7 +355,7 @@ def test_layernorm_runner_launches_the_plan(as_cuda, affine):
 def test_layernorm_runner_declines_other_parameters(as_cuda):
     """Every parameter property the plan depends on is re-checked: presence, class, dtype,
     shape, layout, alignment (and x's layout)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     x = torch.randn(5, 48)
     w = torch.randn(48)
@@ -383,11 +384,11 @@ def test_layernorm_runner_declines_other_parameters(as_cuda):
 def test_plan_cache_registers_runners_for_one_dimensional_grids_only():
     t = torch.zeros(4)
     table = {}
-    plans = _common.PlanCache(table, lambda key, plan: (key, plan))
+    plans = rt_plans.PlanCache(table, lambda key, plan: (key, plan))
     plans.add("a", _FakeLauncher(_Entry(_Launch())), (1,), (t, t, 3), 4, 2)
     plans.add("b", _FakeLauncher(_Entry(_Launch())), (1, 2), (t, t, 3), 4, 2)
     assert list(table) == ["a"] and table["a"] is plans["a"]
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not plans and not table
 
 
@@ -396,7 +397,7 @@ def test_rmsnorm_runner_launches_the_plan(as_cuda, weighted):
     """The RMSNorm runner passes (x, weight, y, y) addresses (y's for an absent weight and the
     absent rstd) and the recorded tail; only inference plans in x's dtype register one, and it
     declines a weight unlike the registering call's."""
-    from fusedops.triton import rmsnorm as trms
+    from fusedops.backends.triton import rmsnorm as trms
 
     x = torch.randn(5, 48, dtype=torch.bfloat16)
     w = torch.randn(48) if weighted else None
@@ -428,7 +429,7 @@ def test_rmsnorm_runner_launches_the_plan(as_cuda, weighted):
 def test_replayed_calls_match_the_normal_path(dtype):
     """Second calls replay (the tables hold a runner) and give the first call's bits, on any
     stream; calls a runner declines still give the right result."""
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     x = torch.randn(8, 128, 768, device="cuda", dtype=dtype)
     w = torch.randn(768, device="cuda", dtype=dtype)
     b = torch.randn(768, device="cuda", dtype=dtype)
@@ -460,5 +461,5 @@ def test_replayed_calls_match_the_normal_path(dtype):
     torch.testing.assert_close(
         first_ln, torch.nn.functional.layer_norm(x.float(), (768,), w.float(), b.float())
         .to(dtype), **tol(dtype, 4))
-    _common.set_single_block_limit(None)
+    tcfg.set_single_block_limit(None)
     assert not _replay.SOFTMAX and not _replay.LAYERNORM

@@ -1,5 +1,5 @@
-"""The Triton RMSNorm kernels (fusedops.triton.rmsnorm_forward / _forward_y / _backward, the
-2-D row contract) against a float64 oracle: F.rms_norm in float64 and autograd for dx/dweight.
+"""The Triton RMSNorm kernels (fusedops.backends.triton.rmsnorm_forward / _forward_y / _backward,
+the 2-D row contract) against a float64 oracle: F.rms_norm in float64 and autograd for dx/dweight.
 
 On CPU they run through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA),
 so shapes stay small; the ``gpu`` tests at the end take large shapes on a CUDA device.
@@ -20,15 +20,16 @@ from conftest import (
 )
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import rmsnorm as trms  # noqa: E402
+from fusedops.backends.triton import rmsnorm as trms  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -168,19 +169,19 @@ def test_empty(m, n):
 
 
 def _fwd_limit() -> int:
-    return min(_common.single_block_limit(), _common.KIND_CAPS["ln_fwd"])
+    return min(tcfg.single_block_limit(), tcfg.KIND_CAPS["ln_fwd"])
 
 
 def _bwd_limit() -> int:
-    return min(_common.single_block_limit(), trms.FUSED_BWD_MAX_BLOCK_UNALIGNED)
+    return min(tcfg.single_block_limit(), trms.FUSED_BWD_MAX_BLOCK_UNALIGNED)
 
 
 def test_unaligned_16k_rows_fused_on_32_warps():
     """Rows of 8K-16K whose N is not a multiple of 16: the fused backward on 32 warps."""
-    assert trms._bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
-    assert trms._bwd_config(16384, 2) == (1, 16, 1, True)
-    assert trms._bwd_config(8192, 2) == trms.BWD_RULES_16BIT[8192]
-    assert trms._bwd_config(8192, 2, aligned=False) != trms.BWD_RULES_16BIT[8192]
+    assert trms.bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
+    assert trms.bwd_config(16384, 2) == (1, 16, 1, True)
+    assert trms.bwd_config(8192, 2) == rms_rules.BWD_RULES_16BIT[8192]
+    assert trms.bwd_config(8192, 2, aligned=False) != rms_rules.BWD_RULES_16BIT[8192]
     if _bwd_limit() >= 16384:
         x, w, dy = make(2, 8193, torch.bfloat16, "fp32", seed=13)
         check_all(x, w, dy)
@@ -227,7 +228,7 @@ def test_column_kernel_splits(small_single_block):
     """Enough rows that the dweight column kernel splits them (float32 partials summed in a
     fixed order): close to the oracle and the same bits on every run. (rstd from the PyTorch
     reference: the looped forward over this many rows is slow in the interpreter.)"""
-    from fusedops import reference
+    from fusedops.backends import reference
 
     xw, w, dy = make(130, 40, torch.bfloat16, "fp32", seed=10)
     x, w, dy = xw[:, :33], w[:33].contiguous(), dy[:, 7:40]
@@ -239,10 +240,10 @@ def test_column_kernel_splits(small_single_block):
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_forward_rules(monkeypatch, persistent):
+def test_forward_rules(monkeypatch, persistent, launch_rules):
     """A measured forward rule (FWD_RULES: rows per program, warps, persistent grid) in place of
     LayerNorm's: the same results, tiles looped over by fewer programs when persistent."""
-    monkeypatch.setattr(trms, "FWD_RULES", {(4, 64): (2, 2, persistent)})
+    launch_rules("rmsnorm", FWD_RULES={(4, 64): (2, 2, persistent)})
     x, w, dy = make(11, 64, torch.float32, "same", seed=12)
     check_all(x, w, dy)
 

@@ -1,4 +1,4 @@
-"""Replay plans of the masked softmax kernels (fusedops.triton.softmax_masked_forward /
+"""Replay plans of the masked softmax kernels (fusedops.backends.triton.softmax_masked_forward /
 _backward): a call whose signature ran before relaunches the recorded kernel with the new call's
 tensors, skipping the checks and launch rules.
 
@@ -15,13 +15,13 @@ import torch
 from conftest import INTERPRETING, count_calls, require_replay_plans
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 
 import fusedops  # noqa: E402
-from fusedops.triton import softmax_masked as tsmm  # noqa: E402
+from fusedops.backends.triton import softmax_masked as tsmm  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -104,7 +104,7 @@ def test_replay_repeats_the_normal_launch(recording_entries, single_block_or_loo
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
-def test_calls_that_do_not_replay(recording_entries, monkeypatch):
+def test_calls_that_do_not_replay(recording_entries, monkeypatch, launch_rules):
     """A strided x (made contiguous for the call) records no plan; a launch hook takes the
     normal path; PLANS = False makes none."""
     log = recording_entries
@@ -117,7 +117,7 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch):
     log.clear()
     tsmm.softmax_masked_forward(x, None, 0.5, False, F32)
     assert [e[0] for e in log] == ["normal"]
-    monkeypatch.setattr(tsmm, "PLANS", False)
+    launch_rules("softmax_masked", PLANS=False)
     tsmm._fwd_plans.clear()
     tsmm.softmax_masked_forward(x, None, 0.5, False, F32)
     assert not tsmm._fwd_plans
@@ -230,7 +230,7 @@ def test_masked_ops_runner_declines_what_the_signature_does_not_fix(masked_runne
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
-def test_masked_ops_runner_registration(recording_entries, monkeypatch):
+def test_masked_ops_runner_registration(recording_entries, monkeypatch, launch_rules):
     """What gets a runner: inference calls on 4-d scores whose views the kernel reads are the
     caller's tensors. A float64 mask (converted for the kernel) is marked False; a strided x
     (copied) is asked again; other ranks, training calls, CPU tensors and plans off register
@@ -258,7 +258,7 @@ def test_masked_ops_runner_registration(recording_entries, monkeypatch):
         with torch.enable_grad():  # a training call (the Function's forward) registers nothing
             fusedops.fused_softmax(torch.randn(2, 3, 5, 48, requires_grad=True), -1, causal=True)
         assert not _replay.SOFTMAX_MASKED
-        monkeypatch.setattr(tsmm, "PLANS", False)
+        launch_rules("softmax_masked", PLANS=False)
         fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, causal=True)
         assert not _replay.SOFTMAX_MASKED
 

@@ -1,8 +1,8 @@
 """The Triton kernels of the scaled / masked / causal softmax of attention
-(fusedops.triton.softmax_masked_forward / _backward) against a float64 oracle written with torch
-ops here: z = x·scale, a bool mask fills -inf where False, a float mask is added, causal drops
-column j of query row q when j > q, softmax over the last dim, rows with nothing kept give zeros;
-dx from autograd through that oracle.
+(fusedops.backends.triton.softmax_masked_forward / _backward) against a float64 oracle written with
+torch ops here: z = x·scale, a bool mask fills -inf where False, a float mask is added, causal drops
+column j of query row q when j > q, softmax over the last dim, rows with nothing kept give zeros; dx
+from autograd through that oracle.
 
 On CPU they run through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without CUDA),
 so shapes stay small; the ``gpu`` tests at the end take large shapes on a CUDA device.
@@ -22,15 +22,17 @@ from conftest import (
 )
 
 pytest.importorskip("triton")
-from fusedops import triton as tb  # noqa: E402
+from fusedops.backends import triton as tb  # noqa: E402
 
 if not tb.AVAILABLE:
     pytest.skip("Triton not available", allow_module_level=True)
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import softmax_masked as tsm  # noqa: E402
+from fusedops.backends.triton import configs  # noqa: E402
+from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
+from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
+from fusedops.backends.triton.configs import softmax_masked as smm_rules  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -356,8 +358,8 @@ def test_deterministic():
 
 
 def _fwd_cap(elt: int) -> int:
-    return min(_common.single_block_limit(), tsm.FWD_SINGLE_CAP[elt],
-               _common.KIND_CAPS["softmax_fwd"])
+    return min(tcfg.single_block_limit(), smm_rules.FWD_SINGLE_CAP[elt],
+               tcfg.KIND_CAPS["softmax_fwd"])
 
 
 def test_config_rules():
@@ -515,13 +517,8 @@ GPU_NS = [128, 512, 1024, 2048, 4096, 8192, 16385]
 def force_looped(request):
     """Run under the default rules, then with the single-block limit at 64 (every row of the
     GPU sweep through the looped kernels)."""
-    if request.param:
-        _common.set_single_block_limit(64)
-    try:
+    with configs.override(SINGLE_BLOCK_LIMIT=64 if request.param else None):
         yield request.param
-    finally:
-        if request.param:
-            _common.set_single_block_limit(None)
 
 
 @pytest.mark.gpu

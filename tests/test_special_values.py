@@ -390,9 +390,9 @@ def _long_softmax_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
 def _looped_only_at_70000(monkeypatch, n: int) -> None:
     """Rows of 70000 run the looped kernels (split rows, which take any long row on CUDA, off)."""
     if n == 70000:
-        from fusedops.triton import _common
+        from fusedops.backends.triton.runtime import split as rt_split
 
-        monkeypatch.setitem(_common._split_state, "enabled", False)
+        monkeypatch.setitem(rt_split.SPLIT_STATE, "enabled", False)
 
 
 @gpu

@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _reliability import gpu
-from conftest import assert_close_to_ref, assert_row_sum_close
+from conftest import assert_close_to_ref, assert_row_sum_close, forced_split_config
 
 from fusedops import fused_layernorm, fused_softmax
-from fusedops.triton import _common
-from fusedops.triton import layernorm as tln
-from fusedops.triton import softmax as tsm
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton.runtime import split as rt_split
 
 pytestmark = gpu
 
@@ -66,11 +66,11 @@ def _layernorm_case(m, n, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
-def test_softmax_split(monkeypatch, shape, dtype, prefetch):
-    monkeypatch.setitem(tsm.SPLIT_CONFIG, "fwd", (8192, 8, prefetch))
-    monkeypatch.setitem(tsm.SPLIT_CONFIG, "bwd", (8192, 8, prefetch))
-    for table in ("UNROLLED_VEC_FWD", "UNROLLED_BWD", "UNROLLED_VEC_BWD"):
-        monkeypatch.setattr(tsm, table, {})  # 16-bit rows of these shapes: unrolled kernels
+def test_softmax_split(monkeypatch, shape, dtype, prefetch, launch_rules):
+    forced = (8192, 8, prefetch)
+    launch_rules("softmax", split_config=forced_split_config(forced, forced))
+    # 16-bit rows of these shapes: unrolled kernels
+    launch_rules("softmax", UNROLLED_VEC_FWD={}, UNROLLED_BWD={}, UNROLLED_VEC_BWD={})
     _softmax_case(*shape, dtype)
 
 
@@ -78,12 +78,11 @@ def test_softmax_split(monkeypatch, shape, dtype, prefetch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("cap", [None, 128], ids=["uncapped", "cap128"])
-def test_layernorm_split(monkeypatch, shape, dtype, prefetch, cap):
-    monkeypatch.setattr(tln, "SPLIT_CONFIG", (8192, 8, prefetch))
-    monkeypatch.setattr(tln, "SPLIT_BWD_CONFIG",
-                        (8192, 8, prefetch) if cap is None else (4096, 8, prefetch, cap))
-    monkeypatch.setattr(tln, "NATIVE_UNALIGNED_16BIT_BWD", False)
-    monkeypatch.setattr(tln, "DX_PIECES_BWD", None)
+def test_layernorm_split(monkeypatch, shape, dtype, prefetch, cap, launch_rules):
+    launch_rules("layernorm", split_config=forced_split_config(
+        (8192, 8, prefetch), (8192, 8, prefetch) if cap is None else (4096, 8, prefetch, cap)))
+    launch_rules("layernorm", NATIVE_UNALIGNED_16BIT_BWD=False)
+    launch_rules("layernorm", DX_PIECES_BWD=None)
     _layernorm_case(*shape, dtype)
 
 
@@ -111,7 +110,7 @@ def test_unaligned_grid_is_a_multiple_of_pieces_times_vec():
     x = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     stats = torch.empty(4, device="cuda")
     count = torch.zeros(4, dtype=torch.int32, device="cuda")
-    C, L = _common.split_pieces(n, 8192, 8)
+    C, L = rt_split.split_pieces(n, 8192, 8)
     assert L % 16 == 0 and (C - 1) * L < n - 16  # every piece has part of every row's body
     runtime = (x, x, x, x, stats, stats, stats, count, n, L, n, n, 1e-5, m * C)
     consts = (8192, C, 16, True, True, 1, 8)
@@ -136,23 +135,23 @@ VEC_RULE_16 = {2: ((2048, 8, 1), 0)}  # forces 16-bit rows onto aligned-body pie
     (torch.float32, 64, 262145, {4: ((2048, 8, 2), 0)},  # no grid fits: scalar pieces
      [((2048, 8, 2), 4), ((8192, 8, 2), 0)]),
 ])
-def test_unaligned_layernorm_backward_paths(monkeypatch, dtype, m, n, rule, want):
+def test_unaligned_layernorm_backward_paths(monkeypatch, dtype, m, n, rule, want, launch_rules):
     """Long unaligned rows in the LayerNorm backward: 16-bit rows on dx pieces + the column
     kernel (DX_PIECES_BWD; off in the cases with a rule, ``{}`` or not); else the split kernel
     on aligned-body pieces plus edges where VEC_SPLIT_BWD has a rule and a grid fits, else
     scalar pieces (float32) or PyTorch's native kernel (16-bit); values against float64 on
     every path."""
     if rule is not None:
-        monkeypatch.setattr(tln, "VEC_SPLIT_BWD", rule)
-        monkeypatch.setattr(tln, "DX_PIECES_BWD", None)
+        launch_rules("layernorm", VEC_SPLIT_BWD=rule)
+        launch_rules("layernorm", DX_PIECES_BWD=None)
     seen = []
-    real_split, real_native = tln._split_backward, tln._native_backward
-    real_cols = tln._columns_first_backward
-    monkeypatch.setattr(tln, "_split_backward",
+    real_split, real_native = tlnb._split_backward, tlnb._native_backward
+    real_cols = tlnb._columns_first_backward
+    monkeypatch.setattr(tlnb, "_split_backward",
                         lambda *a: seen.append(a[10:12]) or real_split(*a))
-    monkeypatch.setattr(tln, "_native_backward",
+    monkeypatch.setattr(tlnb, "_native_backward",
                         lambda *a: seen.append("native") or real_native(*a))
-    monkeypatch.setattr(tln, "_columns_first_backward", lambda *a: seen.append(
+    monkeypatch.setattr(tlnb, "_columns_first_backward", lambda *a: seen.append(
         "pieces" if len(a) > 10 and a[10] else "columns") or real_cols(*a))
     _layernorm_case(m, n, dtype)
     assert seen == want
@@ -160,8 +159,8 @@ def test_unaligned_layernorm_backward_paths(monkeypatch, dtype, m, n, rule, want
 
 def test_unaligned_layernorm_backward_deterministic_mode_is_scalar(monkeypatch):
     seen = []
-    real = tln._native_backward
-    monkeypatch.setattr(tln, "_native_backward", lambda *a: seen.append(1) or real(*a))
+    real = tlnb._native_backward
+    monkeypatch.setattr(tlnb, "_native_backward", lambda *a: seen.append(1) or real(*a))
     torch.use_deterministic_algorithms(True)
     try:
         _layernorm_case(16, 65537, torch.bfloat16)

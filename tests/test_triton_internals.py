@@ -9,7 +9,10 @@ import torch.nn.functional as F
 from conftest import assert_close_to_ref, assert_row_sum_close, exhaustive_unless, one_of_each, tol
 
 import fusedops
-from fusedops.triton import _common
+from fusedops.backends.triton.configs import common as tcfg
+from fusedops.backends.triton.runtime import device as rt_device
+from fusedops.backends.triton.runtime import plans as rt_plans
+from fusedops.backends.triton.runtime import split as rt_split
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -20,37 +23,37 @@ def _t(n: int, dtype=torch.bfloat16, offset: int = 0) -> torch.Tensor:
 
 def test_unaligned_vec_rule():
     a = _t(64)
-    assert _common.unaligned_vec(33, (33, 33), 2, (a, a)) == 8  # unaligned rows: body + edges
-    assert _common.unaligned_vec(33, (33, 33), 4, (a, a)) == 4
-    assert _common.unaligned_vec(32, (32, 32), 2, (a, a)) == 0  # aligned rows need no split
-    assert _common.unaligned_vec(33, (40, 33), 2, (a, a)) == 0  # strides differ: no common split
-    assert _common.unaligned_vec(15, (15, 15), 2, (a, a)) == 0  # rows shorter than two vectors
-    assert _common.unaligned_vec(33, (33, 33), 2, (a, _t(64, offset=1))) == 0  # base unaligned
-    assert _common.body_len(8193, 8) == 8192
-    assert _common.body_len(8193, 4) == 8192
-    assert _common.body_len(8192, 0) == 8192
+    assert tcfg.unaligned_vec(33, (33, 33), 2, (a, a)) == 8  # unaligned rows: body + edges
+    assert tcfg.unaligned_vec(33, (33, 33), 4, (a, a)) == 4
+    assert tcfg.unaligned_vec(32, (32, 32), 2, (a, a)) == 0  # aligned rows need no split
+    assert tcfg.unaligned_vec(33, (40, 33), 2, (a, a)) == 0  # strides differ: no common split
+    assert tcfg.unaligned_vec(15, (15, 15), 2, (a, a)) == 0  # rows shorter than two vectors
+    assert tcfg.unaligned_vec(33, (33, 33), 2, (a, _t(64, offset=1))) == 0  # base unaligned
+    assert tcfg.body_len(8193, 8) == 8192
+    assert tcfg.body_len(8193, 4) == 8192
+    assert tcfg.body_len(8192, 0) == 8192
 
 
-def test_unaligned_fused_backward_rule(monkeypatch):
-    from fusedops.triton import layernorm as tln
+def test_unaligned_fused_backward_rule(monkeypatch, launch_rules):
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    monkeypatch.setattr(tln, "num_sms", lambda dev: 132)
+    launch_rules("layernorm", num_sms=lambda dev: 132)
 
     # the aligned-body fused backward from 2K bodies (2049), one row per tile; 1025 stays
     # scalar (padded to 2048)
     for n, vec, block in [(8193, 8, 8192), (4097, 8, 4096), (2049, 8, 2048), (1025, 0, 2048)]:
         x = torch.empty(4096, n, dtype=torch.bfloat16)
-        plan = tln._fused_plan(4096, n, x, x)
+        plan = ln_rules.fused_plan(4096, n, x, x)
         assert plan[:3] == (vec, block, 1 if vec else 2)
     # float32 bodies of 4K+: two rows of 4K or one of 8K per 16-warp program, one per SM
     x = torch.empty(4096, 4097, dtype=torch.float32)
-    assert tln._fused_plan(4096, 4097, x, x)[:4] == (4, 4096, 2, 16)
+    assert ln_rules.fused_plan(4096, 4097, x, x)[:4] == (4, 4096, 2, 16)
 
 
-def test_unaligned_split_can_be_turned_off(monkeypatch):
-    monkeypatch.setitem(_common._BODY, "enabled", False)
+def test_unaligned_split_can_be_turned_off(monkeypatch, launch_rules):
+    launch_rules(ROW_BODY=False)
     a = _t(64)
-    assert _common.unaligned_vec(33, (33, 33), 2, (a, a)) == 0
+    assert tcfg.unaligned_vec(33, (33, 33), 2, (a, a)) == 0
 
 
 @exhaustive_unless(one_of_each({"m,n": [(1, 17), (3, 33), (7, 1025), (5, 255), (9, 23)],
@@ -62,7 +65,7 @@ def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
     # is one vector (n = 17 bf16) and rows whose edges hold VEC - 1 elements on both sides.
     torch.manual_seed(m * n)
     x = (torch.randn(m, n, device=device) * 3 + 1).to(dtype).requires_grad_(True)
-    assert _common.unaligned_vec(n, (n, n), x.element_size(), (x, x)) > 0  # the split path runs
+    assert tcfg.unaligned_vec(n, (n, n), x.element_size(), (x, x)) > 0  # the split path runs
     w = torch.randn(n, device=device, requires_grad=True)
     b = torch.randn(n, device=device, requires_grad=True)
     g = torch.randn(m, n, device=device).to(dtype)
@@ -87,10 +90,10 @@ def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
 
 def test_split_rows_rule():
     cuda = torch.device("cuda")
-    enabled = _common._split_state["enabled"] and not _common._interpreting()
+    enabled = rt_split.SPLIT_STATE["enabled"] and not rt_device.interpreting()
     # equal pieces of at most `chunk`; all pieces of a row must be resident at once
-    assert _common.split_rows_enabled(cuda, 4 * 8192 + 1, 8192) == enabled
-    assert _common.split_rows_enabled(torch.device("cpu"), 8 * 8192, 8192) is False
+    assert rt_split.split_rows_enabled(cuda, 4 * 8192 + 1, 8192) == enabled
+    assert rt_split.split_rows_enabled(torch.device("cpu"), 8 * 8192, 8192) is False
 
 
 @exhaustive_unless(lambda dtype: dtype == torch.float32)
@@ -98,10 +101,10 @@ def test_split_rows_rule():
 def test_unaligned_rows_on_a_persistent_grid(monkeypatch, triton_backend, device, dtype):
     # More row tiles than programs: each program loops over tiles that must all share one
     # misalignment, since it holds the weight shifted by it (grid rounded to a multiple of VEC).
-    monkeypatch.setattr(_common, "num_sms", lambda dev: 1)
+    monkeypatch.setattr(tcfg, "num_sms", lambda dev: 1)
     m, n = 1100, 33
-    assert _common.grid_size(100, 8, "ln_bwd", torch.device(device), vec=8) == 8
-    assert _common.grid_size(100, 16, "ln_bwd", torch.device(device), vec=8) == 8
+    assert tcfg.grid_size(100, 8, "ln_bwd", torch.device(device), vec=8) == 8
+    assert tcfg.grid_size(100, 16, "ln_bwd", torch.device(device), vec=8) == 8
     torch.manual_seed(0)
     x = (torch.randn(m, n, device=device) * 2 - 1).to(dtype).requires_grad_(True)
     w = torch.randn(n, device=device)  # no gradient: the dx row kernel runs
@@ -127,24 +130,24 @@ def test_unaligned_rows_on_a_persistent_grid(monkeypatch, triton_backend, device
 @pytest.mark.parametrize("m,n,sms,split", [(160, 33, 4, True), (96, 1025, 8, True),
                                            (3, 33, 8, False)])
 def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, dtype, m, n, sms,
-                                           split):
+                                           split, launch_rules):
     """dweight/dbias of unaligned rows from the fused backward: each program accumulates its
     columns shifted by its rows' misalignment plus (2·VEC,) edge columns, and writes a complete
     partial row. Programs loop over row tiles that must share one misalignment (a grid of a
     multiple of VEC programs); a batch too small for VEC partial rows (3 x 33: scratch is capped
     at an eighth of x) is read with scalar accesses instead."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    monkeypatch.setattr(_common, "num_sms", lambda dev: sms)
-    monkeypatch.setattr(tln, "num_sms", lambda dev: sms)
+    monkeypatch.setattr(tcfg, "num_sms", lambda dev: sms)
+    launch_rules("layernorm", num_sms=lambda dev: sms)
     # short bodies take the scalar variant by default (measured faster); force the body one
-    monkeypatch.setattr(tln, "FUSED_BWD_UNALIGNED_MIN_BLOCK", 16)
+    launch_rules("layernorm", FUSED_BWD_UNALIGNED_MIN_BLOCK=16)
     if split:
-        monkeypatch.setattr(tln, "_max_partial_rows", lambda x: 1 << 20)
+        launch_rules("layernorm", max_partial_rows=lambda x: 1 << 20)
     torch.manual_seed(m + n)
     x = (torch.randn(m, n, device=device) * 2 + 3).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)
-    plan = tln._fused_plan(m, n, x, dy)
+    plan = ln_rules.fused_plan(m, n, x, dy)
     vec = 16 // x.element_size()
     assert plan is not None and plan[0] == (vec if split else 0)
     tiles, progs = plan[5], plan[6]
@@ -166,27 +169,30 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
 @pytest.mark.parametrize("n", [64, 48])
-def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, paired, n):
+def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, paired, n,
+                                 launch_rules):
     """The fused backward's two row sums as one paired reduction or two (the rule picks paired
     for aligned 16-bit rows up to 4K and for unaligned 16-bit bodies), on full and padded rows
     (48 of a 64-lane block: masked lanes carry dy = 0 and no select) and with a NaN row: dx,
     dweight, dbias against float64; the NaN row's dx NaN, every other row finite, dweight NaN,
     dbias finite."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    assert tln._paired_sums(2, 0, 4096) and not tln._paired_sums(2, 0, 8192)
-    assert not tln._paired_sums(4, 0, 1024) and not tln._paired_sums(4, 4, 8192)
-    assert tln._paired_sums(2, 8, 1024) and tln._paired_sums(2, 8, 8192)
-    monkeypatch.setattr(tln, "_paired_sums", lambda elt, vec, block: paired)
+    assert ln_rules.paired_sums(2, 0, 4096) and not ln_rules.paired_sums(2, 0, 8192)
+    assert not ln_rules.paired_sums(4, 0, 1024) and not ln_rules.paired_sums(4, 4, 8192)
+    assert ln_rules.paired_sums(2, 8, 1024) and ln_rules.paired_sums(2, 8, 8192)
+    launch_rules("layernorm", paired_sums=lambda elt, vec, block: paired)
     torch.manual_seed(n)
     m = 37  # not a multiple of the rows per tile: masked rows in the last tile
     x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, dtype)
-    plan = tln._fused_plan(m, n, x, dy)
+    plan = ln_rules.fused_plan(m, n, x, dy)
     assert plan is not None and plan[0] == 0
-    dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    dx, dw, db = tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
     r = [t.detach().double().requires_grad_(True) for t in (x, w)]
     want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1]), r, dy.double())
     assert_close_to_ref(dx, want[0], dtype, scale=4)
@@ -195,7 +201,7 @@ def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, pai
     x_nan = x.clone()
     x_nan[5, 7] = float("nan")
     _, mean, rstd = tln.layernorm_forward(x_nan, w, None, 1e-5, dtype)
-    dx, dw, db = tln.layernorm_backward(dy, x_nan, w, mean, rstd, True, True, True)
+    dx, dw, db = tlnb.layernorm_backward(dy, x_nan, w, mean, rstd, True, True, True)
     assert torch.isnan(dx[5]).all() and torch.isfinite(dx[torch.arange(m) != 5]).all()
     assert torch.isnan(dw).all() and torch.isfinite(db).all()
 
@@ -205,48 +211,51 @@ def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, pai
 @exhaustive_unless(lambda n, dtype, mode: dtype == torch.float16)  # (the same code in bfloat16)
 @pytest.mark.parametrize("n,dtype", [(67, torch.bfloat16), (41, torch.float16)], ids=str)
 @pytest.mark.parametrize("mode", ["low_memory", "fast"])
-def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device, dtype, n, mode):
+def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device, dtype, n, mode,
+                                            launch_rules):
     """Long unaligned 16-bit rows (here: longer than a 32-column fused block) take dx from
-    _ln_bwd_dx_pieces on their aligned bodies (pieces of 16, so several per row, plus the
+    ln_bwd_dx_pieces on their aligned bodies (pieces of 16, so several per row, plus the
     edges) and dweight/dbias from the column kernel (DX_PIECES_BWD): rows of every
     misalignment against float64, with and without weight, for each gradient subset; a NaN row
     stays in its row (dx) and dweight; a dy with its own row stride takes the other path."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm_bwd as tlnb
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    monkeypatch.setattr(tln, "FUSED_BWD_MAX_BLOCK", 32)
-    monkeypatch.setattr(tln, "DX_PIECES_BWD", (16, 1))
+    launch_rules("layernorm", FUSED_BWD_MAX_BLOCK=32)
+    launch_rules("layernorm", DX_PIECES_BWD=(16, 1))
     torch.manual_seed(n)
     m = 11
     x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
-    assert tln._dx_pieces_plan(n, x, dy)[1:3] == (16, 8)
-    assert tln._dx_pieces_plan(n, x.float(), dy.float()) is None
+    assert ln_rules.dx_pieces_plan(n, x, dy)[1:3] == (16, 8)
+    assert ln_rules.dx_pieces_plan(n, x.float(), dy.float()) is None
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, dtype)
     r = [t.detach().double().requires_grad_(True) for t in (x, w)]
     want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1]), r, dy.double())
     want_nw = torch.autograd.grad(F.layer_norm(r[0], (n,)), r[0], dy.double())[0]
     with fusedops.layernorm_backward_mode(mode):
         for parts in [(True, True, True), (True, False, False), (True, False, True)]:
-            dx, dw, db = tln.layernorm_backward(dy, x, w, mean, rstd, *parts)
+            dx, dw, db = tlnb.layernorm_backward(dy, x, w, mean, rstd, *parts)
             assert_close_to_ref(dx, want[0], dtype, scale=4)
             assert (dw is None) != parts[1] and (db is None) != parts[2]
             if dw is not None:
                 assert_row_sum_close(dw, want[1], m, scale=4)
             if db is not None:
                 assert_row_sum_close(db, dy.double().sum(0), m, scale=4)
-        dx, _, _ = tln.layernorm_backward(dy, x, None, mean, rstd, True, False, False)
+        dx, _, _ = tlnb.layernorm_backward(dy, x, None, mean, rstd, True, False, False)
         assert_close_to_ref(dx, want_nw, dtype, scale=4)
         wide = torch.zeros(m, n + 5, device=device, dtype=dtype)
         wide[:, :n] = dy
-        assert tln._dx_pieces_plan(n, x, wide[:, :n]) is None
-        dx, dw, _ = tln.layernorm_backward(wide[:, :n], x, w, mean, rstd, True, True, False)
+        assert ln_rules.dx_pieces_plan(n, x, wide[:, :n]) is None
+        dx, dw, _ = tlnb.layernorm_backward(wide[:, :n], x, w, mean, rstd, True, True, False)
         assert_close_to_ref(dx, want[0], dtype, scale=4)
         assert_row_sum_close(dw, want[1], m, scale=4)
         x_nan = x.clone()
         x_nan[5, 7] = float("nan")
         _, mean, rstd = tln.layernorm_forward(x_nan, w, None, 1e-5, dtype)
-        dx, dw, db = tln.layernorm_backward(dy, x_nan, w, mean, rstd, True, True, True)
+        dx, dw, db = tlnb.layernorm_backward(dy, x_nan, w, mean, rstd, True, True, True)
     assert torch.isnan(dx[5]).all() and torch.isfinite(dx[torch.arange(m) != 5]).all()
     assert torch.isnan(dw).all() and torch.isfinite(db).all()
 
@@ -275,7 +284,7 @@ def _ln_rows_far_and_near(n: int, device, dtype, affine: bool):
 def _check_ln_forward(x, w, b, dtype, far: int):
     """LayerNorm forward of rows x (the first ``far`` of them far from zero) against float64:
     y, mean, rstd, and the statistics-free call bitwise equal to it."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     n = x.shape[1]
     x64 = x.double()
@@ -300,21 +309,21 @@ def _check_ln_forward(x, w, b, dtype, far: int):
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("third", [False, True], ids=["keep", "third-read"])
 def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype, n, affine,
-                                      third):
+                                      third, launch_rules):
     """The reload kernels (row read whole, then again in chunks from L2) on short rows: the
     rules shrunk to 64-element rows in 16-element second-pass chunks, so rows shorter than the
     padded block and chunks past the row's end are exercised; rows far from zero (mean 1e4,
     small spread) check the statistics' shift, strided x the row stride (float32 parameters
     with 16-bit rows: mixed dtypes). ``third``: the forward's THIRD_READ variant (x read again
     for the variance)."""
-    from fusedops.triton import layernorm as tln
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import layernorm as tln
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "RELOAD_FWD", {(elt, 64): (16, 4, third)})
-    monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): (16, 4)})
-    monkeypatch.setattr(tln, "RELOAD_FWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
+    launch_rules("layernorm", RELOAD_FWD={(elt, 64): (16, 4, third)})
+    launch_rules("softmax", RELOAD_BWD={(elt, 64): (16, 4)})
+    launch_rules("layernorm", RELOAD_FWD_ABOVE=0)
+    launch_rules("softmax", RELOAD_BWD_ABOVE=0)
     calls = []
     real = tln._launch_fwd_reload
     monkeypatch.setattr(tln, "_launch_fwd_reload",
@@ -333,19 +342,20 @@ def test_reload_kernels_match_float64(monkeypatch, triton_backend, device, dtype
 def _per_gpu_rules() -> list[tuple[int, int, int]]:
     """(padded row, chunk, warps) of the per-GPU 16-bit unrolled rules a power-of-two row of
     that length takes (the first config: its chunk divides the row)."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    return sorted({(padded, *configs[0]) for rules in tln.UNROLLED_FWD_GPU.values()
+    return sorted({(padded, *configs[0]) for rules in ln_rules.UNROLLED_FWD_GPU.values()
                    for (elt, padded), configs in rules.items() if elt == 2 and configs[0][1]})
 
 
 @pytest.mark.parametrize("n,chunk,warps", _per_gpu_rules())
-def test_unrolled_forward_h100_configs(monkeypatch, triton_backend, device, n, chunk, warps):
+def test_unrolled_forward_h100_configs(monkeypatch, triton_backend, device, n, chunk, warps,
+                                       launch_rules):
     """The per-GPU 16-bit rules (UNROLLED_FWD_GPU) at their own shapes and configs, checked
     against float64."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(2, n): ((chunk, warps),)})
+    launch_rules("layernorm", UNROLLED_FWD={(2, n): ((chunk, warps),)})
     calls = []
     real = tln._launch_fwd_unrolled
     monkeypatch.setattr(tln, "_launch_fwd_unrolled",
@@ -364,16 +374,16 @@ def test_unrolled_forward_h100_configs(monkeypatch, triton_backend, device, n, c
 @pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
 @pytest.mark.parametrize("affine", [True, False])
 def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, dtype, n, chunk,
-                                          affine):
-    """_ln_fwd_unrolled (row length a compile-time multiple of the chunk, both passes
+                                          affine, launch_rules):
+    """ln_fwd_unrolled (row length a compile-time multiple of the chunk, both passes
     unrolled): one, three and four chunks per row, rows far from zero (the per-lane shift),
     strided x, mixed parameter dtypes; a row length that is no multiple of its rule's chunk
     takes the other kernels."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
-    monkeypatch.setattr(tln, "UNROLLED_FWD_ABOVE", 0)
+    launch_rules("layernorm", UNROLLED_FWD={(elt, rt_device.next_pow2(n)): ((chunk, 4),)})
+    launch_rules("layernorm", UNROLLED_FWD_ABOVE=0)
     calls = []
     real = tln._launch_fwd_unrolled
 
@@ -395,7 +405,7 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     want = (b.double() if affine else torch.zeros(n, device=device, dtype=torch.float64))
     assert_close_to_ref(y, want.expand(2, n), dtype)
     calls.clear()
-    monkeypatch.setattr(tln, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
+    launch_rules("layernorm", UNROLLED_FWD={(elt, 64): ((16, 4),)})
     tln.layernorm_forward(torch.randn(6, 40, device=device, dtype=dtype), None, None, 1e-5,
                           dtype)  # 40 % 16 != 0
     assert calls == []
@@ -406,15 +416,15 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
 @pytest.mark.parametrize("cfg", [(16, 4), (16, 4, 32)], ids=["whole", "pieces"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["even", "masked"])
 def test_softmax_backward_reload_variants(monkeypatch, triton_backend, device, dtype, n, cfg,
-                                          unroll):
+                                          unroll, launch_rules):
     """The softmax backward reload kernel, first pass whole or in pieces, with power-of-two rows
     unrolled without masks (EVEN) or masked like every other row; strided dy."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "RELOAD_BWD", {(elt, 64): cfg})
-    monkeypatch.setattr(tsm, "RELOAD_BWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "UNROLL_RELOAD_BWD", unroll)
+    launch_rules("softmax", RELOAD_BWD={(elt, 64): cfg})
+    launch_rules("softmax", RELOAD_BWD_ABOVE=0)
+    launch_rules("softmax", UNROLL_RELOAD_BWD=unroll)
     calls = []
     real = tsm._launch_bwd_looped
     monkeypatch.setattr(tsm, "_launch_bwd_looped",
@@ -433,7 +443,7 @@ def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tenso
     """Softmax forward of ``rows`` rows (at least 6) of 80 columns cut to ``n``, strided then
     contiguous, against float64 torch: rows with -inf (masked attention), all -inf (NaN, as
     torch), a NaN, far from zero, a +inf (NaN, as torch). Returns the (rows, 80) input."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     torch.manual_seed(n)
     base = torch.randn(rows, 80, device=device, dtype=torch.float64) * 4
@@ -455,17 +465,17 @@ def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tenso
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 50])  # a power of two (EVEN), 48 and 50 masked
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, chunk):
+def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, chunk, launch_rules):
     """The softmax forward reload kernel (row read whole for max and sum, then again in chunks
     to write y) with its rule shrunk to 64-element rows: the unrolled power-of-two row, masked
     rows shorter than the padded block, chunks past the row's end, a strided input; rows with
     -inf (masked attention), all -inf (NaN, as torch), a NaN, a +inf, rows far from zero."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "RELOAD_FWD", {(elt, 64): (chunk, 4)})
-    monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "_fwd_plans", _common.PlanCache())
+    launch_rules("softmax", RELOAD_FWD={(elt, 64): (chunk, 4)})
+    launch_rules("softmax", RELOAD_FWD_ABOVE=0)
+    monkeypatch.setattr(tsm, "_fwd_plans", rt_plans.PlanCache())
     calls = []
     real = tsm._launch_fwd_reload
     monkeypatch.setattr(tsm, "_launch_fwd_reload",
@@ -477,17 +487,18 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
-def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n, chunk):
-    """_softmax_fwd_unrolled (row length a compile-time multiple of the chunk, three unrolled
+def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n, chunk,
+                                  launch_rules):
+    """softmax_fwd_unrolled (row length a compile-time multiple of the chunk, three unrolled
     passes): one, three and four chunks, strided and contiguous rows with -inf (masked
     attention), all -inf (NaN, as torch), a NaN, +inf (NaN, as torch) and rows far from zero;
     a length no config divides takes the other kernels."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, _common.next_pow2(n)): ((chunk, 4),)})
-    monkeypatch.setattr(tsm, "UNROLLED_FWD_ABOVE", 0)
-    monkeypatch.setattr(tsm, "_fwd_plans", _common.PlanCache())
+    launch_rules("softmax", UNROLLED_FWD={(elt, rt_device.next_pow2(n)): ((chunk, 4),)})
+    launch_rules("softmax", UNROLLED_FWD_ABOVE=0)
+    monkeypatch.setattr(tsm, "_fwd_plans", rt_plans.PlanCache())
     calls = []
     real = tsm._launch_fwd_unrolled
 
@@ -501,7 +512,7 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
     x = _check_softmax_special_rows(8, n, device, dtype)
     assert calls == [(n, chunk, 4)] * 2
     calls.clear()
-    monkeypatch.setattr(tsm, "UNROLLED_FWD", {(elt, 64): ((16, 4),)})
+    launch_rules("softmax", UNROLLED_FWD={(elt, 64): ((16, 4),)})
     tsm.softmax_forward(x[:, :40], dtype)  # 40 % 16 != 0
     assert calls == []
 
@@ -509,17 +520,17 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [67, 73, 79])
 def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend, device, dtype,
-                                                     n):
-    """_softmax_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements
+                                                     n, launch_rules):
+    """softmax_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements
     in unrolled 16-element chunks, a partial last chunk masked where 16 does not divide it,
     the head and tail in the edge tile) with its rule shrunk to 64-element bodies: 17
     contiguous rows cover every head 0..VEC-1, with -inf, all -inf, NaN, +inf and far rows
     (_check_softmax_special_rows); the strided pass (row stride 80) takes the other kernels."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tsm, "UNROLLED_VEC_FWD", {(elt, 64): (16, 1), (elt, 128): (16, 1)})
-    monkeypatch.setattr(tsm, "RELOAD_FWD_ABOVE", 0)
+    launch_rules("softmax", UNROLLED_VEC_FWD={(elt, 64): (16, 1), (elt, 128): (16, 1)})
+    launch_rules("softmax", RELOAD_FWD_ABOVE=0)
     calls = []
     real = tsm._launch_fwd_unrolled_vec
     monkeypatch.setattr(tsm, "_launch_fwd_unrolled_vec",
@@ -548,23 +559,23 @@ def _unaligned_rows_and_affine(n: int, device, dtype, affine: str):
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
 def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_backend, device,
-                                                          dtype, n, affine):
-    """_ln_fwd_reload_vec (unaligned rows: aligned body read whole, then again in chunks, weight
+                                                          dtype, n, affine, launch_rules):
+    """ln_fwd_reload_vec (unaligned rows: aligned body read whole, then again in chunks, weight
     and bias from copies shifted per head) with its rule shrunk to 32/64-element bodies in
     16-element chunks: 17 rows cover every head 0..VEC-1 with bodies shorter than the padded
     block and chunks past the body's end; rows far from zero check the statistics' shift."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "RELOAD_VEC_FWD", {(elt, 32): (16, 4), (elt, 64): (16, 2)})
-    monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 0)
+    launch_rules("layernorm", RELOAD_VEC_FWD={(elt, 32): (16, 4), (elt, 64): (16, 2)})
+    launch_rules("layernorm", RELOAD_VEC_MIN_ELEMS=0)
     calls = []
     real = tln._launch_fwd_reload_vec
     monkeypatch.setattr(tln, "_launch_fwd_reload_vec",
                         lambda g, a, w: calls.append((g, a[10], a[11], a[15])) or real(g, a, w))
     _check_ln_forward(*_unaligned_rows_and_affine(n, device, dtype, affine), dtype, far=4)
     vec = 16 // elt
-    block = _common.next_pow2(n // vec * vec)
+    block = rt_device.next_pow2(n // vec * vec)
     assert calls == [((17,), block, 16, vec)] * 2
 
 
@@ -574,17 +585,17 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
 @pytest.mark.parametrize("n,chunk", [(67, 16), (73, 16), (99, 32)], ids=str)
 @pytest.mark.parametrize("affine", ["both", "weight", "none", "fp32-weight"])
 def test_unrolled_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_backend, device,
-                                                            dtype, n, chunk, affine):
-    """_ln_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements in
+                                                            dtype, n, chunk, affine, launch_rules):
+    """ln_fwd_unrolled_vec (unaligned rows: the first (n // VEC - 1)·VEC body elements in
     unrolled chunks, a partial last chunk masked (99/32, and 67/16 in bfloat16), the head and
     the up to 2·VEC - 1 tail elements in the edge tile) with its rule shrunk to 64/128-element
     bodies: 17 rows cover every head 0..VEC-1; rows far from zero check the statistics' shift."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     elt = torch.empty((), dtype=dtype).element_size()
-    monkeypatch.setattr(tln, "UNROLLED_VEC_FWD", {(elt, 64): (chunk, 1), (elt, 128): (chunk, 2)})
-    monkeypatch.setattr(tln, "RELOAD_VEC_FWD", {})
-    monkeypatch.setattr(tln, "RELOAD_VEC_MIN_ELEMS", 0)
+    launch_rules("layernorm", UNROLLED_VEC_FWD={(elt, 64): (chunk, 1), (elt, 128): (chunk, 2)})
+    launch_rules("layernorm", RELOAD_VEC_FWD={})
+    launch_rules("layernorm", RELOAD_VEC_MIN_ELEMS=0)
     calls = []
     real = tln._launch_fwd_unrolled_vec
     monkeypatch.setattr(tln, "_launch_fwd_unrolled_vec",
@@ -599,7 +610,7 @@ def test_shifted_weights(triton_backend, device, dtype):
     """Row h of the shifted copies is the weight from column h on, zero-padded to a multiple of
     16 elements; weight and bias of one dtype share one allocation, otherwise each has its own;
     an absent tensor has none."""
-    from fusedops.triton import layernorm as tln
+    from fusedops.backends.triton import layernorm as tln
 
     n, vec = 37, 16 // torch.empty((), dtype=dtype).element_size()
     w = torch.randn(n, device=device, dtype=dtype)
@@ -621,19 +632,19 @@ def test_shifted_weights(triton_backend, device, dtype):
 @exhaustive_unless(one_of_each({"n": [64, 48, 67, 73, 79], "dtype": DTYPES}))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 67, 73, 79])
-def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n):
-    """_softmax_bwd_unrolled with its rules shrunk to 64-element rows in 16-element chunks:
+def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n, launch_rules):
+    """softmax_bwd_unrolled with its rules shrunk to 64-element rows in 16-element chunks:
     aligned rows (64: four full chunks; 48: three) with a strided and an expanded (row stride 0)
     dy; unaligned rows (67, 73, 79: 17 rows cover every head 0..VEC-1, a partial last chunk
     where 16 does not divide the body, head and tail in the edge tile) with a contiguous dy, and
     with a strided dy, which takes the other kernels; rows with NaN and inf gradients."""
-    from fusedops.triton import softmax as tsm
+    from fusedops.backends.triton import softmax as tsm
 
     elt = torch.empty((), dtype=dtype).element_size()
     vec = 16 // elt
-    monkeypatch.setattr(tsm, "UNROLLED_BWD", {(elt, 64): ((16, 4),)})
-    monkeypatch.setattr(tsm, "UNROLLED_VEC_BWD", {(elt, 64): (16, 2), (elt, 128): (16, 1)})
-    monkeypatch.setattr(tsm, "UNROLLED_BWD_ABOVE", 0)
+    launch_rules("softmax", UNROLLED_BWD={(elt, 64): ((16, 4),)})
+    launch_rules("softmax", UNROLLED_VEC_BWD={(elt, 64): (16, 2), (elt, 128): (16, 1)})
+    launch_rules("softmax", UNROLLED_BWD_ABOVE=0)
     calls = []
     real = tsm._launch_bwd_unrolled
     monkeypatch.setattr(tsm, "_launch_bwd_unrolled",

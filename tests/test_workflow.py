@@ -97,17 +97,17 @@ def test_amdahl_cli(capsys):
         ("aten::_softmax", "softmax"),
         ("aten::log_softmax", "other"),
         ("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16>", "softmax"),
-        ("_softmax_fwd_single", "softmax"),
+        ("softmax_fwd_single", "softmax"),
         ("fusedops::softmax_forward", "softmax"),
         ("aten::layer_norm", "layernorm"),
         ("aten::native_layer_norm", "layernorm"),
         ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>",
          "layernorm"),
-        ("_ln_fwd_single", "layernorm"),
-        ("_smm_fwd_single", "softmax"),  # the masked softmax (attention's)
-        ("_smm_bwd_looped", "softmax"),
-        ("_ln_epi_fwd_2d", "layernorm"),  # add + LayerNorm, LayerNorm + dropout + activation
-        ("_ln_epi_bwd_columns", "layernorm"),
+        ("ln_fwd_single", "layernorm"),
+        ("smm_fwd_single", "softmax"),  # the masked softmax (attention's)
+        ("smm_bwd_looped", "softmax"),
+        ("ln_epi_fwd_2d", "layernorm"),  # add + LayerNorm, LayerNorm + dropout + activation
+        ("ln_epi_bwd_columns", "layernorm"),
         ("fusedops::layer_norm_forward", "layernorm"),
         ("aten::linear", "matmul"),
         ("aten::addmm", "matmul"),

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 import triton
 
-from fusedops.triton import layernorm as tln
-from fusedops.triton import softmax as tsm
+from fusedops.backends.triton import layernorm as tln
+from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton import softmax as tsm
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "benchmarks" / "results" / "h200" / "sweep.json"
@@ -57,7 +58,7 @@ def make_call(op: str, dt: torch.dtype, n: int):
         return lambda: tln.layernorm_forward(x, w, b, 1e-5, dt)
     dy = torch.randn_like(x)
     _, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dt)
-    return lambda: tln.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
+    return lambda: tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
 
 
 def profiled_kernels(fn) -> list[dict]:
@@ -88,7 +89,7 @@ def profiled_kernels(fn) -> list[dict]:
 def triton_spills() -> dict[tuple[str, int], tuple[int, int]]:
     """(kernel name, registers) -> (spilled bytes, warps) over every compiled fusedops kernel."""
     found = {}
-    for mod in (tsm, tln, sys.modules["fusedops.triton._common"]):
+    for mod in (tsm, tln, sys.modules["fusedops.backends.triton._common"]):
         for obj in vars(mod).values():
             caches = getattr(obj, "device_caches", None)
             if not isinstance(caches, dict):

@@ -7,7 +7,7 @@ Meant to run under NVIDIA's compute-sanitizer (see docs/reliability.md):
 
 Shapes are small (a few rows) so the sanitizer's slowdown stays bearable; each case is still
 checked against a float64 reference with the tests' tolerance table (tests/conftest.py), so a
-kernel that skips work without an error fails here too. Every launcher of fusedops/triton/softmax.py
+kernel that skips work without an error fails here too. Every launcher of fusedops/backends/triton/softmax.py
 and layernorm.py (the module attributes named ``_launch_*``) is wrapped to count its launches;
 the run fails if any of them never launched, so a new variant of those kernels without a case
 here is noticed. The RMSNorm, masked-softmax, LayerNorm-epilogue and cluster kernels have no
@@ -57,9 +57,12 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import TOLERANCES  # noqa: E402  (the tests' one tolerance table)
 
 import fusedops  # noqa: E402
-from fusedops.triton import _common  # noqa: E402
-from fusedops.triton import layernorm as tln  # noqa: E402
-from fusedops.triton import softmax as tsm  # noqa: E402
+from fusedops.backends.triton import configs  # noqa: E402
+from fusedops.backends.triton import layernorm as tln  # noqa: E402
+from fusedops.backends.triton import layernorm_bwd as tlnb  # noqa: E402
+from fusedops.backends.triton import softmax as tsm  # noqa: E402
+from fusedops.backends.triton.runtime import launcher as rt_launcher  # noqa: E402
+from fusedops.backends.triton.runtime import split as rt_split  # noqa: E402
 
 DEV = torch.device(ARGS.device)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -88,12 +91,12 @@ class CountingLauncher:
 
 def wrap_launchers() -> list[str]:
     names = []
-    for module in (tsm, tln):
+    for module in (tsm, tln, tlnb):
         short = module.__name__.rsplit(".", 1)[-1]
         for attr in sorted(vars(module)):
             value = getattr(module, attr)
-            if attr.startswith("_launch_") and isinstance(value, (_common.Launcher,
-                                                                  _common.SplitLauncher)):
+            if attr.startswith("_launch_") and isinstance(value, (rt_launcher.Launcher,
+                                                                  rt_split.SplitLauncher)):
                 name = f"{short}.{attr}"
                 setattr(module, attr, CountingLauncher(name, getattr(module, attr)))
                 names.append(name)
@@ -162,15 +165,10 @@ def softmax_cases(dtype: torch.dtype) -> None:
     # Unaligned rows: aligned body plus element-wise edges (the default).
     softmax_case(f"softmax unaligned {t}", randn(5, 1025, dtype=dtype, seed=3),
                  randn(5, 1025, dtype=dtype, seed=4))
-    _common.set_single_block_limit(256)  # rows of 1000: looped, 4 chunks
-    split = _common._split_state["enabled"]
-    _common._split_state["enabled"] = False  # (split rows take any long row on CUDA)
-    try:
+    # rows of 1000: looped, 4 chunks (split rows off: they take any long row on CUDA)
+    with configs.override(SINGLE_BLOCK_LIMIT=256, SPLIT_ROWS=False):
         softmax_case(f"softmax looped {t}", randn(3, 1000, dtype=dtype, seed=5),
                      randn(3, 1000, dtype=dtype, seed=6))
-    finally:
-        _common.set_single_block_limit(None)
-        _common._split_state["enabled"] = split
     # 16-bit rows of 4K: the backward's reload variant (row read whole, then again in chunks)
     softmax_case(f"softmax reload N=4000 {t}", randn(3, 4000, dtype=dtype, seed=9),
                  randn(3, 4000, dtype=dtype, seed=10))
@@ -200,27 +198,18 @@ def layernorm_cases(dtype: torch.dtype) -> None:
                        randn(1, 1000, dtype=dtype, seed=3).expand(6, 1000))
         layernorm_case(f"layernorm unaligned {tag}", randn(5, 1025, dtype=dtype, seed=4),
                        *params(1025), randn(5, 1025, dtype=dtype, seed=5))
-        _common.set_single_block_limit(256)
         # Split rows off too: LayerNorm's even-chunk split kernels take any long row on CUDA.
-        split = _common._split_state["enabled"]
-        _common._split_state["enabled"] = False
-        try:
+        with configs.override(SINGLE_BLOCK_LIMIT=256, SPLIT_ROWS=False):
             layernorm_case(f"layernorm looped {tag}", randn(3, 1000, dtype=dtype, seed=6),
                            *params(1000), randn(3, 1000, dtype=dtype, seed=7))
-        finally:
-            _common.set_single_block_limit(None)
-            _common._split_state["enabled"] = split
-        saved = tln.FUSED_BWD_MAX_BLOCK
-        tln.FUSED_BWD_MAX_BLOCK = 0  # dx row kernel + column dweight/dbias kernel at short rows
-        try:
+        # dx row kernel + column dweight/dbias kernel at short rows
+        with configs.override("layernorm", FUSED_BWD_MAX_BLOCK=0):
             layernorm_case(f"layernorm column-kernel {tag}", randn(70, 1000, dtype=dtype, seed=8),
                            *params(1000), randn(70, 1000, dtype=dtype, seed=9))
             if affine != "none":  # dweight/dbias only (x needs no gradient)
                 layernorm_case(f"layernorm column-kernel params-only {tag}",
                                randn(9, 300, dtype=dtype, seed=12), *params(300),
                                randn(9, 300, dtype=dtype, seed=13), need_x=False)
-        finally:
-            tln.FUSED_BWD_MAX_BLOCK = saved
         if affine != "none":  # the fused backward with partials only
             layernorm_case(f"layernorm params-only {tag}", randn(40, 300, dtype=dtype, seed=14),
                            *params(300), randn(40, 300, dtype=dtype, seed=15), need_x=False)
@@ -240,8 +229,8 @@ def layernorm_cases(dtype: torch.dtype) -> None:
                 with fusedops.layernorm_backward_mode(mode):
                     for m, n in ((40, 32768), (3, 32768), (70, 1000), (2, 1000), (256, 8193)):
                         # 40 rows: the split kernel writes dx before its parked scratch and
-                        # _ln_bwd_dx_published the rest; 3 rows: no room, all rows from
-                        # _ln_bwd_dx_pieces; 70 / 2 rows: the fused kernel's parked variant and
+                        # ln_bwd_dx_published the rest; 3 rows: no room, all rows from
+                        # ln_bwd_dx_pieces; 70 / 2 rows: the fused kernel's parked variant and
                         # its second launch / no room; 8193: the aligned-body variant
                         layernorm_case(f"layernorm {mode} {m} x {n} {tag}",
                                        randn(m, n, dtype=dtype, seed=26), *params(n),
@@ -270,8 +259,7 @@ def main() -> int:
     names = wrap_launchers()
     # Small inputs reach the forward's reload kernel for unaligned rows (normally only calls of
     # 2^24+ elements, where its extra launch pays off).
-    tln.RELOAD_VEC_MIN_ELEMS = 0
-    with fusedops.use_backend("triton"):
+    with fusedops.use_backend("triton"), configs.override("layernorm", RELOAD_VEC_MIN_ELEMS=0):
         for dtype in DTYPES:
             for cases in (softmax_cases, layernorm_cases):
                 try:

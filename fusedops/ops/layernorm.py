@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from fusedops import _dispatch, _replay, reference
+from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_layernorm_args, normalize_shape
+from fusedops.backends import reference
 from fusedops.ops import _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat

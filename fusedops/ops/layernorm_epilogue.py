@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusedops import _dispatch, _philox, reference
+from fusedops import _dispatch, _philox
+from fusedops.backends import reference
 from fusedops.ops import _native
 from fusedops.ops._rows import as_rows
 from fusedops.ops._rows import flat_param as _flat

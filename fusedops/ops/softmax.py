@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fusedops import _dispatch, _replay, reference
+from fusedops import _dispatch, _replay
 from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
+from fusedops.backends import reference
 from fusedops.ops import _library
 from fusedops.ops._rows import as_rows, softmax_input
 from fusedops.ops.softmax_masked import masked_softmax

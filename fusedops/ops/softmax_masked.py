@@ -8,13 +8,14 @@ import math
 
 import torch
 
-from fusedops import _dispatch, _replay, reference
+from fusedops import _dispatch, _replay
 from fusedops._validate import (
     broadcasts_to,
     check_float_dtype,
     check_float_tensor,
     normalize_dim,
 )
+from fusedops.backends import reference
 from fusedops.ops._rows import as_rows, softmax_input
 
 _backend_fn = _dispatch.backend_fn

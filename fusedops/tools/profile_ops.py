@@ -26,7 +26,7 @@ CATEGORIES = ("softmax", "layernorm", "matmul", "elementwise", "reduction", "mem
 
 _PATTERNS = [
     ("other", re.compile(r"log_?softmax")),
-    # (fusedops' kernels: _softmax_*, _smm_* the masked softmax; _ln_*, _ln_epi_* the
+    # (fusedops' kernels: softmax_*, smm_* the masked softmax; ln_*, ln_epi_* the
     # LayerNorm epilogues.)
     ("softmax", re.compile(r"softmax|(^|_)smm_(fwd|bwd)")),
     ("layernorm", re.compile(r"layer_?norm|(^|_)ln_(epi_)?(fwd|bwd)")),

@@ -15,7 +15,7 @@ library, loaded with ctypes:
 3. The library is cached under ``tests/metal_emu/_build/<variant>-<hash>/``, keyed by the hash
    of the shaders, the shim, the runtime, this file and the compiler flags.
 
-:class:`EmuLauncher` exposes the launcher protocol of ``fusedops.metal`` (the same one the
+:class:`EmuLauncher` exposes the launcher protocol of ``fusedops.backends.metal`` (the same one the
 ``torch.mps.compile_shader`` path implements), so the tests drive the real host code: the same
 kernel names, argument order, flags and dispatch geometry. Tensors are bound through guarded
 copies (poison before and after, and in the gaps between rows), so reads outside a tensor
@@ -494,7 +494,7 @@ class _Guarded:
 
 
 class EmuLauncher:
-    """The ``fusedops.metal`` launcher protocol on top of the emulation.
+    """The ``fusedops.backends.metal`` launcher protocol on top of the emulation.
 
     ``launcher(name, args, groups, threads)`` mirrors
     ``torch.mps.compile_shader(...).<name>(*args, threads=groups*threads, group_size=threads)``:

@@ -1,25 +1,9 @@
-"""Philox4x32-10 in Triton: the dropout random numbers of ``fusedops._philox``, bit for bit.
-
-``philox4x32`` is the generator itself (uint32 tensors in, the four uint32 output words out);
-``element_bits`` maps a tile of elements onto it the way ``fusedops._philox`` defines:
-element ``(row, col)`` with ``g, q, i = col // 1024, (col // 256) % 4, col % 256`` takes output
-word ``q`` of the call with counter ``(g * 256 + i, row lo32, row hi32, 0)`` and key
-``(seed lo32, seed hi32)``. Kernels lay their columns out as a ``[Q, R, G, NI]`` tile (``q``
-outermost, ``col = g * 1024 + q * 256 + i``): the counters form a ``[1, R, G, NI]`` tensor, so
-each call is made once and its four words feed the four column slices ``q``.
-
-``element_keep`` gives the dropout keep mask of such a tile (the kernels' form).
-``random_bits`` launches a small kernel built on ``element_bits`` (tests compare it with
-``fusedops._philox.random_bits``).
-"""
+"""Philox4x32-10 in Triton (``@triton.jit`` only); see ``runtime/philox.py`` for the layout."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from fusedops.triton._common import Launcher, cdiv, next_pow2
 
 
 @triton.jit
@@ -87,18 +71,8 @@ def element_keep(rows, g, q, i, key0, key1, thr, Q: tl.constexpr):
     return ((bits >> q.to(tl.int8)) & 1) != 0
 
 
-def column_tile(block: int) -> tuple[int, int, int]:
-    """(G, Q, NI) of a row block of ``block`` columns (a power of two): 1024-column groups, 256-
-    column slices per group, columns per slice, with ``col = g * 1024 + q * 256 + i``."""
-    if block >= 1024:
-        return block // 1024, 4, 256
-    if block >= 256:
-        return 1, block // 256, 256
-    return 1, 1, block
-
-
 @triton.jit
-def _random_bits_kernel(out_ptr, M, N, k0, k1, R: tl.constexpr, G: tl.constexpr,
+def random_bits_kernel(out_ptr, M, N, k0, k1, R: tl.constexpr, G: tl.constexpr,
                         Q: tl.constexpr, NI: tl.constexpr):
     # out: (M, N) int64, each element's random number; program (row tile, column block).
     q = tl.arange(0, Q)[:, None, None, None]
@@ -109,18 +83,3 @@ def _random_bits_kernel(out_ptr, M, N, k0, k1, R: tl.constexpr, G: tl.constexpr,
     bits = element_bits(rows, g, q, i, uint32_key(k0), uint32_key(k1), Q)
     tl.store(out_ptr + rows.to(tl.int64) * N + cols, bits.to(tl.int64),
              mask=(rows < M) & (cols < N))
-
-
-_launch_bits = Launcher(_random_bits_kernel)
-
-
-def random_bits(seed: int, m: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``fusedops._philox.random_bits`` computed by the Triton generator: int64 ``(m, n)``."""
-    out = torch.empty((m, n), dtype=torch.int64, device=device)
-    if m == 0 or n == 0:
-        return out
-    G, Q, NI = column_tile(min(next_pow2(n), 2048))
-    R = 4
-    _launch_bits((cdiv(m, R), cdiv(n, G * Q * NI)),
-                 (out, m, n, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, R, G, Q, NI), 4)
-    return out

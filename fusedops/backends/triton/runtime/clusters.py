@@ -1,6 +1,6 @@
 """Split-row kernels in thread-block clusters (Hopper): the per-row exchange on chip.
 
-A split-row kernel (see "split rows" in ``_common.py``) has C programs share a row: each
+A split-row kernel (see ``runtime/split.py``) has C programs share a row: each
 reduces its piece, the C partial sums are combined, and each writes its piece. Exchanging the
 sums through global memory (store, release, a per-row counter, a poll, the peers' sums read
 back from L2) costs a quarter of the LayerNorm backward's time at 16K-64K (H100: the same loop
@@ -36,95 +36,17 @@ import os
 import warnings
 
 import torch
-import triton
-import triton.language as tl
 
-from fusedops.triton._common import (
-    _direct_entry,
-    _launch_key,
-    _record,
-    _recording,
+from fusedops.backends.triton.runtime.launcher import (
     current_stream,
+    direct_entry,
     hooks_registered,
-    split_rows_enabled,
+    launch_key,
 )
+from fusedops.backends.triton.runtime.recording import record_launch, recording
+from fusedops.backends.triton.runtime.split import split_rows_enabled
 
-# Slots: the last 16·C bytes of the dynamic shared memory (the launch adds them to Triton's).
-_SLOTS = (
-    "mov.u32 fo_base, global_smem;\n"
-    "mov.u32 fo_size, %dynamic_smem_size;\n"
-    "add.u32 fo_base, fo_base, fo_size;\n"
-    "shl.b32 fo_size, {C}, 4;\n"
-    "sub.u32 fo_base, fo_base, fo_size;\n"
-    "shl.b32 fo_size, {C}, 3;\n"
-    "mad.lo.u32 fo_base, {parity}, fo_size, fo_base;\n"
-)
-
-# $0 = $3 (a token ordering later reads after this); $1, $2 the CTA's sums; $3 its rank; $4 the
-# row's parity; $5 C. Every thread runs it once: threads 0..C-1 each store the pair into one
-# peer's slot, then every thread arrives and waits.
-_PUBLISH = tl.constexpr(
-    "{\n"
-    ".reg .u32 fo_base, fo_size, fo_t, fo_remote;\n"
-    ".reg .pred fo_p;\n"
-    + _SLOTS.format(C="$5", parity="$4")
-    + "mad.lo.u32 fo_base, $3, 8, fo_base;\n"
-    "mov.u32 fo_t, %tid.x;\n"
-    "setp.lt.u32 fo_p, fo_t, $5;\n"
-    "@fo_p mapa.shared::cluster.u32 fo_remote, fo_base, fo_t;\n"
-    "@fo_p st.shared::cluster.v2.f32 [fo_remote], {$1, $2};\n"
-    "barrier.cluster.arrive.release;\n"
-    "barrier.cluster.wait.acquire;\n"
-    "mov.u32 $0, $3;\n"
-    "}"
-)
-
-# ($0, $1) = slot [$3][$2] of this CTA, or 0 where $2 >= $4 (C); $5: the publish's token.
-_PEER = tl.constexpr(
-    "{\n"
-    ".reg .u32 fo_base, fo_size;\n"
-    ".reg .pred fo_p;\n"
-    + _SLOTS.format(C="$4", parity="$3")
-    + "mad.lo.u32 fo_base, $2, 8, fo_base;\n"
-    "setp.lt.u32 fo_p, $2, $4;\n"
-    "mov.f32 $0, 0f00000000;\n"
-    "mov.f32 $1, 0f00000000;\n"
-    "@fo_p ld.shared.v2.f32 {$0, $1}, [fo_base];\n"
-    "}"
-)
-
-# Every CTA of the cluster has started before any stores into another's shared memory.
-_SYNC = tl.constexpr(
-    "barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\nmov.u32 $0, 0;"
-)
-
-
-@triton.jit
-def cluster_start(like):
-    """Cluster barrier at a cluster kernel's start; returns int32 0 (the first row's parity).
-    ``like``: any int32 scalar (an operand the barrier's PTX ignores)."""
-    return tl.inline_asm_elementwise(_SYNC, "=r,r", [like], dtype=tl.int32, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def cluster_publish(s1, s2, rank, parity, C: tl.constexpr):
-    """Store this CTA's float32 sums (s1, s2) into slot [parity][rank] of every CTA of its
-    cluster and meet the others at the cluster barrier; returns a token for
-    :func:`cluster_peer_sums`."""
-    return tl.inline_asm_elementwise(_PUBLISH, "=r,f,f,r,r,r", [s1, s2, rank, parity, C],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def cluster_peer_sums(peers, parity, token, C: tl.constexpr):
-    """(s1, s2) of the cluster's CTAs (a (C_P2,) float32 pair, 0 beyond C) after
-    :func:`cluster_publish` for this parity; ``peers``: ``tl.arange(0, C_P2)``."""
-    return tl.inline_asm_elementwise(_PEER, "=f,=f,r,r,r,r", [peers, parity, C, token],
-                                     dtype=(tl.float32, tl.float32), is_pure=False, pack=1)
-
-
-_state = {"enabled": os.environ.get("FUSEDOPS_CLUSTERS", "1") != "0"}
+CLUSTER_STATE = {"enabled": os.environ.get("FUSEDOPS_CLUSTERS", "1") != "0"}
 
 
 def clusters_enabled(device: torch.device, n: int, chunk: int, chunks: int) -> bool:
@@ -132,7 +54,7 @@ def clusters_enabled(device: torch.device, n: int, chunk: int, chunks: int) -> b
     clusters: the split-row kernels are on, the device is Hopper or newer, and C is 2, 4, 8 or
     16 (the sizes tested on a GPU; 16 is the most a Hopper cluster may hold, beyond the
     portable 8). Other piece counts (rows that are no power of two) stay cooperative."""
-    if not (_state["enabled"] and chunks in (2, 4, 8, 16)
+    if not (CLUSTER_STATE["enabled"] and chunks in (2, 4, 8, 16)
             and split_rows_enabled(device, n, chunk)):
         return False
     return _hopper_or_newer(device.index)
@@ -145,8 +67,8 @@ def _hopper_or_newer(index: int) -> bool:
 
 def disable_clusters(reason: str) -> None:
     """Run split-row kernels on cooperative grids for the rest of the process (warned once)."""
-    if _state["enabled"]:
-        _state["enabled"] = False
+    if CLUSTER_STATE["enabled"]:
+        CLUSTER_STATE["enabled"] = False
         warnings.warn(f"fusedops: cluster split-row kernels disabled ({reason}); using "
                       "cooperative grids", RuntimeWarning, stacklevel=3)
 
@@ -196,7 +118,7 @@ def max_active_clusters(function: int, chunks: int, num_warps: int, shared: int)
 
 class ClusterLauncher:
     """Launches a split-row kernel (CLUSTER mode) in clusters of C CTAs, one cluster per row at
-    a time; the interface of :class:`~fusedops.triton._common.SplitLauncher`.
+    a time; the interface of :class:`~fusedops.backends.triton.runtime.split.SplitLauncher`.
 
     The kernel's last runtime parameter is ``num_progs`` (the CTA count, a multiple of C),
     followed only by constexprs. Each specialisation is compiled ahead (``warmup``) and always
@@ -215,7 +137,7 @@ class ClusterLauncher:
         self.n_runtime = [p.is_constexpr for p in params].index(True) if params else 0
 
     def _prepare(self, args: tuple, chunks: int, num_warps: int):
-        key = _launch_key(num_warps, args, self.n_runtime)
+        key = launch_key(num_warps, args, self.n_runtime)
         entry = self.entries.get(key)
         if entry is None:
             compiled = self.kernel.warmup(*args, grid=(1,), num_warps=num_warps, **self.options)
@@ -223,7 +145,7 @@ class ClusterLauncher:
             shared = -(-int(compiled.metadata.shared) // 16) * 16 + 16 * chunks
             if shared > 48 * 1024:  # beyond what a launch gets without opting in
                 raise RuntimeError(f"{shared} bytes of shared memory per CTA")
-            go = _direct_entry(compiled, (num_warps, chunks, shared))
+            go = direct_entry(compiled, (num_warps, chunks, shared))
             held = max_active_clusters(compiled.function, chunks, num_warps, shared)
             if go is None or held < 1:
                 raise RuntimeError("no cluster launch for this kernel")
@@ -265,11 +187,11 @@ class ClusterLauncher:
         except Exception as exc:  # noqa: BLE001
             disable_clusters(f"{type(exc).__name__}: {exc}")
             return 0
-        if _recording:
-            _record(self, (progs // chunks,), args, num_warps)
+        if recording:
+            record_launch(self, (progs // chunks,), args, num_warps)
         return progs
 
     def entry(self, args: tuple, num_warps: int):
         """The launch callable for these arguments (see ``sequence_steps``), or None."""
-        entry = self.entries.get(_launch_key(num_warps, args, self.n_runtime))
+        entry = self.entries.get(launch_key(num_warps, args, self.n_runtime))
         return entry[0] if entry else None

@@ -25,11 +25,12 @@ if AVAILABLE:
 
     import torch
 
-    from fusedops.triton import layernorm as _layernorm
-    from fusedops.triton import layernorm_epilogue as _layernorm_epilogue
-    from fusedops.triton import rmsnorm as _rmsnorm
-    from fusedops.triton import softmax as _softmax
-    from fusedops.triton import softmax_masked as _softmax_masked
+    from fusedops.backends.triton import layernorm as _layernorm
+    from fusedops.backends.triton import layernorm_bwd as _layernorm_backward
+    from fusedops.backends.triton import layernorm_epilogue as _layernorm_epilogue
+    from fusedops.backends.triton import rmsnorm as _rmsnorm
+    from fusedops.backends.triton import softmax as _softmax
+    from fusedops.backends.triton import softmax_masked as _softmax_masked
 
     def _on_tensor_device(fn):
         """Run ``fn`` with its first tensor's GPU as the current device: Triton launches on the
@@ -50,7 +51,7 @@ if AVAILABLE:
 
     layernorm_forward = _on_tensor_device(_layernorm.layernorm_forward)
     layernorm_forward_y = _on_tensor_device(_layernorm.layernorm_forward_y)
-    layernorm_backward = _on_tensor_device(_layernorm.layernorm_backward)
+    layernorm_backward = _on_tensor_device(_layernorm_backward.layernorm_backward)
     layernorm_epilogue_forward = _on_tensor_device(_layernorm_epilogue.layernorm_epilogue_forward)
     layernorm_epilogue_backward = _on_tensor_device(
         _layernorm_epilogue.layernorm_epilogue_backward)

@@ -1,7 +1,7 @@
 """The one Metal source handed to the compiler, built from ``metal/*.metal``.
 
 Standard library only, so ``csrc/embed_shaders.py`` can load this file by path at build time
-(without importing fusedops or torch) and embed exactly the source that ``fusedops.metal``
+(without importing fusedops or torch) and embed exactly the source that ``fusedops.backends.metal``
 hands to ``torch.mps.compile_shader`` at run time.
 """
 

@@ -1,0 +1,415 @@
+"""LayerNorm launch rules: which kernel runs a call and with what tile, warps, stages and grid.
+
+Rule tables and thresholds are data (UPPER_CASE); the functions below read them and allocate
+or launch nothing. Experiments change them through
+:func:`fusedops.backends.triton.configs.override`.
+Forward: ``unrolled_fwd_table`` + ``UNROLLED_FWD`` / ``RELOAD_FWD`` / ``RELOAD_VEC_FWD`` /
+``UNROLLED_VEC_FWD``, then ``configs.common.unaligned_config`` (single-block / looped) and
+``split_config("fwd", ...)``; backward: ``fused_plan``, ``dx_pieces_plan``, ``split_plan``,
+``native_unaligned``, ``column_splits``. The host code that applies them:
+``triton/layernorm.py`` (forward) and ``triton/layernorm_bwd.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusedops.backends.triton.configs.common import (
+    body_len,
+    num_row_tiles,
+    single_block_limit,
+    unaligned_vec,
+)
+from fusedops.backends.triton.runtime.device import cdiv, device_name, next_pow2, num_sms
+from fusedops.backends.triton.runtime.split import split_pieces, split_rows_enabled
+
+# Backward replay plans (see triton/layernorm_bwd.py); FUSEDOPS_BWD_PLANS=0 turns them off.
+BWD_PLANS = os.environ.get("FUSEDOPS_BWD_PLANS", "1") != "0"
+
+# Forward: weight/bias stay in registers across a program's row tiles while each thread holds
+# at most this many row elements (and the program has at most 16 warps, so 128+ registers per
+# thread); otherwise they are reloaded per tile from L2. Measured on H200: holding them at 64
+# elements per thread (8K columns, 4 warps) or at 32 warps (32K columns) spills and costs
+# 10-30%.
+FWD_HOLD_W_MAX_PER_THREAD = 32
+
+
+def hold_w(block: int, warps: int) -> bool:
+    return warps <= 16 and block // (32 * warps) <= FWD_HOLD_W_MAX_PER_THREAD
+
+
+# The backward's split kernel on unaligned rows as aligned-body pieces plus the edges (VEC > 0):
+# element size -> (config, shortest body it runs from); elsewhere scalar pieces, or PyTorch's
+# native kernel for 16-bit rows (NATIVE_UNALIGNED_16BIT_BWD). H200, float32, TB/s on 4096 x 4
+# prefetching after the wait against scalar pieces: 16385
+# 2.81 vs 1.78, 32769 2.81 vs 2.02, 65537 2.51 vs 1.89 (8192 x 8: 2.53), 131073 2.51 vs 1.80,
+# 262145 2.35 vs 1.64 (C·VEC = 260 programs: two per SM on 132 SMs). 16-bit rows gained
+# nothing: 1.10 at best at 65537 (2048 x 8, 112-117 registers) against the native kernel's
+# 1.11, 0.99 on 4096 x 8 capped at 128 registers (ptxas sm_90: 128 bytes of spills; the edge
+# tile, its accumulators and the per-program head cost the aligned kernel's last registers),
+# 16385 / 32769 slower (1.03 / 0.71 vs 1.21 / 1.16): the per-row work (two more block
+# reductions for the edges, the wait) outweighs the vector accesses when a piece moves only 2
+# bytes per element. A grid of C·VEC programs must fit at once (a program's rows share one
+# misalignment) unless every item gets its own program; where none fits, scalar pieces.
+VEC_SPLIT_BWD: dict[int, tuple[tuple, int]] = {4: ((4096, 4, 2), 16384)}
+
+
+def split_config(kind: str, n: int, elt_size: int, aligned: bool,
+                  vec: int = 0) -> tuple | None:
+    """Split-row kernels: (largest piece in elements, warps, PREFETCH) per program; a row of N
+    is cut into C = ceil(N / piece) equal pieces (no nearly empty last piece at N = 2^k + 1).
+    (piece, warps, PREFETCH) of the split-row LayerNorm kernel for rows of ``n``, or None
+    where the other kernels measured faster (H200 unless noted; PREFETCH: see runtime/split.py).
+
+    Forward: aligned float32 8192 on 4 warps with the next row prefetched (TB/s at 64K / 128K /
+    256K: 2.96 / 2.85 / 2.72 vs 2.25 / 2.09 / 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16
+    128K: 2.23 vs 2.08 on 4; H100, 64K: 2.11-2.14 vs 2.04 on 4, 1.94 looped); aligned
+    16-bit rows of 256K+ stream faster looped (2.37 vs 2.00); unaligned rows (aligned-body
+    pieces) 8192 on 4 warps prefetching between publishing and waiting (H100, N =
+    65537: bf16 1.56 vs 1.38 at 16384 x 16 prefetching before publishing, fp16 1.59 vs 1.40,
+    float32 1.86 vs 1.76).
+    Backward (a fourth value: a register cap, see Launcher): 16-bit rows up to 64K on 4096 x 8
+    prefetching before publishing, capped at 128 registers (H100, bf16 16K / 32K /
+    64K: 2.00 / 2.00 / 1.95 vs 1.65 dx + column kernels / 1.67 at 8192 x 8 / 1.88 at 8192 x
+    16), 128K 8192 x 16 (1.86), longer 8192 x 8 prefetching between publishing and waiting
+    (256K: 1.75 vs 1.62); float32 from 2048 x 4 to 8192 x 8 as rows grow (H200: 8193: 1.86 vs
+    1.51 at 4096 x 4; 16K: 3.14; 64K: 3.12 vs 2.71; 256K: 2.83 vs 1.47).
+    A fifth value True: the pieces of a row run as one thread-block cluster exchanging on chip
+    (``runtime/clusters.py``; aligned rows on Hopper, else the same pieces on a cooperative grid).
+    H100, a probe of the cluster kernel against the cooperative rules above in the same run
+    (TB/s of 3·M·N·size bytes, copy 3.01): 16-bit 16K and 32K 2048 x 4 capped at 128 (bf16
+    2.34 / 2.27 vs 2.08 / 2.04; 4096 x 8: 2.28 / 2.18), 64K 4096 x 8 (2.10 vs 1.98; 128K on
+    8192 x 16 measured level, 1.81 vs 1.85, and stays cooperative); float32 16K-64K 8192 x 8
+    (2.85 / 2.80 / 2.77 vs 2.60 / 2.59 / 2.63)."""
+    if kind == "fwd":
+        if not aligned:
+            return 8192, 4, 3
+        if elt_size == 2 and n >= 262144:
+            return None
+        return (8192, 4, 1) if elt_size == 4 else (8192, 8, 1)
+    if vec:  # unaligned rows as aligned-body pieces plus edges (see VEC_SPLIT_BWD)
+        rule = VEC_SPLIT_BWD.get(elt_size)
+        return rule[0] if rule and body_len(n, vec) >= rule[1] else None
+    if elt_size == 2:
+        if not aligned:  # scalar accesses (rarely run: see NATIVE_UNALIGNED_16BIT_BWD)
+            return (8192, 8, 2) if n <= 32768 else (8192, 16, 1)
+        if CLUSTER_BWD and 16384 <= n <= 32768:
+            return 2048, 4, 1, 128, True
+        if CLUSTER_BWD and 32768 < n <= 65536:
+            return 4096, 8, 1, 128, True
+        if n <= 65536:
+            return 4096, 8, 1, 128
+        return (8192, 16, 1) if n <= 131072 else (8192, 8, 3)
+    if CLUSTER_BWD and aligned and 16384 <= n <= 65536:
+        return 8192, 8, 1, None, True
+    if n < 16384:
+        return (2048, 4, 2)
+    if n <= 32768:
+        return (2048, 4, 0)
+    return (4096, 4, 2) if n <= 65536 else (8192, 8, 2)
+
+
+# The backward's cluster rules in split_config (tests turn them off to compare).
+CLUSTER_BWD = True
+
+# 16-bit rows whose starts are not 16-byte aligned (N not a multiple of 8, e.g. 2^k + 1), too
+# long for the fused single kernel, that cannot take DX_PIECES_BWD (below: strides differing
+# between x and dy, unaligned base pointers, deterministic mode): every Triton kernel here then
+# reads and writes with scalar 2-byte accesses, and the best of them (the split backward)
+# measured 1.01 TB/s against PyTorch's native backward's 1.23 at N = 8193 (bf16, H200). Those
+# calls run PyTorch's native CUDA kernel instead (same math: fp32 statistics from our forward,
+# fp32 accumulation).
+NATIVE_UNALIGNED_16BIT_BWD = True
+
+# 16-bit rows not a multiple of 8 and too long for the fused kernel, whose starts allow vector
+# accesses (see unaligned_vec): dx from ln_bwd_dx_pieces, one program per row reading its
+# aligned body plus edges twice (the second time from L2) in pieces of (piece, warps), then the
+# column kernel for dweight/dbias (x and dy read again: 5 passes, but every dx access a 16-byte
+# vector). H200, TB/s of the op's 3·M·N·2 bytes against PyTorch's native backward (and
+# torch.compile: benchmarks/results/h200/sweep.json, bf16 65537: 1.46 vs torch 1.10, compile
+# 1.21): bf16 16385 1.63 vs 1.21, 65537 1.46 vs 1.11, 131073 1.41 vs 0.84; pieces (4096, 8) /
+# (4096, 4) / (8192, 8):
+# 16385 1.59 / 1.56 / 1.38, 32769 1.49 / 1.48 / 1.46, 131073 1.40 / - / 1.38, 65537 (2048, 4)
+# 1.45, (4096, 4) 1.43, (8192, 8) 1.42. None: off (the paths below).
+DX_PIECES_BWD: tuple[int, int] | None = (4096, 8)
+
+
+def dx_pieces_plan(N: int, x: torch.Tensor, dy: torch.Tensor) -> tuple | None:
+    """(C, L, VEC, warps) of the dx-pieces backward (DX_PIECES_BWD) for rows of ``N``, or None
+    where it does not run."""
+    if DX_PIECES_BWD is None or x.element_size() != 2 or next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
+        return None
+    vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), 2, (dy, x))
+    if not vec:
+        return None
+    piece, warps = DX_PIECES_BWD
+    return (*split_pieces(N, piece, vec), vec, warps)
+
+
+def native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    n = x.shape[1]
+    return (NATIVE_UNALIGNED_16BIT_BWD and x.is_cuda and x.element_size() == 2 and n % 8 != 0
+            and next_pow2(n) > FUSED_BWD_MAX_BLOCK and x.is_contiguous() and dy.is_contiguous()
+            and dy.dtype == x.dtype and (weight is None or weight.dtype == x.dtype))
+
+
+# Backward strategy (triton/layernorm.py docstring). Padded rows up to FUSED_BWD_MAX_BLOCK run one
+# persistent kernel that writes dx and accumulates dweight/dbias partials per program (3 passes of
+# memory plus (2, programs, N) float32 partials; above 8K the row and the accumulators no longer fit
+# one program's registers without spilling). Longer rows run the split-row kernel where split_config
+# says so, else the dx row kernel plus the column dweight/dbias kernel (x and dy read twice: 5
+# passes).
+FUSED_BWD_MAX_BLOCK = 8192
+
+
+def max_partial_rows(x: torch.Tensor) -> int:
+    """Most (2, N) float32 partial rows a backward call may allocate: 1/8 of x's bytes, so
+    small batches do not pay scratch comparable to their activations (peak memory stays
+    within a few percent of torch's); large ones are not limited by it."""
+    return max(1, x.numel() * x.element_size() // 8 // (8 * x.shape[1]))
+
+
+def fused_bwd_config(block: int, body: bool = False,
+                      elt_size: int = 2) -> tuple[int, int, int, bool]:
+    """(ROWS, num_warps, programs per SM, ACC_1D) of the fused backward for padded rows of
+    ``block`` (``body``: the aligned body of unaligned rows, on ``elt_size``-byte elements).
+    Measured on H200: 4096-element tiles at two
+    programs per SM up to 2K columns, with (ROWS, BLOCK) accumulators while a tile holds 4+ rows
+    (folding rows every tile costs a cross-warp reduction); above, one 16-warp program per SM
+    on 16K-element tiles (4 rows of 4K, 2 of 8K). More programs per SM write more partial rows
+    (2·programs·N·4 bytes).
+
+    The body variant keeps edge accumulators and addresses besides the body's, and spills on
+    multi-row tiles (ptxas sm_90: 208 bytes at an 8K body on 2 rows, 656 at 4K on 4 rows): one
+    row per tile, two programs per SM, except float32 bodies of 4K+ on 8K-element tiles (H100,
+    TB/s vs the earlier multi-row tiles: 8193 bf16 1.75 vs 1.08, float32 2.81
+    vs 1.86; 4097 float32 2.81 vs 2.51, 16-bit 1.42 vs 0.83-1.44; 2049 within 3%).
+    Aligned float32 rows of 4K-8K take the same 8K-element tiles (H100, two runs: 8K
+    2.85-2.86 vs 2.72-2.73 on 16K-element tiles, where Liger was faster; 4K 2.87 vs 2.83-2.84;
+    benchmarks/results/h100/sweep.json: float32 8K at 0.96 of copy, ahead of every provider)."""
+    if elt_size == 4 and block >= 4096:
+        tile, per_sm, acc_1d = 8192, 1, True
+    elif body:
+        tile, per_sm, acc_1d = block, 2, True
+    elif block == 512 and elt_size == 2:  # H200: bf16 3.15 vs 2.96, fp16 3.20 vs 3.02
+        tile, per_sm, acc_1d = 2048, 4, False
+    elif block <= 2048:
+        tile, per_sm, acc_1d = 4096, 2, block > 1024
+    else:  # 16K-element 16-warp tiles: bf16 8K 3.55 vs 2.27 TB/s, bf16 4K 3.52 vs 2.69
+        tile, per_sm, acc_1d = 16384, 1, True
+    tile = max(tile, block)
+    return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
+
+
+# Unaligned rows take the fused kernel's aligned-body variant only from bodies of this many
+# elements. With multi-row tiles it measured slower than the padded scalar variant below 8K
+# (H200: 4097 bf16 0.56 vs 1.49); on one-row tiles (H100) it is level at 2049 and ahead from
+# 4097.
+FUSED_BWD_UNALIGNED_MIN_BLOCK = 2048
+
+
+def paired_sums(elt_size: int, vec: int, block: int) -> bool:
+    """Whether the fused backward forms its two row sums in one paired reduction (PAIRED):
+    aligned 16-bit rows of blocks up to 4K. H200, TB/s, separate ->
+    paired): bf16 4K 3.42 -> 3.65, 2K 3.06 -> 3.19, 1K 3.06 -> 3.16, 768 2.59 -> 2.70 (fp16
+    alike); where both operands live at once cost registers it is slower: 5120 (8K blocks)
+    2.74 -> 2.45, float32 8K 3.83 -> 3.44, 16-bit 8193 bodies 1.83 -> 1.69 (8192: 3.51 -> 3.58,
+    within noise, left separate with its padded neighbours). Unaligned 16-bit bodies (one-row
+    tiles) pair since their edge tile is 1-D (H100, same process, three
+    alternations, fraction of copy separate -> paired: 8193 0.72 -> 0.73, 4097 0.57 -> 0.59,
+    2049 0.63 -> 0.65; half the barriers per row, the same instruction count, no spills)."""
+    return PAIRED_SUMS and elt_size == 2 and (vec > 0 or block <= 4096)
+
+
+PAIRED_SUMS = True  # off: the separate reductions (for experiments)
+
+# The fused backward's tile loop pipelined by Triton (num_stages) for these padded blocks of
+# 16-bit rows whose starts are 16-byte aligned. H100, TB/s (not pipelined -> three stages, the
+# same process): bf16 768 2.34 -> 2.73, 1K 2.58-2.59 -> 2.65-2.69 (five
+# runs), 2K 2.58-2.60 -> 2.69-2.72, fp16 alike; slower at 256/512 (2.69 -> 2.61) and 4K (2.78
+# -> 2.72), level on float32 (whose 4K+ tiles also do not fit shared memory three deep).
+PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({1024, 2048})
+
+
+def fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> int:
+    """num_stages of the fused backward's tile loop (1: not pipelined) for padded rows of
+    ``block`` elements of ``elt_size`` bytes with these row strides (PIPELINED_BWD_BLOCKS)."""
+    aligned = all(s % 8 == 0 for s in strides)
+    return 3 if elt_size == 2 and aligned and block in PIPELINED_BWD_BLOCKS else 1
+
+
+# The split-row backward's two piece sums in one paired reduction. H200, TB/s, separate ->
+# paired: float32 16K 3.16 -> 3.23, 64K 3.11 -> 3.15, bf16 32K 2.24 -> 2.30; the
+# rest within 1% either way.
+SPLIT_PAIRED = True
+
+
+def fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
+    """(VEC, BLOCK, ROWS, warps, ACC_1D, tiles, programs) of the fused backward for (M, N) rows,
+    or None where rows are too long for it. Unaligned rows (VEC > 0, see ``unaligned_vec``) are
+    configured for their aligned body (N = 8193: 8192, not 16384) on a grid that is a multiple
+    of VEC or has one tile per program (a program's accumulators then stay on fixed columns);
+    where the partial-row budget allows no such grid, or the body is shorter than
+    FUSED_BWD_UNALIGNED_MIN_BLOCK, they are read with scalar accesses."""
+    vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
+    if vec and next_pow2(body_len(N, vec)) < FUSED_BWD_UNALIGNED_MIN_BLOCK:
+        vec = 0
+    for v in (vec, 0) if vec else (0,):
+        block = next_pow2(body_len(N, v))
+        if block > min(FUSED_BWD_MAX_BLOCK, single_block_limit()):
+            continue
+        rows, warps, per_sm, acc_1d = fused_bwd_config(block, v > 0, x.element_size())
+        tiles = num_row_tiles(M, rows, v)
+        progs = max(1, min(tiles, num_sms(x.device) * per_sm, max_partial_rows(x)))
+        if v and progs < tiles:
+            progs = progs // v * v
+            if not progs:
+                continue
+        return v, block, rows, warps, acc_1d, tiles, progs
+    return None
+
+
+# The dweight/dbias column kernel: (columns, rows) per iteration, warps, programs per SM.
+# H200 (bf16, µs for dweight + dbias, the column kernel timed alone): N = 65537
+# 187 on (128, 64) x 16 warps, one program per column block, vs 622 on the earlier (256, 32) x 8
+# at eight programs per SM; N = 16384 140 on (64, 64) x 16 at two per SM vs 167.
+COLUMN_TILE = (128, 64)
+COLUMN_WARPS = 16
+COLUMN_PER_SM = 2
+SHIFT_W_BLOCK = 1024  # columns per program of shift_weights
+
+# Inference calls use the kernel variant that writes no mean/rstd (and allocate neither), except
+# 16-bit rows of 8K+ columns above this many elements. Measured on H200 at M·N = 2^27 (the same
+# kernel, STATS on vs off): bf16 2K 3.63 vs 3.99 TB/s (two sweeps), 4K 3.69 vs 3.62, 8K 3.62 vs
+# 2.98, 16K 2.78 vs 2.71; fp16 within 2%; float32 8K 4.02 vs 4.04, 16K 3.52 vs 3.80. Calls this
+# small are bound by host time, where two allocations count.
+STATS_FREE_16BIT_MAX = 1 << 22
+
+# Aligned rows read whole, then again from L2 (ln_fwd_reload): (element size, padded row) ->
+# (second-pass chunk, warps[, THIRD_READ]). H200, TB/s vs the kernels these rows ran
+# before: 16-bit 4K 4.04 vs 3.70 (single-block); 8K 3.83-3.96
+# vs 3.62; 16K 3.74-3.83 vs 3.10-3.31 (looped; 32 warps: 3.17-3.50); float32 16K 4.01 vs 3.51,
+# 32K 3.73 vs 3.24 (single-block); 16-bit 32K with THIRD_READ (bf16 3.51 vs 3.17,
+# fp16 3.55 vs 3.20; without it 2.96-3.07). Float32 4K (4.12 vs 3.86-4.10) stays.
+RELOAD_FWD: dict[tuple[int, int], tuple] = {
+    (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16),
+    (2, 32768): (8192, 32, True), (4, 16384): (2048, 16), (4, 32768): (8192, 32),
+}
+RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves host time)
+
+# Aligned rows on ln_fwd_unrolled (N compile-time): (element size, padded row) -> (chunk,
+# warps) configs, the first whose chunk divides N taken; warps 0 sends those rows to the other
+# kernels (RELOAD_FWD and below), as do rows no chunk divides. H200 (TB/s;
+# "was": the kernels these rows ran before, same run; compile: torch.compile, same run):
+#   16-bit  1K 4.08-4.17 was 3.91-4.03 | 2K 3.85-4.17 was 3.66-4.06 | 8K 3.91-4.07 was
+#   3.81-3.98 (compile 3.62) | 16K 4.04-4.10 was 3.76-3.88 (compile 3.95-3.99) | 32K 3.76-3.90
+#   was 3.51-3.57 | 64K 3.10-3.20 was 2.30-2.34. 4K: level (4096 x 8 slower with statistics).
+#   bf16, other lengths: 1536 on 512 x 4 3.81 was 3.52, 2560 4.10 was 2.94, 3072 on 1K x 4 4.11
+#   was 3.40, 5120 on 1K x 8 4.10-4.13 was 2.77, 6144 4.08 was 3.24, 7168 4.01 was 3.60, 12288
+#   3.91-3.93 was 3.07, 20480 on 1K x 8 3.03 was 2.77, 24576 3.84 was 3.18.
+#   float32 1K 4.22-4.25 was 4.05-4.07 (compile 4.18) | 2K 4.11-4.24 was 4.08-4.09 | 4K on 2K x
+#   16 4.16-4.21 was 4.06-4.16 (compile 4.23-4.25; the whole row in one 4096 x 16 chunk: 4.18
+#   with statistics, 3.86-3.91 without) | 8K 4.19-4.21 was 4.04-4.05 (compile 4.22) |
+#   64K on 16K x 32 3.07-3.13 was 2.94-2.99 (8K x 32: 2.71-3.08) | 2560 on 512 x 4 3.88 was
+#   3.50, 3072 on 1K x 8 4.14 was 3.88, 5120 4.06 was 3.26, 6144 4.20 was 3.68, 7168 3.81 was
+#   3.93 (the one length measured slower). 16K-32K: level or slower, no rule.
+#   Long rows: bf16 128K on 16K x 32 2.98 was 2.23 (split rows; 8K x 32 2.56), 256K 2.66 was
+#   2.36 (8K x 16 2.48).
+UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
+    (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
+    (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
+    (2, 65536): ((16384, 32),), (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),
+    (4, 1024): ((1024, 4),), (4, 2048): ((2048, 8),),
+    (4, 4096): ((2048, 16), (1024, 8), (512, 4)), (4, 8192): ((2048, 16), (1024, 8)),
+    (4, 65536): ((16384, 32),),
+}
+UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
+
+# Entries of UNROLLED_FWD replaced on GPUs whose name contains the key. H100 (inference calls,
+# TB/s, torch.compile in the same run), where the H200's rules left the 16-bit forward 2-3%
+# behind compile at 8K and Liger at 4K: 16-bit 8K on
+# 2048 x 16 2.93-2.96 vs 2.85-2.88 on 2048 x 8 (compile 2.95-2.96), 4K on 2048 x 8 2.94 vs
+# 2.88-2.89 on the reload kernel. (The H200 measured the other way: 8K 2048 x 16 3.72-3.84 vs
+# 2048 x 8 4.06-4.07, 4K 2048 x 8 3.86 vs 4.02-4.04.) benchmarks/results/h100/sweep.json:
+# 16-bit 4K and 8K at 0.99 of copy, level with or ahead of compile and Liger.
+UNROLLED_FWD_GPU: dict[str, dict[tuple[int, int], tuple[tuple[int, int], ...]]] = {
+    "H100": {(2, 4096): ((2048, 8), (1024, 4), (512, 4)), (2, 8192): ((2048, 16), (1024, 8))},
+}
+
+
+def unrolled_fwd_table(device_index: int, key: tuple[int, int]) -> dict:
+    """The rule table to read ``key`` ((element size, padded row)) from on CUDA device
+    ``device_index`` (-1: the CPU): a matching GPU's UNROLLED_FWD_GPU rules where they hold
+    ``key``, else UNROLLED_FWD. No table is built per call; both are read per call, so tests
+    and tuning can change either."""
+    if device_index >= 0 and UNROLLED_FWD_GPU:
+        name = device_name(device_index)
+        for part, rules in UNROLLED_FWD_GPU.items():
+            if key in rules and part in name:
+                return rules
+    return UNROLLED_FWD
+
+
+# Unaligned rows (VEC > 0) on ln_fwd_reload_vec: (element size, padded body) -> (chunk, warps).
+# The single-block kernel's body loads of weight/bias start at the row's head column, which
+# only scalar loads can do (ptxas sm_90, 16-bit 8193 on 4 warps: 153 scalar loads, 255
+# registers, two 4-warp programs per SM; too few bytes in flight). H100, TB/s against the
+# single-block kernel: bf16 / fp16 4097 2.87 / 2.88 vs 2.27 / 1.96, 8193 2.72 /
+# 2.74 vs 1.71 / 1.97, 16385 2.65 / 2.68 vs 1.83 / 1.87, 32769 2.49 / 2.52 vs 0.52 / 0.56 (the
+# chunk/warps neighbours within 3%). Float32 rows stay: 8193 2.82 vs 2.92 (4-byte scalar
+# loads are half as many per byte of x).
+RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16), (2, 32768): (8192, 32),
+}
+
+# ... for calls of at least this many elements: the shifted copies cost a launch and an
+# allocation (14.5 µs of host time per call on an H100 host), which small calls do not win
+# back. Wall time per call on an H100 host, bf16 rows of 8193: 512 rows 36.4 vs 22.2 µs
+# single-block, 2048 rows 40.6 vs 48.2, 8192 rows 101 vs 156.
+RELOAD_VEC_MIN_ELEMS = 1 << 24
+
+# Unaligned rows (VEC > 0) with longer bodies on ln_fwd_unrolled_vec (N compile-time, like
+# UNROLLED_FWD): (element size, padded body) -> (chunk, warps), for calls of at least
+# RELOAD_VEC_MIN_ELEMS elements whose body holds a chunk. H200, TB/s against
+# the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.89 / 2.97 vs 1.64 / 1.66
+# (8192 x 16: 2.54 / 2.73, 16384 x 32: 2.79 / 2.82), float32 65537 2.99 vs 2.05 (8192 x 32:
+# 2.69), bf16 131073 2.63 vs 1.14 (8192 x 32: 2.24), 262145 2.17 vs 1.81 (16384 x 32: 2.15);
+# float32 131073 2.36 vs 1.83 (16384 x 32: 2.35), 262145 2.30 vs 2.08 (2.24).
+# (Aligned float32 128K / 256K stay on split rows: 2.84 / 2.72 vs 2.50-2.68 unrolled.)
+UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (8192, 32), (4, 65536): (16384, 32), (2, 131072): (16384, 32),
+    (2, 262144): (8192, 32), (4, 131072): (8192, 32), (4, 262144): (8192, 32),
+}
+
+
+def split_plan(N: int, x: torch.Tensor, dy: torch.Tensor,
+                vec: bool = True) -> tuple[tuple, int] | None:
+    """(config, VEC) of the split-row backward for rows of ``N``, or None where it does not
+    run. VEC > 0: rows that start unaligned (x and dy contiguous, N not a multiple of 16
+    bytes), read as an aligned body cut into pieces plus edges (see unaligned_vec); ``vec``
+    False: scalar accesses instead."""
+    if next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
+        return None
+    vec = vec and unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
+    aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
+    cfg = split_config("bwd", N, x.element_size(), aligned, vec) if vec else None
+    if cfg is None:  # no rule for aligned-body pieces here: scalar pieces
+        vec, cfg = 0, split_config("bwd", N, x.element_size(), aligned)
+    return (cfg, vec) if cfg and split_rows_enabled(x.device, N, cfg[0]) else None
+
+
+def column_splits(M: int, N: int, dev: torch.device,
+                   max_splits: int | None = None) -> tuple[int, int, int]:
+    """(column blocks, row splits, rows per split) of the dweight/dbias column kernel: the
+    fewest row splits giving COLUMN_PER_SM programs per SM, each owning a (row-split,
+    column-block) tile (one split: no partials to sum); at most ``max_splits`` splits."""
+    block_c, block_r = COLUMN_TILE
+    col_blocks = cdiv(N, block_c)
+    splits = max(1, min(cdiv(M, block_r), cdiv(COLUMN_PER_SM * num_sms(dev), col_blocks)))
+    if max_splits is not None:
+        splits = max(1, min(splits, max_splits))
+    rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
+    return col_blocks, cdiv(M, rows_per_split), rows_per_split

@@ -1,0 +1,124 @@
+"""Softmax launch rules: which kernel runs a call and with what tile, warps and grid.
+
+Forward: ``UNROLLED_FWD`` (aligned rows) / ``UNROLLED_VEC_FWD`` (unaligned) through
+``configs.common.unrolled_config``, then ``RELOAD_FWD``, then ``configs.common.unaligned_config``
+(single-block / looped) and :func:`split_config` for long rows. Backward: ``UNROLLED_BWD`` /
+``UNROLLED_VEC_BWD`` (:func:`unrolled_bwd_config`), ``RELOAD_BWD``, then the same shared rules.
+The host code that applies them: ``triton/softmax.py``; kernels: ``kernels/softmax.py``.
+"""
+
+from __future__ import annotations
+
+from fusedops.backends.triton.configs.common import (
+    DEFAULT_SINGLE_BLOCK_LIMIT,
+    body_len,
+    single_block_limit,
+    unrolled_config,
+)
+from fusedops.backends.triton.runtime.device import next_pow2
+
+
+# Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
+# rows are unaligned (VEC > 0: aligned-body pieces plus edges); a row of N is cut into equal
+# pieces of at most that many elements (split_pieces, runtime/split.py). Measured, TB/s,
+# against the first split kernel (16384-element pieces on 16 warps, no prefetch) on H200 and H100:
+# * forward: 16-bit aligned rows prefetching between publishing and waiting (PREFETCH 3; H100
+#   bf16 128K / 256K: 2.47 / 2.38 vs 2.20 / 2.01 without prefetch), on 4096 x 4 up to 64K
+#   (2.51 vs 2.42 at 8192 x 8); float32 aligned 8192 x 8 prefetching before publishing (H200
+#   64K / 128K / 256K: 3.29 / 3.27 / 3.03 vs 2.91 (one program per row) / 3.31 / 3.25; H100
+#   64K-256K level with PREFETCH 3); unaligned rows PREFETCH 3 (H100 float32 65537: 2.39 vs
+#   1.69 prefetching before publishing, with one exponential per element; 16-bit on 4096 x 4:
+#   bf16 1.95 vs 1.66 at 8192 x 8 and 1.75 in one program);
+# * backward, 8192 x 8: 16-bit aligned prefetching (bf16 64K / 128K / 256K: 3.52 / 3.43 / 3.30
+#   vs 2.96 / 2.86 / 2.78 old), unaligned 16-bit prefetching after the wait (65537: 2.48 vs
+#   1.80 before it, 2.28 looped), float32 without prefetch (64K / 128K: 3.83 / 3.76 vs 3.67 /
+#   3.65 old; 65537: 3.55 vs 2.39).
+def split_config(kind: str, elt_size: int, vec: int = 0, n: int = 0) -> tuple[int, int, int]:
+    """(piece, warps, PREFETCH) of the split-row softmax kernels (``kind``: "fwd" or "bwd")."""
+    if kind == "fwd":
+        if vec:
+            return (4096, 4, 3) if elt_size == 2 else (8192, 8, 3)
+        if elt_size == 4:
+            return 8192, 8, 1
+        return (4096, 4, 3) if n <= 65536 else (8192, 8, 3)
+    if elt_size == 4:
+        return 8192, 8, 0
+    return (8192, 8, 2) if vec else (8192, 8, 1)
+
+
+# Aligned rows read whole for the dot product, then again from L2 for dx (the looped kernel
+# with WHOLE = the padded row): (element size, padded row) -> (second-pass chunk, warps).
+# H200, TB/s vs the single-block kernel: 16-bit 16K 4.29-4.30 vs 4.03-4.05,
+# 4K 4.31 vs 4.26, 2K 4.33 vs 4.25; 8K level (4.27 vs 4.25); float32 16K slower (4.14 vs 4.31:
+# the whole row is twice the registers). A third value is the first pass's piece (WHOLE = 0).
+# 32K, every dtype (H200, with power-of-two rows unrolled, UNROLL_RELOAD_BWD): the whole row,
+# second pass in one 32K piece, as Inductor does for this shape (ptxas sm_90: 52 registers
+# float32, 38 16-bit, no spill): float32 4.21 vs 3.98-4.05 (two 16K halves then 8K chunks)
+# and torch.compile 4.20; bf16 /
+# fp16 4.09-4.13 / 4.14-4.15 vs 4.04-4.08 / 4.07-4.09 (8K chunks), compile 4.12 / 4.17.
+RELOAD_BWD: dict[tuple[int, ...], tuple[int, ...]] = {
+    (2, 2048): (2048, 8), (2, 4096): (4096, 16), (2, 16384): (4096, 32), (2, 32768): (32768, 32),
+    (4, 32768): (32768, 32),
+}
+
+# Power-of-two rows on the reload kernel without masks, loops unrolled (EVEN): H200, TB/s vs
+# masked loops: 32K 4.04-4.07 vs 4.00-4.05 (16-bit), 4.00 vs 3.95 (float32);
+# 2K-16K level or +0.5%; the 32K first pass in 16K pieces 4.07-4.11 vs 3.26-3.34 masked.
+UNROLL_RELOAD_BWD = True
+RELOAD_BWD_ABOVE = 1024  # shorter rows skip the lookup (no rule below 2K; saves host time)
+
+# The forward's reload kernel (softmax_fwd_reload), aligned rows: (element size, padded row)
+# -> (second-pass chunk, warps); power-of-two rows always unrolled without masks. H200, TB/s:
+# 16-bit 64K 3.19 vs 3.02-3.06 on split rows (4096 x 4,
+# PREFETCH 3; ptxas sm_90: 64 registers, 48 bytes spilled), float32 32K 4.19 vs 4.06 on the
+# single-block kernel (48 registers). Slower elsewhere: it computes the exponentials twice and
+# runs one 32-warp program per SM, so 16-bit 16K (3.71-3.90 vs 3.95-3.98) and 32K (2.90-3.16
+# vs 3.22-3.24) stay single-block, float32 64K on split rows (3.07 vs 3.42).
+RELOAD_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (16384, 32), (4, 32768): (8192, 32),
+}
+RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; saves host time)
+
+# Aligned rows on softmax_fwd_unrolled (N compile-time): (element size, padded row) ->
+# (chunk, warps) configs, the first whose chunk divides N taken (warps 0: the other kernels).
+# Checked before RELOAD_FWD. H200, TB/s bf16 / fp16 against
+# the kernels these rows ran before: 4K 4.18 / 4.16 vs 4.00 / 4.00, 8K 4.14 / 4.16 vs 4.01 /
+# 3.99, 16K 4.14 / 4.12 vs 3.88 / 3.91 (single-block), 64K on 8K x 16 3.45 / 3.45 vs 3.19 /
+# 3.19 (reload); float32 16K 4.22 vs 4.07. Level or slower: 16-bit 32K (2.81-3.19 vs 3.20-3.24
+# single-block), float32 32K (3.60-4.16 vs 4.17 reload) and 64K (2.92-3.09 vs 3.35 split rows).
+UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
+    (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),),
+}
+UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
+
+# Unaligned rows (VEC > 0) on softmax_fwd_unrolled_vec: (element size, padded body) ->
+# (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, TB/s
+# against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
+# vs 2.21 / 2.21 (16384 x 16: 2.90 / 2.95, 8192 x 32: 2.72 / 3.17). Slower: float32 65537
+# (2.53-2.73 vs 2.90), and 128K+ rows (16-bit 131073 / 262145 0.58-1.00 vs 2.07 / 2.04; the
+# aligned kernel alike at 128K / 256K: 0.42-1.10 vs 2.78-3.33).
+UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 65536): (8192, 16)}
+
+# The backward on softmax_bwd_unrolled: aligned rows (element size, padded row) -> (chunk,
+# warps) configs, the first whose chunk divides N; unaligned rows (VEC > 0) by (element size,
+# padded body) -> (chunk, warps), rows longer than UNROLLED_BWD_ABOVE whose body holds a chunk.
+# H200, TB/s against split rows: bf16 / fp16 65537
+# 3.60 / 3.64 on 8192 x 32 vs 2.48 / 2.51 (16384 x 32: 3.43 / 3.56); bf16 131073 2.77 on
+# 16384 x 32 vs 1.86; 262145 2.16 on 8192 x 16 vs 1.76; aligned bf16 64K 3.76 on 16384 x 32 vs
+# 3.52. Slower: float32 (65536 / 65537 2.78-3.08 vs 3.84 / 3.58) and aligned 16-bit 128K / 256K
+# (2.29-2.90 vs 3.42 / 3.30), which stay on split rows.
+UNROLLED_BWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(2, 65536): ((16384, 32),)}
+UNROLLED_BWD_ABOVE = 32768  # shorter rows skip the lookup (no rule below 64K; saves host time)
+UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (8192, 32), (2, 131072): (16384, 32), (2, 262144): (8192, 16),
+}
+
+
+def unrolled_bwd_config(N: int, vec: int, elt_size: int) -> tuple[int, int] | None:
+    """(chunk, warps) of UNROLLED_BWD / UNROLLED_VEC_BWD for rows of N, or None."""
+    if not vec:
+        return unrolled_config(UNROLLED_BWD, elt_size, N, UNROLLED_BWD_ABOVE, 0)
+    cfg = (UNROLLED_VEC_BWD.get((elt_size, next_pow2(body_len(N, vec))))
+           if single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    return cfg if cfg and (N // vec - 1) * vec >= cfg[0] else None

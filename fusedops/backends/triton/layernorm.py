@@ -1,0 +1,350 @@
+"""Triton LayerNorm kernels (forward; backward dx + dweight/dbias) and their launch wrappers.
+
+Bytes moved (the floor): forward reads x once, writes y once (2·M·N·elt) plus the weights and
+8·M bytes of float32 mean/rstd; backward reads x and dy once and writes dx once (3·M·N·elt) plus
+the weights, mean/rstd and the float32 dweight/dbias partials.
+
+* Forward, single-block: ``ROWS`` whole rows per program in registers; mean about the row's
+  first element, variance from registers.
+* Forward, split-row (long rows, CUDA): equal pieces in cooperating programs publish (mean, M2),
+  merged with Chan's formula; one read, one write.
+* Forward, looped: pass 1 streams the row keeping per-lane shifted sums, merged across lanes
+  with Chan's formula; pass 2 normalises and writes.
+* Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``): the row
+  length compile-time, pass 1 streams it in unrolled chunks keeping per-lane shifted sums,
+  pass 2 re-reads it from L2 and writes y; statistics as offsets from the row's first element.
+* Forward, reload (chosen row lengths, ``RELOAD_FWD``): the row read whole in one load for the
+  statistics, then again from L2 in chunks to write y; nothing held across the two.
+* Forward, reload for unaligned 16-bit rows (N = 2^k + 1, ``RELOAD_VEC_FWD``, large calls): the
+  same on the row's aligned body plus its edges; weight and bias from copies shifted per row
+  misalignment (``shift_weights``), so every per-column load is a 16-byte vector. Longer
+  bodies (64K+, ``UNROLLED_VEC_FWD``): the unrolled kernel's structure on the aligned body
+  (``ln_fwd_unrolled_vec``), with the same shifted copies.
+* Backward, fused (rows up to 8K, and unaligned rows with a 2K-8K body): persistent programs write
+  dx and accumulate dweight/dbias for their rows in float32 registers, one partial row pair
+  each; ``sum_partials`` adds them in a fixed order (deterministic: no atomics). The two row
+  sums in one paired reduction where it measured faster (``paired_sums``).
+* Backward, split-row (long rows, CUDA): like the forward split, and each program keeps its
+  chunk's dweight/dbias partials in registers across rows; unaligned float32 rows with a body
+  of 16K+ as aligned-body pieces plus edges (``VEC_SPLIT_BWD``).
+* Backward, dx row kernel (single-block or looped) + column-blocked dweight/dbias kernel: on
+  the interpreter and after a refused split launch.
+* Backward, 16-bit rows not a multiple of 8 and too long for the fused kernel: the column
+  kernel, then dx from ``ln_bwd_dx_pieces`` on the rows' aligned bodies plus edges (one program
+  per row, the row read twice; see ``DX_PIECES_BWD``); where the rows' starts rule out vector
+  accesses, PyTorch's native kernel (``NATIVE_UNALIGNED_16BIT_BWD``).
+* Backward, ``low_memory`` mode (the default, ``fusedops.set_layernorm_backward``): the same
+  kernels with their scratch parked at the end of dx's storage (see ``_park``), the dx of those
+  rows written by a second launch; the column path computes dweight/dbias before dx: no
+  scratch at all. ``fast`` mode: separate scratch, one launch, the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedops import _replay
+from fusedops.backends.triton.configs.common import (
+    DEFAULT_SINGLE_BLOCK_LIMIT,
+    body_len,
+    grid_size,
+    num_row_tiles,
+    single_block_limit,
+    unaligned_config,
+    unaligned_vec,
+    unrolled_config,
+)
+from fusedops.backends.triton.configs.layernorm import (
+    RELOAD_FWD,
+    RELOAD_FWD_ABOVE,
+    RELOAD_VEC_FWD,
+    RELOAD_VEC_MIN_ELEMS,
+    SHIFT_W_BLOCK,
+    STATS_FREE_16BIT_MAX,
+    UNROLLED_FWD_ABOVE,
+    UNROLLED_VEC_FWD,
+    hold_w,
+    split_config,
+    unrolled_fwd_table,
+)
+from fusedops.backends.triton.kernels.layernorm_fwd import (
+    ln_fwd_looped,
+    ln_fwd_reload,
+    ln_fwd_reload_vec,
+    ln_fwd_single,
+    ln_fwd_split,
+    ln_fwd_unrolled,
+    ln_fwd_unrolled_vec,
+    shift_weights,
+)
+from fusedops.backends.triton.runtime.device import (
+    cdiv,
+    next_pow2,
+    rows_and_output,
+)
+from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
+from fusedops.backends.triton.runtime.plans import (
+    PlanCache,
+    param_ptr,
+)
+from fusedops.backends.triton.runtime.split import (
+    SplitLauncher,
+    split_pieces,
+    split_rows_enabled,
+)
+
+_launch_fwd_single = Launcher(ln_fwd_single)
+
+
+def _replay_runner(key: tuple, plan: tuple):
+    """The ``fusedops._replay.LAYERNORM`` entry for a new inference forward plan (out dtype =
+    x's dtype, no statistics)."""
+    shape, dtype, out_dtype, device, eps, with_stats, w_dtype, b_dtype = key
+    if out_dtype is not dtype or with_stats:
+        return None
+    (launch, function, coop, pdl, metadata), (g,), tail = plan[0].c_entry, plan[1], plan[3]
+    n = shape[-1]
+
+    def run(x: torch.Tensor, weight, bias) -> torch.Tensor | None:
+        p = x.data_ptr()
+        if p & 15 or not x.is_contiguous() or not x.is_cuda or hooks_registered():
+            return None
+        wp = param_ptr(weight, w_dtype, n, device)
+        bp = param_ptr(bias, b_dtype, n, device)
+        if wp < 0 or bp < 0:
+            return None
+        y = torch.empty_like(x)
+        yp = y.data_ptr()
+        # Absent parameters: y's address as the placeholder, as in _forward (never read).
+        launch(g, 1, 1, current_stream(device), function, coop, pdl, None, None, metadata, None,
+               None, None, p, wp or yp, bp or yp, yp, yp, yp, *tail)
+        return y
+    return (shape, dtype, device, eps), run
+
+
+# Single-block forward launches, per (shape, dtypes, device, eps, with_stats): see _forward.
+# Inference plans (out dtype = x's dtype, no statistics) are also replayed from the ops layer
+# (fusedops._replay).
+_fwd_plans = PlanCache(_replay.LAYERNORM, _replay_runner)
+_launch_shift_weights = Launcher(shift_weights)
+_launch_fwd_looped = Launcher(ln_fwd_looped)
+_launch_fwd_reload = Launcher(ln_fwd_reload)
+_launch_fwd_unrolled = Launcher(ln_fwd_unrolled)
+_launch_fwd_reload_vec = Launcher(ln_fwd_reload_vec)
+_launch_fwd_unrolled_vec = Launcher(ln_fwd_unrolled_vec)
+_launch_fwd_split = SplitLauncher(ln_fwd_split)
+
+
+def _shifted_weights(w: torch.Tensor | None, b: torch.Tensor | None, vec: int, n: int):
+    """(weight copies, bias copies, row stride): (vec, ld) tensors whose row h holds columns
+    h.. of ``w`` (``b``), zero-padded to ``ld`` (a multiple of 16 elements); None for an absent
+    tensor."""
+    ld = cdiv(n, 16) * 16
+    if w is not None and b is not None and w.dtype == b.dtype:
+        both = torch.empty((2, vec, ld), dtype=w.dtype, device=w.device)
+        ws, bs = both[0], both[1]
+    else:
+        ws = torch.empty((vec, ld), dtype=w.dtype, device=w.device) if w is not None else None
+        bs = torch.empty((vec, ld), dtype=b.dtype, device=b.device) if b is not None else None
+    some = ws if ws is not None else bs
+    _launch_shift_weights((vec, cdiv(ld, SHIFT_W_BLOCK)), (
+        w if w is not None else some, b if b is not None else some,
+        ws if ws is not None else some, bs if bs is not None else some, n, ld,
+        w is not None, b is not None, SHIFT_W_BLOCK), 4)
+    return ws, bs, ld
+
+
+def layernorm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row LayerNorm. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride;
+    weight/bias: contiguous (N,) of any float dtype, or None.
+
+    Returns y (M, N) contiguous of ``out_dtype``, mean and rstd (M,) float32.
+    """
+    return _forward(x, weight, bias, eps, out_dtype, True)
+
+
+def layernorm_forward_y(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`layernorm_forward` for calls that need no backward: returns only y. Rows held in
+    registers skip the mean/rstd buffers altogether (two allocations less per call). ``x`` may
+    also be a contiguous tensor of any rank >= 1 normalised over its last dim; y has its shape."""
+    return _forward(x, weight, bias, eps, out_dtype, False)[0]
+
+
+def _stats_buffers(M: int, device: torch.device, with_stats: bool, placeholder: torch.Tensor):
+    """(mean, rstd) float32 (M,) buffers, or the placeholder twice (never written without
+    STATS) for the reload kernels' inference calls."""
+    if not with_stats:
+        return placeholder, placeholder
+    return (torch.empty((M,), dtype=torch.float32, device=device),
+            torch.empty((M,), dtype=torch.float32, device=device))
+
+
+def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
+                    third_read=False, key=None):
+    """``key``: the call's plan key where its launch may be replayed (the statistics written
+    exactly as the call asked)."""
+    mean, rstd = _stats_buffers(M, x.device, with_stats, y)
+    if M > 0:
+        args = (x, w, b, y, mean, rstd, N, stride, N, eps, next_pow2(N), chunk, has_w, has_b,
+                with_stats, third_read)
+        _launch_fwd_reload((M,), args, warps)
+        if key is not None:
+            _fwd_plans.add(key, _launch_fwd_reload, (M,), args, warps, 6)
+    return (y, mean, rstd) if with_stats else (y, None, None)
+
+
+def _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
+                      key):
+    mean, rstd = _stats_buffers(M, x.device, with_stats, y)
+    if M > 0:
+        args = (x, w, b, y, mean, rstd, M, stride, N, eps, N, chunk, has_w, has_b, with_stats)
+        _launch_fwd_unrolled((M,), args, warps)
+        if key is not None:
+            _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 6)
+    return (y, mean, rstd) if with_stats else (y, None, None)
+
+
+def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, warps,
+                        unrolled: bool = False):
+    """Unaligned rows (VEC > 0) on ln_fwd_reload_vec or (``unrolled``) ln_fwd_unrolled_vec,
+    with weight and bias from per-misalignment shifted copies."""
+    has_w, has_b = weight is not None, bias is not None
+    w = b = y  # placeholders, never read (HAS_W/HAS_B are constexpr)
+    w_ld = N
+    if has_w or has_b:
+        ws, bs, w_ld = _shifted_weights(weight, bias, vec, N)
+        w, b = (ws if has_w else y), (bs if has_b else y)
+    mean, rstd = _stats_buffers(M, x.device, with_stats, y)
+    if M > 0 and unrolled:
+        _launch_fwd_unrolled_vec((M,), (x, w, b, y, mean, rstd, M, N, eps, w_ld, N,
+                                        (N // vec - 1) * vec, chunk, has_w, has_b, with_stats,
+                                        vec), warps)
+    elif M > 0:
+        _launch_fwd_reload_vec((M,), (x, w, b, y, mean, rstd, N, N, eps, w_ld,
+                                      next_pow2(body_len(N, vec)), chunk, has_w, has_b,
+                                      with_stats, vec), warps)
+    return (y, mean, rstd) if with_stats else (y, None, None)
+
+
+def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
+    # Contiguous x and parameters at 16-byte aligned addresses: the launch is fixed by shapes,
+    # dtypes, device, eps and with_stats, so a call seen before replays its plan (PlanCache).
+    key = ((x.shape, x.dtype, out_dtype, x.get_device(), eps, with_stats,
+            None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+           if x.is_contiguous() and not x.data_ptr() & 15
+           and (weight is None or not weight.data_ptr() & 15)
+           and (bias is None or not bias.data_ptr() & 15) else None)
+    plan = _fwd_plans.get(key)
+    if plan is not None and not hooks_registered():
+        return _replay_forward(plan, x, weight, bias, out_dtype, with_stats)
+    requested_stats = with_stats
+    M, N, stride, y = rows_and_output(x, out_dtype)
+    has_w, has_b = weight is not None, bias is not None
+    w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
+    b = bias if has_b else y
+    vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
+    elt = x.element_size()
+    unrolled = unrolled_config(unrolled_fwd_table(x.get_device(), (elt, next_pow2(N))), elt,
+                               N, UNROLLED_FWD_ABOVE, vec)
+    if unrolled:
+        return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
+                                 *unrolled, key)
+    reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
+              if N > RELOAD_FWD_ABOVE and not vec
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if reload:
+        # Measured with the statistics written (see STATS_FREE_16BIT_MAX, configs/layernorm.py).
+        stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
+        return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload,
+                               key=key if stats == with_stats else None)
+    reload = (RELOAD_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
+              if vec and M * N >= RELOAD_VEC_MIN_ELEMS
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if reload:
+        return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *reload)
+    unrolled = (UNROLLED_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
+                if vec and M * N >= RELOAD_VEC_MIN_ELEMS
+                and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if unrolled and (N // vec - 1) * vec >= unrolled[0]:
+        return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *unrolled,
+                                   unrolled=True)
+    single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
+    if (not with_stats and x.element_size() == 2 and block >= 8192
+            and M * N > STATS_FREE_16BIT_MAX):
+        # The variant without statistics compiles slower for large 16-bit inputs with rows of
+        # 8K+ (bf16 8K: 2.98 vs 3.62 TB/s); the two small buffers cost nothing next to the kernel.
+        with_stats = True
+    if single and not with_stats:
+        mean = rstd = None
+    else:
+        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return y, mean, rstd
+    if single:
+        tiles = num_row_tiles(M, rows, vec)
+        # Unaligned 16-bit rows of 4K+: a persistent grid (H200, TB/s: bf16 4097 2.51
+        # vs 2.29 one program per row, 8193 1.93 vs 1.77; float32 within 2%).
+        persist = vec and x.element_size() == 2 and block >= 4096
+        progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec, persist)
+        args = (x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
+                stride, N, eps, tiles, progs,
+                block, rows, has_w, has_b, vec, hold_w(block, warps), with_stats)
+        _launch_fwd_single((progs,), args, warps)
+        if key is not None and not vec and with_stats == requested_stats:
+            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 6)
+    else:
+        _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, block, warps, vec)
+    return y, mean, rstd
+
+
+def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, block, warps, vec):
+    """Rows too long for one program: the split-row kernel where it runs, else looped."""
+    cfg = split_config("fwd", N, x.element_size(), stride % 8 == 0 and N % 8 == 0)
+    chunk, split_warps, prefetch = cfg or (0, 0, 0)
+    if cfg and split_rows_enabled(x.device, N, chunk):
+        C, L = split_pieces(N, chunk, vec)
+        stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
+        count = torch.zeros((M,), dtype=torch.int32, device=x.device)
+        if _launch_fwd_split(
+            M * C, C,
+            (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
+            (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec), split_warps,
+            x.device, vec=vec,
+        ):
+            return
+    _launch_fwd_looped((M,), (
+        x, w, b, y, mean, rstd, N, stride, N, eps, block, has_w, has_b,
+    ), warps)
+
+
+def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
+    """:func:`_forward` from a plan: the single-block or unrolled launch with this call's
+    tensors (both take (x, w, b, y, mean, rstd, M, ...))."""
+    go, grid, device, tail = plan
+    y = torch.empty_like(x, dtype=out_dtype)
+    yp = y.data_ptr()
+    wp = yp if weight is None else weight.data_ptr()  # placeholders, as in _forward
+    bp = yp if bias is None else bias.data_ptr()
+    if not with_stats:
+        go(grid, current_stream(device), (x.data_ptr(), wp, bp, yp, yp, yp, *tail))
+        return y, None, None
+    mean = torch.empty((tail[0],), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((tail[0],), dtype=torch.float32, device=x.device)
+    go(grid, current_stream(device),
+       (x.data_ptr(), wp, bp, yp, mean.data_ptr(), rstd.data_ptr(), *tail))
+    return y, mean, rstd
+
+
