@@ -161,6 +161,11 @@ def fused_layernorm(
             except _native.ERRORS:
                 pass  # (the call below raises fusedops' error, naming the argument)
         return _native.layer_norm(x, normalized_shape, weight, bias, eps)
+    return _fused(x, normalized_shape, weight, bias, eps, grad)
+
+
+def _fused(x, normalized_shape, weight, bias, eps, grad: bool):
+    """:func:`fused_layernorm` above the size rule: a replay, or the checks and the kernels."""
     if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
