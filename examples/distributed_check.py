@@ -235,7 +235,7 @@ def _tp(model: Model, mesh) -> Model:
 def _train(ctx: Ctx, model: nn.Module, per_rank_data: bool, forward=None) -> dict:
     import fusedops
 
-    forward = forward or model
+    forward = model if forward is None else forward
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses, times = [], []
     forced = "triton" if ctx.args.fused_backend == "triton" else None
@@ -321,11 +321,19 @@ def check_compile(ctx: Ctx) -> dict:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     breaks = {}
     runs = {}
+    fused_graphs = {}
     for name, patched in (("unpatched", False), ("patched", True)):
         torch._dynamo.reset()
         counters.clear()
+        graphs = fused_graphs[name] = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            # Which captured graphs call fusedops' ops (the kernels' custom ops).
+            graphs.append("fusedops" in gm.print_readable(print_output=False))
+            return torch._dynamo.lookup_backend(ctx.args.compile_backend)(gm, example_inputs)
+
         model = _fsdp(ctx, _build(ctx, patched), mesh)
-        compiled = torch.compile(model, backend=ctx.args.compile_backend)
+        compiled = torch.compile(model, backend=backend)
         runs[name] = _train(ctx, model, True, forward=compiled)
         reasons = [str(r) for r in counters["graph_break"]]
         breaks[name] = {"count": sum(counters["graph_break"].values()), "reasons": reasons}
@@ -333,10 +341,14 @@ def check_compile(ctx: Ctx) -> dict:
     result = _compare(eager, runs["patched"], *_loss_tol(ctx))
     result["graph_breaks"] = breaks
     result["step_times_compiled_unpatched_s"] = runs["unpatched"]["step_times_s"]
+    result["graphs_calling_fusedops"] = {k: sum(v) for k, v in fused_graphs.items()}
     from_fusedops = [r for r in breaks["patched"]["reasons"] if "fusedops" in r]
     if breaks["patched"]["count"] > breaks["unpatched"]["count"] or from_fusedops:
         result["passed"] = False
         result["problem"] = f"graph breaks from fusedops: {from_fusedops or breaks}"
+    elif ctx.args.fused_backend == "triton" and not any(fused_graphs["patched"]):
+        result["passed"] = False
+        result["problem"] = "no compiled graph calls fusedops' kernels"
     return result
 
 
@@ -413,7 +425,8 @@ def print_table(out: dict) -> None:
         if name == "compile" and "graph_breaks" in r:
             gb = r["graph_breaks"]
             note = note or (f"graph breaks unpatched {gb['unpatched']['count']}, "
-                            f"patched {gb['patched']['count']}")
+                            f"patched {gb['patched']['count']}; graphs calling fusedops "
+                            f"{r['graphs_calling_fusedops']['patched']}")
         lines.append(f"{name:<9} {'PASS' if r['passed'] else 'FAIL':<6} "
                      f"{_num(r.get('max_loss_diff')):>13} {_num(r.get('max_param_diff')):>14} "
                      f"{times:>17}  {note}")
