@@ -19,11 +19,12 @@ when unset). Checks (``--checks``, all by default):
 * ``tp``: the same model under ``parallelize_module`` (ColwiseParallel/RowwiseParallel
   linears, SequenceParallel norms: the norms see DTensor Shard(1) inputs), patched and
   unpatched: same losses.
-* ``compile``: torch.compile of the FSDP2 patched model: graph breaks no more than the
-  unpatched model's and none from fusedops, losses as the eager unpatched run.
+* ``compile``: torch.compile of the FSDP2 patched model (and of the TP one): graph breaks no
+  more than the unpatched model's and none from fusedops, fusedops' ops in the compiled graphs,
+  losses as the eager unpatched run.
 * ``ckpt``: a model whose blocks call the fused LayerNorm + dropout epilogue, under FSDP2 with
   ``checkpoint_wrapper`` on every block against without: the same losses and parameters
-  (dropout's mask recomputed alike), plus ``torch.utils.checkpoint`` on the op itself.
+  (dropout's mask recomputed alike); ``dtensor`` checks ``torch.utils.checkpoint`` on the op.
 
 Rank 0 writes every number (losses per step, max differences, step times, pass/fail) as JSON to
 ``--out`` and prints a table last; the exit code is 1 if any check failed.
@@ -314,41 +315,62 @@ def check_tp(ctx: Ctx) -> dict:
     return result
 
 
-def check_compile(ctx: Ctx) -> dict:
+def _compiled(ctx: Ctx, wrap, per_rank: bool) -> dict:
+    """Train the unpatched and the patched model, ``wrap``-ped (FSDP2 or TP), compiled: their
+    runs, graph breaks and how many captured graphs call fusedops' ops."""
     from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    breaks = {}
-    runs = {}
-    fused_graphs = {}
+    out = {"runs": {}, "graph_breaks": {}, "graphs_calling_fusedops": {}}
     for name, patched in (("unpatched", False), ("patched", True)):
         torch._dynamo.reset()
         counters.clear()
-        graphs = fused_graphs[name] = []
+        graphs = []
 
         def backend(gm, example_inputs, graphs=graphs):
-            # Which captured graphs call fusedops' ops (the kernels' custom ops).
             graphs.append("fusedops" in gm.print_readable(print_output=False))
             return torch._dynamo.lookup_backend(ctx.args.compile_backend)(gm, example_inputs)
 
-        model = _fsdp(ctx, _build(ctx, patched), mesh)
-        compiled = torch.compile(model, backend=backend)
-        runs[name] = _train(ctx, model, True, forward=compiled)
-        reasons = [str(r) for r in counters["graph_break"]]
-        breaks[name] = {"count": sum(counters["graph_break"].values()), "reasons": reasons}
-    eager = _train(ctx, _fsdp(ctx, _build(ctx, False), mesh), True)
-    result = _compare(eager, runs["patched"], *_loss_tol(ctx))
-    result["graph_breaks"] = breaks
-    result["step_times_compiled_unpatched_s"] = runs["unpatched"]["step_times_s"]
-    result["graphs_calling_fusedops"] = {k: sum(v) for k, v in fused_graphs.items()}
+        model = wrap(_build(ctx, patched))
+        out["runs"][name] = _train(ctx, model, per_rank, forward=torch.compile(model,
+                                                                               backend=backend))
+        out["graph_breaks"][name] = {"count": sum(counters["graph_break"].values()),
+                                     "reasons": [str(r) for r in counters["graph_break"]]}
+        out["graphs_calling_fusedops"][name] = sum(graphs)
+    return out
+
+
+def _compile_problem(ctx: Ctx, c: dict) -> str | None:
+    breaks = c["graph_breaks"]
     from_fusedops = [r for r in breaks["patched"]["reasons"] if "fusedops" in r]
     if breaks["patched"]["count"] > breaks["unpatched"]["count"] or from_fusedops:
+        return f"graph breaks from fusedops: {from_fusedops or breaks}"
+    if ctx.args.fused_backend == "triton" and not c["graphs_calling_fusedops"]["patched"]:
+        return "no compiled graph calls fusedops' kernels"
+    return None
+
+
+def check_compile(ctx: Ctx) -> dict:
+    """FSDP2 (the check's numbers) and TP (``tp``), compiled, against the eager unpatched run."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    fsdp = _compiled(ctx, lambda m: _fsdp(ctx, m, mesh), True)
+    eager = _train(ctx, _fsdp(ctx, _build(ctx, False), mesh), True)
+    result = _compare(eager, fsdp["runs"]["patched"], *_loss_tol(ctx))
+    result["graph_breaks"] = fsdp["graph_breaks"]
+    result["graphs_calling_fusedops"] = fsdp["graphs_calling_fusedops"]
+    result["step_times_compiled_unpatched_s"] = fsdp["runs"]["unpatched"]["step_times_s"]
+    problem = _compile_problem(ctx, fsdp)
+    tp = _compiled(ctx, lambda m: _tp(m, mesh), False)
+    tp_eager = _train(ctx, _tp(_build(ctx, False), mesh), False)
+    result["tp"] = _compare(tp_eager, tp["runs"]["patched"], 1e-4, 1e-4)
+    result["tp"].update(graph_breaks=tp["graph_breaks"],
+                        graphs_calling_fusedops=tp["graphs_calling_fusedops"])
+    problem = problem or _compile_problem(ctx, tp) or (
+        None if result["tp"]["passed"] else "TP compiled losses differ")
+    if problem:
         result["passed"] = False
-        result["problem"] = f"graph breaks from fusedops: {from_fusedops or breaks}"
-    elif ctx.args.fused_backend == "triton" and not any(fused_graphs["patched"]):
-        result["passed"] = False
-        result["problem"] = "no compiled graph calls fusedops' kernels"
+        result["problem"] = problem
     return result
 
 
@@ -363,9 +385,6 @@ def check_ckpt(ctx: Ctx) -> dict:
     result["note"] = "unpatched = without checkpoint_wrapper, patched = with it"
     if ctx.args.fused_backend == "triton":
         _need_kernels(ctx, result, "layernorm_epilogue_forward", "layernorm_epilogue_backward")
-    op = distributed_ops.checkpoint_op(ctx)
-    result["op_checkpoint"] = op
-    result["passed"] = result["passed"] and op["passed"]
     return result
 
 

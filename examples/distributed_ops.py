@@ -223,8 +223,9 @@ def _errors(ctx) -> dict:
 def _gather_equal(t: torch.Tensor) -> list[bool]:
     import torch.distributed as dist
 
+    t = t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()  # (NCCL: no bool)
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    dist.all_gather(parts, t)
     return [torch.equal(parts[0], p) for p in parts[1:]]
 
 

@@ -91,13 +91,14 @@ def test_distributed_checks(tmp_path):
 @EXHAUSTIVE
 @needs_interpreter
 def test_distributed_compile(tmp_path):
-    """torch.compile of the FSDP2 patched model: no graph break, fusedops' kernels in the
-    compiled graphs, the eager unpatched losses."""
+    """torch.compile of the FSDP2 and of the TP patched model: no graph break, fusedops'
+    kernels in the compiled graphs, the eager unpatched losses."""
     r = run_checks(tmp_path, "compile")["compile"]
-    assert r["graph_breaks"]["patched"]["count"] == 0
-    assert r["graphs_calling_fusedops"]["patched"] >= 1
-    assert r["graphs_calling_fusedops"]["unpatched"] == 0
-    _losses_agree(r, 2, 1e-4)
+    for run in (r, r["tp"]):  # FSDP2, then TP with SequenceParallel norms (DTensor inputs)
+        assert run["graph_breaks"]["patched"]["count"] == 0
+        assert run["graphs_calling_fusedops"]["patched"] >= 1
+        assert run["graphs_calling_fusedops"]["unpatched"] == 0
+        _losses_agree(run, 2, 1e-4)
 
 
 def _load_script():
