@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "size rule decides, as in production")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default: inductor on cuda, aot_eager on cpu)")
+    p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="FSDP2's MixedPrecisionPolicy param_dtype (reduce_dtype float32; "
+                        "default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--dim", type=int, default=None, help="model width (cuda 256, cpu 32)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (cuda 128, cpu 8)")
     args = p.parse_args(argv)
@@ -82,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if c not in CHECKS:
             p.error(f"unknown check {c!r} (choose from {', '.join(CHECKS)})")
     args.steps = args.steps or (8 if cuda else 2)
+    args.param_dtype = args.param_dtype or ("bfloat16" if cuda else "float32")
     args.compile_backend = args.compile_backend or ("inductor" if cuda else "aot_eager")
     args.dim = args.dim or (256 if cuda else 32)
     args.seq_len = args.seq_len or (128 if cuda else 8)
@@ -188,8 +192,8 @@ def _build(ctx: Ctx, patched: bool, dropout: float = 0.0) -> Model:
 def _fsdp(ctx: Ctx, model: Model, mesh, ckpt: bool = False) -> Model:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if ctx.cuda else MixedPrecisionPolicy()
+    mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, ctx.args.param_dtype),
+                                     reduce_dtype=torch.float32)
     for i, layer in enumerate(model.layers):
         if ckpt:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -282,7 +286,7 @@ def _compare(plain: dict, fused: dict, atol: float, rtol: float) -> dict:
 def _loss_tol(ctx: Ctx) -> tuple[float, float]:
     # bf16 parameters (CUDA FSDP2) round every matmul input to 8 bits, at other points in the
     # fused and the torch norms: a few bf16 ulps over the steps; fp32 agrees to rounding.
-    return (2e-2, 2e-2) if ctx.cuda else (1e-4, 1e-4)
+    return (2e-2, 2e-2) if ctx.args.param_dtype == "bfloat16" else (1e-4, 1e-4)
 
 
 def _need_kernels(ctx: Ctx, result: dict, *ops: str) -> None:
@@ -419,6 +423,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             meta = {"device": str(device), "backend": args.backend, "world_size": world,
                     "torch": torch.__version__, "fused_backend": args.fused_backend,
                     "steps": args.steps, "dim": args.dim, "seq_len": args.seq_len,
+                    "fsdp_param_dtype": args.param_dtype,
                     "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
             out = {"meta": meta, "checks": results,
                    "passed": all(r["passed"] for r in results.values())}

@@ -148,6 +148,9 @@ def _cases(ctx) -> list[dict]:
                             [(x3, pl, True), (w, [R], True), (b, [R], True)], last, (1, 2)))
         out.append(run_case(f"rmsnorm x={name}", mesh, rms, rms_ref,
                             [(x3, pl, True), (w, [R], True)], last, (1,)))
+    x1 = rnd(1, 5, 32)  # Shard(0) of one row: the second rank's shard is empty
+    out.append(run_case("layernorm x=Shard(0), an empty shard", mesh, ln, ln_ref,
+                        [(x1, [S0], True), (w, [R], True), (b, [R], True)], last, (1, 2)))
     for pl in ([S0, R], [R, S1], [S1, R]):
         out.append(run_case(f"rmsnorm 2-D mesh x={pl}", mesh2, rms, rms_ref,
                             [(x3, pl, True), (w, [R, R], True)], last, (1,)))
