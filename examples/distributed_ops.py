@@ -13,14 +13,17 @@ TOL = {"y": 2e-5, "grad": 1e-4}
 
 
 def _dtensor(t, mesh, placements, grad: bool):
-    """``t`` (the same whole tensor on every rank) as a DTensor; Partial: each rank holds half."""
+    """``t`` (the same whole tensor on every rank) as a DTensor; Partial: each rank holds an
+    equal share."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if any(p.is_partial() for p in placements):
-        local = t / 2 if all(p.is_partial() or p.is_replicate() for p in placements) else None
-        if local is None:
+        if not all(p.is_partial() or p.is_replicate() for p in placements):
             raise ValueError("Partial cases here mix only with Replicate")
-        d = DTensor.from_local(local, mesh, placements, run_check=False)
+        ranks = 1
+        for i, p in enumerate(placements):
+            ranks *= mesh.size(i) if p.is_partial() else 1
+        d = DTensor.from_local(t / ranks, mesh, placements, run_check=False)
     else:
         d = distribute_tensor(t, mesh, placements)
     return d.detach().requires_grad_(grad)

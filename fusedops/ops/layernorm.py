@@ -128,6 +128,10 @@ def fused_layernorm(
         activation: None, ``"relu"`` or ``"gelu"`` (exact, erf-based), applied last.
         training: as ``F.dropout``'s: False turns dropout off.
 
+    ``x`` may be a ``torch.distributed.tensor.DTensor`` (its tensor arguments then DTensors on the
+    same mesh): the op runs on each rank's shard and returns a DTensor (docs/reliability.md,
+    "Distributed").
+
     Returns:
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast); with ``residual``, the
         pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and

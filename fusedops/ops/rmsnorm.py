@@ -103,6 +103,10 @@ def fused_rmsnorm(
             of the computation type: float32's for float32/float16/bfloat16, float64's for
             float64.
 
+    ``x`` may be a ``torch.distributed.tensor.DTensor`` (its tensor arguments then DTensors on the
+    same mesh): the op runs on each rank's shard and returns a DTensor (docs/reliability.md,
+    "Distributed").
+
     Returns:
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). The mean square is
         accumulated in float32 and its reciprocal root saved in float32.

@@ -118,6 +118,10 @@ def fused_softmax(
     (nothing kept) comes out as zeros, not torch's NaN, and its gradient is zero. These are
     fused over the last dim; another ``dim`` runs PyTorch's ops with a one-time warning.
 
+    ``x`` may be a ``torch.distributed.tensor.DTensor`` (its tensor arguments then DTensors on the
+    same mesh): the op runs on each rank's shard and returns a DTensor (docs/reliability.md,
+    "Distributed").
+
     Returns:
         Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast);
         the mask's dtype does not promote it. Accumulation is float32 for every dtype.
