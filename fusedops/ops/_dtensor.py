@@ -31,6 +31,7 @@ ops need).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,8 +46,12 @@ from fusedops._validate import (
     normalize_shape,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
-def _compute_placements(x, whole: set[int]) -> tuple:
+
+def _compute_placements(x: DTensor, whole: set[int]) -> tuple[Placement, ...]:
     """x's placements with every ``Partial`` and every ``Shard`` of a dim in ``whole`` (the
     dims the op reduces over) turned into ``Replicate``."""
     from torch.distributed.tensor import Replicate
@@ -66,7 +71,7 @@ def _compute_placements(x, whole: set[int]) -> tuple:
     return tuple(out)
 
 
-def _with_dim(p, dim: int):
+def _with_dim(p: Placement, dim: int) -> Placement:
     """The shard placement ``p`` (Shard or a strided shard) of tensor dim ``dim`` instead."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -76,7 +81,8 @@ def _with_dim(p, dim: int):
     return Shard(dim)
 
 
-def _local(t, name: str, x, compute: tuple, target: Sequence) -> torch.Tensor:
+def _local(t: object, name: str, x: DTensor, compute: tuple[Placement, ...],
+           target: Sequence[Placement]) -> torch.Tensor:
     """``t``'s local tensor laid out as ``target`` on x's mesh (redistributed if need be), with
     its gradient ``Partial`` on the mesh dims where x is sharded and ``t`` is not (each rank's
     gradient is then its own rows' share)."""
@@ -98,7 +104,8 @@ def _local(t, name: str, x, compute: tuple, target: Sequence) -> torch.Tensor:
     return _materialised(t.to_local(grad_placements=grads))
 
 
-def _replicated(t, name: str, x, compute: tuple) -> torch.Tensor | None:
+def _replicated(t: object, name: str, x: DTensor,
+                compute: tuple[Placement, ...]) -> torch.Tensor | None:
     from torch.distributed.tensor import Replicate
 
     if t is None:
@@ -106,7 +113,8 @@ def _replicated(t, name: str, x, compute: tuple) -> torch.Tensor | None:
     return _local(t, name, x, compute, [Replicate()] * len(compute))
 
 
-def _mask_placements(mask, x, compute: tuple) -> list:
+def _mask_placements(mask: DTensor, x: DTensor,
+                     compute: tuple[Placement, ...]) -> list[Placement]:
     """The mask's placements matching x's ``compute`` ones: Shard of its own dim that lines up
     with x's sharded dim (counted from the right, as broadcasting does), Replicate where it
     broadcasts along it."""
@@ -122,7 +130,7 @@ def _mask_placements(mask, x, compute: tuple) -> list:
     return out
 
 
-def _wrap(y: torch.Tensor, x, compute: tuple):
+def _wrap(y: torch.Tensor, x: DTensor, compute: tuple[Placement, ...]) -> DTensor:
     """The local result ``y`` (x's local shape, contiguous) as a DTensor of x's global shape."""
     from torch.distributed.tensor import DTensor
 
@@ -137,7 +145,7 @@ def _wrap(y: torch.Tensor, x, compute: tuple):
                               stride=tuple(stride))
 
 
-def _shard_salt(x, compute: tuple) -> int:
+def _shard_salt(x: DTensor, compute: tuple[Placement, ...]) -> int:
     """A number identifying this rank's shard (0 when x is not sharded): dropout's seed is
     mixed with it so that shards draw independent masks and replicas the same one."""
     coord = x.device_mesh.get_coordinate()
@@ -148,8 +156,8 @@ def _shard_salt(x, compute: tuple) -> int:
     return index
 
 
-def softmax(x, dim: int, dtype: torch.dtype | None, scale: float | None, mask,
-            causal: bool, fn: Callable):
+def softmax(x: DTensor, dim: int, dtype: torch.dtype | None, scale: float | None,
+            mask: DTensor | None, causal: bool, fn: Callable) -> DTensor:
     """:func:`fusedops.fused_softmax` (``fn``) of a DTensor ``x``: a DTensor of x's shape, the
     normalised dim (and the last two with ``causal``) replicated."""
     from fusedops.ops.softmax_masked import check_mask_args
@@ -168,8 +176,10 @@ def softmax(x, dim: int, dtype: torch.dtype | None, scale: float | None, mask,
     return _wrap(y, x, compute)
 
 
-def layernorm(x, normalized_shape, weight, bias, eps, residual, dropout_p, activation,
-              training, fn: Callable):
+def layernorm(x: DTensor, normalized_shape: object, weight: DTensor | None,
+              bias: DTensor | None, eps: float, residual: DTensor | None, dropout_p: float,
+              activation: str | None, training: bool,
+              fn: Callable) -> DTensor | tuple[DTensor, DTensor]:
     """:func:`fusedops.fused_layernorm` (``fn``) of a DTensor ``x`` (with its epilogue): a
     DTensor of x's shape (the pair ``(out, x + residual)`` with ``residual``), the normalised
     dims replicated."""
@@ -192,7 +202,8 @@ def layernorm(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
     return _wrap(out[0], x, compute), _wrap(out[1], x, compute)
 
 
-def rmsnorm(x, normalized_shape, weight, eps, fn: Callable):
+def rmsnorm(x: DTensor, normalized_shape: object, weight: DTensor | None, eps: float | None,
+            fn: Callable) -> DTensor:
     """:func:`fusedops.fused_rmsnorm` (``fn``) of a DTensor ``x``: a DTensor of x's shape, the
     normalised dims replicated."""
     shape = normalize_shape(normalized_shape)
@@ -203,7 +214,7 @@ def rmsnorm(x, normalized_shape, weight, eps, fn: Callable):
     return _wrap(y, x, compute)
 
 
-def _x_local(x, compute: tuple) -> torch.Tensor:
+def _x_local(x: DTensor, compute: tuple[Placement, ...]) -> torch.Tensor:
     """x's local tensor laid out as ``compute`` (redistributed if need be)."""
     if tuple(x.placements) != compute:
         x = x.redistribute(x.device_mesh, compute)
