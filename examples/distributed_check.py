@@ -12,7 +12,8 @@ when unset). Checks (``--checks``, all by default):
   shards, Partial), forward and backward, against float64 torch on the whole tensors: values,
   output placements (as torch's own op gives them), gradient placements; arguments mixing
   DTensors and plain tensors raise naming the argument; dropout's masks (replicas alike,
-  shards independent, the keep rate) and its recomputation under checkpointing.
+  shards independent, the keep rate) and its recomputation under checkpointing; a patched
+  nn.LayerNorm under SequenceParallel against the unpatched one.
 * ``fsdp``: a small Llama-style model (nn.RMSNorm, softmax attention, gated MLP) under
   ``fully_shard`` per block and root (bf16 parameters, fp32 reduction on CUDA), patched and
   unpatched: same losses.

@@ -301,6 +301,45 @@ def checkpoint_op(ctx) -> dict:
     return {"passed": all(results.values()), **results}
 
 
+def _sequence_parallel_layernorm(ctx) -> dict:
+    """nn.LayerNorm (with bias) under ``SequenceParallel``, patched against unpatched: the
+    output and its placements, the input's and the parameters' gradients (these Partial in
+    both, reduced for the comparison)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    import fusedops
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    g = torch.Generator().manual_seed(13)
+    x_local = torch.randn(2, 3, 32, generator=g)[None].repeat(ctx.world, 1, 1, 1)
+    x_local = x_local[ctx.rank].to(ctx.device) * (ctx.rank + 1)  # each rank's own rows
+    runs = []
+    for patched in (False, True):
+        torch.manual_seed(0)
+        ln = nn.LayerNorm(32).to(ctx.device)
+        with torch.no_grad():
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.5, 0.5)
+        if patched:
+            fusedops.patch_model(ln, force=True)
+        parallelize_module(ln, mesh, SequenceParallel())
+        x = x_local.clone().requires_grad_()
+        with fusedops.use_backend("triton" if ctx.args.fused_backend == "triton" else None), \
+                fusedops.count_fused_calls() as counts:
+            y = ln(x)
+            (y.to_local() ** 2).sum().backward()
+        runs.append((y.full_tensor(), x.grad, ln.weight.grad.full_tensor(),
+                     ln.bias.grad.full_tensor(), tuple(y.placements), dict(counts)))
+    (y0, dx0, dw0, db0, pl0, _), (y1, dx1, dw1, db1, pl1, calls) = runs
+    diff = max((a - b).abs().max().item()
+               for a, b in ((y0, y1), (dx0, dx1), (dw0, dw1), (db0, db1)))
+    passed = diff < 1e-4 and pl0 == pl1 and (ctx.args.fused_backend != "triton"
+                                             or calls.get("layernorm_backward", 0) > 0)
+    return {"passed": passed, "max_diff": diff, "placements": str(pl1), "fused_calls": calls}
+
+
 def check_dtensor(ctx) -> dict:
     import fusedops
 
@@ -310,15 +349,16 @@ def check_dtensor(ctx) -> dict:
         dropout = _dropout(ctx)
     errors = _errors(ctx)
     ckpt = checkpoint_op(ctx)
+    sp = _sequence_parallel_layernorm(ctx)
     if forced:  # every case ran the kernels (not PyTorch's ops)
         for c in cases:
             if not c["fused_calls"]:
                 c["passed"] = False
                 c["problems"].append("no fused kernel call")
     passed = all(c["passed"] for c in cases) and all(errors.values()) and dropout["passed"] \
-        and ckpt["passed"]
+        and ckpt["passed"] and sp["passed"]
     return {"passed": passed, "cases": len(cases), "cases_passed": sum(c["passed"] for c in cases),
             "case_results": cases, "mixed_argument_errors": errors, "dropout": dropout,
-            "op_checkpoint": ckpt,
+            "op_checkpoint": ckpt, "sequence_parallel_layernorm": sp,
             "max_diff_y": max(c["max_diff_y"] for c in cases),
             "max_rel_diff_grad": max(c["max_rel_diff_grad"] for c in cases)}

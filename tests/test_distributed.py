@@ -71,6 +71,9 @@ def test_distributed_checks(tmp_path):
     assert drop["replicas_alike"] and drop["shards_independent"]
     assert 0.4 < drop["keep_rate"] < 0.6
     assert d["op_checkpoint"] == {"passed": True, "plain": True, "dtensor": True}
+    sp = d["sequence_parallel_layernorm"]  # nn.LayerNorm under SequenceParallel, patched
+    assert sp["passed"] and sp["max_diff"] < 1e-4 and sp["placements"] == "(Shard(dim=1),)"
+    assert sp["fused_calls"] == {"layernorm_forward": 1, "layernorm_backward": 1}
 
     # FSDP2 per block and root; TP with SequenceParallel norms (DTensor Shard(1) inputs).
     for name in ("fsdp", "tp"):
