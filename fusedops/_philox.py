@@ -20,6 +20,9 @@ for mask. The definition (docs/design.md, "Dropout's random numbers"):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 W = 256  # columns between the four elements that share one Philox call
@@ -29,11 +32,31 @@ ROUNDS = 10
 _MASK32 = 0xFFFFFFFF
 
 
+_salt = 0  # mixed into every seed drawn inside seed_salt (a DTensor shard's own masks)
+_SEED_MASK = 2**62 - 1
+
+
 def draw_seed() -> int:
     """A fresh 62-bit seed from torch's default (CPU) generator: honours ``torch.manual_seed``,
     costs no GPU work and no synchronisation."""
     # device="cpu" also under torch.set_default_device("cuda"): no GPU generator, no sync.
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
+    return seed if not _salt else (seed ^ _salt) & _SEED_MASK
+
+
+@contextlib.contextmanager
+def seed_salt(index: int) -> Iterator[None]:
+    """Inside the block, every drawn seed is mixed with shard ``index`` (0: unchanged): each
+    shard of a DTensor draws a mask of its own from the one seed all ranks draw alike, while
+    torch's generator advances exactly as for one unsharded call."""
+    global _salt
+    previous = _salt
+    # An odd 62-bit multiplier spreads neighbouring indices over the whole key.
+    _salt = (index * 0x2545F4914F6CDD1D) & _SEED_MASK
+    try:
+        yield
+    finally:
+        _salt = previous
 
 
 def dropout_threshold(p: float) -> int:

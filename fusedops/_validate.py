@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing
+    torch.distributed when nothing has: no DTensor can exist then)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def check_same_kind(t: torch.Tensor, name: str, x: torch.Tensor) -> None:
+    """Raise (naming the argument) when one of ``x`` and ``t`` is a DTensor and the other a
+    plain tensor: no conversion between them is known to be right."""
+    if t.__class__ is x.__class__ or is_dtensor(t) == is_dtensor(x):
+        return
+    if is_dtensor(t):
+        raise TypeError(
+            f"{name} is a DTensor but x is a plain torch.Tensor: pass x as a DTensor on "
+            f"{name}'s device mesh, or a plain {name} ({name}.full_tensor())")
+    raise TypeError(
+        f"{name} is a plain torch.Tensor but x is a DTensor: pass {name} as a DTensor on "
+        f"x's device mesh (e.g. distribute_tensor({name}, mesh, [Replicate()]))")
 
 
 def check_float_tensor(t: object, name: str) -> torch.Tensor:
@@ -99,6 +121,7 @@ def _check_param(p: object, name: str, shape: tuple[int, ...], x: torch.Tensor) 
                                       or p.is_cpu and x.is_cpu):
         return  # the common case, without building device objects (host cost per call)
     check_float_tensor(p, name)
+    check_same_kind(p, name, x)
     if p.shape != shape:
         raise ValueError(
             f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"

@@ -8,15 +8,16 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay
-from fusedops._validate import check_eps, check_layernorm_args, normalize_shape
+from fusedops._validate import check_eps, check_layernorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
-from fusedops.ops import _library, _native
+from fusedops.ops import _dtensor, _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
 _RULES = _dispatch.SIZE_RULES["layernorm"]
 _grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 _native_now = _dispatch.native_now
 
 
@@ -128,11 +129,18 @@ def fused_layernorm(
         activation: None, ``"relu"`` or ``"gelu"`` (exact, erf-based), applied last.
         training: as ``F.dropout``'s: False turns dropout off.
 
+    ``x`` may be a ``torch.distributed.tensor.DTensor`` (its tensor arguments then DTensors on the
+    same mesh): the op runs on each rank's shard and returns a DTensor (docs/reliability.md,
+    "Distributed").
+
     Returns:
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast); with ``residual``, the
         pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and
         rstd are computed and saved in float32.
     """
+    if x.__class__ is not _Tensor and is_dtensor(x):  # (fusedops.ops._dtensor)
+        return _dtensor.layernorm(x, normalized_shape, weight, bias, eps, residual,
+                                  dropout_p, activation, training, fused_layernorm)
     if residual is not None or activation is not None or dropout_p != 0.0 \
             or dropout_p.__class__ is bool or training is not True:
         return _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedops import _dispatch, _philox
+from fusedops._validate import check_same_kind
 from fusedops.backends import reference
 from fusedops.ops import _native
 from fusedops.ops._rows import as_rows
@@ -26,6 +27,7 @@ def check_epilogue_args(x: torch.Tensor, residual: object, dropout_p: object, ac
         if not isinstance(residual, torch.Tensor):
             raise TypeError(
                 f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        check_same_kind(residual, "residual", x)
         if residual.shape != x.shape:
             raise ValueError(
                 f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")

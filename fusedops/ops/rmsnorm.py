@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from fusedops import _dispatch, _replay
-from fusedops._validate import check_eps, check_rmsnorm_args, normalize_shape
+from fusedops._validate import check_eps, check_rmsnorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
-from fusedops.ops import _library, _native
+from fusedops.ops import _dtensor, _library, _native
 from fusedops.ops._rows import as_rows, autocast_fp32
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm import _is_last_dim
@@ -23,6 +23,7 @@ _EPS_FLOAT64 = torch.finfo(torch.float64).eps
 
 _RULES = _dispatch.SIZE_RULES["rmsnorm"]
 _grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 _native_now = _dispatch.native_now
 
 
@@ -103,10 +104,16 @@ def fused_rmsnorm(
             of the computation type: float32's for float32/float16/bfloat16, float64's for
             float64.
 
+    ``x`` may be a ``torch.distributed.tensor.DTensor`` (its tensor arguments then DTensors on the
+    same mesh): the op runs on each rank's shard and returns a DTensor (docs/reliability.md,
+    "Distributed").
+
     Returns:
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). The mean square is
         accumulated in float32 and its reciprocal root saved in float32.
     """
+    if x.__class__ is not _Tensor and is_dtensor(x):  # (fusedops.ops._dtensor)
+        return _dtensor.rmsnorm(x, normalized_shape, weight, eps, fused_rmsnorm)
     try:  # (the size rule, inline: host cost per call)
         grad = _grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad)
         key = (True, x.dtype, grad) if x.is_cuda else (

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from fusedops import _dispatch, _replay
-from fusedops._validate import check_float_dtype, check_float_tensor, normalize_dim
+from fusedops._validate import check_float_dtype, check_float_tensor, is_dtensor, normalize_dim
 from fusedops.backends import reference
-from fusedops.ops import _library
+from fusedops.ops import _dtensor, _library
 from fusedops.ops._rows import as_rows, softmax_input
 from fusedops.ops.softmax_masked import masked_softmax
 
 _RULES = _dispatch.SIZE_RULES["softmax"]
 _grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 _native_now = _dispatch.native_now
 
 
@@ -118,10 +119,16 @@ def fused_softmax(
     (nothing kept) comes out as zeros, not torch's NaN, and its gradient is zero. These are
     fused over the last dim; another ``dim`` runs PyTorch's ops with a one-time warning.
 
+    ``x`` may be a ``torch.distributed.tensor.DTensor`` (its tensor arguments then DTensors on the
+    same mesh): the op runs on each rank's shard and returns a DTensor (docs/reliability.md,
+    "Distributed").
+
     Returns:
         Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast);
         the mask's dtype does not promote it. Accumulation is float32 for every dtype.
     """
+    if x.__class__ is not _Tensor and is_dtensor(x):  # (fusedops.ops._dtensor)
+        return _dtensor.softmax(x, dim, dtype, scale, mask, causal, fused_softmax)
     if scale is not None or mask is not None or causal is not False:
         return masked_softmax(x, dim, dtype, scale, mask, causal)
     try:  # (the size rule, inline: host cost per call)

@@ -13,6 +13,7 @@ from fusedops._validate import (
     broadcasts_to,
     check_float_dtype,
     check_float_tensor,
+    check_same_kind,
     normalize_dim,
 )
 from fusedops.backends import reference
@@ -41,6 +42,7 @@ def check_mask_args(x: torch.Tensor, scale: object, mask: object, causal: object
         raise TypeError(
             f"mask must be bool (True = keep) or floating point (added to the scores), "
             f"got dtype {mask.dtype}")
+    check_same_kind(mask, "mask", x)
     if mask.device != x.device:
         raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
     if not broadcasts_to(mask.shape, x.shape):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -355,7 +356,8 @@ def _patch_patterns(state: PatchState, report: PatchReport, tree: _Tree,
                     add_layernorm: bool) -> None:
     """Epilogue patterns (module docstring, point 2); ``LayerNorm(a + b)`` only where
     ``add_layernorm``."""
-    if "softmax" in state.ops and hf_attention.available():
+    # (A Transformers model has imported transformers: other models skip its 2 s import.)
+    if "softmax" in state.ops and "transformers" in sys.modules and hf_attention.available():
         _patch_hf_attention(state, report, tree)
     want_softmax, want_ln = "softmax" in state.ops, "layernorm" in state.ops
     if not (want_softmax or want_ln):
