@@ -151,6 +151,11 @@ def fused_softmax(
             normalize_dim(dim, x.dim())
             check_float_dtype(dtype)
             raise
+    return _fused(x, dim, dtype, grad)
+
+
+def _fused(x: torch.Tensor, dim: int, dtype: torch.dtype | None, grad: bool) -> torch.Tensor:
+    """:func:`fused_softmax` above the size rule: a replay, or the checks and the kernels."""
     check_float_tensor(x, "x")
     if not grad and dtype is None and dim.__class__ is int and dim == -1 \
             and x.__class__ is torch.Tensor and _dispatch.plain_eager():
