@@ -93,7 +93,7 @@ def test_gpu_graph_patched_model_training_step():
                           d_ff=256)
     reference = Predictor(cfg).cuda()
     model = copy.deepcopy(reference)
-    fusedops.patch_model(model)
+    fusedops.patch_model(model, patterns=True)
     static_x = torch.randn(16, 128, 6, device="cuda")
     static_t = torch.randn(16, 1, device="cuda")
 

@@ -137,7 +137,7 @@ def test_gpu_hf_eager_triton(name, dtype):
     model, ref, inputs, n_ln, n_softmax = make(name)
     model, ref = model.cuda().to(dtype), ref.cuda().to(dtype)
     inputs = tuple(i.cuda().to(dtype) if i.is_floating_point() else i.cuda() for i in inputs)
-    patch_model(model)
+    patch_model(model, patterns=True)
     with fusedops.count_fused_calls() as counts:
         out = run(model, inputs)
         torch.cuda.synchronize()
