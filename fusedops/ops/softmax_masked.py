@@ -68,17 +68,11 @@ def compose(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None, 
     return torch.softmax(z, dim=dim).masked_fill(empty, 0.0).to(out_dtype)
 
 
-# torch's softmax whose rows of -inf only come out as zeros (one call, as the kernels do).
-_safe_softmax = getattr(torch, "_safe_softmax", None)
-
-
 def native(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None,
            out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`compose` without causal in as few torch calls as eager code makes (the path of
-    calls below the size rule: host cost per call). Eager only (Dynamo does not trace
-    ``torch._safe_softmax``); where torch lacks it, :func:`compose`."""
-    if _safe_softmax is None:
-        return compose(x, dim, scale, mask, False, out_dtype)
+    """:func:`compose` without causal, in the fewest torch calls (the path of calls below the
+    size rule: host cost per call): scale and mask in one add, the softmax, and the rows with
+    nothing kept set to zero."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa = x if x.dtype == acc else x.to(acc)
     if mask is None:
@@ -87,7 +81,9 @@ def native(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None,
         z = torch.where(mask, xa * scale if scale != 1.0 else xa, -torch.inf)
     else:  # (mask + scale * x in one op, computed in float32 and rounded once)
         z = torch.add(mask if mask.dtype == acc else mask.to(acc), xa, alpha=scale)
-    y = _safe_softmax(z, dim)
+    if z.shape[dim] == 0:
+        return compose(x, dim, scale, mask, False, out_dtype)
+    y = torch.softmax(z, dim).masked_fill(z.amax(dim, keepdim=True) == -torch.inf, 0.0)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
