@@ -81,6 +81,10 @@ def set_backend(name: str | None) -> None:
     for table in SIZE_RULES.values():
         table.clear()
     _replay.clear()  # runners were registered by the backends chosen before
+    # ... when their plans were made: drop those too, so the next calls make both again.
+    triton_configs = sys.modules.get("fusedops.backends.triton.configs")
+    if triton_configs is not None:
+        triton_configs.clear_caches()
 
 
 def get_backend() -> str | None:
