@@ -152,35 +152,6 @@ def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 1000, repe
     return out
 
 
-def format_host_costs(records: list[dict]) -> str:
-    """The table of :func:`measure_host_costs` records: µs per call per provider, by case,
-    shape and mode, and fusedops' margin over torch against the target."""
-    if not records:
-        return ""
-    provs = [p for p in ("torch", "fusedops", "fusedops-kernel")
-             if any(r["provider"] == p for r in records)]
-    grid: dict[tuple, dict[str, dict]] = {}
-    for r in records:
-        key = (r["case"], "x".join(map(str, r["shape"])), r["mode"])
-        grid.setdefault(key, {})[r["provider"]] = r
-    head = ["case", "shape", "mode"] + [f"{p} us" for p in provs] + ["fusedops - torch"]
-    rows = []
-    for (case, shape, mode), row in grid.items():
-        cells = [case, shape, mode]
-        for p in provs:
-            r = row.get(p)
-            cells.append("-" if r is None else ("fail" if r.get("us_per_call") is None
-                                                else f"{r['us_per_call']:.1f}"))
-        d = row.get("fusedops", {}).get("delta_vs_torch_us")
-        cells.append("-" if d is None else f"{d:+.1f}" + ("" if d <= TARGET_US else " (over)"))
-        rows.append(cells)
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows, strict=True)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-             for line in [head, ["-" * w for w in widths], *rows]]
-    return (f"host cost per call by mode (wall time, µs; target: fusedops within {TARGET_US:g} "
-            "µs of torch)\n" + "\n".join(lines))
-
-
 def host_costs_for_sweep(device: str, calls: int | None) -> list[dict]:
     """:func:`measure_host_costs` as the sweep runs it: fp16 (fp32 on CPU, where a few calls
     keep test runs short: CPU "host cost" is compute time at these shapes)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedops.tools.bench_harness import CPU_NOTE, format_size
-from fusedops.tools.bench_host import format_host_costs
+from fusedops.tools.bench_host import TARGET_US
 from fusedops.tools.bench_ops import NOISE, OPS, annotate_speedups
 from fusedops.tools.bench_providers import PROVIDER_NAMES
 from fusedops.tools.cli import can_plot
@@ -376,31 +376,55 @@ def format_targets(result: dict) -> str:
     return "\n".join(lines)
 
 
-def format_host_latency(result: dict) -> str:
-    recs = result.get("host_latency") or []
-    if not recs:
-        return ""
-    provs = _providers_in(recs)
+def _per_call_table(recs: list[dict], key_names: list[str], key_of, provs: list[str],
+                    target: float | None = None) -> str:
+    """Rows of µs per call, one per ``key_of(record)``, a column per provider, then fusedops'
+    margin over torch (marked "(over)" beyond ``target``)."""
     grid: dict[tuple, dict[str, dict]] = {}
     for r in recs:
-        grid.setdefault((r["op"], "x".join(map(str, r["shape"])), r["dtype"]), {})[
-            r["provider"]] = r
-    head = ["op", "shape", "dtype"] + [f"{p} us" for p in provs] + ["fusedops - torch"]
+        grid.setdefault(key_of(r), {})[r["provider"]] = r
+    head = key_names + [f"{p} us" for p in provs] + ["fusedops - torch"]
     rows = []
-    for (op, shape, dt), row in grid.items():
-        cells = [op, shape, dt]
+    for key, row in grid.items():
+        cells = list(key)
         for p in provs:
             r = row.get(p)
             cells.append("-" if r is None else ("fail" if r.get("us_per_call") is None
                                                 else f"{r['us_per_call']:.1f}"))
-        fo = row.get("fusedops")
-        d = fo.get("delta_vs_torch_us") if fo else None
-        cells.append("-" if d is None else f"{d:+.1f}")
+        d = (row.get("fusedops") or {}).get("delta_vs_torch_us")
+        over = target is not None and d is not None and d > target
+        cells.append("-" if d is None else f"{d:+.1f}" + (" (over)" if over else ""))
         rows.append(cells)
+    return _render(head, rows)
+
+
+def _shape(r: dict) -> str:
+    return "x".join(map(str, r["shape"]))
+
+
+def format_host_latency(result: dict) -> str:
+    recs = result.get("host_latency") or []
+    if not recs:
+        return ""
+    table = _per_call_table(recs, ["op", "shape", "dtype"],
+                            lambda r: (r["op"], _shape(r), r["dtype"]), _providers_in(recs))
     title = ("wall time per call on CPU (µs; compute at these shapes, not host cost: the "
              "2 µs host target is a GPU target)" if is_cpu(result) else
              "host cost per call (wall time, µs; target: fusedops within 2 µs of torch)")
-    return title + "\n" + _render(head, rows)
+    return title + "\n" + table
+
+
+def format_host_costs(records: list[dict]) -> str:
+    """The table of :func:`fusedops.tools.bench_host.measure_host_costs` records: µs per call
+    per provider, by case, shape and mode, and fusedops' margin over torch against the target."""
+    if not records:
+        return ""
+    provs = [p for p in ("torch", "fusedops", "fusedops-kernel")
+             if any(r["provider"] == p for r in records)]
+    table = _per_call_table(records, ["case", "shape", "mode"],
+                            lambda r: (r["case"], _shape(r), r["mode"]), provs, TARGET_US)
+    return (f"host cost per call by mode (wall time, µs; target: fusedops within {TARGET_US:g} "
+            "µs of torch)\n" + table)
 
 
 def format_report(result: dict) -> str:
