@@ -156,7 +156,7 @@ def rmsnorm_backward(
     return dx, dw
 
 
-# --- epilogues (issue 8): scaled/masked/causal softmax, add + LayerNorm + dropout + activation ---
+# --- epilogues: scaled/masked/causal softmax, add + LayerNorm + dropout + activation ---
 
 
 def softmax_masked_forward(
