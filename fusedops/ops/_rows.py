@@ -51,3 +51,16 @@ def softmax_input(x: torch.Tensor, dtype: torch.dtype | None
     if dtype is None and autocast_fp32(x):
         return x, torch.float32
     return x, x.dtype
+
+
+def is_last_dim(normalized_shape: object, last: int) -> bool:
+    """Whether ``normalized_shape`` is an int or a 1-tuple (or Size) of an int equal to
+    ``last``, x's last dim: the replay tables' LayerNorm (over the last dim)."""
+    cls = normalized_shape.__class__
+    if cls is int:
+        n = normalized_shape
+    elif (cls is tuple or cls is torch.Size) and len(normalized_shape) == 1:
+        n = normalized_shape[0]
+    else:
+        return False
+    return n.__class__ is int and n == last

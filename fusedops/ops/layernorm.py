@@ -11,7 +11,7 @@ from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_layernorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
 from fusedops.ops import _dtensor, _library, _native
-from fusedops.ops._rows import as_rows, autocast_fp32
+from fusedops.ops._rows import as_rows, autocast_fp32, is_last_dim
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
@@ -178,7 +178,7 @@ def _fused(x, normalized_shape, weight, bias, eps, grad: bool):
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         run = _replay.LAYERNORM.get((x.shape, x.dtype, x.get_device(), eps))
-        if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
+        if run is not None and is_last_dim(normalized_shape, x.shape[-1]):
             y = run(x, weight, bias)
             if y is not None:
                 return y
@@ -208,7 +208,7 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
         if not grad and _dispatch.plain_eager():
             # An inference add + LayerNorm seen before, replayed (fusedops._replay).
             run = _replay.LAYERNORM_RESIDUAL.get((x.shape, x.dtype, x.get_device(), eps))
-            if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
+            if run is not None and is_last_dim(normalized_shape, x.shape[-1]):
                 pair = run(x, residual, weight, bias)
                 if pair is not None:
                     return pair
@@ -244,19 +244,6 @@ def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
         except _native.ERRORS:
             pass  # (the call below raises fusedops' error, naming the argument)
     return _native.layer_norm(s, normalize_shape(normalized_shape), weight, bias, eps), s
-
-
-def _is_last_dim(normalized_shape: object, last: int) -> bool:
-    """Whether ``normalized_shape`` is an int or a 1-tuple (or Size) of an int equal to
-    ``last``, x's last dim: the replay tables' LayerNorm (over the last dim)."""
-    cls = normalized_shape.__class__
-    if cls is int:
-        n = normalized_shape
-    elif (cls is tuple or cls is torch.Size) and len(normalized_shape) == 1:
-        n = normalized_shape[0]
-    else:
-        return False
-    return n.__class__ is int and n == last
 
 
 def _needs_grad(*tensors: object) -> bool:

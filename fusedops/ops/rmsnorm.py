@@ -11,9 +11,8 @@ from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_rmsnorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
 from fusedops.ops import _dtensor, _library, _native
-from fusedops.ops._rows import as_rows, autocast_fp32
+from fusedops.ops._rows import as_rows, autocast_fp32, is_last_dim
 from fusedops.ops._rows import flat_param as _flat
-from fusedops.ops.layernorm import _is_last_dim
 
 # F.rms_norm's eps=None: the machine epsilon of the type it computes in (float32 for 16-bit
 # and float32 inputs, float64 for float64).
@@ -141,7 +140,7 @@ def fused_rmsnorm(
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         run = _replay.RMSNORM.get((x.shape, x.dtype, x.get_device(),
                                    _EPS_FLOAT32 if eps is None else eps))
-        if run is not None and _is_last_dim(normalized_shape, x.shape[-1]):
+        if run is not None and is_last_dim(normalized_shape, x.shape[-1]):
             y = run(x, weight)
             if y is not None:
                 return y

@@ -98,6 +98,12 @@ def _check_flag(value: object, name: str) -> bool:
     return value
 
 
+def _check_patterns(value: object) -> bool | str:
+    if not (value is True or value is False or isinstance(value, str) and value == "attention"):
+        raise ValueError(f"patterns must be True, False or 'attention', got {value!r}")
+    return value
+
+
 def _probe_tensor(model: nn.Module, example_inputs: Any) -> torch.Tensor | None:
     for t in (*model.parameters(), *model.buffers()):
         if t.is_floating_point():
@@ -141,14 +147,11 @@ def patch_model(
             grad, same RNG state) and put per-op call counts and per-output differences in
             the report. A tensor is passed as ``model(x)``, a tuple/list as ``model(*args)``, a
             dict as ``model(**kwargs)``.
-        patterns: which epilogue patterns to fuse. ``"attention"`` (the default): the
-            softmax of attention, Hugging Face eager attention's ``softmax(scores * scaling +
-            mask)`` through Transformers' attention registry and ``softmax(t * c + m)`` in
-            forwards that torch.fx can trace exactly. ``True``: also ``LayerNorm(a + b)`` in
-            such forwards; a forward rewritten for that alone checks each call's size, which
-            costs host-bound models (small batches) a few percent while its fusion saves one
-            elementwise pass, so it is for large-batch inference (see ``docs/patching.md``);
-            by default such forwards are reported as left alone. ``False``: none.
+        patterns: ``"attention"`` (default): fuse the softmax of attention (Hugging Face eager
+            attention through Transformers' registry, ``softmax(t * c + m)`` in forwards that
+            torch.fx traces exactly). ``True``: also ``LayerNorm(a + b)`` in such forwards, for
+            large-batch inference (a forward rewritten for that alone costs host-bound models
+            its per-call size check; by default it is reported as left alone). ``False``: none.
         force: patch even where the model's tensors have no fused backend (e.g. on CPU): the
             patched calls then run PyTorch's own ops. Without it such a model is left as it is
             and the report says why.
@@ -165,9 +168,7 @@ def patch_model(
     ops = _check_ops(ops)
     exclude_arg, exclude_names, exclude_types = _check_exclude(exclude)
     functional = _check_flag(functional, "functional")
-    if not (patterns is True or patterns is False
-            or isinstance(patterns, str) and patterns == "attention"):
-        raise ValueError(f"patterns must be True, False or 'attention', got {patterns!r}")
+    patterns = _check_patterns(patterns)
     force = _check_flag(force, "force")
     owner = _owners.get(model)
     if owner is not None and model.__dict__.get(STATE_ATTR) is not owner:
@@ -178,19 +179,11 @@ def patch_model(
     for _, sub, excluded in tree.items():
         if sub is not model and not excluded and sub.__dict__.get(STATE_ATTR) is not None:
             unpatch_model(sub)  # the model's patch replaces a submodule's own (not excluded)
-
     backend, fused = _backend_of(_probe_tensor(model, example_inputs))
     report = PatchReport(model=type(model).__name__, ops=ops, functional=functional,
                          backend=backend)
     if not fused and not force:
-        report.applied = False
-        report.functional = False
-        report.reason = (
-            f"no fused backend runs this model's tensors ({backend.partition(' ')[2][1:-1]}); "
-            "the fused kernels run on CUDA (Triton) and Apple MPS (Metal). The model is left "
-            "as it is: it would only run the same PyTorch ops through more Python. "
-            "patch_model(model, force=True) patches it anyway.")
-        return report
+        return _left_alone(report)
     reference = None
     if example_inputs is not None:
         with verify.eval_no_grad(model):
@@ -198,19 +191,7 @@ def patch_model(
     state = PatchState(ops, functional, exclude_arg, patterns, force)
     report.excluded = tree.excluded_roots()
     report.unmatched_exclude = [e for e in exclude_names if e not in tree.used_names]
-    _swap_modules(state, report, tree)
-    if patterns is not False:
-        _patch_patterns(state, report, tree, add_layernorm=patterns is True)
-    if functional and ops:
-        _route_functions(state, report, tree)
-        # A hand-written norm that is not recognised but whose own calls are routed is fused.
-        routed = {r["name"] for r in report.routed_functions}
-        report.skipped = [s for s in report.skipped
-                          if not (s["op"] == "norm" and s["name"] in routed)]
-    if not (functional and ops):  # nothing routes a hand-written softmax module's calls
-        for s in report.skipped:
-            if s["op"] == "softmax" and s["reason"].endswith("(its functional calls are routed)"):
-                s["reason"] = "a hand-written softmax module, not nn.Softmax: left alone"
+    _apply(state, report, tree)
     object.__setattr__(model, STATE_ATTR, state)
     for _, m, excluded in tree.items():
         if not excluded:
@@ -218,6 +199,35 @@ def patch_model(
     if example_inputs is not None:
         report.verification = _verify(model, state, example_inputs, reference)
     return report
+
+
+def _left_alone(report: PatchReport) -> PatchReport:
+    """``report`` of a model no fused backend runs, left as it is."""
+    report.applied = False
+    report.functional = False
+    report.reason = (
+        f"no fused backend runs this model's tensors ({report.backend.partition(' ')[2][1:-1]}); "
+        "the fused kernels run on CUDA (Triton) and Apple MPS (Metal). The model is left "
+        "as it is: it would only run the same PyTorch ops through more Python. "
+        "patch_model(model, force=True) patches it anyway.")
+    return report
+
+
+def _apply(state: PatchState, report: PatchReport, tree: _Tree) -> None:
+    """The three mechanisms of the module docstring, in order, on ``tree``."""
+    _swap_modules(state, report, tree)
+    if state.patterns is not False:
+        _patch_patterns(state, report, tree, add_layernorm=state.patterns is True)
+    if state.functional and state.ops:
+        _route_functions(state, report, tree)
+        # A hand-written norm that is not recognised but whose own calls are routed is fused.
+        routed = {r["name"] for r in report.routed_functions}
+        report.skipped = [s for s in report.skipped
+                          if not (s["op"] == "norm" and s["name"] in routed)]
+    else:  # nothing routes a hand-written softmax module's calls
+        for s in report.skipped:
+            if s["op"] == "softmax" and s["reason"].endswith("(its functional calls are routed)"):
+                s["reason"] = "a hand-written softmax module, not nn.Softmax: left alone"
 
 
 class _Tree:

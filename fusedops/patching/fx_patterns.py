@@ -86,13 +86,12 @@ def _global_ok(obj: Any) -> bool:
         or obj is torch.Tensor
 
 
-def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
-    """(info, None) when ``type(module).forward`` can be traced exactly, else (None, why)."""
-    cls = type(module)
+def _plain_forward(module: nn.Module) -> tuple[types.FunctionType | None, str | None]:
+    """(the class's forward, None) when its signature and form can be traced, else (None, why)."""
     own = module.__dict__.get("forward")
     if own is not None and not isinstance(own, GraphForward):  # (ours: rebuilding after load)
         return None, "has an instance-level forward"
-    fn = cls.forward
+    fn = type(module).forward
     if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__"):
         return None, "forward is wrapped or not a plain function"
     code = fn.__code__
@@ -103,9 +102,31 @@ def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
         return None, "forward is a closure"
     if code.co_kwonlyargcount:
         return None, "forward has keyword-only arguments"
-    argnames = code.co_varnames[:code.co_argcount]
-    if not argnames:
+    if not code.co_argcount:
         return None, "forward has no self"
+    return fn, None
+
+
+def _child_read_why(module: nn.Module, attr: str, after: Any) -> str | None:
+    """Why ``self.<attr>.<after>`` (``attr`` a child) cannot be traced, or None."""
+    if after is None or after.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+        return None
+    # self.child.x: a child's parameter/buffer/submodule stays live; anything else (a number,
+    # a method such as a cache's update) would be baked in.
+    child = module._modules[attr]
+    if after.argval not in child._parameters and after.argval not in child._buffers and \
+            after.argval not in child._modules:
+        return f"forward reads self.{attr}.{after.argval}, which a trace would bake in unguarded"
+    return None
+
+
+def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
+    """(info, None) when ``type(module).forward`` can be traced exactly, else (None, why)."""
+    fn, why = _plain_forward(module)
+    if fn is None:
+        return None, why
+    code = fn.__code__
+    argnames = code.co_varnames[:code.co_argcount]
     self_name, params = argnames[0], set(argnames[1:])
     instrs = [i for i in dis.get_instructions(code)
               if i.opname not in ("CACHE", "EXTENDED_ARG", "NOP", "RESUME", "PRECALL")]
@@ -162,16 +183,9 @@ def check_forward(module: nn.Module) -> tuple[ForwardInfo | None, str | None]:
             if attr in module._parameters or attr in module._buffers:
                 continue
             if attr in children:
-                after = instrs[k + 2] if k + 2 < len(instrs) else None
-                if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                    # self.child.x: a child's parameter/buffer/submodule stays live; anything
-                    # else (a number, a method such as a cache's update) would be baked in.
-                    child = children[attr]
-                    if after.argval not in child._parameters and \
-                            after.argval not in child._buffers and \
-                            after.argval not in child._modules:
-                        return None, (f"forward reads self.{attr}.{after.argval}, which a trace "
-                                      "would bake in unguarded")
+                why = _child_read_why(module, attr, instrs[k + 2] if k + 2 < len(instrs) else None)
+                if why is not None:
+                    return None, why
                 continue
             if not hasattr(module, attr):
                 return None, f"forward reads a missing attribute self.{attr}"

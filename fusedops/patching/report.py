@@ -145,12 +145,13 @@ class PatchReport:
         if self.unmatched_exclude:
             lines += ["", "Warning: exclude entries that matched nothing: "
                       + ", ".join(self.unmatched_exclude)]
+        return "\n".join(lines + ["", *self._verification_lines()])
+
+    def _verification_lines(self) -> list[str]:
         v = self.verification
-        lines.append("")
         if v is None:
-            lines.append("Verification: not run (pass example_inputs=... to run one forward).")
-            return "\n".join(lines)
-        lines.append(f"Verification ({v['mode']}; backend: {v['backend']}):")
+            return ["Verification: not run (pass example_inputs=... to run one forward)."]
+        lines = [f"Verification ({v['mode']}; backend: {v['backend']}):"]
         calls = v.get("module_calls")
         if calls is not None:
             lines.append("  swapped module calls: "
@@ -178,7 +179,7 @@ class PatchReport:
                 for o in v["outputs"]
             ],
         )
-        return "\n".join(lines)
+        return lines
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
