@@ -192,17 +192,21 @@ def backend_for(x: torch.Tensor) -> Backend:
 # its kernel saves on the GPU, so it could only lose where the model is host-bound (which calls
 # this small make it) and gain little where it is not. Per-call host and GPU times of both:
 # benchmarks/results/h200/host_costs.json; whole models: benchmarks/results/h200/models.json
-# (BERT at 8x512 is host-bound: its add + LayerNorm epilogues lose below 2^23 elements). The
-# masked softmax of attention, though it replaces several ops, cost host-bound BERT-base and
-# GPT-2 a few percent of a forward when fused at 1x128 and 8x512 (2^17-2^24.6 elements per
-# call) and gains at 32x512 (2^26.6): it runs fused from 2^25 (models.json: level at the former,
-# 0.84 at the latter). Calls with dropout always run fused (the mask's generator is in the op).
+# (BERT at 8x512 is host-bound: its add + LayerNorm epilogues lose below 2^23 elements). A
+# masked softmax call runs fused at every size: its exact composition in torch ops (scale, mask,
+# softmax, rows with nothing kept set to zero) costs the host more than the replayed kernel
+# (benchmarks/results/h200/host.txt). Inside a Hugging Face model, though, the fused attention
+# cost host-bound BERT-base and GPT-2 a few percent of a forward at 1x128 and 8x512 (2^17-2^24.6
+# scores per call) and gains at 32x512 (2^26.6): patch_model's attention function runs the
+# model's own below 2^25 ("attention"; models.json: level at the former, 0.84 at the latter).
+# Calls with dropout always run fused (the mask's generator is part of the op).
 NATIVE_BELOW: dict[tuple[str, bool], int] = {
     ("softmax", False): 1 << 22, ("softmax", True): 1 << 24,
     ("layernorm", False): 1 << 22, ("layernorm", True): 1 << 26,
     ("rmsnorm", False): 1 << 22, ("rmsnorm", True): 1 << 26,
     ("layernorm_epilogue", False): 1 << 23, ("layernorm_epilogue", True): 1 << 26,
-    ("softmax_masked", False): 1 << 25, ("softmax_masked", True): 1 << 25,
+    ("softmax_masked", False): 0, ("softmax_masked", True): 0,
+    ("attention", False): 1 << 25, ("attention", True): 1 << 25,
     ("dropout", False): 0, ("dropout", True): 0,
 }
 _NEVER_NATIVE = dict.fromkeys(NATIVE_BELOW, 0)

@@ -76,12 +76,16 @@ def test_size_rule_table_for_cuda_keys():
     with fusedops.use_backend("triton"):
         assert _dispatch.size_rule("softmax", (True, torch.bfloat16, True)) == 0
     # A grad-needing call waits for sizes at least as large as an inference call (its host
-    # cost is higher); a BERT-base attention block of 8x512 tokens (2^24.6 scores) stays
-    # native, one of 32x512 runs fused.
-    for op in ("softmax", "layernorm", "rmsnorm", "layernorm_epilogue", "softmax_masked"):
+    # cost is higher). A masked softmax call is always fused (its exact composition costs more);
+    # patch_model's attention keeps a BERT-base block of 8x512 tokens (2^24.6 scores) on the
+    # model's own function and fuses one of 32x512.
+    for op in ("softmax", "layernorm", "rmsnorm", "layernorm_epilogue", "softmax_masked",
+               "attention"):
         assert _dispatch.NATIVE_BELOW[op, True] >= _dispatch.NATIVE_BELOW[op, False]
-    assert 8 * 12 * 512 * 512 < _dispatch.NATIVE_BELOW["softmax_masked", False] \
-        <= 32 * 12 * 512 * 512
+    assert _dispatch.NATIVE_BELOW["softmax_masked", True] == 0
+    for grad in (False, True):
+        assert 8 * 12 * 512 * 512 < _dispatch.NATIVE_BELOW["attention", grad] \
+            <= 32 * 12 * 512 * 512
 
 
 def test_forced_reference_runs_fusedops_functions():

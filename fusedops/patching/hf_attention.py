@@ -96,7 +96,7 @@ def _eager(module: nn.Module) -> tuple[Any, bool]:
     return found
 
 
-_MASKED_RULES = _dispatch.SIZE_RULES["softmax_masked"]
+_ATTENTION_RULES = _dispatch.SIZE_RULES["attention"]
 _grad_enabled = torch.is_grad_enabled
 _native_now = _dispatch.native_now
 _stack_depth = torch._C._len_torch_function_stack
@@ -122,9 +122,9 @@ def fused_eager_attention(
     grad = (query.requires_grad or key.requires_grad) and _grad_enabled()
     rule = (True, query.dtype, grad) if query.is_cuda else (
         "cpu" if query.is_cpu else query.device.type, query.dtype, grad)
-    below = _MASKED_RULES.get(rule)
+    below = _ATTENTION_RULES.get(rule)
     if below is None:
-        below = _dispatch.size_rule("softmax_masked", rule)
+        below = _dispatch.size_rule("attention", rule)
     if (query.ndim != 4 or attention_mask is not None and attention_mask.ndim != 4
             or shape[0] * shape[1] * shape[2] * key.shape[-2] < below or _native_now()
             or kwargs and not _DELEGATED_KWARGS.isdisjoint(kwargs)
