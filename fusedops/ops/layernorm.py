@@ -16,6 +16,7 @@ from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
 _RULES = _dispatch.SIZE_RULES["layernorm"]
+_EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
@@ -201,9 +202,20 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
     if residual is not None and activation is None and dropout_p == 0.0 \
             and x.__class__ is torch.Tensor and eps.__class__ is float \
             and training.__class__ is bool:
-        # A plain add + LayerNorm: the size rule first (host cost per call), then a replay.
-        grad = _grad_enabled() and _needs_grad(x, weight, bias, residual)
-        if _dispatch.runs_native("layernorm_epilogue", x, grad):
+        # A plain add + LayerNorm: the size rule first, inline (host cost per call), then a
+        # replay.
+        try:
+            grad = (x.requires_grad or residual.requires_grad
+                    or weight is not None and weight.requires_grad
+                    or bias is not None and bias.requires_grad) and _grad_enabled()
+        except AttributeError:  # (a bad argument: the checks below name it)
+            grad = _grad_enabled() and _needs_grad(x, weight, bias, residual)
+        key = (True, x.dtype, grad) if x.is_cuda else (
+            "cpu" if x.is_cpu else x.device.type, x.dtype, grad)
+        below = _EPILOGUE_RULES.get(key)
+        if below is None:
+            below = _dispatch.size_rule("layernorm_epilogue", key)
+        if x.numel() < below or _native_now():
             return _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual)
         if not grad and _dispatch.plain_eager():
             # An inference add + LayerNorm seen before, replayed (fusedops._replay).
