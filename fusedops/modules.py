@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fusedops import _dispatch
+from fusedops.ops._native import ERRORS
 from fusedops.ops.layernorm import fused_layernorm
 from fusedops.ops.rmsnorm import fused_rmsnorm
 from fusedops.ops.softmax import fused_softmax
@@ -15,6 +16,7 @@ from fusedops.ops.softmax import fused_softmax
 # read inline (one lookup, one size test): a patched model makes these calls per layer.
 _LN_RULES = _dispatch.SIZE_RULES["layernorm"]
 _RMS_RULES = _dispatch.SIZE_RULES["rmsnorm"]
+
 
 
 class FusedSoftmax(nn.Softmax):
@@ -40,15 +42,21 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, bias, eps = self.weight, self.bias, self.eps
-        if input.__class__ is torch.Tensor and eps.__class__ is float and eps >= 0.0 \
-                and input.numel() < _LN_RULES.get(
-                (True, input.dtype, False) if input.is_cuda else (
-                    "cpu" if input.is_cpu else input.device.type, input.dtype, False), 0) \
-                and (weight is None or weight.dtype is input.dtype) \
-                and (bias is None or bias.dtype is input.dtype):
-            # torch's op, reached in fewer calls than nn.LayerNorm's own forward makes (a
-            # patched model's host cost); what it does with the arguments is torch's module's.
-            return torch.layer_norm(input, self.normalized_shape, weight, bias, eps)
+        if input.__class__ is torch.Tensor and eps.__class__ is float and eps >= 0.0:
+            key = (True, input.dtype, False) if input.is_cuda else (
+                "cpu" if input.is_cpu else input.device.type, input.dtype, False)
+            below = _LN_RULES.get(key)
+            if below is None:  # (first sight, also where only autograd calls come)
+                below = _dispatch.size_rule("layernorm", key)
+            if input.numel() < below and (weight is None or weight.dtype is input.dtype) \
+                    and (bias is None or bias.dtype is input.dtype):
+                # torch's op, reached in fewer calls than nn.LayerNorm's own forward makes (a
+                # patched model's host cost). Where torch raises, the call below raises
+                # fusedops' error, naming the argument.
+                try:
+                    return torch.layer_norm(input, self.normalized_shape, weight, bias, eps)
+                except ERRORS:
+                    pass
         return fused_layernorm(input, self.normalized_shape, weight, bias, eps)
 
 
@@ -61,10 +69,15 @@ class FusedRMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, eps = self.weight, self.eps
-        if x.__class__ is torch.Tensor and (eps is None or eps.__class__ is float and eps >= 0.0) \
-                and x.numel() < _RMS_RULES.get(
-                (True, x.dtype, False) if x.is_cuda else (
-                    "cpu" if x.is_cpu else x.device.type, x.dtype, False), 0) \
-                and (weight is None or weight.dtype is x.dtype):
-            return torch.rms_norm(x, self.normalized_shape, weight, eps)  # (as above)
+        if x.__class__ is torch.Tensor and (eps is None or eps.__class__ is float and eps >= 0.0):
+            key = (True, x.dtype, False) if x.is_cuda else (
+                "cpu" if x.is_cpu else x.device.type, x.dtype, False)
+            below = _RMS_RULES.get(key)
+            if below is None:
+                below = _dispatch.size_rule("rmsnorm", key)
+            if x.numel() < below and (weight is None or weight.dtype is x.dtype):
+                try:  # (as above)
+                    return torch.rms_norm(x, self.normalized_shape, weight, eps)
+                except ERRORS:
+                    pass
         return fused_rmsnorm(x, self.normalized_shape, weight, eps)
