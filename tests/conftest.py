@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 # The Triton kernels run on CPU tensors through the interpreter; this must be set before Triton
@@ -181,12 +182,17 @@ def triton_on_cpu(triton_backend):
     yield
 
 
-@pytest.fixture(scope="session")
+@functools.cache
+def _metal_lib():
+    emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
+    return emu.load()
+
+
+@pytest.fixture
 def metal_lib():
     """The shipped Metal shaders compiled for the CPU emulation (tests/metal_emu; built once,
     cached on disk), loaded once per test process."""
-    emu = pytest.importorskip("metal_emu.emu", reason="needs the Metal emulation helper")
-    return emu.load()
+    return _metal_lib()
 
 
 @pytest.fixture
