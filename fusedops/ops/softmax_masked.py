@@ -70,9 +70,9 @@ def compose(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None, 
 
 def native(x: torch.Tensor, dim: int, scale: float, mask: torch.Tensor | None,
            out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`compose` without causal, in the fewest torch calls (the path of calls below the
-    size rule: host cost per call): scale and mask in one add, the softmax, and the rows with
-    nothing kept set to zero."""
+    """:func:`compose` without causal, in the fewest torch calls (the path where no fused backend
+    runs ``x``): scale and mask in one add, the softmax, and the rows with nothing kept set to
+    zero."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa = x if x.dtype == acc else x.to(acc)
     if mask is None:
