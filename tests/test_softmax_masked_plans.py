@@ -205,10 +205,48 @@ def test_ops_layer_replays_inference_masked_softmax(masked_runner, monkeypatch):
     with torch.no_grad(), pytest.raises(LookupError, match="ran the checks"):
         fusedops.fused_softmax(x, -1, scale=1, mask=m)  # an int scale: not the signature's
     with pytest.raises(LookupError, match="ran the checks"):
-        fusedops.fused_softmax(x.requires_grad_(), -1, scale=0.25, mask=m)
-    x.requires_grad_(False)
+        fusedops.fused_softmax(x, -1, scale=0.25, mask=m.clone().requires_grad_())
     with torch.no_grad(), fusedops.count_fused_calls(), pytest.raises(LookupError):
         fusedops.fused_softmax(x, -1, scale=0.25, mask=m)
+
+
+def test_ops_layer_replays_training_masked_softmax(monkeypatch):
+    """A call needing x's gradient whose signature has a runner replays the forward through
+    ReplayedMaskedSoftmax (no checks, the runner's output) and gets the masked softmax's
+    gradient from the usual backward; where the runner declines the tensors (returns None),
+    the launch rules run instead. (A stand-in runner: replayed launches need CUDA tensors.)"""
+    from fusedops import _replay
+
+    x = torch.randn(2, 3, 5, 48, dtype=torch.float64)
+    m = _mask("float", (2, 1, 1, 48), dtype=torch.float64)
+    dy = torch.randn(x.shape, dtype=torch.float64)
+    ran = []
+
+    def run(xr, mr):
+        ran.append(xr)
+        return None if len(ran) > 1 else torch.softmax(xr.detach() * 0.25 + mr, -1)
+
+    def checks(*args):
+        raise LookupError("the call ran the checks")
+
+    key = (x.shape, x.dtype, -1, 0.25, False, (m.shape, m.stride(), m.dtype))
+    monkeypatch.setitem(_replay.SOFTMAX_MASKED, key, run)
+    monkeypatch.setattr(fusedops.ops.softmax_masked, "check_mask_args", checks)
+    xr = x.clone().requires_grad_()
+    y = fusedops.fused_softmax(xr, -1, scale=0.25, mask=m)
+    assert len(ran) == 1 and y.grad_fn.__class__.__name__.startswith("ReplayedMaskedSoftmax")
+    dx, = torch.autograd.grad(y, xr, dy)
+    r = x.clone().requires_grad_()
+    want = torch.softmax(r * 0.25 + m, -1)
+    want_dx, = torch.autograd.grad(want, r, dy)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(dx, want_dx)
+    y2 = fusedops.fused_softmax(x.clone().requires_grad_(), -1, scale=0.25, mask=m)
+    assert len(ran) == 2  # declined: the launch rules ran the call
+    torch.testing.assert_close(y2, want)
+    with torch.no_grad():  # a mask needing its gradient: the normal path, with its checks
+        with pytest.raises(LookupError, match="ran the checks"):
+            fusedops.fused_softmax(xr, -1, scale=0.25, mask=m.clone().requires_grad_())
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
@@ -233,8 +271,8 @@ def test_masked_ops_runner_declines_what_the_signature_does_not_fix(masked_runne
 def test_masked_ops_runner_registration(recording_entries, monkeypatch, launch_rules):
     """What gets a runner: inference calls on 4-d scores whose views the kernel reads are the
     caller's tensors. A float64 mask (converted for the kernel) is marked False; a strided x
-    (copied) is asked again; other ranks, training calls, CPU tensors and plans off register
-    nothing usable."""
+    (copied) is asked again; other ranks, CPU tensors and plans off register
+    nothing usable; training calls register as inference calls do."""
     from fusedops import _replay
 
     m64 = _mask("float", (2, 1, 1, 48), dtype=torch.float64)
@@ -255,9 +293,9 @@ def test_masked_ops_runner_registration(recording_entries, monkeypatch, launch_r
         (sig,) = _replay.SOFTMAX_MASKED
         assert sig == ((2, 3, 5, 48), F32, -1, 1.0, True, None) and _replay.SOFTMAX_MASKED[sig]
         _replay.SOFTMAX_MASKED.clear()
-        with torch.enable_grad():  # a training call (the Function's forward) registers nothing
+        with torch.enable_grad():  # a training call (the Function's forward) registers too
             fusedops.fused_softmax(torch.randn(2, 3, 5, 48, requires_grad=True), -1, causal=True)
-        assert not _replay.SOFTMAX_MASKED
+        assert list(_replay.SOFTMAX_MASKED) == [sig]
         launch_rules("softmax_masked", PLANS=False)
         fusedops.fused_softmax(torch.randn(2, 3, 5, 48), -1, causal=True)
         assert not _replay.SOFTMAX_MASKED

@@ -105,13 +105,12 @@ def _as_4d(x: torch.Tensor, mask: torch.Tensor | None):
     return x4, mask4
 
 
-def _forward(x, mask, scale, causal, out_dtype, inference=False):
+def _forward(x, mask, scale, causal, out_dtype):
     x4, mask4 = _as_4d(x, mask)
     backend, fn = _backend_fn(x4, "softmax_masked_forward")
     _dispatch.record("softmax_masked_forward", backend)
     y = fn(x4, mask4, scale, causal, out_dtype)
-    if inference and x.dim() == 4 and out_dtype is x.dtype:
-        # (Only inference calls can take the replay: training calls skip registering.)
+    if x.dim() == 4 and out_dtype is x.dtype:
         _register_replay(backend, x, mask, x4, mask4, scale, causal)
     return y if y.shape == x.shape else y.view(x.shape)
 
@@ -183,23 +182,48 @@ class MaskedSoftmaxFunction(torch.autograd.Function):
         return dx2.view(y.shape), None, None, None, None
 
 
+class ReplayedMaskedSoftmax(MaskedSoftmaxFunction):
+    """:class:`MaskedSoftmaxFunction` for a call whose signature ran before and whose mask
+    needs no gradient: the forward replays that call's launch (``fusedops._replay``), the
+    backward is the same. ``apply(x, mask, scale, causal, run)``."""
+
+    @staticmethod
+    def forward(ctx, x, mask, scale, causal, run):
+        y = run(x, mask)
+        if y is None:  # (the runner declined this call's tensors: the launch rules)
+            y = _forward(x, mask, scale, causal, x.dtype)
+        ctx.save_for_backward(y)
+        ctx.scale = scale
+        ctx.in_dtype = x.dtype
+        ctx.mask_meta = None
+        return y
+
+
+_grad_enabled = torch.is_grad_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
 def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: float | None,
                    mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """fused_softmax's path for scale/mask/causal (its arguments as the user gave them)."""
     if x.__class__ is torch.Tensor and dtype is None and dim.__class__ is int and dim == -1 \
             and (scale is None or scale.__class__ is float) and causal.__class__ is bool \
-            and (mask is None or mask.__class__ is torch.Tensor) and _dispatch.plain_eager() \
-            and (not torch.is_grad_enabled() or not x.requires_grad
-                 and (mask is None or not mask.requires_grad)):
-        # An inference call seen before, replayed (fusedops._replay): no checks or launch
-        # rules. (Exact classes: a bool scale or a non-bool causal must still raise.)
+            and (mask is None or mask.__class__ is torch.Tensor and not mask.requires_grad) \
+            and _dispatch.plain_eager():
+        # A call seen before, replayed (fusedops._replay): no checks or launch rules; with
+        # grad, through the lean Function above. (Exact classes: a bool scale or a non-bool
+        # causal must still raise.)
         run = _replay.SOFTMAX_MASKED.get((
             x.shape, x.dtype, x.get_device(), 1.0 if scale is None else scale, causal,
             None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
         if run:
-            y = run(x, mask)
-            if y is not None:
-                return y
+            if not (x.requires_grad and _grad_enabled()):
+                y = run(x, mask)
+                if y is not None:
+                    return y
+            elif not _functorch_active():
+                return ReplayedMaskedSoftmax.apply(x, mask, 1.0 if scale is None else scale,
+                                                   causal, run)
     check_float_tensor(x, "x")
     dim = normalize_dim(dim, x.dim())
     dtype = check_float_dtype(dtype)
@@ -221,4 +245,4 @@ def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: 
         return compose(x, dim, scale, mask, causal, out_dtype)
     if grad:
         return MaskedSoftmaxFunction.apply(x, mask, scale, causal, out_dtype)
-    return _forward(x, mask, scale, causal, out_dtype, inference=True)
+    return _forward(x, mask, scale, causal, out_dtype)

@@ -96,12 +96,13 @@ def _kernel_backend(device: str) -> str | None:
     return {"cuda": "triton", "mps": "metal"}.get(device)
 
 
-def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 1000, repeats: int = 7,
+def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 500, repeats: int = 15,
                        warmup: int = 100, cases: Sequence[tuple[str, Sequence[int]]] = CASES,
                        modes: Sequence[str] = MODES) -> list[dict]:
     """Wall time per call (µs) of each case, mode and provider: ``calls`` back-to-back calls
     after a warm-up, one synchronisation at the end, the median of ``repeats`` runs (providers
-    take turns run by run, so a drifting host moves them alike). Returns one record per
+    take turns run by run, in rotating order; ``delta_vs_torch_us`` is the median of the
+    runs' paired differences, see :func:`_time_runs`). Returns one record per
     (case, shape, mode, provider) with ``us_per_call``, ``us_min``, ``delta_vs_torch_us`` and
     ``within_target`` (fusedops only)."""
     tdtype = DTYPES[dtype]
@@ -133,23 +134,31 @@ def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 1000, repe
                     runs.append((rec, step, forced, []))
                 except Exception as exc:
                     rec["error"] = short_error(exc)
-            for _ in range(repeats):
-                for _rec, step, forced, times in runs:
-                    with _dispatch.use_backend(forced) if forced else contextlib.nullcontext():
-                        t0 = time.perf_counter()
-                        for _ in range(calls):
-                            step()
-                        synchronize(device)
-                    times.append((time.perf_counter() - t0) / calls * 1e6)
-            for rec, _, _, times in runs:
-                rec["us_per_call"], rec["us_min"] = statistics.median(times), min(times)
-            base = next((r["us_per_call"] for r, *_ in runs if r["provider"] == "torch"), None)
-            for rec, *_ in runs:
-                if base is not None and rec["us_per_call"] is not None:
-                    rec["delta_vs_torch_us"] = rec["us_per_call"] - base
-                if rec["provider"] == "fusedops" and rec["delta_vs_torch_us"] is not None:
-                    rec["within_target"] = rec["delta_vs_torch_us"] <= TARGET_US
+            _time_runs(runs, repeats, calls, device)
     return out
+
+
+def _time_runs(runs: list, repeats: int, calls: int, device: str) -> None:
+    """Time each provider's ``calls`` back-to-back calls ``repeats`` times, the providers' order
+    rotating run by run; the delta against torch is the median of the runs' paired differences
+    (a host whose speed drifts between runs moves both sides of a pair alike)."""
+    for r in range(repeats):
+        for _rec, step, forced, times in runs[r % len(runs):] + runs[:r % len(runs)]:
+            with _dispatch.use_backend(forced) if forced else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                synchronize(device)
+            times.append((time.perf_counter() - t0) / calls * 1e6)
+    for rec, _, _, times in runs:
+        rec["us_per_call"], rec["us_min"] = statistics.median(times), min(times)
+    base = next((t for r, _, _, t in runs if r["provider"] == "torch"), None)
+    for rec, _, _, times in runs:
+        if base is not None:
+            pairs = zip(times, base, strict=True)
+            rec["delta_vs_torch_us"] = statistics.median([a - b for a, b in pairs])
+        if rec["provider"] == "fusedops" and rec["delta_vs_torch_us"] is not None:
+            rec["within_target"] = rec["delta_vs_torch_us"] <= TARGET_US
 
 
 def host_costs_for_sweep(device: str, calls: int | None) -> list[dict]:
