@@ -46,7 +46,7 @@ def rms_fwd_single(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     if HAS_W and HOLD_W:
-        _, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
+        pid_rows, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
         w = body_weight(w_ptr, pid_head, w_ld, cols, N, VEC)[None, :]
     for tile in range(pid, num_tiles, num_progs):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
@@ -67,8 +67,8 @@ def rms_fwd_single(
             if not HOLD_W:
                 w = body_weight(w_ptr, head, w_ld, cols, N, VEC)[None, :]
             y = y * w
-        offs_y, _ = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
-        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        offs_y, mask_y = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask_y)
         if VEC > 0:
             ye = xe * rstd[:, None]
             if HAS_W:  # (row 0 of shifted copies is the weight itself)

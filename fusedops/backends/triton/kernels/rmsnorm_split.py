@@ -76,7 +76,7 @@ def rms_fwd_split(
         offs, mask, pos = split_piece(row, chunk, L, N, stride_x, BLOCK, VEC)
         if PREFETCH > 0:
             x = x_next.to(tl.float32)
-            n_offs, n_mask, _ = split_piece(row + step, chunk, L, N, stride_x, BLOCK, VEC)
+            n_offs, n_mask, n_pos = split_piece(row + step, chunk, L, N, stride_x, BLOCK, VEC)
             # (a vector test: the interpreter rejects a scalar-and-vector mask)
             n_mask = n_mask & (lanes * 0 + item + num_progs < num_items)
             if PREFETCH == 1:
@@ -104,8 +104,8 @@ def rms_fwd_split(
                 y = y * w
             else:  # (per row, from L2: the registers go to the piece and its prefetch)
                 y = y * tl.load(w_ptr + pos, mask=mask, other=0.0).to(tl.float32)
-        offs_y, _, _ = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
-        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
+        offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask_y)
         if VEC > 0:
             ye = xe * rstd
             if HAS_W:
@@ -151,7 +151,7 @@ def rms_bwd_split(
     if VEC > 0:
         head, body = split_head(pid // C, N, stride_x, VEC)
         cmask = (lanes < L) & (pos < body)
-        _, emask, ecols = piece_edges(pid // C, pid % C, N, stride_x, VEC)
+        e_offs, emask, ecols = piece_edges(pid // C, pid % C, N, stride_x, VEC)
         if HAS_W:
             we = tl.load(w_ptr + ecols, mask=emask, other=0.0).to(tl.float32)
         dwe_acc = tl.zeros([2 * VEC], tl.float32)
@@ -203,7 +203,7 @@ def rms_bwd_split(
                 s += tl.sum(xhe * ge, axis=0)
             if CLUSTER:
                 token = cluster_publish(s, s, pid % C, parity, C)
-                sums, _ = cluster_peer_sums(peers, parity, token, C)
+                sums, sums2 = cluster_peer_sums(peers, parity, token, C)
                 parity = 1 - parity
                 if PREFETCH >= 2:
                     x_next, dy_next = piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
