@@ -144,18 +144,17 @@ RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16), (2, 32768): (8192, 32),
 }
 
-# Split-row forward: (element size, rows start aligned) -> (largest piece, warps, PREFETCH).
-# LayerNorm's split_config("fwd") (H200 unless noted): aligned float32 8192 on 4 warps
-# prefetching before publishing (64K / 128K / 256K: 2.96 / 2.85 / 2.72 TB/s vs 2.25 / 2.09 /
-# 1.79 at 4096 x 4), 16-bit 8192 on 8 warps (bf16 128K: 2.23 vs 2.08 on 4); unaligned rows
-# (aligned-body pieces) 8192 on 4 warps prefetching between publishing and waiting (H100, N =
-# 65537: bf16 1.56 vs 1.38 at 16384 x 16, float32 1.86 vs 1.76).
+# Split-row forward: (element size, rows start aligned) -> (largest piece, warps, PREFETCH);
+# rows without a rule stream looped. LayerNorm's split_config("fwd") configurations: aligned
+# float32 8192 on 4 warps prefetching before publishing, unaligned rows (aligned-body pieces)
+# 8192 on 4 warps prefetching between publishing and waiting. H200, TB/s against the looped
+# kernel: float32 64K 3.18 vs 2.62, 128K 3.07 vs 2.41, 256K 2.87 vs 2.59, 65537 2.80 vs 2.29;
+# bf16 65537 2.13 vs 1.63. Aligned 16-bit rows stay looped (the two-pass RMSNorm loop reads
+# the row back from L2): bf16 64K 2.70 vs 2.43 split on 8192 x 8, 128K 2.61 vs 2.30.
 SPLIT_FWD: dict[tuple[int, bool], tuple[int, int, int]] = {
-    (2, True): (8192, 8, 1), (4, True): (8192, 4, 1),
-    (2, False): (8192, 4, 3), (4, False): (8192, 4, 3),
+    (4, True): (8192, 4, 1), (2, False): (8192, 4, 3), (4, False): (8192, 4, 3),
 }
-# Aligned 16-bit rows longer than this stream faster looped (LayerNorm: 256K 2.37 vs 2.00).
-SPLIT_FWD_MAX_16BIT = 131072
+
 
 # Split-row backward, aligned rows: element size -> ((longest row, (piece, warps, PREFETCH,
 # register cap)), ...), the first that holds. LayerNorm's split_config("bwd"): 16-bit up to
@@ -266,7 +265,7 @@ def split_fwd_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
                      device: torch.device) -> FwdConfig | None:
     """The split-row forward for rows of ``n`` (aligned-body pieces with ``vec`` > 0), or None
     where it does not run (SPLIT_FWD, SPLIT_ROWS_MIN, not CUDA, switched off)."""
-    if n < SPLIT_ROWS_MIN or (rows_aligned and elt_size == 2 and n > SPLIT_FWD_MAX_16BIT):
+    if n < SPLIT_ROWS_MIN:
         return None
     rule = SPLIT_FWD.get((elt_size, rows_aligned))
     if rule is None or not split_rows_enabled(device, n, rule[0]):
