@@ -1,31 +1,53 @@
-"""Triton RMSNorm kernels (forward; backward dx + dweight) and their launch wrappers.
+"""Triton RMSNorm: the forward's host code and the backend's RMSNorm entry points (the
+backward's host code is ``rmsnorm_bwd.py``). Rules: ``configs/rmsnorm.py`` (``forward_config``,
+``backward_config``); kernels: ``kernels/rmsnorm.py``, ``kernels/rmsnorm_split.py``.
 
 RMSNorm is LayerNorm without the mean and the bias: rstd = 1 / sqrt(mean(x²) + eps) (float32),
 y = x · rstd · weight. Bytes moved (the floor): forward reads x once and writes y once
 (2·M·N·elt, plus the weight and 4·M bytes of rstd); backward reads x and dy once and writes dx
 once (3·M·N·elt, plus the weight, rstd and the float32 dweight partials).
 
-* Forward, single-block (padded rows up to the ``ln_fwd`` single-block limit, 32K): ``ROWS``
-  whole rows per program in registers, float32 sum of squares, one read and one write. Launch
-  rules: LayerNorm forward's (``row_config`` / ``grid_size`` of kind ``ln_fwd``: one program
-  per row tile up to 8K columns, a persistent grid above), measured for LayerNorm, not yet for
-  RMSNorm. ``STATS`` (constexpr) drops the rstd store for inference calls.
-* Forward, looped (longer rows): one program per row; pass 1 sums squares chunk by chunk
-  (keeping the row in L2), pass 2 reads it again and writes y.
+Unaligned rows (a row start not 16-byte aligned: N not a multiple of 16 bytes, e.g. 2^k + 1,
+in a contiguous tensor) are read as an aligned body of 16-byte vectors plus scalar edges of
+fewer than VEC elements each side (``configs.common.unaligned_vec``: one row stride for every
+tensor of the call, aligned base pointers, not under deterministic algorithms; otherwise
+scalar accesses), the kernels configured for the body (8192 at N = 8193).
+
+* Forward, single-block (padded rows or bodies up to the ``ln_fwd`` single-block limit, 32K):
+  ``ROWS`` whole rows per program in registers, one read and one write. Launch rules:
+  ``FWD_RULES`` (measured for RMSNorm), else LayerNorm forward's (``row_config`` /
+  ``unaligned_config`` / ``grid_size`` of kind ``ln_fwd``). ``STATS`` (constexpr) drops the
+  rstd store for inference calls. With VEC a tile's rows share one misalignment, and calls of
+  ``SHIFTED_W_MIN_ELEMS`` elements and more read the weight from copies shifted per
+  misalignment (``shifted_weight``) so its loads are vectors too.
+* Forward, reload (unaligned 16-bit bodies of 4K-32K in large calls, ``RELOAD_VEC_FWD``): one
+  row per program, the body read whole for the sum of squares, then again from L2 in chunks
+  to write y, the weight from the shifted copies.
+* Forward, split rows (rows no program holds, CUDA, ``SPLIT_FWD``: float32 and unaligned rows):
+  C equal pieces in cooperating programs (``runtime/split.py``) each publish their sum of
+  squares and wait for their row's: one read, one write; unaligned rows in pieces of their
+  aligned body, piece 0 with the edges.
+* Forward, looped (other long rows, and where split rows do not run): one program per row;
+  pass 1 sums squares chunk by chunk (keeping the row in L2), pass 2 reads it again.
 * Backward, fused (padded rows up to ``FUSED_BWD_MAX_BLOCK``): a persistent grid whose
   programs loop over row tiles, write dx and accumulate dweight in float32 registers, one
   partial row per program; LayerNorm's ``sum_partials`` adds them in a fixed order
-  (deterministic: no atomics). With one program the partial row is dweight itself.
-* Backward, longer rows: dx from a looped row kernel (two passes over the row: the sum, then
-  dx) and dweight from a column-blocked kernel (x and dy read twice in all).
+  (deterministic: no atomics). With one program the partial row is dweight itself. Unaligned
+  rows with bodies of 2K+ run ``rms_bwd_vec``: one row per iteration on a grid that is a
+  multiple of VEC, so a program's weight and accumulator columns stay fixed.
+* Backward, split rows (longer rows, CUDA): pieces exchange Σ x̂·w·dy (through global memory,
+  or on Hopper, for aligned rows of 16K-64K, within a thread-block cluster), write their piece
+  of dx and keep their columns' dweight partials in registers across rows; unaligned rows in
+  aligned-body pieces.
+* Backward, looped (where split rows do not run: the interpreter, a refused launch,
+  ``SPLIT_ROWS_MIN``): dx from a looped row kernel and dweight from a column-blocked kernel
+  (x and dy read twice in all).
 
 dweight comes back in ``grad_dtypes[0]`` where given (not None): the float32 sum rounded once
 in the kernel that finishes it; float32 otherwise.
 
-Small inference calls replay their launch plan (``PlanCache``, registered in
-``fusedops._replay.RMSNORM``), as LayerNorm's do. Not done (LayerNorm has them): the body/edge
-split for rows not starting 16-byte aligned (those run with scalar accesses) and split-row
-cooperative kernels for long rows.
+Small inference calls of aligned contiguous rows replay their launch plan (``PlanCache``,
+registered in ``fusedops._replay.RMSNORM``), as LayerNorm's do.
 """
 
 from __future__ import annotations
