@@ -388,38 +388,46 @@ def test_rules_off_cuda_never_split():
 # ------------------------------------------------------------------------ compiled code
 
 _COMPILE = textwrap.dedent("""
-    import json
+    import json, re
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from fusedops.backends.triton.kernels import rmsnorm as k, rmsnorm_split as ks
 
-    def build(fn, consts, dtypes):
+    def build(fn, consts, div=()):
+        # pointers 16-byte aligned and the ints in ``div`` multiples of 16, as Triton
+        # specialises them at a launch with such arguments
         names = fn.arg_names
-        sig = {a: dtypes.get(a, "*bf16") if a.endswith("_ptr") else "i32" for a in names}
-        sig["eps"] = "fp32" if "eps" in sig else None
-        sig = {a: t for a, t in sig.items() if t is not None}
-        sig.update({a: "constexpr" for a in consts})
+        f32 = {"rstd_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32",
+               "count_ptr": "*i32"}
+        sig = {a: f32.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a == "eps"
+               else "constexpr" if a in consts else "i32" for a in names}
         src = ASTSource(fn=fn, signature=sig,
                         constexprs={(names.index(a),): v for a, v in consts.items()},
                         attrs={(names.index(a),): [["tt.divisibility", 16]]
-                               for a in names if a.endswith("_ptr") or a == "w_ld"})
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4})
-        ptx = c.asm["ptx"]
-        return {t: ptx.count(t) for t in (
-            "barrier.cluster.arrive.release", "mapa.shared::cluster", "atom.", "red.global",
-            "ld.global.v4", "st.global.v4")}
+                               for a in names if a.endswith("_ptr") or a in div})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4}).asm["ptx"]
+        out = {t: ptx.count(t) for t in ("barrier.cluster.arrive.release",
+                                         "mapa.shared::cluster", "atom.", "red.global")}
+        out["ld.v4"] = len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx))
+        out["st.v4"] = len(re.findall(r"st\\.global[.\\w:]*\\.v4", ptx))
+        return out
 
-    f32 = {"rstd_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32",
-           "count_ptr": "*i32"}
     split = dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True, NEED_DX=True, NEED_DW=True,
                  PREFETCH=1, VEC=0)
+    aligned = ("N", "L", "stride_dy", "stride_x", "stride_dx")
     out = {
-        "cluster": build(ks.rms_bwd_split, dict(split, CLUSTER=True), f32),
-        "coop": build(ks.rms_bwd_split, dict(split, CLUSTER=False), f32),
-        "fwd_vec": build(k.rms_fwd_single, dict(BLOCK_N=2048, ROWS=1, HAS_W=True,
-                                                HOLD_W=False, STATS=True, VEC=8), f32),
+        "cluster": build(ks.rms_bwd_split, dict(split, CLUSTER=True), aligned),
+        "coop": build(ks.rms_bwd_split, dict(split, CLUSTER=False, VEC=8, PREFETCH=3), ("L",)),
+        "fwd_vec": build(k.rms_fwd_single, dict(BLOCK_N=2048, ROWS=2, HAS_W=True,
+                                                HOLD_W=True, STATS=True, VEC=8), ("w_ld",)),
+        "fwd_reload": build(k.rms_fwd_reload_vec, dict(BLOCK_N=4096, CHUNK=1024, HAS_W=True,
+                                                       STATS=True, VEC=8), ("w_ld",)),
+        "fwd_split": build(ks.rms_fwd_split, dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True,
+                                                  STATS=True, PREFETCH=3, VEC=8), ("L",)),
+        "bwd_vec": build(k.rms_bwd_vec, dict(BLOCK_N=4096, HAS_W=True, HOLD_W=True,
+                                             NEED_DX=True, NEED_DW=True, VEC=8)),
     }
     print(json.dumps(out))
 """)
@@ -427,9 +435,8 @@ _COMPILE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def sm90():
-    """The split backward (cluster and cooperative) and the single-block forward on unaligned
-    rows compiled for sm_90 (ptxas, no GPU needed; a subprocess, as the interpreter replaces
-    ``triton.jit`` here)."""
+    """The new kernels compiled for sm_90 (ptxas, no GPU needed; a subprocess, as the
+    interpreter replaces ``triton.jit`` here): PTX instruction counts per kernel."""
     import json
 
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -440,14 +447,16 @@ def sm90():
 
 
 def test_kernels_compile_for_sm90(sm90):
-    """The cluster variant exchanges on chip (cluster barrier, stores into peers' shared
-    memory, no atomics) and the cooperative one through counters; the forward's unaligned
-    body and weight copies are read and written with 16-byte vectors."""
-    cluster, coop, fwd = sm90["cluster"], sm90["coop"], sm90["fwd_vec"]
+    """Every new kernel compiles for sm_90 (the interpreter checks no compile-time rules).
+    The cluster variant exchanges on chip (cluster barrier, stores into peers' shared memory,
+    no atomics), the cooperative one through counters; unaligned bodies (and the weight
+    copies) are read and written with 16-byte vectors."""
+    cluster, coop = sm90["cluster"], sm90["coop"]
     assert cluster["barrier.cluster.arrive.release"] == 2 and cluster["mapa.shared::cluster"]
     assert cluster["atom."] + cluster["red.global"] == 0
     assert coop["barrier.cluster.arrive.release"] == 0 and coop["atom."] + coop["red.global"]
-    assert fwd["ld.global.v4"] >= 2 and fwd["st.global.v4"] >= 1
+    for name, got in sm90.items():
+        assert got["ld.v4"] >= 2 and got["st.v4"] >= 1, (name, got)
 
 
 # ----------------------------------------------------------------------- GPU (compiled)
