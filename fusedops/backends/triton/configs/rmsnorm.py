@@ -36,6 +36,8 @@ HOLD_W_MAX_PER_THREAD = 32
 
 
 def hold_w(block: int, warps: int) -> bool:
+    """Whether a program of ``warps`` warps over padded rows of ``block`` elements keeps the
+    weight in registers across its row tiles (HOLD_W)."""
     return warps <= 16 and block // (32 * warps) <= HOLD_W_MAX_PER_THREAD
 
 
