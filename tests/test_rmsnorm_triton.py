@@ -27,7 +27,6 @@ if not tb.AVAILABLE:
 if not HAS_CUDA and not INTERPRETING:
     pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
 
-from fusedops.backends.triton import rmsnorm as trms  # noqa: E402
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
 from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
 
@@ -173,24 +172,28 @@ def _fwd_limit() -> int:
 
 
 def _bwd_limit() -> int:
-    return min(tcfg.single_block_limit(), trms.FUSED_BWD_MAX_BLOCK_UNALIGNED)
+    return min(tcfg.single_block_limit(), rms_rules.FUSED_BWD_MAX_BLOCK_UNALIGNED)
 
 
-def test_unaligned_16k_rows_fused_on_32_warps():
-    """Rows of 8K-16K whose N is not a multiple of 16: the fused backward on 32 warps."""
-    assert trms.bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
-    assert trms.bwd_config(16384, 2) == (1, 16, 1, True)
-    assert trms.bwd_config(8192, 2) == rms_rules.BWD_RULES_16BIT[8192]
-    assert trms.bwd_config(8192, 2, aligned=False) != rms_rules.BWD_RULES_16BIT[8192]
+def test_unaligned_16k_rows_fused_on_32_warps(launch_rules):
+    """Rows of 8K-16K whose N is not a multiple of 16, on scalar accesses (the body/edge
+    split off): the fused backward on 32 warps."""
+    assert rms_rules.bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
+    assert rms_rules.bwd_config(16384, 2) == (1, 16, 1, True)
+    assert rms_rules.bwd_config(8192, 2) == rms_rules.BWD_RULES_16BIT[8192]
+    assert rms_rules.bwd_config(8192, 2, aligned=False) != rms_rules.BWD_RULES_16BIT[8192]
+    launch_rules("rmsnorm", VEC_EDGES=False)
     if _bwd_limit() >= 16384:
         x, w, dy = make(2, 8193, torch.bfloat16, "fp32", seed=13)
         check_all(x, w, dy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_long_rows_backward_looped(dtype):
-    """One column past the fused backward's limit: the looped dx kernel and the column kernel
-    (the forward still single-block)."""
+def test_long_rows_backward_looped(dtype, launch_rules):
+    """One column past the fused backward's limit, on scalar accesses (the body/edge split
+    off; split rows do not run here): the looped dx kernel and the column kernel (the forward
+    still single-block)."""
+    launch_rules("rmsnorm", VEC_EDGES=False)
     n = _bwd_limit() + 1
     assert n <= _fwd_limit()
     x, w, dy = make(2, n, dtype, "same", seed=5)

@@ -1,31 +1,53 @@
-"""Triton RMSNorm kernels (forward; backward dx + dweight) and their launch wrappers.
+"""Triton RMSNorm: the forward's host code and the backend's RMSNorm entry points (the
+backward's host code is ``rmsnorm_bwd.py``). Rules: ``configs/rmsnorm.py`` (``forward_config``,
+``backward_config``); kernels: ``kernels/rmsnorm.py``, ``kernels/rmsnorm_split.py``.
 
 RMSNorm is LayerNorm without the mean and the bias: rstd = 1 / sqrt(mean(x²) + eps) (float32),
 y = x · rstd · weight. Bytes moved (the floor): forward reads x once and writes y once
 (2·M·N·elt, plus the weight and 4·M bytes of rstd); backward reads x and dy once and writes dx
 once (3·M·N·elt, plus the weight, rstd and the float32 dweight partials).
 
-* Forward, single-block (padded rows up to the ``ln_fwd`` single-block limit, 32K): ``ROWS``
-  whole rows per program in registers, float32 sum of squares, one read and one write. Launch
-  rules: LayerNorm forward's (``row_config`` / ``grid_size`` of kind ``ln_fwd``: one program
-  per row tile up to 8K columns, a persistent grid above), measured for LayerNorm, not yet for
-  RMSNorm. ``STATS`` (constexpr) drops the rstd store for inference calls.
-* Forward, looped (longer rows): one program per row; pass 1 sums squares chunk by chunk
-  (keeping the row in L2), pass 2 reads it again and writes y.
+Unaligned rows (a row start not 16-byte aligned: N not a multiple of 16 bytes, e.g. 2^k + 1,
+in a contiguous tensor) are read as an aligned body of 16-byte vectors plus scalar edges of
+fewer than VEC elements each side (``configs.common.unaligned_vec``: one row stride for every
+tensor of the call, aligned base pointers, not under deterministic algorithms; otherwise
+scalar accesses), the kernels configured for the body (8192 at N = 8193).
+
+* Forward, single-block (padded rows or bodies up to the ``ln_fwd`` single-block limit, 32K):
+  ``ROWS`` whole rows per program in registers, one read and one write. Launch rules:
+  ``FWD_RULES`` (measured for RMSNorm), else LayerNorm forward's (``row_config`` /
+  ``unaligned_config`` / ``grid_size`` of kind ``ln_fwd``). ``STATS`` (constexpr) drops the
+  rstd store for inference calls. With VEC a tile's rows share one misalignment, and calls of
+  ``SHIFTED_W_MIN_ELEMS`` elements and more read the weight from copies shifted per
+  misalignment (``shifted_weight``) so its loads are vectors too.
+* Forward, reload (unaligned 16-bit bodies of 4K-32K in large calls, ``RELOAD_VEC_FWD``): one
+  row per program, the body read whole for the sum of squares, then again from L2 in chunks
+  to write y, the weight from the shifted copies.
+* Forward, split rows (rows no program holds, CUDA, ``SPLIT_FWD``: float32 and unaligned rows):
+  C equal pieces in cooperating programs (``runtime/split.py``) each publish their sum of
+  squares and wait for their row's: one read, one write; unaligned rows in pieces of their
+  aligned body, piece 0 with the edges.
+* Forward, looped (other long rows, and where split rows do not run): one program per row;
+  pass 1 sums squares chunk by chunk (keeping the row in L2), pass 2 reads it again.
 * Backward, fused (padded rows up to ``FUSED_BWD_MAX_BLOCK``): a persistent grid whose
   programs loop over row tiles, write dx and accumulate dweight in float32 registers, one
   partial row per program; LayerNorm's ``sum_partials`` adds them in a fixed order
-  (deterministic: no atomics). With one program the partial row is dweight itself.
-* Backward, longer rows: dx from a looped row kernel (two passes over the row: the sum, then
-  dx) and dweight from a column-blocked kernel (x and dy read twice in all).
+  (deterministic: no atomics). With one program the partial row is dweight itself. Unaligned
+  rows with bodies of 2K+ run ``rms_bwd_vec``: one row per iteration on a grid that is a
+  multiple of VEC, so a program's weight and accumulator columns stay fixed.
+* Backward, split rows (longer rows, CUDA): pieces exchange Σ x̂·w·dy (through global memory,
+  or on Hopper, for aligned rows of 16K-64K, within a thread-block cluster), write their piece
+  of dx and keep their columns' dweight partials in registers across rows; unaligned rows in
+  aligned-body pieces.
+* Backward, looped (where split rows do not run: the interpreter, a refused launch,
+  ``SPLIT_ROWS_MIN``): dx from a looped row kernel and dweight from a column-blocked kernel
+  (x and dy read twice in all).
 
 dweight comes back in ``grad_dtypes[0]`` where given (not None): the float32 sum rounded once
 in the kernel that finishes it; float32 otherwise.
 
-Small inference calls replay their launch plan (``PlanCache``, registered in
-``fusedops._replay.RMSNORM``), as LayerNorm's do. Not done (LayerNorm has them): the body/edge
-split for rows not starting 16-byte aligned (those run with scalar accesses) and split-row
-cooperative kernels for long rows.
+Small inference calls of aligned contiguous rows replay their launch plan (``PlanCache``,
+registered in ``fusedops._replay.RMSNORM``), as LayerNorm's do.
 """
 
 from __future__ import annotations
@@ -33,35 +55,35 @@ from __future__ import annotations
 import torch
 
 from fusedops import _replay
-from fusedops.backends.triton.configs.common import grid_size, row_config, single_block_limit
+from fusedops.backends.triton.configs.common import grid_size, num_row_tiles, unaligned_vec
 from fusedops.backends.triton.configs.rmsnorm import (
-    COLUMN_PER_SM,
-    COLUMN_TILE,
-    COLUMN_WARPS,
-    FUSED_BWD_MAX_BLOCK,
-    FUSED_BWD_MAX_BLOCK_UNALIGNED,
-    FWD_RULES,
-    bwd_config,
+    SHIFT_W_BLOCK,
+    SHIFTED_W_MIN_ELEMS,
+    FwdConfig,
+    forward_config,
     hold_w,
     looped_config,
 )
 from fusedops.backends.triton.kernels.rmsnorm import (
-    rms_bwd_dw_columns,
-    rms_bwd_dx_looped,
-    rms_bwd_single,
     rms_fwd_looped,
+    rms_fwd_reload_vec,
     rms_fwd_single,
+    shift_weight,
 )
-from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms, rows_and_output
+from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
+from fusedops.backends.triton.rmsnorm_bwd import rmsnorm_backward
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
-from fusedops.backends.triton.runtime.partials import reduce_partials
 from fusedops.backends.triton.runtime.plans import PlanCache, param_ptr
+from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces
+
+__all__ = ["rmsnorm_backward", "rmsnorm_forward", "rmsnorm_forward_y"]
 
 _launch_fwd_single = Launcher(rms_fwd_single)
+_launch_fwd_reload_vec = Launcher(rms_fwd_reload_vec)
 _launch_fwd_looped = Launcher(rms_fwd_looped)
-_launch_bwd_single = Launcher(rms_bwd_single)
-_launch_dx_looped = Launcher(rms_bwd_dx_looped)
-_launch_dw_columns = Launcher(rms_bwd_dw_columns)
+_launch_fwd_split = SplitLauncher(rms_fwd_split)
+_launch_shift_weight = Launcher(shift_weight)
 
 
 def _replay_runner(key: tuple, plan: tuple):
@@ -89,8 +111,8 @@ def _replay_runner(key: tuple, plan: tuple):
     return (shape, dtype, device, eps), run
 
 
-# Single-block forward launches, per (shape, dtypes, device, eps, with_stats): see _forward.
-# Inference plans are also replayed from the ops layer (fusedops._replay).
+# Single-block forward launches of aligned rows, per (shape, dtypes, device, eps, with_stats):
+# see _forward. Inference plans are also replayed from the ops layer (fusedops._replay).
 _fwd_plans = PlanCache(_replay.RMSNORM, _replay_runner)
 
 
@@ -104,6 +126,15 @@ def _replay_forward(plan, x, weight, out_dtype, with_stats: bool):
     go(grid, current_stream(device), (x.data_ptr(), wp, yp, yp if rstd is None else
                                       rstd.data_ptr(), *tail))
     return y, rstd
+
+
+def shifted_weight(weight: torch.Tensor, vec: int, n: int) -> tuple[torch.Tensor, int]:
+    """(copies, row stride): a (vec, ld) tensor in the weight's dtype whose row h holds the
+    (n,) ``weight`` from column h on, zero-padded to ``ld`` (a multiple of 16 elements)."""
+    ld = cdiv(n, 16) * 16
+    copies = torch.empty((vec, ld), dtype=weight.dtype, device=weight.device)
+    _launch_shift_weight((vec, cdiv(ld, SHIFT_W_BLOCK)), (weight, copies, n, ld, SHIFT_W_BLOCK), 4)
+    return copies, ld
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -123,31 +154,58 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         if rstd is not None:
             rstd.fill_(float("nan"))  # the mean of no squares, as the reference has it
         return y, rstd
+    elt = x.element_size()
+    vec = unaligned_vec(N, (stride, N), elt, (x, y))
+    cfg = forward_config(N, elt, vec, (stride | N) % (16 // elt) == 0, x.device,
+                         M * N >= SHIFTED_W_MIN_ELEMS)
     has_w = weight is not None
-    w = weight if has_w else y  # placeholders are never read (HAS_W / STATS are constexpr)
+    w, w_ld = (weight, 1) if has_w else (y, 1)  # placeholders are never read (HAS_W / STATS)
+    if has_w and cfg.shifted_w:
+        w, w_ld = shifted_weight(weight, cfg.vec, N)
     r = rstd if with_stats else y
-    single, block, rows, warps = row_config(N, "ln_fwd", x.element_size())
-    if single:
-        tiles = cdiv(M, rows)
-        # (measured on rows of whole 16-element groups; 2^k + 1 rows keep LayerNorm's rules)
-        rule = FWD_RULES.get((x.element_size(), block)) if N % 16 == 0 else None
-        if rule is None:
-            progs = grid_size(tiles, warps, "ln_fwd", x.device, block)
-        else:
-            rows, warps, persistent = rule
-            tiles = cdiv(M, rows)
-            progs = (grid_size(tiles, warps, "ln_fwd", x.device, block, persistent=True)
-                     if persistent else tiles)
-        args = (x, w, y, r, M, N, stride, N, eps, tiles, progs,
-                block, rows, has_w, hold_w(block, warps), with_stats)
-        _launch_fwd_single((progs,), args, warps)
-        if key is not None:
-            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 4)
+    if cfg.kernel == "single":
+        tiles = num_row_tiles(M, cfg.rows, cfg.vec)
+        progs = (grid_size(tiles, cfg.warps, "ln_fwd", x.device, cfg.block, cfg.vec, True)
+                 if cfg.persistent else tiles)
+        args = (x, w, y, r, M, N, stride, N, eps, tiles, progs, w_ld,
+                cfg.block, cfg.rows, has_w, hold_w(cfg.block, cfg.warps), with_stats, cfg.vec)
+        _launch_fwd_single((progs,), args, cfg.warps)
+        if key is not None and not cfg.vec:
+            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, cfg.warps, 4)
+    elif cfg.kernel == "reload_vec":
+        _launch_fwd_reload_vec((M,), (x, w, y, r, N, stride, eps, w_ld, cfg.block, cfg.chunk,
+                                      has_w, with_stats, cfg.vec), cfg.warps)
     else:
-        chunk, warps = looped_config()
-        _launch_fwd_looped((M,), (x, w, y, r, N, stride, N, eps, chunk, has_w, with_stats),
-                           warps)
+        _forward_long(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg)
     return y, rstd
+
+
+def _forward_long(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdConfig) -> None:
+    """Rows no program holds: the split-row kernel where it runs (aligned-body pieces for
+    unaligned rows, else scalar pieces where no grid of C·VEC programs fits), else looped."""
+    if cfg.kernel == "split":
+        if _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg):
+            return
+        if cfg.vec:
+            elt = x.element_size()
+            cfg = forward_config(N, elt, 0, (stride | N) % (16 // elt) == 0, x.device, False)
+            if cfg.kernel == "split" and _forward_split(x, w, y, r, M, N, stride, eps, has_w,
+                                                        with_stats, cfg):
+                return
+    chunk, warps = looped_config()
+    _launch_fwd_looped((M,), (x, w, y, r, N, stride, N, eps, chunk, has_w, with_stats), warps)
+
+
+def _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdConfig) -> bool:
+    """rms_fwd_split on C pieces of the rows; False where no grid fits or the launch was
+    refused (nothing written then)."""
+    C, L = split_pieces(N, cfg.chunk, cfg.vec)
+    stats = torch.empty((M * C,), dtype=torch.float32, device=x.device)
+    count = torch.zeros((M,), dtype=torch.int32, device=x.device)
+    return bool(_launch_fwd_split(
+        M * C, C, (x, w, y, r, stats, count, N, L, stride, N, eps, M * C),
+        (next_pow2(L), C, next_pow2(C), has_w, with_stats, cfg.prefetch, cfg.vec), cfg.warps,
+        x.device, vec=cfg.vec))
 
 
 def rmsnorm_forward(
@@ -174,81 +232,3 @@ def rmsnorm_forward_y(
     """:func:`rmsnorm_forward` for calls that need no backward: returns only y (no rstd buffer
     is allocated or written)."""
     return _forward(x, weight, eps, out_dtype, False)[0]
-
-
-def rmsnorm_backward(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    need_dx: bool,
-    need_dw: bool,
-    grad_dtypes: tuple[torch.dtype | None, ...] | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of row RMSNorm. dy, x: (M, N) float32/float16/bfloat16, unit column stride,
-    any row strides; weight: contiguous (N,) or None; rstd: (M,) float32 from the forward.
-
-    With xhat = x · rstd and g = weight · dy: dx = rstd · (g − xhat · mean(xhat · g)), (M, N)
-    contiguous in x's dtype; dw = Σ_rows dy · xhat, (N,) in ``grad_dtypes[0]`` where given
-    (not None), else float32. Each is None where not needed. Bitwise reproducible: the grid
-    and the summation order depend on the shapes only.
-    """
-    M, N = x.shape
-    dev = x.device
-    dw_dtype = grad_dtypes[0] if grad_dtypes and grad_dtypes[0] is not None else torch.float32
-    dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
-    dw = torch.empty((N,), dtype=dw_dtype, device=dev) if need_dw else None
-    if M == 0 or N == 0 or not (need_dx or need_dw):
-        if dw is not None:
-            dw.zero_()
-        return dx, dw
-    has_w = weight is not None
-    w = weight if has_w else x  # a placeholder, never read
-    if not rstd.is_contiguous():
-        rstd = rstd.contiguous()
-    block = next_pow2(N)
-    limit = FUSED_BWD_MAX_BLOCK if N % 16 == 0 else FUSED_BWD_MAX_BLOCK_UNALIGNED
-    if block <= min(limit, single_block_limit()):
-        rows, warps, per_sm, acc_1d = bwd_config(block, x.element_size(), N % 16 == 0)
-        tiles = cdiv(M, rows)
-        progs = min(tiles, num_sms(dev) * per_sm)
-        if not need_dw:
-            part = x  # placeholder
-        elif progs == 1:
-            part = dw  # one program: its partial row is dweight
-        else:
-            part = torch.empty((progs, N), dtype=torch.float32, device=dev)
-        _launch_bwd_single((progs,), (
-            dy, x, w, rstd, dx if need_dx else x, part, M, N, dy.stride(0), x.stride(0), N,
-            tiles, progs,
-            block, rows, has_w, hold_w(block, warps), need_dx, need_dw, acc_1d,
-        ), warps)
-        if need_dw and progs > 1:
-            reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
-        return dx, dw
-    if need_dx:
-        chunk, warps = looped_config()
-        _launch_dx_looped((M,), (
-            dy, x, w, rstd, dx, N, dy.stride(0), x.stride(0), N, chunk, has_w,
-        ), warps)
-    if need_dw:
-        _dw_columns(dy, x, rstd, dw)
-    return dx, dw
-
-
-def _dw_columns(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dw: torch.Tensor) -> None:
-    """dweight from the column kernel: the fewest row splits giving COLUMN_PER_SM programs per
-    SM, each a (row split, column block) tile; more than one split writes float32 partials,
-    summed in a fixed order."""
-    M, N = x.shape
-    block_c, block_r = COLUMN_TILE
-    col_blocks = cdiv(N, block_c)
-    splits = max(1, min(cdiv(M, block_r), cdiv(COLUMN_PER_SM * num_sms(x.device), col_blocks)))
-    rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
-    splits = cdiv(M, rows_per_split)
-    out = dw if splits == 1 else torch.empty((splits, N), dtype=torch.float32, device=x.device)
-    _launch_dw_columns((col_blocks, splits), (
-        dy, x, rstd, out, M, N, dy.stride(0), x.stride(0), rows_per_split, block_c, block_r,
-    ), COLUMN_WARPS)
-    if splits > 1:
-        reduce_partials(out.view(1, splits, N), True, False, out=(dw, None))

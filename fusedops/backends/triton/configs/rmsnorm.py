@@ -1,11 +1,34 @@
-"""RMSNorm launch rules: ``FWD_RULES`` (else LayerNorm forward's ``row_config`` kind
-"ln_fwd"), :func:`looped_config`, and the fused backward's :func:`bwd_config` up to
-``FUSED_BWD_MAX_BLOCK``. Host code: ``triton/rmsnorm.py``; kernels: ``kernels/rmsnorm.py``.
+"""RMSNorm launch rules: :func:`forward_config` and :func:`backward_config` pick the kernel of a
+call and its launch parameters from the row length, the element size, the rows' alignment
+(VEC from ``configs.common.unaligned_vec``) and device facts; the tables and switches below are
+what they read. Host code: ``triton/rmsnorm.py`` (forward) and ``triton/rmsnorm_bwd.py``;
+kernels: ``kernels/rmsnorm.py`` and ``kernels/rmsnorm_split.py``.
+
+Rules marked "LayerNorm's" were measured for the LayerNorm kernels of the same structure and
+row lengths, not yet for RMSNorm's (which move the same bytes with less arithmetic). The new
+paths can be switched off for measurements against the kernels they replaced:
+``configs.override("rmsnorm", VEC_EDGES=False)`` (unaligned rows on scalar accesses) and
+``configs.override("rmsnorm", SPLIT_ROWS_MIN=1 << 62)`` (long rows on the looped kernels).
 """
 
 from __future__ import annotations
 
-from fusedops.backends.triton.configs.common import single_block_limit
+from typing import NamedTuple
+
+import torch
+
+from fusedops.backends.triton.configs.common import (
+    DEFAULT_SINGLE_BLOCK_LIMIT,
+    PERSISTENT,
+    PERSISTENT_ABOVE,
+    body_len,
+    row_config,
+    single_block_limit,
+    unaligned_config,
+)
+from fusedops.backends.triton.runtime.caches import config_cache
+from fusedops.backends.triton.runtime.device import next_pow2
+from fusedops.backends.triton.runtime.split import split_rows_enabled
 
 # The weight stays in registers across a program's row tiles while each thread holds at most
 # this many row elements (LayerNorm's measured rule, FWD_HOLD_W_MAX_PER_THREAD).
@@ -13,19 +36,35 @@ HOLD_W_MAX_PER_THREAD = 32
 
 
 def hold_w(block: int, warps: int) -> bool:
+    """Whether a program of ``warps`` warps over padded rows of ``block`` elements keeps the
+    weight in registers across its row tiles (HOLD_W)."""
     return warps <= 16 and block // (32 * warps) <= HOLD_W_MAX_PER_THREAD
 
+
+# Unaligned rows (N not a multiple of 16 bytes, e.g. 2^k + 1) as an aligned body read with
+# 16-byte vectors plus scalar edges (kernels/common.py, row_body); off: scalar accesses for the
+# whole row (the kernels' earlier behaviour, for measurements against it).
+VEC_EDGES = True
+
+# Rows of at least this many elements that no one-program kernel holds take the split-row
+# kernels (CUDA); a larger value leaves them to the looped kernels (1 << 62: off).
+SPLIT_ROWS_MIN = 0
 
 # The backward's tiles and warps are LayerNorm's measured ones (layernorm.fused_bwd_config),
 # not re-tuned for RMSNorm; only the fused kernel's row limit was measured (below).
 # Padded rows up to this many elements take the fused backward (the row, dy and the dweight
-# accumulator in registers); longer rows the looped dx kernel plus the column kernel.
-# H200, TB/s: 16K rows fused 2.46 vs 2.37 looped + columns (bf16), 3.47 vs 2.12 (float32);
-# 32K rows spill in one program (0.21-0.52). Rows with N not a multiple of 16 (scalar
-# accesses, up to half the padded row masked off) take it on 32 warps (8193: bf16 1.11 vs 0.78
-# on 16 warps and 0.74 looped; float32 2.03 vs 1.24 and 1.44).
+# accumulator in registers); longer rows split rows, else the looped dx kernel plus the
+# column kernel. H200, TB/s: 16K rows fused 2.46 vs 2.37 looped + columns (bf16), 3.47 vs
+# 2.12 (float32); 32K rows spill in one program (0.21-0.52). Rows with N not a multiple of 16
+# on scalar accesses take it on 32 warps (8193: bf16 1.11 vs 0.78 on 16 warps and 0.74
+# looped; float32 2.03 vs 1.24 and 1.44).
 FUSED_BWD_MAX_BLOCK = 16384
 FUSED_BWD_MAX_BLOCK_UNALIGNED = 16384
+
+# Unaligned rows take the fused backward on their aligned body (rms_bwd_vec) from bodies of
+# this many elements; shorter ones stay scalar (LayerNorm's FUSED_BWD_UNALIGNED_MIN_BLOCK:
+# level at 2049 on one-row tiles, ahead from 4097).
+FUSED_BWD_VEC_MIN_BLOCK = 2048
 
 # Chunk of the looped kernels (elements per iteration; smaller while tests shrink the
 # single-block limit, so short rows loop over several chunks).
@@ -65,21 +104,218 @@ def bwd_config(block: int, elt_size: int, aligned: bool = True) -> tuple[int, in
     return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
 
 
+def vec_bwd_config(block: int, elt_size: int) -> tuple[int, int]:
+    """(num_warps, programs per SM) of rms_bwd_vec for aligned bodies padded to ``block``:
+    LayerNorm's body-variant rule (fused_bwd_config(body=True): one row per tile, two programs
+    per SM; float32 bodies of 4K+ one per SM on 8K-element tiles, i.e. 16 warps)."""
+    tile, per_sm = (8192, 1) if elt_size == 4 and block >= 4096 else (block, 2)
+    return max(4, min(16, max(tile, block) // 512)), per_sm
+
+
 # Forward launch rules measured for RMSNorm: (element size, padded row) -> (ROWS, num_warps,
 # persistent grid); other rows take LayerNorm forward's rules (row_config, kind "ln_fwd").
 # H200 (TB/s, copy 4.22-4.25; LayerNorm's rule in brackets): bf16 4K 4 rows x 8 warps 4.03
 # [3.98], 8K 2 x 8 4.04 [3.96]; float32 8K 1 x 8 4.10 [4.03], 16K 2 x 16 4.10 [3.90], 32K
-# 1 x 32 3.90 [3.85]. Rows with N not a multiple of 16 keep LayerNorm's rules (8193: 1.75
-# [1.16-1.58 on these]). Not kept: 16-bit 16K on 1 x 32, faster for the forward with rstd
-# (3.91 [3.22]) but not for the inference forward
+# 1 x 32 3.90 [3.85]. Rows with N not a multiple of 16 keep LayerNorm's rules (scalar
+# accesses at 8193: 1.75 [1.16-1.58 on these]). Not kept: 16-bit 16K on 1 x 32, faster for the
+# forward with rstd (3.91 [3.22]) but not for the inference forward
 # (benchmarks/results/h200/rmsnorm.json, which ran it: 0.65-0.68 of copy, behind compile).
 FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
     (2, 4096): (4, 8, False), (2, 8192): (2, 8, False),
     (4, 8192): (1, 8, False), (4, 16384): (2, 16, False), (4, 32768): (1, 32, False),
 }
 
+# Unaligned rows in the single-block kernel: LayerNorm's unaligned_config (kind "ln_fwd"), and
+# for 16-bit bodies of this many elements and more a persistent grid (LayerNorm's, H200: bf16
+# 4097 2.51 vs 2.29 TB/s one program per row, 8193 1.93 vs 1.77; float32 within 2%).
+VEC_FWD_PERSISTENT_16BIT_FROM = 4096
+
+# Large calls (this many elements and more) of unaligned rows read the weight from copies
+# shifted per row misalignment (shift_weights: lane j of a body starting at column h reads
+# row h of the copies, so weight loads are 16-byte vectors too), and 16-bit bodies of 4K-32K
+# take rms_fwd_reload_vec. LayerNorm's RELOAD_VEC_MIN_ELEMS: the copies cost a launch and an
+# allocation (14.5 µs of host time per call on an H100 host), which small calls do not win back.
+SHIFTED_W_MIN_ELEMS = 1 << 24
+SHIFT_W_BLOCK = 1024  # columns per program of the shift_weight launch
+
+# Unaligned 16-bit rows of large calls on rms_fwd_reload_vec: (element size, padded body) ->
+# (write-pass chunk, warps). LayerNorm's RELOAD_VEC_FWD (H100, TB/s against its single-block
+# kernel with scalar weight loads: bf16 4097 2.87 vs 2.27, 8193 2.72 vs 1.71, 16385 2.65 vs
+# 1.83, 32769 2.49 vs 0.52); float32 rows stay single-block (LayerNorm: 8193 2.82 vs 2.92).
+RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16), (2, 32768): (8192, 32),
+}
+
+# Split-row forward: (element size, rows start aligned) -> (largest piece, warps, PREFETCH);
+# rows without a rule stream looped. LayerNorm's split_config("fwd") configurations: aligned
+# float32 8192 on 4 warps prefetching before publishing, unaligned rows (aligned-body pieces)
+# 8192 on 4 warps prefetching between publishing and waiting. H200, TB/s against the looped
+# kernel: float32 64K 3.18 vs 2.62, 128K 3.07 vs 2.41, 256K 2.87 vs 2.59, 65537 2.80 vs 2.29;
+# bf16 65537 2.13 vs 1.63. Aligned 16-bit rows stay looped (the two-pass RMSNorm loop reads
+# the row back from L2): bf16 64K 2.70 vs 2.43 split on 8192 x 8, 128K 2.61 vs 2.30.
+SPLIT_FWD: dict[tuple[int, bool], tuple[int, int, int]] = {
+    (4, True): (8192, 4, 1), (2, False): (8192, 4, 3), (4, False): (8192, 4, 3),
+}
+
+
+# Split-row backward, aligned rows: element size -> ((longest row, (piece, warps, PREFETCH,
+# register cap)), ...), the first that holds. LayerNorm's split_config("bwd"): 16-bit up to
+# 64K 4096 x 8 prefetching before publishing, capped at 128 registers (H100, bf16 32K / 64K:
+# 2.00 / 1.95 vs 1.67 dx + column kernels), 128K 8192 x 16 (1.86), longer 8192 x 8
+# prefetching between publishing and waiting (256K: 1.75 vs 1.62); float32 up to 32K 2048 x 4,
+# 64K 4096 x 4, longer 8192 x 8 (H200: 64K 3.12 vs 2.71; 256K 2.83 vs 1.47).
+SPLIT_BWD: dict[int, tuple[tuple[int, tuple[int, int, int, int | None]], ...]] = {
+    2: ((65536, (4096, 8, 1, 128)), (131072, (8192, 16, 1, None)), (1 << 62, (8192, 8, 3, None))),
+    4: ((32768, (2048, 4, 0, None)), (65536, (4096, 4, 2, None)), (1 << 62, (8192, 8, 2, None))),
+}
+# ... in thread-block clusters (aligned rows, calls with dx, Hopper; elsewhere the same
+# pieces on a cooperative grid): LayerNorm's (H100, against the cooperative rules above:
+# bf16 16K / 32K 2.34 / 2.27 vs 2.08 / 2.04 on 2048 x 4 capped at 128, 64K 2.10 vs 1.98 on
+# 4096 x 8; float32 16K-64K 8192 x 8, 2.85 / 2.80 / 2.77 vs 2.60 / 2.59 / 2.63). {}: none.
+CLUSTER_BWD: dict[int, tuple[tuple[int, tuple[int, int, int, int | None]], ...]] = {
+    2: ((32768, (2048, 4, 1, 128)), (65536, (4096, 8, 1, 128))),
+    4: ((65536, (8192, 8, 1, None)),),
+}
+# ... unaligned rows as aligned-body pieces plus edges (VEC > 0): element size -> config.
+# float32: LayerNorm's VEC_SPLIT_BWD (H200, vs scalar pieces: 65537 2.51 vs 1.89, 131073
+# 2.51 vs 1.80); 16-bit: the best LayerNorm measured on such pieces (bf16 65537, 2048 x 8:
+# 1.10 TB/s, level with PyTorch's kernel, which RMSNorm lacks; scalar pieces slower).
+VEC_SPLIT_BWD: dict[int, tuple[int, int, int, int | None]] = {
+    4: (4096, 4, 2, None), 2: (2048, 8, 1, None),
+}
+# ... unaligned rows on scalar accesses (strides that rule out the body/edge split):
+# LayerNorm's, 16-bit (8192 x 8 up to 32K, 8192 x 16 above); float32 as aligned rows.
+SCALAR_SPLIT_BWD_16BIT: tuple[tuple[int, tuple[int, int, int, int | None]], ...] = (
+    (32768, (8192, 8, 2, None)), (1 << 62, (8192, 16, 1, None)),
+)
+
+
+class FwdConfig(NamedTuple):
+    """The forward's kernel and launch parameters (:func:`forward_config`)."""
+
+    kernel: str  # "single" | "reload_vec" | "split" | "looped"
+    block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped), 0 (split)
+    rows: int  # rows per tile (single)
+    warps: int
+    persistent: bool  # single: a persistent grid (grid_size) rather than one program per tile
+    vec: int  # VEC: > 0 for unaligned rows as an aligned body plus edges
+    chunk: int  # reload_vec: write-pass chunk; split: largest piece
+    prefetch: int  # split: PREFETCH
+    shifted_w: bool  # the weight from per-misalignment shifted copies
+
+
+class BwdConfig(NamedTuple):
+    """The backward's kernel and launch parameters (:func:`backward_config`)."""
+
+    kernel: str  # "fused" (rms_bwd_single, or rms_bwd_vec with VEC > 0) | "split" | "looped"
+    block: int  # BLOCK_N (fused), chunk (looped), 0 (split)
+    rows: int  # rows per tile (fused)
+    warps: int
+    per_sm: int  # fused: programs per SM
+    acc_1d: bool  # fused: ACC_1D
+    vec: int
+    chunk: int  # split: largest piece
+    prefetch: int  # split: PREFETCH
+    maxnreg: int | None  # split: register cap
+    cluster: bool  # split: pieces as thread-block clusters where the device allows
+
 
 def looped_config() -> tuple[int, int]:
     """(CHUNK, num_warps) of the looped kernels: 16 warps for 8K chunks (untuned)."""
     chunk = min(single_block_limit(), LOOPED_CHUNK)
     return chunk, max(1, min(16, chunk // 512))
+
+
+def _looped_fwd() -> FwdConfig:
+    chunk, warps = looped_config()
+    return FwdConfig("looped", chunk, 1, warps, False, 0, chunk, 0, False)
+
+
+@config_cache
+def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, device: torch.device,
+                   large: bool) -> FwdConfig:
+    """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``device``. ``vec``:
+    ``unaligned_vec``'s VEC for the call (0: rows start 16-byte aligned, or scalar accesses);
+    ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
+    has at least SHIFTED_W_MIN_ELEMS elements. In order: rows no program
+    holds (padded body above the single-block limit) split rows where they run, else looped;
+    unaligned 16-bit rows of large calls rms_fwd_reload_vec (RELOAD_VEC_FWD); the single-block
+    kernel (FWD_RULES, else LayerNorm's rules, kind "ln_fwd")."""
+    vec = vec if VEC_EDGES else 0
+    single, block, rows, warps = row_config(body_len(n, vec), "ln_fwd", elt_size)
+    if not single:
+        return split_fwd_config(n, elt_size, vec, rows_aligned, device) or _looped_fwd()
+    shifted = bool(vec) and large
+    reload = (RELOAD_VEC_FWD.get((elt_size, block)) if shifted
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if reload:
+        return FwdConfig("reload_vec", block, 1, reload[1], False, vec, reload[0], 0, True)
+    if vec:
+        _, block, rows, warps, vec = unaligned_config(n, "ln_fwd", elt_size, vec)
+        persistent = (elt_size == 2 and block >= VEC_FWD_PERSISTENT_16BIT_FROM) or (
+            PERSISTENT["ln_fwd"] or block > PERSISTENT_ABOVE.get("ln_fwd", 1 << 62))
+        return FwdConfig("single", block, rows, warps, persistent, vec, 0, 0, shifted)
+    rule = FWD_RULES.get((elt_size, block)) if n % 16 == 0 else None
+    if rule is not None:
+        rows, warps, persistent = rule
+    else:
+        persistent = PERSISTENT["ln_fwd"] or block > PERSISTENT_ABOVE.get("ln_fwd", 1 << 62)
+    return FwdConfig("single", block, rows, warps, persistent, 0, 0, 0, False)
+
+
+def split_fwd_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
+                     device: torch.device) -> FwdConfig | None:
+    """The split-row forward for rows of ``n`` (aligned-body pieces with ``vec`` > 0), or None
+    where it does not run (SPLIT_FWD, SPLIT_ROWS_MIN, not CUDA, switched off)."""
+    if n < SPLIT_ROWS_MIN:
+        return None
+    rule = SPLIT_FWD.get((elt_size, rows_aligned))
+    if rule is None or not split_rows_enabled(device, n, rule[0]):
+        return None
+    return FwdConfig("split", 0, 1, rule[1], False, vec, rule[0], rule[2], False)
+
+
+def _first(table, n: int):
+    return next((cfg for longest, cfg in table if n <= longest), None)
+
+
+@config_cache
+def backward_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
+                    device: torch.device) -> BwdConfig:
+    """The backward of rows of ``n`` elements of ``elt_size`` bytes on ``device``. ``vec``:
+    ``unaligned_vec``'s VEC (x, dy and dx one row stride); ``rows_aligned``: the row strides
+    of x and dy and ``n`` are multiples of 16 bytes. Padded rows (bodies, with ``vec``) up to
+    the fused limit: the fused kernel (unaligned bodies of FUSED_BWD_VEC_MIN_BLOCK+ on
+    rms_bwd_vec, shorter ones scalar); longer rows split rows where they run (SPLIT_BWD,
+    CLUSTER_BWD, VEC_SPLIT_BWD, scalar pieces), else the looped dx kernel and the column
+    kernel."""
+    vec = vec if VEC_EDGES else 0
+    limit = min(FUSED_BWD_MAX_BLOCK, single_block_limit())
+    if vec and next_pow2(body_len(n, vec)) <= limit:
+        block = next_pow2(body_len(n, vec))
+        if block >= FUSED_BWD_VEC_MIN_BLOCK:
+            warps, per_sm = vec_bwd_config(block, elt_size)
+            return BwdConfig("fused", block, 1, warps, per_sm, True, vec, 0, 0, None, False)
+        vec = 0
+    aligned = n % 16 == 0
+    if not aligned:
+        limit = min(FUSED_BWD_MAX_BLOCK_UNALIGNED, single_block_limit())
+    if not vec and next_pow2(n) <= limit:
+        rows, warps, per_sm, acc_1d = bwd_config(next_pow2(n), elt_size, aligned)
+        return BwdConfig("fused", next_pow2(n), rows, warps, per_sm, acc_1d, 0, 0, 0, None,
+                         False)
+    cfg, cluster = None, False
+    if n >= SPLIT_ROWS_MIN:
+        if vec:
+            cfg = VEC_SPLIT_BWD.get(elt_size)
+        elif elt_size == 2 and not rows_aligned:
+            cfg = _first(SCALAR_SPLIT_BWD_16BIT, n)
+        else:
+            cfg = _first(CLUSTER_BWD.get(elt_size, ()), n) if rows_aligned else None
+            cluster = cfg is not None
+            cfg = cfg or _first(SPLIT_BWD.get(elt_size, ()), n)
+    if cfg is not None and split_rows_enabled(device, n, cfg[0]):
+        chunk, warps, prefetch, cap = cfg
+        return BwdConfig("split", 0, 1, warps, 0, True, vec, chunk, prefetch, cap, cluster)
+    chunk, warps = looped_config()
+    return BwdConfig("looped", chunk, 1, warps, 0, True, 0, 0, 0, None, False)

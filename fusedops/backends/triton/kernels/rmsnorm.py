@@ -1,44 +1,124 @@
-"""RMSNorm kernels (``@triton.jit`` only); the rules that pick them: ``configs/rmsnorm.py``."""
+"""RMSNorm kernels (``@triton.jit`` only); the rules that pick them: ``configs/rmsnorm.py``.
+The split-row kernels are in ``rmsnorm_split.py``."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from fusedops.backends.triton.kernels.common import row_body, row_edges, split_head, tile_rows
+
+
+@triton.jit
+def body_weight(w_ptr, head, w_ld, cols, N, VEC: tl.constexpr):
+    """float32 weight of the lanes ``cols`` of rows whose lane j is column head + j (VEC > 0,
+    see row_body) or j (VEC == 0). ``w_ld`` > 1: ``w_ptr`` holds shift_weights copies (row h:
+    the weight from column h on, rows ``w_ld`` apart, a multiple of 16), read with 16-byte
+    vectors; ``w_ld`` == 1: the weight itself, read from column ``head`` on."""
+    if VEC > 0:
+        w = tl.load(w_ptr + head * w_ld + cols, mask=cols < ((N - head) // VEC) * VEC, other=0.0)
+    else:
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def shift_weight(w_ptr, ws_ptr, N, w_ld, BLOCK: tl.constexpr):
+    # Row h of the (VEC, w_ld) output is the weight from column h on, zero-padded: what
+    # body_weight reads with aligned vector loads for rows whose body starts at column h.
+    h = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ws_ptr + h * w_ld + cols, tl.load(w_ptr + h + cols, mask=cols < N - h, other=0.0),
+             mask=cols < w_ld)
+
 
 @triton.jit
 def rms_fwd_single(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, stride_x, stride_y, eps, num_tiles, num_progs,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, stride_x, stride_y, eps, num_tiles, num_progs, w_ld,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HOLD_W: tl.constexpr,
-    STATS: tl.constexpr,
+    STATS: tl.constexpr, VEC: tl.constexpr,
 ):
     # HOLD_W: the weight stays in registers across a program's tiles (short rows); long rows
     # reload it per tile from L2 rather than spill (see hold_w).
+    # VEC > 0: unaligned rows as an aligned body plus edges (row_body / row_edges in
+    # kernels/common.py, stride_x == stride_y); a tile's rows share one misalignment, and so
+    # do all tiles of a program on a grid that is a multiple of VEC (grid_size).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     if HAS_W and HOLD_W:
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        pid_rows, pid_head = tile_rows(pid, stride_x, ROWS, VEC)
+        w = body_weight(w_ptr, pid_head, w_ld, cols, N, VEC)[None, :]
     for tile in range(pid, num_tiles, num_progs):
-        rows = tile * ROWS + tl.arange(0, ROWS)
+        rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         row_ok = rows < M
-        mask = row_ok[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        ms = tl.sum(x * x, axis=1) / N
+        offs, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if VEC > 0:  # issued before any reduction, so all loads are in flight together
+            e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+        ss = tl.sum(x * x, axis=1)
+        if VEC > 0:
+            ss += tl.sum(xe * xe, axis=1)
         # An infinite mean square (an inf in the row, or squares beyond float32) gives rstd 0,
         # as torch's rms_norm and the reference: finite elements 0, the inf itself NaN.
-        rstd = 1.0 / tl.sqrt(ms + eps)
+        rstd = 1.0 / tl.sqrt(ss / N + eps)
         y = x * rstd[:, None]
         if HAS_W:
             if not HOLD_W:
-                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                w = body_weight(w_ptr, head, w_ld, cols, N, VEC)[None, :]
             y = y * w
-        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=mask)
+        offs_y, mask_y = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask_y)
+        if VEC > 0:
+            ye = xe * rstd[:, None]
+            if HAS_W:  # (row 0 of shifted copies is the weight itself)
+                ye = ye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         if STATS:
             tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def rms_fwd_reload_vec(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride, eps, w_ld,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, STATS: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    # One unaligned row per program (LayerNorm's ln_fwd_reload_vec): its aligned body read
+    # whole in one load for the sum of squares (nothing of it held past the reduction), then
+    # again in CHUNK pieces from L2 to write y; the edges (< 2·VEC elements) in one small tile.
+    # x and y share the row stride; the weight from the shifted copies (w_ld > 1) or itself.
+    row = tl.program_id(0)
+    start = row.to(tl.int64) * stride
+    first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
+    head = (first - start).to(tl.int32)
+    body = ((N - head) // VEC) * VEC
+    cols = tl.arange(0, BLOCK_N)
+    x = tl.load(x_ptr + first + cols, mask=cols < body, other=0.0,
+                eviction_policy="evict_last").to(tl.float32)
+    j = tl.arange(0, 2 * VEC)
+    ecol = tl.where(j < VEC, j, head + body + (j - VEC))
+    emask = tl.where(j < VEC, j < head, ecol < N)
+    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=0) + tl.sum(xe * xe, axis=0)
+    rstd = 1.0 / tl.sqrt(ss / N + eps)  # 0 for an infinite mean square, as torch
+    if STATS:
+        tl.store(rstd_ptr + row, rstd)
+    ye = xe * rstd
+    if HAS_W:
+        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    lanes = tl.arange(0, CHUNK)
+    w_at = head * w_ld
+    for c0 in tl.static_range(0, BLOCK_N, CHUNK):
+        c = c0 + lanes
+        m = c < body
+        yv = tl.load(x_ptr + first + c, mask=m, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32) * rstd
+        if HAS_W:
+            yv = yv * tl.load(w_ptr + w_at + c, mask=m, other=0.0,
+                              eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_ptr + first + c, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -129,6 +209,63 @@ def rms_bwd_single(
             dw_row = tl.sum(dw_acc, axis=0)
         tl.store(part_ptr + pid.to(tl.int64) * N + cols, dw_row.to(part_ptr.dtype.element_ty),
                  mask=col_ok)
+
+
+@triton.jit
+def rms_bwd_vec(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, M, N, stride, num_progs,
+    BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, HOLD_W: tl.constexpr, NEED_DX: tl.constexpr,
+    NEED_DW: tl.constexpr, VEC: tl.constexpr,
+):
+    # rms_bwd_single for unaligned rows (dy, x and dx share the row stride): one row per
+    # iteration, its aligned body read with 16-byte vectors (lane j: column head + j) and its
+    # edges (< 2·VEC columns) in a 1-D tile. A program's rows are num_progs apart, a multiple
+    # of VEC unless it has one row, so they share one misalignment: the weight and the dweight
+    # accumulators stay on fixed columns, and each program writes one whole partial row.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    head, body = split_head(pid, N, stride, VEC)
+    bmask = cols < body
+    j = tl.arange(0, 2 * VEC)
+    ecol = tl.where(j < VEC, j, head + body + (j - VEC))
+    emask = tl.where(j < VEC, j < head, ecol < N)
+    if HAS_W and NEED_DX:
+        we = tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+        if HOLD_W:
+            w = tl.load(w_ptr + head + cols, mask=bmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    dwe_acc = tl.zeros([2 * VEC], tl.float32)
+    for row in range(pid, M, num_progs):
+        start = (pid * 0 + row).to(tl.int64) * stride  # (the interpreter's loop gives ints)
+        first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly
+        x = tl.load(x_ptr + first + cols, mask=bmask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + first + cols, mask=bmask, other=0.0).to(tl.float32)
+        xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+        dye = tl.load(dy_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = x * rstd  # masked lanes: x = dy = 0, nothing added to any sum
+        xhe = xe * rstd
+        if NEED_DX:
+            if HAS_W:
+                if not HOLD_W:
+                    w = tl.load(w_ptr + head + cols, mask=bmask, other=0.0).to(tl.float32)
+                g = dy * w
+                ge = dye * we
+            else:
+                g = dy
+                ge = dye
+            c = (tl.sum(xhat * g, axis=0) + tl.sum(xhe * ge, axis=0)) / N
+            tl.store(dx_ptr + first + cols, ((g - xhat * c) * rstd).to(dx_ptr.dtype.element_ty),
+                     mask=bmask)
+            tl.store(dx_ptr + start + ecol, ((ge - xhe * c) * rstd).to(dx_ptr.dtype.element_ty),
+                     mask=emask)
+        if NEED_DW:
+            dw_acc += dy * xhat
+            dwe_acc += dye * xhe
+    if NEED_DW:
+        out = part_ptr + pid.to(tl.int64) * N
+        tl.store(out + head + cols, dw_acc.to(part_ptr.dtype.element_ty), mask=bmask)
+        tl.store(out + ecol, dwe_acc.to(part_ptr.dtype.element_ty), mask=emask)
 
 
 @triton.jit

@@ -1,0 +1,236 @@
+"""The split-row RMSNorm kernels (``@triton.jit`` only): rows too long for one program in C
+cooperating pieces (``runtime/split.py``), the backward's pieces also exchanging through a
+thread-block cluster (``runtime/clusters.py``). The rules that pick them: ``configs/rmsnorm.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fusedops.backends.triton.kernels.clusters import (
+    cluster_peer_sums,
+    cluster_publish,
+    cluster_start,
+)
+from fusedops.backends.triton.kernels.common import (
+    await_row,
+    publish_row,
+    split_head,
+    split_piece,
+)
+
+
+@triton.jit
+def body_start(row64, stride, VEC: tl.constexpr):
+    """Offset of lane 0 of a row's pieces: the row's start, or (VEC > 0, rows that start
+    unaligned) its first 16-byte boundary, visibly a multiple of VEC to the compiler."""
+    start = row64 * stride
+    if VEC > 0:
+        start = ((start + (VEC - 1)) // VEC) * VEC
+    return start
+
+
+@triton.jit
+def piece_edges(row, chunk, N, stride, VEC: tl.constexpr):
+    """``(offs, mask, col)`` of the columns of row ``row`` outside its aligned body (a 2·VEC
+    tile: lanes < VEC the head, the rest the tail), masked off except for piece 0 (as
+    kernels/common.py's split_edges, with the piece test as a vector: the interpreter rejects
+    a scalar-and-vector mask)."""
+    head, body = split_head(row, N, stride, VEC)
+    j = tl.arange(0, 2 * VEC)
+    col = tl.where(j < VEC, j, head + body + (j - VEC))
+    mask = tl.where(j < VEC, j < head, col < N) & (j * 0 + chunk == 0)
+    return row.to(tl.int64) * stride + col, mask, col
+
+
+@triton.jit
+def rms_fwd_split(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x, stride_y, eps,
+    num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    STATS: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
+):
+    # Work item = (row, piece), row-major, on a grid that is a multiple of C: a program always
+    # has the same piece (split_piece in kernels/common.py), of rows num_progs // C apart. Each
+    # piece publishes its sum of squares (one float per item in stats), waits for its row's
+    # other pieces and writes y from the row's total: x read once, y written once.
+    # VEC > 0: pieces of the aligned body, piece 0 also the edges, x and y share the row
+    # stride; the grid is a multiple of C·VEC (or one item per program), so a program's rows
+    # share one misalignment and its weight columns are fixed: the weight is loaded once.
+    # PREFETCH: see runtime/split.py.
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, C_P2)
+    chunk = pid % C
+    step = num_progs // C
+    if VEC > 0 and HAS_W:
+        head, body = split_head(pid // C, N, stride_x, VEC)
+        w = tl.load(w_ptr + head + chunk * L + lanes,
+                    mask=(lanes < L) & (chunk * L + lanes < body), other=0.0).to(tl.float32)
+    if PREFETCH > 0:
+        offs, mask, pos = split_piece(pid // C, chunk, L, N, stride_x, BLOCK, VEC)
+        x_next = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    for item in range(pid, num_items, num_progs):
+        row = pid * 0 + item // C  # (a tensor also where the interpreter's loop gives ints)
+        offs, mask, pos = split_piece(row, chunk, L, N, stride_x, BLOCK, VEC)
+        if PREFETCH > 0:
+            x = x_next.to(tl.float32)
+            n_offs, n_mask, n_pos = split_piece(row + step, chunk, L, N, stride_x, BLOCK, VEC)
+            # (a vector test: the interpreter rejects a scalar-and-vector mask)
+            n_mask = n_mask & (lanes * 0 + item + num_progs < num_items)
+            if PREFETCH == 1:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        else:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ss = tl.sum(x * x, axis=0)
+        if VEC > 0:
+            e_offs, e_mask, e_col = piece_edges(row, chunk, N, stride_x, VEC)
+            xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
+            ss += tl.sum(xe * xe, axis=0)
+        tl.store(stats_ptr + item, ss)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        await_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        total = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
+                               cache_modifier=".cg"), axis=0)
+        rstd = 1.0 / tl.sqrt(total / N + eps)  # 0 for an infinite mean square, as torch
+        y = x * rstd
+        if HAS_W:
+            if VEC > 0:
+                y = y * w
+            else:  # (per row, from L2: the registers go to the piece and its prefetch)
+                y = y * tl.load(w_ptr + pos, mask=mask, other=0.0).to(tl.float32)
+        offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
+        tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask_y)
+        if VEC > 0:
+            ye = xe * rstd
+            if HAS_W:
+                ye = ye * tl.load(w_ptr + e_col, mask=e_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
+        if STATS:
+            tl.store(rstd_ptr + row, rstd, mask=chunk == 0)
+
+
+@triton.jit
+def piece_at(x_ptr, dy_ptr, row64, stride_x, stride_dy, pos, mask, VEC: tl.constexpr):
+    """(x, dy) of a split-row program's piece of row ``row64``, in the inputs' dtype."""
+    return (tl.load(x_ptr + body_start(row64, stride_x, VEC) + pos, mask=mask, other=0.0),
+            tl.load(dy_ptr + body_start(row64, stride_dy, VEC) + pos, mask=mask, other=0.0))
+
+
+@triton.jit
+def rms_bwd_split(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, stats_ptr, count_ptr,
+    N, L, stride_dy, stride_x, stride_dx, num_items, num_progs,
+    BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
+    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
+    CLUSTER: tl.constexpr,
+):
+    # Work item = (row, piece) as in rms_fwd_split: a program keeps one piece of columns, so
+    # its weight and its dweight partials stay in registers across its rows; partials are
+    # (num_progs // C, N) float32, one row per group of C programs. With NEED_DX each piece
+    # publishes Σ x̂·w·dy of its columns, waits for its row's other pieces and writes its
+    # piece of dx: x and dy read once, dx written once.
+    # VEC > 0 (x, dy and dx share the row stride): pieces of the aligned body (lane j of piece
+    # c: column head + c·L + j), piece 0 also the edges; the grid is a multiple of C·VEC (or
+    # one item per program), so head is fixed per program.
+    # CLUSTER (aligned rows, launched by runtime.clusters.ClusterLauncher): the C programs of a
+    # row are one thread-block cluster exchanging the sums through shared memory.
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    peers = tl.arange(0, C_P2)
+    pos = (pid % C) * L + lanes
+    step = num_progs // C
+    parity = pid * 0
+    if CLUSTER and NEED_DX:
+        parity = cluster_start(parity)
+    if VEC > 0:
+        head, body = split_head(pid // C, N, stride_x, VEC)
+        cmask = (lanes < L) & (pos < body)
+        e_offs, emask, ecols = piece_edges(pid // C, pid % C, N, stride_x, VEC)
+        if HAS_W:
+            we = tl.load(w_ptr + ecols, mask=emask, other=0.0).to(tl.float32)
+        dwe_acc = tl.zeros([2 * VEC], tl.float32)
+    else:
+        head = 0
+        cmask = (lanes < L) & (pos < N)
+    if HAS_W:
+        w = tl.load(w_ptr + head + pos, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK], tl.float32)
+    if PREFETCH > 0:
+        x_next, dy_next = piece_at(x_ptr, dy_ptr, (pid // C).to(tl.int64), stride_x,
+                                   stride_dy, pos, cmask, VEC)
+    for item in range(pid, num_items, num_progs):
+        row = pid * 0 + item // C  # (a tensor also where the interpreter's loop gives ints)
+        row64 = row.to(tl.int64)
+        if PREFETCH > 0:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            more = cmask & (lanes * 0 + item + num_progs < num_items)
+            if PREFETCH == 1:
+                x_next, dy_next = piece_at(x_ptr, dy_ptr, row64 + step, stride_x, stride_dy,
+                                           pos, more, VEC)
+        else:
+            x, dy = piece_at(x_ptr, dy_ptr, row64, stride_x, stride_dy, pos, cmask, VEC)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = x * rstd  # masked lanes: x = dy = 0, nothing added to any sum
+        if VEC > 0:
+            xhe = tl.load(x_ptr + row64 * stride_x + ecols, mask=emask,
+                          other=0.0).to(tl.float32) * rstd
+            dye = tl.load(dy_ptr + row64 * stride_dy + ecols, mask=emask,
+                          other=0.0).to(tl.float32)
+        if NEED_DW:  # before any wait: only x̂ and w·dy stay live across it
+            dw_acc += dy * xhat
+            if VEC > 0:
+                dwe_acc += dye * xhe
+        if NEED_DX:
+            if HAS_W:
+                g = dy * w
+            else:
+                g = dy
+            s = tl.sum(xhat * g, axis=0)
+            if VEC > 0:
+                if HAS_W:
+                    ge = dye * we
+                else:
+                    ge = dye
+                s += tl.sum(xhe * ge, axis=0)
+            if CLUSTER:
+                token = cluster_publish(s, s, pid % C, parity, C)
+                sums, sums2 = cluster_peer_sums(peers, parity, token, C)
+                parity = 1 - parity
+                if PREFETCH >= 2:
+                    x_next, dy_next = piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
+                                               stride_dy, pos, more, VEC)
+            else:
+                tl.store(stats_ptr + item, s)
+                publish_row(count_ptr, row)
+                if PREFETCH == 3:
+                    x_next, dy_next = piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
+                                               stride_dy, pos, more, VEC)
+                await_row(count_ptr, row, C)
+                if PREFETCH == 2:
+                    x_next, dy_next = piece_at(x_ptr, dy_ptr, row64 + step, stride_x,
+                                               stride_dy, pos, more, VEC)
+                sums = tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
+                               cache_modifier=".cg")
+            c = tl.sum(sums, axis=0) / N
+            dx = ((g - xhat * c) * rstd).to(dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + body_start(row64, stride_dx, VEC) + pos, dx, mask=cmask)
+            if VEC > 0:
+                dxe = ((ge - xhe * c) * rstd).to(dx_ptr.dtype.element_ty)
+                tl.store(dx_ptr + row64 * stride_dx + ecols, dxe, mask=emask)
+        elif PREFETCH >= 2:
+            x_next, dy_next = piece_at(x_ptr, dy_ptr, row64 + step, stride_x, stride_dy, pos,
+                                       more, VEC)
+    if NEED_DW:
+        out = part_ptr + (pid // C).to(tl.int64) * N
+        tl.store(out + head + pos, dw_acc, mask=cmask)
+        if VEC > 0:
+            tl.store(out + ecols, dwe_acc, mask=emask)

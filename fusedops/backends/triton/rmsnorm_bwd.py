@@ -1,0 +1,206 @@
+"""Triton RMSNorm backward: the host code that picks a kernel (``configs/rmsnorm.py``,
+:func:`backward_config`) and launches it; the paths are described in ``rmsnorm.py``'s
+docstring, the kernels are in ``kernels/rmsnorm.py`` and ``kernels/rmsnorm_split.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedops.backends.triton.configs import rmsnorm as rules
+from fusedops.backends.triton.configs.common import unaligned_vec
+from fusedops.backends.triton.kernels.rmsnorm import (
+    rms_bwd_dw_columns,
+    rms_bwd_dx_looped,
+    rms_bwd_single,
+    rms_bwd_vec,
+)
+from fusedops.backends.triton.kernels.rmsnorm_split import rms_bwd_split
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
+from fusedops.backends.triton.runtime.launcher import Launcher
+from fusedops.backends.triton.runtime.partials import reduce_partials
+from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces
+
+_launch_bwd_single = Launcher(rms_bwd_single)
+_launch_bwd_vec = Launcher(rms_bwd_vec)
+_launch_dx_looped = Launcher(rms_bwd_dx_looped)
+_launch_dw_columns = Launcher(rms_bwd_dw_columns)
+# Split-row launchers by register cap (see SPLIT_BWD): cooperative grids and clusters.
+_split_launchers: dict[int | None, SplitLauncher] = {}
+_cluster_launchers: dict[int | None, ClusterLauncher] = {}
+
+
+def split_launcher(maxnreg: int | None) -> SplitLauncher:
+    """The cooperative-grid launcher of rms_bwd_split with this register cap."""
+    launcher = _split_launchers.get(maxnreg)
+    if launcher is None:
+        launcher = _split_launchers[maxnreg] = SplitLauncher(rms_bwd_split, maxnreg=maxnreg)
+    return launcher
+
+
+def cluster_launcher(maxnreg: int | None) -> ClusterLauncher:
+    """The thread-block cluster launcher of rms_bwd_split with this register cap."""
+    launcher = _cluster_launchers.get(maxnreg)
+    if launcher is None:
+        launcher = _cluster_launchers[maxnreg] = ClusterLauncher(rms_bwd_split, maxnreg=maxnreg)
+    return launcher
+
+
+def rmsnorm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+    grad_dtypes: tuple[torch.dtype | None, ...] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of row RMSNorm. dy, x: (M, N) float32/float16/bfloat16, unit column stride,
+    any row strides; weight: contiguous (N,) or None; rstd: (M,) float32 from the forward.
+
+    With xhat = x · rstd and g = weight · dy: dx = rstd · (g − xhat · mean(xhat · g)), (M, N)
+    contiguous in x's dtype; dw = Σ_rows dy · xhat, (N,) in ``grad_dtypes[0]`` where given
+    (not None), else float32. Each is None where not needed. Bitwise reproducible: the grid
+    and the summation order depend on the shapes (and, for rows that do not start 16-byte
+    aligned, on their alignment) only.
+    """
+    M, N = x.shape
+    dev = x.device
+    dw_dtype = grad_dtypes[0] if grad_dtypes and grad_dtypes[0] is not None else torch.float32
+    dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
+    dw = torch.empty((N,), dtype=dw_dtype, device=dev) if need_dw else None
+    if M == 0 or N == 0 or not (need_dx or need_dw):
+        if dw is not None:
+            dw.zero_()
+        return dx, dw
+    w = weight if weight is not None else x  # a placeholder, never read
+    if not rstd.is_contiguous():
+        rstd = rstd.contiguous()
+    elt = x.element_size()
+    strides = (dy.stride(0), x.stride(0), N)
+    vec = unaligned_vec(N, strides, elt, (dy, x))
+    aligned = all(s % (16 // elt) == 0 for s in strides)
+    cfg = rules.backward_config(N, elt, vec, aligned, dev)
+    call = (dy, x, w, weight is not None, rstd, dx, dw)
+    if cfg.kernel == "fused" and cfg.vec and _fused_vec(*call, cfg):
+        return dx, dw
+    if cfg.kernel == "split" and _split(*call, cfg):
+        return dx, dw
+    if cfg.vec:  # no grid of a multiple of VEC programs fits: scalar accesses
+        cfg = rules.backward_config(N, elt, 0, aligned, dev)
+        if cfg.kernel == "split" and _split(*call, cfg):
+            return dx, dw
+    if cfg.kernel == "fused":
+        _fused(*call, cfg)
+        return dx, dw
+    if need_dx:
+        chunk, warps = rules.looped_config()
+        _launch_dx_looped((M,), (
+            dy, x, w, rstd, dx, N, dy.stride(0), x.stride(0), N, chunk, weight is not None,
+        ), warps)
+    if need_dw:
+        _dw_columns(dy, x, rstd, dw)
+    return dx, dw
+
+
+def _partials(progs: int, dw: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Where a kernel with ``progs`` programs writes its dweight partial rows: float32
+    scratch, dweight itself for one program, ``x`` as a placeholder without dweight."""
+    if dw is None:
+        return x
+    return dw if progs == 1 else torch.empty((progs, x.shape[1]), dtype=torch.float32,
+                                             device=x.device)
+
+
+def _fused(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> None:
+    """rms_bwd_single: a persistent grid over row tiles, one partial dweight row per program
+    (summed in a fixed order: deterministic, no atomics)."""
+    M, N = x.shape
+    tiles = cdiv(M, cfg.rows)
+    progs = min(tiles, num_sms(x.device) * cfg.per_sm)
+    part = _partials(progs, dw, x)
+    _launch_bwd_single((progs,), (
+        dy, x, w, rstd, x if dx is None else dx, part, M, N, dy.stride(0), x.stride(0), N,
+        tiles, progs,
+        cfg.block, cfg.rows, has_w, rules.hold_w(cfg.block, cfg.warps), dx is not None,
+        dw is not None, cfg.acc_1d,
+    ), cfg.warps)
+    if dw is not None and progs > 1:
+        reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
+
+
+def _fused_vec(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
+    """rms_bwd_vec (unaligned rows, one per iteration) on a grid that is a multiple of VEC or
+    has one row per program; False where neither fits (nothing launched)."""
+    M, N = x.shape
+    progs = min(M, num_sms(x.device) * cfg.per_sm)
+    if progs < M:
+        progs = progs // cfg.vec * cfg.vec
+        if not progs:
+            return False
+    part = _partials(progs, dw, x)
+    _launch_bwd_vec((progs,), (
+        dy, x, w, rstd, x if dx is None else dx, part, M, N, x.stride(0), progs,
+        cfg.block, has_w, rules.hold_w(cfg.block, cfg.warps), dx is not None, dw is not None,
+        cfg.vec,
+    ), cfg.warps)
+    if dw is not None and progs > 1:
+        reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
+    return True
+
+
+def _split(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
+    """rms_bwd_split on C pieces per row: in thread-block clusters where the config asks for
+    them and the device allows (calls with dx, aligned rows), else on a cooperative grid; a
+    failed cluster launch (clusters are then off) retries the same pieces cooperatively.
+    False where no grid fits or the launch was refused (nothing written then)."""
+    M, N = x.shape
+    dev = x.device
+    need_dx = dx is not None
+    C, L = split_pieces(N, cfg.chunk, cfg.vec)
+    clustered = (cfg.cluster and need_dx and not cfg.vec
+                 and clusters_enabled(dev, N, cfg.chunk, C))
+    if clustered:  # (no counters or statistics: the exchange stays on chip)
+        launcher, stats, count = cluster_launcher(cfg.maxnreg), rstd, rstd
+    else:
+        launcher = split_launcher(cfg.maxnreg)
+        stats = torch.empty((M * C,), dtype=torch.float32, device=dev) if need_dx else rstd
+        count = torch.zeros((M,), dtype=torch.int32, device=dev) if need_dx else rstd
+    # rstd stands in for the partials (same dtype and alignment) until their rows are known.
+    args = [dy, x, w, rstd, dx if need_dx else x, rstd, stats, count, N, L, dy.stride(0),
+            x.stride(0), N, M * C]
+    consts = (next_pow2(L), C, next_pow2(C), has_w, need_dx, dw is not None, cfg.prefetch,
+              cfg.vec, clustered)
+    progs = launcher.programs(M * C, C, tuple(args), consts, cfg.warps, dev, cfg.vec)
+    if not progs:
+        return False if not clustered else _split(dy, x, w, has_w, rstd, dx, dw,
+                                                  cfg._replace(cluster=False))
+    part = (torch.empty((progs // C, N), dtype=torch.float32, device=dev) if dw is not None
+            else rstd)
+    args[5] = part
+    if not launcher(M * C, C, tuple(args), consts, cfg.warps, dev, progs, cfg.vec):
+        return False if not clustered else _split(dy, x, w, has_w, rstd, dx, dw,
+                                                  cfg._replace(cluster=False))
+    if dw is not None:
+        reduce_partials(part.view(1, progs // C, N), True, False, out=(dw, None))
+    return True
+
+
+def _dw_columns(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dw: torch.Tensor) -> None:
+    """dweight from the column kernel: the fewest row splits giving COLUMN_PER_SM programs per
+    SM, each a (row split, column block) tile; more than one split writes float32 partials,
+    summed in a fixed order."""
+    M, N = x.shape
+    block_c, block_r = rules.COLUMN_TILE
+    col_blocks = cdiv(N, block_c)
+    splits = max(1, min(cdiv(M, block_r),
+                        cdiv(rules.COLUMN_PER_SM * num_sms(x.device), col_blocks)))
+    rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
+    splits = cdiv(M, rows_per_split)
+    out = dw if splits == 1 else torch.empty((splits, N), dtype=torch.float32, device=x.device)
+    _launch_dw_columns((col_blocks, splits), (
+        dy, x, rstd, out, M, N, dy.stride(0), x.stride(0), rows_per_split, block_c, block_r,
+    ), rules.COLUMN_WARPS)
+    if splits > 1:
+        reduce_partials(out.view(1, splits, N), True, False, out=(dw, None))

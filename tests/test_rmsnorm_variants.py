@@ -1,0 +1,490 @@
+"""The RMSNorm kernels LayerNorm's refinements brought: unaligned rows as an aligned body plus
+edges (forward single-block and reload kernels, the weight from shifted copies; the fused
+backward's rms_bwd_vec) and split rows for long rows (rms_fwd_split, rms_bwd_split, in
+clusters on Hopper), each against a float64 oracle, each asserting from the recorded launches
+that it ran (a silent fallback fails), and the launch rules that pick them.
+
+CPU: the Triton interpreter; the split-row kernels with their programs as concurrent threads
+(tests/_concurrent_programs.py), on rows shrunk to a few pieces of a few dozen columns. GPU
+(``gpu`` marker): the same paths at real sizes with the shipped rules.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    HAS_CUDA,
+    INTERPRETING,
+    assert_close_to_ref,
+    assert_row_sum_close,
+    exhaustive_unless,
+    one_of_each,
+    tol,
+)
+
+pytest.importorskip("triton")
+from fusedops.backends import triton as tb  # noqa: E402
+
+if not tb.AVAILABLE:
+    pytest.skip("Triton not available", allow_module_level=True)
+if not HAS_CUDA and not INTERPRETING:
+    pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
+
+from _concurrent_programs import concurrent_programs  # noqa: E402
+
+from fusedops.backends.triton import rmsnorm_bwd as trmsb  # noqa: E402
+from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
+from fusedops.backends.triton.runtime import split as rt_split  # noqa: E402
+from fusedops.backends.triton.runtime.recording import record_launches  # noqa: E402
+
+ON_DEVICE = True  # tensors on the GPU where there is one (conftest's _tensors_on_device)
+EPS = 1e-5
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+GRAD = 4.0  # dx and dweight are sums over a row / over rows
+# The VEC constexpr's place in each kernel's arguments (the launch's last or next-to-last).
+VEC_AT = {"rms_fwd_single": -1, "rms_fwd_reload_vec": -1, "rms_bwd_vec": -1,
+          "rms_fwd_split": -1, "rms_bwd_split": -2}
+
+
+def _dev() -> torch.device:
+    return torch.empty(0).device
+
+
+def make(m: int, n: int, dtype: torch.dtype, w_mode: str = "same", seed: int = 0):
+    """(x, weight, dy) on the test device: x off zero so rstd matters; w_mode "none", "same"
+    (x's dtype) or "fp32"."""
+    g = torch.Generator().manual_seed(seed)  # a CPU generator: the same values on any device
+    x = (2 * torch.randn(m, n, generator=g, device="cpu") + 0.3).to(dtype)
+    dy = torch.randn(m, n, generator=g, device="cpu").to(dtype)
+    w = None if w_mode == "none" else (1 + 0.5 * torch.randn(n, generator=g, device="cpu")).to(
+        FP32 if w_mode == "fp32" else dtype)
+    return x.to(_dev()), None if w is None else w.to(_dev()), dy.to(_dev())
+
+
+def oracle(x, w, dy):
+    """float64 y, rstd, dx, and dweight (Σ dy·x̂ also without a weight) of F.rms_norm."""
+    n = x.shape[-1]
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = None if w is None else w.detach().double().requires_grad_(True)
+    y64 = F.rms_norm(x64, (n,), w64, EPS)
+    grads = torch.autograd.grad(y64, [x64] + ([w64] if w64 is not None else []), dy.double())
+    rstd64 = torch.rsqrt(x64.detach().square().mean(-1) + EPS)
+    dw64 = grads[1] if w64 is not None else (dy.double() * x.double() * rstd64[:, None]).sum(0)
+    return y64.detach(), rstd64, grads[0], dw64
+
+
+def launched(record) -> dict[str, list[tuple]]:
+    """Kernel name -> the argument tuples of its launches, from a LaunchRecord."""
+    out: dict[str, list[tuple]] = {}
+    for launcher, _grid, args, _warps in record:
+        out.setdefault(launcher.kernel.__name__, []).append(args)
+    return out
+
+
+def vecs(runs: dict, name: str) -> list[int]:
+    return [args[VEC_AT[name]] for args in runs.get(name, [])]
+
+
+def check(x, w, dy, need=(True, True), stats=True):
+    """Forward (with rstd, and ``stats`` False: y only) and the backward's needed gradients
+    against the oracle; returns the launches made (kernel name -> argument tuples)."""
+    dtype = x.dtype
+    y64, rstd64, dx64, dw64 = oracle(x, w, dy)
+    with record_launches() as record:
+        y, rstd = tb.rmsnorm_forward(x, w, EPS, dtype)
+        y_only = tb.rmsnorm_forward_y(x, w, EPS, dtype) if not stats else y
+        dx, dw = tb.rmsnorm_backward(dy, x, w, rstd, *need)
+    assert_close_to_ref(y, y64, dtype)
+    assert_close_to_ref(y_only, y64, dtype)
+    torch.testing.assert_close(rstd.double(), rstd64, **tol(FP32))
+    assert (dx is not None) == need[0] and (dw is not None) == need[1]
+    if need[0]:
+        assert dx.dtype == dtype and dx.is_contiguous()
+        assert_close_to_ref(dx, dx64, dtype, GRAD)
+    if need[1]:
+        assert dw.dtype == FP32
+        assert_row_sum_close(dw, dw64, x.shape[0], GRAD)
+    return launched(record)
+
+
+# ------------------------------------------------------------------ aligned body and edges
+
+
+def _vec_expected(n: int, dtype: torch.dtype) -> int:
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    return vec if n % vec and n >= 2 * vec else 0
+
+
+FWD_ROWS = [(BF16, 15), (BF16, 16), (BF16, 17), (BF16, 23), (BF16, 25), (BF16, 1025),
+            (FP16, 33), (FP32, 7), (FP32, 8), (FP32, 9), (FP32, 13), (FP32, 1023)]
+
+
+@exhaustive_unless(one_of_each({"dtype,n": FWD_ROWS, "w_mode": ["none", "same", "fp32"],
+                                "m": [1, 17]}))
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
+@pytest.mark.parametrize("dtype,n", FWD_ROWS, ids=str)
+def test_forward_body_and_edges(dtype, n, w_mode, m):
+    """Row lengths around the vector width (VEC elements per 16 bytes): rows that start
+    unaligned run the single-block kernel on an aligned body plus edges (VEC > 0); aligned
+    rows and rows shorter than two vectors do not."""
+    x, w, dy = make(m, n, dtype, w_mode, seed=n + m)
+    runs = check(x, w, dy, need=(True, w is not None), stats=m == 1)
+    assert vecs(runs, "rms_fwd_single") == [_vec_expected(n, dtype)] * (1 if m == 1 else 2)
+
+
+@pytest.mark.parametrize("case", ["column-slice", "offset-misaligned", "offset-aligned",
+                                  "expanded-dy"])
+def test_misaligned_row_starts(case):
+    """Rows whose starts rule the split out run on scalar accesses (a row stride other than
+    y's, a base pointer off 16 bytes, dy broadcast over rows); a storage offset of whole
+    vectors keeps it (forward and the fused backward)."""
+    m, n = 6, 2049
+    x, w, dy = make(m, n, BF16, "fp32", seed=3)
+    if case == "column-slice":
+        wide = make(m, n + 1, BF16, "none", seed=4)[0]
+        wide[:, 1:] = x
+        x = wide[:, 1:]
+    elif case.startswith("offset"):
+        off = 1 if case == "offset-misaligned" else 8
+        buf = torch.empty(m * n + off, dtype=BF16)
+        buf[off:] = x.flatten()
+        x = buf[off:].view(m, n)
+    else:
+        dy = dy[:1].expand(m, n)
+    runs = check(x, w, dy)
+    fwd = 8 if case in ("offset-aligned", "expanded-dy") else 0
+    bwd = 8 if case == "offset-aligned" else 0
+    assert vecs(runs, "rms_fwd_single") == [fwd]
+    assert vecs(runs, "rms_bwd_vec") == ([bwd] if bwd else [])
+    assert ("rms_bwd_single" in runs) == (not bwd)
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "per-tile"])
+@pytest.mark.parametrize("dtype,w_mode", [(BF16, "same"), (BF16, "fp32"), (FP32, "same")],
+                         ids=str)
+def test_forward_shifted_weight(dtype, w_mode, hold, launch_rules):
+    """Large calls (SHIFTED_W_MIN_ELEMS, here 0) read the weight from copies shifted per row
+    misalignment (w_ld > 1), held across a program's tiles or reloaded per tile."""
+    launch_rules("rmsnorm", SHIFTED_W_MIN_ELEMS=0, RELOAD_VEC_FWD={})
+    if not hold:
+        launch_rules("rmsnorm", HOLD_W_MAX_PER_THREAD=0)
+    x, w, dy = make(11, 97, dtype, w_mode, seed=5)
+    runs = check(x, w, dy, need=(False, False), stats=False)
+    assert "shift_weight" in runs
+    for args in runs["rms_fwd_single"]:
+        assert args[11] == 112 and args[-1] == 16 // x.element_size()  # w_ld, VEC
+        assert args[-3] == hold  # HOLD_W
+
+
+@pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
+def test_forward_reload_vec(w_mode, launch_rules):
+    """Unaligned 16-bit rows of large calls: rms_fwd_reload_vec (the body read whole for the
+    sum of squares, then again in chunks), the weight from the shifted copies."""
+    launch_rules("rmsnorm", SHIFTED_W_MIN_ELEMS=0, RELOAD_VEC_FWD={(2, 256): (64, 2)})
+    x, w, dy = make(5, 259, FP16, w_mode, seed=6)
+    runs = check(x, w, dy, need=(False, False), stats=False)
+    assert vecs(runs, "rms_fwd_reload_vec") == [8, 8] and "rms_fwd_single" not in runs
+    assert ("shift_weight" in runs) == (w is not None)
+
+
+BWD_ROWS = [(BF16, 2047), (BF16, 2049), (FP16, 2051), (FP32, 2049), (FP32, 2050)]
+
+
+@exhaustive_unless(one_of_each({"dtype,n": BWD_ROWS, "w_mode": ["none", "same", "fp32"],
+                                "need": [(True, True), (True, False), (False, True)],
+                                "m": [3, 20]}))
+@pytest.mark.parametrize("m", [3, 20])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
+@pytest.mark.parametrize("dtype,n", BWD_ROWS, ids=str)
+def test_backward_body_and_edges(dtype, n, w_mode, need, m):
+    """Unaligned rows with bodies of 2K+: rms_bwd_vec (one row per iteration, dweight
+    partials on fixed columns: 20 rows loop over 8 programs, 3 rows one program each)."""
+    x, w, dy = make(m, n, dtype, w_mode, seed=n + m)
+    runs = check(x, w, dy, need=need)
+    assert vecs(runs, "rms_bwd_vec") == [16 // x.element_size()]
+    assert "rms_bwd_single" not in runs
+
+
+def test_backward_short_bodies_and_no_vec_grid_stay_scalar(launch_rules):
+    """Bodies under FUSED_BWD_VEC_MIN_BLOCK take the scalar fused kernel, as do rows for which
+    no grid that is a multiple of VEC fits (here: no programs per SM)."""
+    x, w, dy = make(9, 1031, BF16, "same", seed=7)
+    runs = check(x, w, dy)
+    assert "rms_bwd_single" in runs and "rms_bwd_vec" not in runs
+    launch_rules("rmsnorm", vec_bwd_config=lambda block, elt: (4, 0))
+    x, w, dy = make(9, 2049, BF16, "same", seed=8)
+    runs = check(x, w, dy)
+    assert "rms_bwd_single" in runs and "rms_bwd_vec" not in runs
+
+
+def test_vec_edges_switch(launch_rules):
+    """VEC_EDGES off: every unaligned row on scalar accesses, as before the split."""
+    launch_rules("rmsnorm", VEC_EDGES=False)
+    x, w, dy = make(4, 2049, BF16, "same", seed=9)
+    runs = check(x, w, dy)
+    assert vecs(runs, "rms_fwd_single") == [0] and "rms_bwd_vec" not in runs
+
+
+# ----------------------------------------------------------------------------- split rows
+
+
+@pytest.fixture
+def split_rows(monkeypatch, launch_rules):
+    """Split rows on CPU tensors: rows past a 64-element single-block limit in pieces of at
+    most ``piece`` columns (forced rules), their programs run concurrently; ``sms`` sets the
+    programs a grid may hold (4 per SM, as the interpreter's occupancy estimate is 1)."""
+
+    def setup(piece: int, prefetch: int, sms: int = 64):
+        rules = {"SPLIT_FWD": {k: (piece, 1, prefetch) for k in rms_rules.SPLIT_FWD},
+                 "SPLIT_BWD": {e: ((1 << 62, (piece, 1, prefetch, None)),) for e in (2, 4)},
+                 "SCALAR_SPLIT_BWD_16BIT": ((1 << 62, (piece, 1, prefetch, None)),),
+                 "VEC_SPLIT_BWD": {e: (piece, 1, prefetch, None) for e in (2, 4)},
+                 "CLUSTER_BWD": {}}
+        launch_rules("rmsnorm", **rules)
+        launch_rules(SINGLE_BLOCK_LIMIT=64)
+        monkeypatch.setattr(rms_rules, "split_rows_enabled", lambda *a: True)
+        monkeypatch.setattr(rt_split, "num_sms", lambda device: sms)
+
+    if HAS_CUDA:
+        pytest.skip("the CPU split-row cases (the gpu tests cover CUDA)")
+    with concurrent_programs():
+        yield setup
+
+
+SPLIT_CASES = [  # (dtype, m, n, layout, prefetch, sms): VEC expected from the layout
+    (FP32, 5, 200, "aligned", 1, 64),
+    (BF16, 9, 203, "contiguous", 3, 32),  # VEC pieces, a grid of C·VEC < items: rows loop
+    (FP16, 4, 203, "strided", 2, 64),  # a row stride unlike y's: scalar pieces
+    (FP32, 6, 203, "contiguous", 0, 64),
+]
+
+
+@exhaustive_unless(lambda dtype, m, n, layout, prefetch, sms, w_mode, need:
+                   w_mode == {0: "fp32", 1: "none", 2: "same", 3: "same"}[prefetch]
+                   and need == (True, True))
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
+@pytest.mark.parametrize("dtype,m,n,layout,prefetch,sms", SPLIT_CASES, ids=str)
+def test_split_rows(split_rows, dtype, m, n, layout, prefetch, sms, w_mode, need):
+    """Long rows in pieces that exchange their sums of squares (forward) and Σ x̂·w·dy
+    (backward, whose pieces also keep dweight partials): aligned rows, unaligned contiguous
+    rows (aligned-body pieces plus edges), strided rows (scalar pieces); every PREFETCH."""
+    split_rows(64, prefetch, sms)
+    if w_mode == "fp32" and dtype == FP32:
+        w_mode = "same"
+    x, w, dy = make(m, n, dtype, w_mode, seed=m * n + prefetch)
+    if layout == "strided":
+        x = torch.cat([x, x[:, :5]], 1)[:, :n]
+    runs = check(x, w, dy, need=need)
+    want = 16 // x.element_size() if layout == "contiguous" else 0
+    assert vecs(runs, "rms_fwd_split") == [want]
+    assert vecs(runs, "rms_bwd_split") == ([want] if any(need) else [])
+    assert not {"rms_fwd_looped", "rms_bwd_dx_looped", "rms_bwd_dw_columns"} & set(runs)
+
+
+def test_split_rows_fallbacks(split_rows, launch_rules):
+    """No grid of C·VEC programs fits (4 programs, VEC 8): scalar pieces; SPLIT_ROWS_MIN
+    above the row: the looped kernels."""
+    split_rows(64, 1, sms=1)
+    x, w, dy = make(3, 203, BF16, "same", seed=11)
+    runs = check(x, w, dy)
+    assert vecs(runs, "rms_fwd_split") == [0] and vecs(runs, "rms_bwd_split") == [0]
+    launch_rules("rmsnorm", SPLIT_ROWS_MIN=204)
+    runs = check(x, w, dy)
+    assert "rms_fwd_split" not in runs and "rms_bwd_split" not in runs
+    assert {"rms_fwd_looped", "rms_bwd_dx_looped", "rms_bwd_dw_columns"} <= set(runs)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+@pytest.mark.parametrize("path", ["cluster", "cluster-fails", "cooperative"])
+def test_split_backward_launch_paths(monkeypatch, path):
+    """The split backward's host side with recording launchers: a cluster launch gets rstd
+    in place of the statistics and counters it never reads and CLUSTER True; a cooperative
+    one (first, or after a failed cluster launch, on the same pieces) zeroed int32 counters,
+    float32 statistics and CLUSTER False; the partial rows follow the grid."""
+    calls = []
+
+    class Launch:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def programs(self, items, chunks, runtime, consts, num_warps, device, vec=0):
+            return 2 * chunks
+
+        def __call__(self, items, chunks, runtime, consts, num_warps, device, progs=None,
+                     vec=0):
+            calls.append((self.kind, runtime, consts, progs))
+            return 0 if self.kind == "cluster" and path == "cluster-fails" else progs
+
+    monkeypatch.setattr(trmsb, "cluster_launcher", lambda cap: Launch("cluster"))
+    monkeypatch.setattr(trmsb, "split_launcher", lambda cap: Launch("coop"))
+    monkeypatch.setattr(trmsb, "clusters_enabled", lambda *a: path != "cooperative")
+    monkeypatch.setattr(trmsb, "reduce_partials", lambda part, *a, **k: calls.append(part))
+    x, w, dy = make(8, 256, BF16, "same")
+    rstd = torch.rsqrt(x.float().square().mean(1) + EPS)
+    cfg = rms_rules.BwdConfig("split", 0, 1, 4, 0, True, 0, 64, 1, None, True)
+    assert trmsb._split(dy, x, w, True, rstd, torch.empty_like(x), torch.empty(256), cfg)
+    kinds = [c[0] for c in calls[:-1]]
+    assert kinds == {"cluster": ["cluster"], "cluster-fails": ["cluster", "coop"],
+                     "cooperative": ["coop"]}[path]
+    for kind, runtime, consts, progs in calls[:-1]:
+        assert consts[-1] is (kind == "cluster") and progs == 8
+        stats, count = runtime[6], runtime[7]
+        if kind == "cluster":
+            assert stats is rstd and count is rstd
+        else:
+            assert stats.shape == (8 * 4,) and stats.dtype == FP32
+            assert count.dtype == torch.int32 and count.shape == (8,) and not count.any()
+    assert calls[-1].shape == (1, 2, 256) and calls[-1].dtype == FP32  # 8 programs / 4 pieces
+
+
+# ------------------------------------------------------------------------------ the rules
+
+
+def test_rules_pick_the_variants(monkeypatch, launch_rules):
+    """forward_config / backward_config on CUDA device facts (split rows allowed): which
+    kernel each row length takes, and the switches that turn the new paths off."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(rms_rules, "split_rows_enabled", lambda *a: True)
+    fwd, bwd = rms_rules.forward_config, rms_rules.backward_config
+    launch_rules("rmsnorm")  # (the caches dropped around the test)
+    assert fwd(8193, 2, 8, False, cuda, True)[:2] == ("reload_vec", 8192)
+    assert fwd(8193, 2, 8, False, cuda, False).kernel == "single"
+    assert fwd(8193, 4, 4, False, cuda, True)[:1] + fwd(8193, 4, 4, False, cuda, True)[5:] == (
+        "single", 4, 0, 0, True)
+    assert fwd(65537, 2, 8, False, cuda, True)[:1] + fwd(65537, 2, 8, False, cuda, True)[5:8] \
+        == ("split", 8, 8192, 3)
+    assert fwd(65536, 4, 0, True, cuda, True)[5:8] == (0, 8192, 1)
+    assert fwd(65536, 2, 0, True, cuda, True).kernel == "looped"  # (measured faster)
+    assert fwd(262144, 4, 0, True, cuda, True).kernel == "split"
+    assert bwd(8193, 2, 8, False, cuda)[:1] + bwd(8193, 2, 8, False, cuda)[6:7] == ("fused", 8)
+    assert bwd(16385, 2, 8, False, cuda).kernel == "fused"  # a 16K body
+    assert bwd(32769, 2, 8, False, cuda)[6:8] == (8, 2048)
+    assert bwd(32768, 2, 0, True, cuda)[7:] == (2048, 1, 128, True)
+    assert bwd(131072, 4, 0, True, cuda)[7:] == (8192, 2, None, False)
+    assert bwd(65537, 2, 0, False, cuda)[3::4] == (16, 8192)  # scalar pieces
+    launch_rules("rmsnorm", VEC_EDGES=False, SPLIT_ROWS_MIN=1 << 62)
+    assert fwd(8193, 2, 8, False, cuda, True)[5] == 0
+    assert fwd(65537, 2, 8, False, cuda, True).kernel == "looped"
+    assert bwd(8193, 2, 8, False, cuda)[6] == 0
+    assert bwd(131072, 4, 0, True, cuda).kernel == "looped"
+
+
+def test_rules_off_cuda_never_split():
+    cpu = torch.device("cpu")
+    assert rms_rules.forward_config(65537, 2, 8, False, cpu, True).kernel == "looped"
+    assert rms_rules.backward_config(65537, 2, 8, False, cpu).kernel == "looped"
+
+
+# ------------------------------------------------------------------------ compiled code
+
+_COMPILE = textwrap.dedent("""
+    import json, re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fusedops.backends.triton.kernels import rmsnorm as k, rmsnorm_split as ks
+
+    def build(fn, consts, div=()):
+        # pointers 16-byte aligned and the ints in ``div`` multiples of 16, as Triton
+        # specialises them at a launch with such arguments
+        names = fn.arg_names
+        f32 = {"rstd_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32",
+               "count_ptr": "*i32"}
+        sig = {a: f32.get(a, "*bf16") if a.endswith("_ptr") else "fp32" if a == "eps"
+               else "constexpr" if a in consts else "i32" for a in names}
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(names.index(a),): v for a, v in consts.items()},
+                        attrs={(names.index(a),): [["tt.divisibility", 16]]
+                               for a in names if a.endswith("_ptr") or a in div})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4}).asm["ptx"]
+        out = {t: ptx.count(t) for t in ("barrier.cluster.arrive.release",
+                                         "mapa.shared::cluster", "atom.", "red.global")}
+        out["ld.v4"] = len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx))
+        out["st.v4"] = len(re.findall(r"st\\.global[.\\w:]*\\.v4", ptx))
+        return out
+
+    split = dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True, NEED_DX=True, NEED_DW=True,
+                 PREFETCH=1, VEC=0)
+    aligned = ("N", "L", "stride_dy", "stride_x", "stride_dx")
+    out = {
+        "cluster": build(ks.rms_bwd_split, dict(split, CLUSTER=True), aligned),
+        "coop": build(ks.rms_bwd_split, dict(split, CLUSTER=False, VEC=8, PREFETCH=3), ("L",)),
+        "fwd_vec": build(k.rms_fwd_single, dict(BLOCK_N=2048, ROWS=2, HAS_W=True,
+                                                HOLD_W=True, STATS=True, VEC=8), ("w_ld",)),
+        "fwd_reload": build(k.rms_fwd_reload_vec, dict(BLOCK_N=4096, CHUNK=1024, HAS_W=True,
+                                                       STATS=True, VEC=8), ("w_ld",)),
+        "fwd_split": build(ks.rms_fwd_split, dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True,
+                                                  STATS=True, PREFETCH=3, VEC=8), ("L",)),
+        "bwd_vec": build(k.rms_bwd_vec, dict(BLOCK_N=4096, HAS_W=True, HOLD_W=True,
+                                             NEED_DX=True, NEED_DW=True, VEC=8)),
+    }
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    """The new kernels compiled for sm_90 (ptxas, no GPU needed; a subprocess, as the
+    interpreter replaces ``triton.jit`` here): PTX instruction counts per kernel."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compile_for_sm90(sm90):
+    """Every new kernel compiles for sm_90 (the interpreter checks no compile-time rules).
+    The cluster variant exchanges on chip (cluster barrier, stores into peers' shared memory,
+    no atomics), the cooperative one through counters; unaligned bodies (and the weight
+    copies) are read and written with 16-byte vectors."""
+    cluster, coop = sm90["cluster"], sm90["coop"]
+    assert cluster["barrier.cluster.arrive.release"] == 2 and cluster["mapa.shared::cluster"]
+    assert cluster["atom."] + cluster["red.global"] == 0
+    assert coop["barrier.cluster.arrive.release"] == 0 and coop["atom."] + coop["red.global"]
+    for name, got in sm90.items():
+        assert got["ld.v4"] >= 2 and got["st.v4"] >= 1, (name, got)
+
+
+# ----------------------------------------------------------------------- GPU (compiled)
+
+GPU_ROWS = [(BF16, 512, 8193), (FP32, 512, 8193), (FP16, 300, 4097), (BF16, 64, 65537),
+            (FP32, 64, 65537), (BF16, 48, 131072), (FP32, 40, 262144), (BF16, 200, 32768),
+            (FP32, 100, 16385), (BF16, 128, 32769)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_mode", ["same", "fp32", "none"])
+@pytest.mark.parametrize("dtype,m,n", GPU_ROWS, ids=str)
+def test_gpu_variants(dtype, m, n, w_mode, launch_rules):
+    """The shipped rules at real sizes (as large calls: the shifted weight copies and the
+    reload kernel): values against float64, and the kernels the rules name in the launches."""
+    launch_rules("rmsnorm", SHIFTED_W_MIN_ELEMS=0)
+    if w_mode == "fp32" and dtype == FP32:
+        pytest.skip("same as 'same'")
+    x, w, dy = (t if t is None else t.cuda() for t in make(m, n, dtype, w_mode, seed=n))
+    runs = check(x, w, dy)
+    vec = _vec_expected(n, dtype)
+    block = 1 << ((n // vec * vec if vec else n) - 1).bit_length()
+    fwd_split = block > 32768 and (dtype == FP32 or vec > 0)
+    assert ("rms_fwd_split" in runs) == fwd_split
+    assert ("rms_bwd_split" in runs) == (block > 16384)
+    if vec and not fwd_split:
+        assert vecs(runs, "rms_fwd_single") + vecs(runs, "rms_fwd_reload_vec") == [vec]
+    if vec and block <= 16384:
+        assert vecs(runs, "rms_bwd_vec") == [vec]
+    if vec and block > 16384:
+        assert vecs(runs, "rms_bwd_split") == [vec]
