@@ -203,6 +203,20 @@ def device() -> str:
 # --- kernel-test helpers (op test suites) ------------------------------------------------------
 
 
+def triton_backend_module():
+    """The Triton backend module for a test file that calls its kernels directly; skips the
+    whole file where it cannot run them (Triton missing, or CPU tensors without the
+    interpreter). Call at module level: ``tb = triton_backend_module()``."""
+    pytest.importorskip("triton")
+    from fusedops.backends import triton as tb
+
+    if not tb.AVAILABLE:
+        pytest.skip("Triton not available", allow_module_level=True)
+    if not HAS_CUDA and not INTERPRETING:
+        pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
+    return tb
+
+
 def triton_kernels_ready() -> bool:
     """True where Triton is installed (every Linux install; not macOS): the Triton backend then
     implements the whole row contract, so a missing entry point fails a test, not skips it."""

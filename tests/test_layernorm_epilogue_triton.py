@@ -16,24 +16,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
-    HAS_CUDA,
     INTERPRETING,
     assert_close_to_ref,
     exhaustive_unless,
     one_of_each,
     tol,
+    triton_backend_module,
 )
 
-pytest.importorskip("triton")
-from fusedops.backends import triton as tb  # noqa: E402
-
-if not tb.AVAILABLE:
-    pytest.skip("Triton not available", allow_module_level=True)
-if not HAS_CUDA and not INTERPRETING:
-    pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
+tb = triton_backend_module()
 
 from fusedops import _philox  # noqa: E402
-from fusedops.backends import reference
+from fusedops.backends import reference  # noqa: E402
 from fusedops.backends.triton import configs  # noqa: E402
 from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
 from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402

@@ -11,21 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
-    HAS_CUDA,
-    INTERPRETING,
     assert_close_to_ref,
     exhaustive_unless,
     one_of_each,
     tol,
+    triton_backend_module,
 )
 
-pytest.importorskip("triton")
-from fusedops.backends import triton as tb  # noqa: E402
-
-if not tb.AVAILABLE:
-    pytest.skip("Triton not available", allow_module_level=True)
-if not HAS_CUDA and not INTERPRETING:
-    pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
+tb = triton_backend_module()
 
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
 from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402

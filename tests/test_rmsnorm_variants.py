@@ -27,15 +27,10 @@ from conftest import (
     exhaustive_unless,
     one_of_each,
     tol,
+    triton_backend_module,
 )
 
-pytest.importorskip("triton")
-from fusedops.backends import triton as tb  # noqa: E402
-
-if not tb.AVAILABLE:
-    pytest.skip("Triton not available", allow_module_level=True)
-if not HAS_CUDA and not INTERPRETING:
-    pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
+tb = triton_backend_module()
 
 from _concurrent_programs import concurrent_programs  # noqa: E402
 

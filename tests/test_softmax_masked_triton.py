@@ -13,21 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    HAS_CUDA,
-    INTERPRETING,
     assert_close_to_ref,
     exhaustive_unless,
     one_of_each,
     tol,
+    triton_backend_module,
 )
 
-pytest.importorskip("triton")
-from fusedops.backends import triton as tb  # noqa: E402
-
-if not tb.AVAILABLE:
-    pytest.skip("Triton not available", allow_module_level=True)
-if not HAS_CUDA and not INTERPRETING:
-    pytest.skip("CPU tensors need the Triton interpreter", allow_module_level=True)
+tb = triton_backend_module()
 
 from fusedops.backends.triton import configs  # noqa: E402
 from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
