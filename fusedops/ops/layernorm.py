@@ -216,6 +216,18 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
         if below is None:
             below = _dispatch.size_rule("layernorm_epilogue", key)
         if x.numel() < below or _native_now():
+            if residual.__class__ is torch.Tensor and residual.dtype is x.dtype and eps >= 0.0 \
+                    and residual.shape == x.shape and (weight is None or weight.dtype is x.dtype) \
+                    and (bias is None or bias.dtype is x.dtype):
+                # torch's two ops, inline (host cost per call); any error is raised below by
+                # the checked path, naming the argument.
+                try:
+                    s = x + residual
+                    return torch.layer_norm(s, normalized_shape if isinstance(
+                        normalized_shape, _native.SHAPES) else (normalized_shape,),
+                        weight, bias, eps), s
+                except _native.ERRORS:
+                    pass
             return _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual)
         if not grad and _dispatch.plain_eager():
             # An inference add + LayerNorm seen before, replayed (fusedops._replay).
