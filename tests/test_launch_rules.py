@@ -210,7 +210,7 @@ def test_softmax_split_configs_are_valid():
         for elt in ELT_SIZES:
             for vec in (0, 16 // elt):
                 for kind in ("fwd", "bwd"):
-                    cfg = tsm.split_config(kind, elt, vec, n)
+                    cfg = sm_rules.split_config(kind, elt, vec, n)
                     assert len(cfg) == 3
                     _check_split_config(cfg, n, elt, not vec, vec)
 
@@ -220,7 +220,7 @@ def test_split_config_overrides(monkeypatch, launch_rules):
     assert tln.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
     assert ln_rules.split_config("bwd", 16384, 2, True) == (512, 4, 2)
     launch_rules("softmax", split_config=forced_split_config(None, (4096, 4, 2)))
-    assert tsm.split_config("bwd", 4) == (4096, 4, 2)
+    assert sm_rules.split_config("bwd", 4) == (4096, 4, 2)
 
 
 def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
@@ -371,15 +371,15 @@ def test_reload_and_unrolled_tables_are_valid():
     _check_table(tln.UNROLLED_VEC_FWD, 0, min_warps=1)
     for rules in ln_rules.UNROLLED_FWD_GPU.values():
         _check_table(rules, tln.UNROLLED_FWD_ABOVE)
-    _check_table(tsm.RELOAD_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
-    _check_table(tsm.RELOAD_BWD, tsm.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
-    _check_table(tsm.UNROLLED_FWD, tsm.UNROLLED_FWD_ABOVE)
-    _check_table(tsm.UNROLLED_VEC_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
-    _check_table(sm_rules.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.RELOAD_FWD, sm_rules.RELOAD_FWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.RELOAD_BWD, sm_rules.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
+    _check_table(sm_rules.UNROLLED_FWD, sm_rules.UNROLLED_FWD_ABOVE)
+    _check_table(sm_rules.UNROLLED_VEC_FWD, sm_rules.RELOAD_FWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.UNROLLED_BWD, sm_rules.UNROLLED_BWD_ABOVE, min_warps=1)
     _check_table(sm_rules.UNROLLED_VEC_BWD, 0, min_warps=1)
     for (_, padded) in sm_rules.UNROLLED_VEC_BWD:
         # unaligned rows: N > padded / 2 + 1 > UNROLLED_BWD_ABOVE for any body padded to it
-        assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE
+        assert padded // 2 >= sm_rules.UNROLLED_BWD_ABOVE
 
 
 def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
@@ -475,7 +475,7 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
                lambda g, a, w: (g, a[10], a[11], w))
     recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
     whole = rt_device.next_pow2(n)
-    assert (2, whole) in tln.RELOAD_FWD and (2, whole) in tsm.RELOAD_BWD  # the rows tested
+    assert (2, whole) in tln.RELOAD_FWD and (2, whole) in sm_rules.RELOAD_BWD  # the rows tested
     x = torch.randn(3, n, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
@@ -486,7 +486,7 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
     else:
         chunk, warps = tln.RELOAD_FWD[(2, whole)][:2]
         assert fwd == [((3,), whole, chunk, warps)] and unrolled == []
-    chunk, warps = tsm.RELOAD_BWD[(2, whole)][:2]
+    chunk, warps = sm_rules.RELOAD_BWD[(2, whole)][:2]
     assert bwd == [((3,), chunk, whole, warps)]
     odd = torch.randn(3, n + 1, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
@@ -518,7 +518,7 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
         rule = rule if rule and body >= rule[0] else None
     else:
         body = n
-        rule = _first_dividing(sm_rules.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
+        rule = _first_dividing(sm_rules.UNROLLED_BWD, elt, n, sm_rules.UNROLLED_BWD_ABOVE)
     y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1).to(dtype)
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64).to(dtype)
     dx = tsm.softmax_backward(y, dy, dtype)
@@ -545,7 +545,7 @@ def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
-    rule = _first_dividing(tsm.UNROLLED_FWD, _elt(dtype), n, tsm.UNROLLED_FWD_ABOVE)
+    rule = _first_dividing(sm_rules.UNROLLED_FWD, _elt(dtype), n, sm_rules.UNROLLED_FWD_ABOVE)
     assert calls == ([(n, *rule)] if rule else [])
     assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
@@ -599,7 +599,7 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, launch_rul
     y = tsm.softmax_forward(x, dtype)
     whole = rt_device.next_pow2(n)
     aligned = n % (16 // _elt(dtype)) == 0
-    rule = tsm.RELOAD_FWD.get((_elt(dtype), whole)) if aligned and n > tsm.RELOAD_FWD_ABOVE \
+    rule = sm_rules.RELOAD_FWD.get((_elt(dtype), whole)) if aligned and n > sm_rules.RELOAD_FWD_ABOVE \
         else None
     assert calls == ([((3,), whole, rule[0], n if n == whole else 0, rule[1])] if rule else [])
     assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
@@ -644,9 +644,9 @@ def test_softmax_backward_32k_reads_whole_rows(monkeypatch, n, dtype):
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64)
     dx = tsm.softmax_backward(y.to(dtype), dy.to(dtype), dtype)
     whole = rt_device.next_pow2(n)
-    assert (_elt(dtype), whole) in tsm.RELOAD_BWD, "the rows tested here need a reload rule"
-    chunk, warps, *piece = tsm.RELOAD_BWD[(_elt(dtype), whole)]
-    even = n if n == whole and tsm.UNROLL_RELOAD_BWD else 0
+    assert (_elt(dtype), whole) in sm_rules.RELOAD_BWD, "the rows tested here need a reload rule"
+    chunk, warps, *piece = sm_rules.RELOAD_BWD[(_elt(dtype), whole)]
+    even = n if n == whole and sm_rules.UNROLL_RELOAD_BWD else 0
     first = (0, piece[0]) if piece else (whole, chunk)
     assert bwd == [((2,), chunk, *first, even, warps)]
     y_, dy_ = y.to(dtype).double(), dy.to(dtype).double()
