@@ -599,8 +599,8 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, launch_rul
     y = tsm.softmax_forward(x, dtype)
     whole = rt_device.next_pow2(n)
     aligned = n % (16 // _elt(dtype)) == 0
-    rule = sm_rules.RELOAD_FWD.get((_elt(dtype), whole)) if aligned and n > sm_rules.RELOAD_FWD_ABOVE \
-        else None
+    rule = (sm_rules.RELOAD_FWD.get((_elt(dtype), whole))
+            if aligned and n > sm_rules.RELOAD_FWD_ABOVE else None)
     assert calls == ([((3,), whole, rule[0], n if n == whole else 0, rule[1])] if rule else [])
     assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
