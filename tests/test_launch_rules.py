@@ -289,7 +289,7 @@ def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype, launch_rules):
             vec, block, rows, warps, acc_1d, tiles, progs = plan
             assert block >= tcfg.body_len(n, vec) and _pow2(block)
             assert tiles * rows >= m
-            assert 1 <= progs <= min(tiles, max(1, ln_rules.max_partial_rows(x)))
+            assert 1 <= progs <= min(tiles, max(1, ln_rules.max_partial_rows(m, n, elt)))
             if vec and progs < tiles:
                 assert progs % vec == 0
 
@@ -300,7 +300,7 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
     for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
                         (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
         x = torch.empty(m, n, dtype=dtype)
-        rows = ln_rules.max_partial_rows(x)
+        rows = ln_rules.max_partial_rows(m, n, x.element_size())
         assert rows >= 1
         if rows > 1:
             assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1

@@ -143,7 +143,7 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
     # short bodies take the scalar variant by default (measured faster); force the body one
     launch_rules("layernorm", FUSED_BWD_UNALIGNED_MIN_BLOCK=16)
     if split:
-        launch_rules("layernorm", max_partial_rows=lambda x: 1 << 20)
+        launch_rules("layernorm", max_partial_rows=lambda m, n, elt_size: 1 << 20)
     torch.manual_seed(m + n)
     x = (torch.randn(m, n, device=device) * 2 + 3).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)

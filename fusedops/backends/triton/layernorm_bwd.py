@@ -345,7 +345,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
                                           clusters)
     if not progs:
         return None
-    progs = max(C, min(progs, max_partial_rows(x) * C))
+    progs = max(C, min(progs, max_partial_rows(M, N, x.element_size()) * C))
     if vec and progs < M * C:  # a program's rows VEC apart share one misalignment (see kernel)
         progs = min(M * C, max(C * vec, progs // (C * vec) * (C * vec)))
     # One partial row per group of C programs (a program keeps one chunk of the row).

@@ -164,11 +164,12 @@ def native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | N
 FUSED_BWD_MAX_BLOCK = 8192
 
 
-def max_partial_rows(x: torch.Tensor) -> int:
-    """Most (2, N) float32 partial rows a backward call may allocate: 1/8 of x's bytes, so
-    small batches do not pay scratch comparable to their activations (peak memory stays
-    within a few percent of torch's); large ones are not limited by it."""
-    return max(1, x.numel() * x.element_size() // 8 // (8 * x.shape[1]))
+def max_partial_rows(m: int, n: int, elt_size: int) -> int:
+    """Most (2, N) float32 partial rows a backward call on (m, n) rows of ``elt_size``-byte
+    elements may allocate: 1/8 of x's bytes, so small batches do not pay scratch comparable to
+    their activations (peak memory stays within a few percent of torch's); large ones are not
+    limited by it."""
+    return max(1, m * n * elt_size // 8 // (8 * n))
 
 
 def fused_bwd_config(block: int, body: bool = False,
@@ -262,7 +263,8 @@ def fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
             continue
         rows, warps, per_sm, acc_1d = fused_bwd_config(block, v > 0, x.element_size())
         tiles = num_row_tiles(M, rows, v)
-        progs = max(1, min(tiles, num_sms(x.device) * per_sm, max_partial_rows(x)))
+        progs = max(1, min(tiles, num_sms(x.device) * per_sm,
+                           max_partial_rows(M, N, x.element_size())))
         if v and progs < tiles:
             progs = progs // v * v
             if not progs:
