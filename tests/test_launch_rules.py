@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from conftest import assert_close_to_ref, forced_split_config
+from conftest import assert_close_to_ref, forced_split_config, ln_backward_vec
 
 from fusedops.backends.triton import configs as tconfigs
 from fusedops.backends.triton import layernorm as tln
@@ -28,6 +28,7 @@ from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.configs import softmax as sm_rules
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import split as rt_split
+from fusedops.backends.triton.runtime.facts import device_facts
 
 KINDS = sorted(tcfg.KIND_CAPS)
 ELT_SIZES = (2, 4)
@@ -194,7 +195,7 @@ def test_layernorm_split_configs_are_valid(elt, aligned):
     for n in (m for m in ROW_LENGTHS if m > 8192):
         for vec in ((0, 16 // elt) if not aligned else (0,)):
             for kind in ("fwd", "bwd"):
-                cfg = tln.split_config(kind, n, elt, aligned, vec)
+                cfg = ln_rules.split_config(kind, n, elt, aligned, vec)
                 if cfg is None:
                     # forward: aligned 16-bit rows of 256K+ (looped); backward with VEC: the
                     # scalar pieces or PyTorch's native kernel (16-bit)
@@ -217,7 +218,7 @@ def test_softmax_split_configs_are_valid():
 
 def test_split_config_overrides(monkeypatch, launch_rules):
     launch_rules("layernorm", split_config=forced_split_config((1024, 2, 0), (512, 4, 2)))
-    assert tln.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
+    assert ln_rules.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
     assert ln_rules.split_config("bwd", 16384, 2, True) == (512, 4, 2)
     launch_rules("softmax", split_config=forced_split_config(None, (4096, 4, 2)))
     assert sm_rules.split_config("bwd", 4) == (4096, 4, 2)
@@ -269,17 +270,16 @@ def test_fused_backward_configs_are_valid():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype, launch_rules):
+def test_fused_backward_plan_covers_the_rows(dtype):
     """Invariant: the fused backward's plan covers every row (tiles·ROWS >= M, the block holds
     the row or its aligned body), uses no more programs than tiles nor partial rows than the
     scratch budget, and with unaligned rows a multiple of VEC programs unless every tile has
     its own; rows longer than FUSED_BWD_MAX_BLOCK get no plan (the split / column paths)."""
-    launch_rules("layernorm", num_sms=lambda dev: 132)
     elt = torch.empty((), dtype=dtype).element_size()
     for m in (1, 3, 37, 300, 4096):
         for n in (1, 33, 64, 1000, 1025, 2049, 4097, 8192, 8193):
             x = torch.empty(m, n, dtype=dtype)
-            plan = ln_rules.fused_plan(m, n, x, x)
+            plan = ln_rules.fused_plan(m, n, elt, ln_backward_vec(x, x), 132)
             if rt_device.next_pow2(n) > ln_rules.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
                 assert plan is None
                 continue
@@ -319,7 +319,7 @@ def test_fused_backward_stages_rule(monkeypatch, device):
         assert stages(block, 4, (block,) * 3) == 1  # float32
         assert stages(block, 2, (block, block, block - 4)) == 1  # unaligned rows
     with tconfigs.override("layernorm", fused_bwd_stages=lambda *args: 2):
-        assert tlnb.fused_bwd_stages(4096, 4, (4096,) * 3) == 2
+        assert ln_rules.fused_bwd_stages(4096, 4, (4096,) * 3) == 2
     seen = []
     real = tlnb._launch_bwd_single
     monkeypatch.setattr(tlnb, "_launch_bwd_single", lambda grid, args, warps: seen.append(
@@ -337,8 +337,12 @@ def test_fused_backward_stages_rule(monkeypatch, device):
 
 def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
     # CPU tensors never take the native path (it is measured and enabled on CUDA only)
-    x = torch.empty(2, 8193, dtype=torch.bfloat16)
-    assert not ln_rules.native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
+    assert not ln_rules.native_unaligned(8193, 2, True, device_facts(-1))
+    gpu = device_facts(-1)._replace(cuda=True)
+    assert ln_rules.native_unaligned(8193, 2, True, gpu)
+    assert not ln_rules.native_unaligned(8193, 2, False, gpu)  # (not what the kernel takes)
+    assert not ln_rules.native_unaligned(8193, 4, True, gpu)  # float32 rows
+    assert not ln_rules.native_unaligned(8200, 2, True, gpu)  # 16-byte multiples
 
 
 # ----------------------------------------------------------------------- reload / unrolled tables
@@ -365,12 +369,12 @@ def _check_table(table: dict, above: int, min_warps: int = 0, third=bool):
 def test_reload_and_unrolled_tables_are_valid():
     """Invariant: every reload / unrolled rule (LayerNorm and softmax, forward and backward,
     aligned and unaligned rows, the per-GPU tables) is valid for its kernel and reachable."""
-    _check_table(tln.RELOAD_FWD, tln.RELOAD_FWD_ABOVE)
-    _check_table(tln.RELOAD_VEC_FWD, 0, min_warps=1)
-    _check_table(ln_rules.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
-    _check_table(tln.UNROLLED_VEC_FWD, 0, min_warps=1)
+    _check_table(ln_rules.RELOAD_FWD, ln_rules.RELOAD_FWD_ABOVE)
+    _check_table(ln_rules.RELOAD_VEC_FWD, 0, min_warps=1)
+    _check_table(ln_rules.UNROLLED_FWD, ln_rules.UNROLLED_FWD_ABOVE)
+    _check_table(ln_rules.UNROLLED_VEC_FWD, 0, min_warps=1)
     for rules in ln_rules.UNROLLED_FWD_GPU.values():
-        _check_table(rules, tln.UNROLLED_FWD_ABOVE)
+        _check_table(rules, ln_rules.UNROLLED_FWD_ABOVE)
     _check_table(sm_rules.RELOAD_FWD, sm_rules.RELOAD_FWD_ABOVE, min_warps=1)
     _check_table(sm_rules.RELOAD_BWD, sm_rules.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
     _check_table(sm_rules.UNROLLED_FWD, sm_rules.UNROLLED_FWD_ABOVE)
@@ -382,7 +386,7 @@ def test_reload_and_unrolled_tables_are_valid():
         assert padded // 2 >= sm_rules.UNROLLED_BWD_ABOVE
 
 
-def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
+def test_unrolled_rules_per_gpu():
     """Invariant: a GPU whose name matches a per-GPU table reads that table's rules for the
     keys it holds and the shared table for every other key; other GPUs and the CPU read the
     shared table, which the per-GPU rules never change."""
@@ -390,19 +394,19 @@ def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
         pytest.skip("no per-GPU rules to check")
     shared = {k: v for k, v in ln_rules.UNROLLED_FWD.items()}
     for part, rules in ln_rules.UNROLLED_FWD_GPU.items():
-        launch_rules("layernorm", device_name=lambda index, part=part: f"NVIDIA {part} X")
+        name = f"NVIDIA {part} X"
         for key in rules:
-            assert tln.unrolled_fwd_table(0, key) is rules
+            assert ln_rules.unrolled_fwd_table(name, key) is rules
         for key in ln_rules.UNROLLED_FWD:
             if key not in rules:
-                assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
-        assert all(tln.unrolled_fwd_table(-1, key) is ln_rules.UNROLLED_FWD for key in rules)
-        launch_rules("layernorm", device_name=lambda index: "NVIDIA A100-SXM4-80GB")
-        assert all(tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD for key in rules)
+                assert ln_rules.unrolled_fwd_table(name, key) is ln_rules.UNROLLED_FWD
+        assert all(ln_rules.unrolled_fwd_table("", key) is ln_rules.UNROLLED_FWD for key in rules)
+        assert all(ln_rules.unrolled_fwd_table("NVIDIA A100-SXM4-80GB", key)
+                   is ln_rules.UNROLLED_FWD for key in rules)
     assert ln_rules.UNROLLED_FWD == shared
-    launch_rules("layernorm", UNROLLED_FWD_GPU={})
-    key = next(iter(ln_rules.UNROLLED_FWD))
-    assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
+    with tconfigs.override("layernorm", UNROLLED_FWD_GPU={}):
+        key = next(iter(ln_rules.UNROLLED_FWD))
+        assert ln_rules.unrolled_fwd_table("NVIDIA H100", key) is ln_rules.UNROLLED_FWD
 
 
 # ------------------------------------------------------------------- rows routed to their rules
@@ -475,16 +479,17 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
                lambda g, a, w: (g, a[10], a[11], w))
     recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
     whole = rt_device.next_pow2(n)
-    assert (2, whole) in tln.RELOAD_FWD and (2, whole) in sm_rules.RELOAD_BWD  # the rows tested
+    # the rows tested
+    assert (2, whole) in ln_rules.RELOAD_FWD and (2, whole) in sm_rules.RELOAD_BWD
     x = torch.randn(3, n, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
-    table = tln.unrolled_fwd_table(x.get_device(), (2, whole))
-    rule = _first_dividing(table, 2, n, tln.UNROLLED_FWD_ABOVE)
+    table = ln_rules.unrolled_fwd_table(device_facts(x.get_device()).name, (2, whole))
+    rule = _first_dividing(table, 2, n, ln_rules.UNROLLED_FWD_ABOVE)
     if rule:
         assert unrolled == [((3,), n, rule[0], rule[1])] and fwd == []
     else:
-        chunk, warps = tln.RELOAD_FWD[(2, whole)][:2]
+        chunk, warps = ln_rules.RELOAD_FWD[(2, whole)][:2]
         assert fwd == [((3,), whole, chunk, warps)] and unrolled == []
     chunk, warps = sm_rules.RELOAD_BWD[(2, whole)][:2]
     assert bwd == [((3,), chunk, whole, warps)]
@@ -574,7 +579,7 @@ def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     w = torch.randn(n, device=_dev())
     y = tln.layernorm_forward_y(x, w, None, 1e-5, dtype)
-    rule = _first_dividing(ln_rules.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
+    rule = _first_dividing(ln_rules.UNROLLED_FWD, _elt(dtype), n, ln_rules.UNROLLED_FWD_ABOVE)
     assert calls == ([(n, *rule)] if rule else [])
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double())
     assert_close_to_ref(y, ref, dtype, scale=4)
@@ -619,7 +624,7 @@ def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n, launch_rule
     w = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
     b = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
     y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, torch.bfloat16)
-    chunk, warps = tln.RELOAD_VEC_FWD[(2, n - 1)]
+    chunk, warps = ln_rules.RELOAD_VEC_FWD[(2, n - 1)]
     assert calls == [((5,), n - 1, chunk, 8, warps)]
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double())
     assert_close_to_ref(y, ref, torch.bfloat16, scale=4)
