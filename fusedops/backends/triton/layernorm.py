@@ -37,6 +37,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   kernels with their scratch parked at the end of dx's storage (see ``_park``), the dx of those
   rows written by a second launch; the column path computes dweight/dbias before dx: no
   scratch at all. ``fast`` mode: separate scratch, one launch, the same bits.
+
+Which kernel runs a call, with what parameters: ``configs.layernorm.forward_config`` /
+``backward_config``.
 """
 
 from __future__ import annotations

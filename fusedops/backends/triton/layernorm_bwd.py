@@ -1,6 +1,7 @@
-"""Triton LayerNorm backward: the host code that picks a kernel (rules in
-``configs/layernorm.py``) and launches it; the paths are described in ``layernorm.py``'s
-docstring, the kernels are in ``kernels/layernorm_bwd.py`` and ``kernels/layernorm_bwd_split.py``.
+"""Triton LayerNorm backward: the host code that runs the path
+``configs.layernorm.backward_config`` picks and launches its kernels; the paths are described
+in ``layernorm.py``'s docstring, the kernels are in ``kernels/layernorm_bwd.py`` and
+``kernels/layernorm_bwd_split.py``.
 """
 
 from __future__ import annotations

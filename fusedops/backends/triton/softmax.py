@@ -22,7 +22,9 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   ``UNROLLED_VEC_BWD``: long 16-bit rows, aligned or not) streams y and dy for per-lane partial
   dot products, then re-reads both from L2 to write dx.
 
-All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
+All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine. Which
+kernel runs a call, with what parameters: ``configs.softmax.forward_config`` /
+``backward_config``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
 """LayerNorm launch rules: which kernel runs a call and with what tile, warps, stages and grid.
 
-Rule tables and thresholds are data (UPPER_CASE); the functions below read them and allocate
-or launch nothing. Experiments change them through
-:func:`fusedops.backends.triton.configs.override`.
-Forward: ``unrolled_fwd_table`` + ``UNROLLED_FWD`` / ``RELOAD_FWD`` / ``RELOAD_VEC_FWD`` /
-``UNROLLED_VEC_FWD``, then ``configs.common.unaligned_config`` (single-block / looped) and
-``split_config("fwd", ...)``; backward: ``fused_plan``, ``dx_pieces_plan``, ``split_plan``,
-``native_unaligned``, ``column_splits``. The host code that applies them:
+:func:`forward_config` / :func:`backward_config` (at the end) are the whole decision: the
+call's facts and :class:`DeviceFacts` in, a :class:`LayerNormForward` / :class:`LayerNormBackward`
+(the kernel variant or path and every launch parameter) out. Forward, in order:
+``unrolled_fwd_table`` + ``UNROLLED_FWD``, ``RELOAD_FWD``, ``RELOAD_VEC_FWD``,
+``UNROLLED_VEC_FWD``, then ``configs.common.unaligned_config`` (single-block), else
+``split_config("fwd", ...)`` where split rows fit, else looped; backward: ``fused_plan``,
+``dx_pieces_plan``, ``split_plan``, ``native_unaligned``, then the dx row kernel
+(``configs.common.row_config``) and ``column_splits``. Rule tables and thresholds are data
+(UPPER_CASE); every function here reads only them and its arguments (no tensors, no device,
+nothing allocated or launched). Experiments change them through
+:func:`fusedops.backends.triton.configs.override`. The host code that applies the decisions:
 ``triton/layernorm.py`` (forward) and ``triton/layernorm_bwd.py``.
 """
 
