@@ -620,19 +620,21 @@ def backward_config(m: int, n: int, elt_size: int, strides: tuple[int, int], vec
                                                    room if need_dx else None))
     if not split:
         return rows
-    if split[1]:  # aligned-body pieces: where no grid of C·VEC programs fits, ...
+    fallback = rows
+    if split[1]:  # aligned-body pieces, where no grid of C·VEC programs fits: PyTorch's
+        # kernel, else the scalar pieces (any grid)
         scalar = None if native else split_plan(n, elt_size, 0, aligned, dev)
-        fallback = (LayerNormBackward("native") if native else  # ... PyTorch's kernel, or
-                    _split_backward(scalar, m, n, elt_size, need_dx, dev, direct, rows)
-                    if scalar else rows)  # the scalar pieces, any grid
-    else:
-        fallback = rows
-    return _split_backward(split, m, n, elt_size, need_dx, dev, direct, fallback)
+        if native:
+            fallback = LayerNormBackward("native")
+        elif scalar:
+            fallback = _split_path(scalar, m, n, elt_size, need_dx, dev, direct, rows)
+    return _split_path(split, m, n, elt_size, need_dx, dev, direct, fallback)
 
 
-def _split_backward(plan: tuple[tuple, int], m: int, n: int, elt_size: int, need_dx: bool,
-                    dev: DeviceFacts, direct: tuple[int, int, int],
-                    fallback: LayerNormBackward) -> LayerNormBackward:
+def _split_path(plan: tuple[tuple, int], m: int, n: int, elt_size: int, need_dx: bool,
+                dev: DeviceFacts, direct: tuple[int, int, int],
+                fallback: LayerNormBackward) -> LayerNormBackward:
+    """The split path of ``plan`` (split_plan's (config, VEC)), ``fallback`` where it fails."""
     (chunk, warps, prefetch, *extra), vec = plan
     pieces, piece = split_pieces(n, chunk, vec)
     clusters = bool(len(extra) > 1 and extra[1] and need_dx and not vec and dev.clusters
