@@ -417,3 +417,12 @@ def launch_rules():
 def forced_split_config(fwd, bwd):
     """A ``split_config`` rule giving ``fwd`` / ``bwd`` whatever the row (for overrides)."""
     return lambda kind, *args, **kwargs: fwd if kind == "fwd" else bwd
+
+
+def ln_backward_vec(x: torch.Tensor, dy: torch.Tensor) -> int:
+    """VEC of a LayerNorm backward on (M, N) rows of x and dy (configs.common.unaligned_vec, as
+    the host computes it), for the LayerNorm backward rules that take it."""
+    from fusedops.backends.triton.configs import common
+
+    n = x.shape[1]
+    return common.unaligned_vec(n, (dy.stride(0), x.stride(0), n), x.element_size(), (dy, x))

@@ -152,21 +152,17 @@ def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
             assert torch.equal(a, b)
 
 
-def test_plans_cleared_with_the_launch_rules():
+def test_plans_cleared_with_the_launch_rules(launch_rules):
     """Plans go when the launch rules change (set_single_block_limit) or the split-row kernels
     are disabled."""
     tlnb._bwd_plans.put(("k",), lambda *a: None)
     tcfg.set_single_block_limit(None)
     assert not tlnb._bwd_plans
+    launch_rules(SPLIT_ROWS=True)
     tlnb._bwd_plans.put(("k",), lambda *a: None)
-    state = dict(rt_split.SPLIT_STATE)
-    rt_split.SPLIT_STATE["enabled"] = True
-    try:
-        with pytest.warns(RuntimeWarning, match="split-row kernels disabled"):
-            rt_split.disable_split_rows("test")
-        assert not tlnb._bwd_plans
-    finally:
-        rt_split.SPLIT_STATE.update(state)
+    with pytest.warns(RuntimeWarning, match="split-row kernels disabled"):
+        rt_split.disable_split_rows("test")
+    assert not tlnb._bwd_plans
 
 
 # ------------------------------------------------------------------ end to end on the GPU

@@ -29,12 +29,13 @@ from conftest import (
 )
 
 import fusedops
-from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.kernels import layernorm_bwd_split as k_layernorm_bwd_split
 from fusedops.backends.triton.runtime import clusters as _clusters
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import recording as rt_recording
+from fusedops.backends.triton.runtime import split as rt_split
 
 
 def _clustered(cfg) -> bool:
@@ -51,7 +52,7 @@ def _clustered(cfg) -> bool:
 def test_cluster_rules(n, elt, aligned, clustered):
     """The rows the cluster rules are for (docs: aligned 16-bit and float32 rows of 16K-64K)
     take clusters, in pieces that fit one cluster; no other row does."""
-    cfg = tln.split_config("bwd", n, elt, aligned)
+    cfg = ln_rules.split_config("bwd", n, elt, aligned)
     assert _clustered(cfg) == clustered, cfg
     if clustered:
         assert rt_device.cdiv(n, cfg[0]) in (2, 4, 8, 16)
@@ -62,7 +63,7 @@ def test_cluster_rules_can_be_turned_off(monkeypatch, launch_rules):
     launch_rules("layernorm", CLUSTER_BWD=False)
     for n in (16384, 32768, 65536):
         for elt in (2, 4):
-            cfg = tln.split_config("bwd", n, elt, True)
+            cfg = ln_rules.split_config("bwd", n, elt, True)
             assert cfg is not None and not _clustered(cfg), (n, elt, cfg)
 
 
@@ -185,16 +186,19 @@ def test_split_backward_buffers(monkeypatch, parked, path):
 
     monkeypatch.setattr(tlnb, "_bwd_cluster_launcher", lambda cap: Cluster())
     monkeypatch.setattr(tlnb, "_bwd_split_launcher", lambda cap: Coop())
-    monkeypatch.setattr(tlnb, "clusters_enabled", lambda *a: True)
     # the parked rows' second launch waits on other programs (the interpreter runs them in turn)
     monkeypatch.setattr(tlnb, "_launch_dx_published", lambda grid, args, warps: calls.append(
         ("published", args[7].clone(), args[6], grid)))
     m, n = 64, 256
     x, dy, w = torch.randn(m, n), torch.randn(m, n), torch.randn(n)
     mean, rstd = x.mean(1), torch.rsqrt(x.var(1, unbiased=False) + 1e-5)
-    cfg = (64, 4, 1, None, True) if path != "cooperative" else (64, 4, 1)
+    pieces, piece = rt_split.split_pieces(n, 64, 0)
+    split = ln_rules.SplitBackward(64, 4, 1, None, path != "cooperative", 0, pieces, piece,
+                                   True, ln_rules.max_partial_rows(m, n, 4))
+    cfg = ln_rules.LayerNormBackward("split", split=split,
+                                     columns_direct=ln_rules.column_splits(m, n, 4, 1))
     out = tlnb._split_backward(dy, x, w, True, mean, rstd, torch.empty_like(x), True, True, None,
-                              cfg, 0, parked)
+                              cfg, parked)
     assert out is not None
     if parked:  # the parked rows: their own zeroed counter, the split launch's statistics
         done, stats, grid = calls.pop()[1:]
@@ -317,12 +321,12 @@ def _defaults(m, n, dtype, hopper):
 
 
 @gpu
-def test_gpu_cluster_launch_failure_falls_back(monkeypatch):
+def test_gpu_cluster_launch_failure_falls_back(monkeypatch, launch_rules):
     """A cluster launch that fails turns clusters off (one warning) and the call runs the same
     pieces on a cooperative grid."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters need Hopper")
-    monkeypatch.setitem(_clusters.CLUSTER_STATE, "enabled", True)
+    launch_rules(CLUSTERS=True)
     inputs = _case(64, 16384, torch.bfloat16, seed=3)
 
     def refuse(self, args, chunks, num_warps):

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, assert_close_to_ref, triton_kernels_ready
+from conftest import HAS_CUDA, assert_close_to_ref, ln_backward_vec, triton_kernels_ready
 from torch import nn
 
 import fusedops
@@ -505,12 +505,15 @@ def test_gpu_layernorm_unaligned_16bit_rows(n, dtype):
     stay ours. Where the rows' starts rule out vector accesses, PyTorch's native backward would
     run (weights in x's dtype; NATIVE_UNALIGNED_16BIT_BWD)."""
     from fusedops.backends.triton.configs import layernorm as ln_rules
+    from fusedops.backends.triton.runtime.facts import device_facts
 
     torch.manual_seed(n)
     x = _cuda(40, n, dtype=dtype, scale=2)
-    assert (ln_rules.dx_pieces_plan(n, x, x) is not None) == (n > ln_rules.FUSED_BWD_MAX_BLOCK)
-    assert ln_rules.native_unaligned(x, x, _cuda(n, dtype=dtype))
-    assert not ln_rules.native_unaligned(x, x, _cuda(n))
+    vec = ln_backward_vec(x, x)
+    assert (ln_rules.dx_pieces_plan(n, 2, vec) is not None) == (n > ln_rules.FUSED_BWD_MAX_BLOCK)
+    gpu = device_facts(x.get_device())
+    assert ln_rules.native_unaligned(n, 2, True, gpu)  # weights in x's dtype
+    assert not ln_rules.native_unaligned(n, 2, False, gpu)  # float32 weights
     _gpu_check_layernorm(x, n, _cuda(n, dtype=dtype), _cuda(n, dtype=dtype))
     _gpu_check_layernorm(x, n, _cuda(n), _cuda(n))
     with fusedops.count_fused_calls() as counts:

@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("triton")
 
 from fusedops.backends.triton import configs, layernorm_bwd  # noqa: E402
-from fusedops.backends.triton import layernorm as tln  # noqa: E402
 from fusedops.backends.triton.configs import common  # noqa: E402
 from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
 from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
@@ -17,13 +16,14 @@ from fusedops.backends.triton.runtime import split  # noqa: E402
 
 
 def test_override_changes_the_op_where_its_host_reads_it_and_restores():
-    table, plans = tln.RELOAD_FWD, layernorm_bwd.BWD_PLANS
-    with configs.override("layernorm", RELOAD_FWD={}, COLUMN_PER_SM=3, BWD_PLANS=True):
-        assert tln.RELOAD_FWD == {} and ln_rules.RELOAD_FWD == {}
-        assert layernorm_bwd.BWD_PLANS is True
+    table, plans, warps = ln_rules.RELOAD_FWD, layernorm_bwd.BWD_PLANS, layernorm_bwd.COLUMN_WARPS
+    with configs.override("layernorm", RELOAD_FWD={}, COLUMN_PER_SM=3, BWD_PLANS=True,
+                          COLUMN_WARPS=8):
+        assert ln_rules.RELOAD_FWD == {}
+        assert layernorm_bwd.BWD_PLANS is True and layernorm_bwd.COLUMN_WARPS == 8
         assert ln_rules.COLUMN_PER_SM == 3
         assert rms_rules.COLUMN_PER_SM == 2  # another op's rule of the same name and value
-    assert tln.RELOAD_FWD is table and ln_rules.RELOAD_FWD is table
+    assert ln_rules.RELOAD_FWD is table and layernorm_bwd.COLUMN_WARPS == warps
     assert layernorm_bwd.BWD_PLANS is plans and ln_rules.COLUMN_PER_SM == 2
 
 

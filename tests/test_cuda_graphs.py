@@ -38,11 +38,9 @@ def _warm_up(fn, iters: int = 3) -> None:
 
 @pytest.mark.parametrize("n", [1000, 2 * 16384, 70000], ids=["single", "split", "looped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_graph_forward_backward_variants(monkeypatch, n, dtype):
+def test_gpu_graph_forward_backward_variants(launch_rules, n, dtype):
     if n == 70000:  # split rows take any long row on CUDA: turn them off for the looped kernels
-        from fusedops.backends.triton.runtime import split as rt_split
-
-        monkeypatch.setitem(rt_split.SPLIT_STATE, "enabled", False)
+        launch_rules(SPLIT_ROWS=False)
     m = 8
     g = torch.Generator().manual_seed(n)
     static_x = torch.randn(m, n, generator=g).to(dtype).cuda().requires_grad_(True)

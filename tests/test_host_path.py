@@ -76,6 +76,7 @@ def test_inference_non_contiguous_and_inner_dims():
 
 
 def test_layernorm_inference_allocates_no_statistics(monkeypatch, launch_rules):
+    from fusedops.backends.triton import configs
     from fusedops.backends.triton import layernorm as tln
 
     # the rule below belongs to the reload and single-block kernels (8K rows would otherwise
@@ -91,12 +92,8 @@ def test_layernorm_inference_allocates_no_statistics(monkeypatch, launch_rules):
     # large 16-bit inputs take the variant with statistics (it measured faster there)
     h = torch.randn(2, 8192, device=_dev(), dtype=torch.bfloat16)
     assert tln._forward(h, None, None, 1e-5, h.dtype, False)[1] is None
-    old = tln.STATS_FREE_16BIT_MAX
-    tln.STATS_FREE_16BIT_MAX = 16
-    try:
+    with configs.override("layernorm", STATS_FREE_16BIT_MAX=16):
         yh, mh, _ = tln._forward(h, None, None, 1e-5, h.dtype, False)
-    finally:
-        tln.STATS_FREE_16BIT_MAX = old
     assert mh is not None and torch.equal(yh, tln._forward(h, None, None, 1e-5, h.dtype, True)[0])
     # long rows (looped / split kernels) keep their statistics buffers internally
     long = torch.randn(2, 70000, device=_dev()) if _dev() == "cuda" else None

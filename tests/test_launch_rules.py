@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from conftest import assert_close_to_ref, forced_split_config
+from conftest import assert_close_to_ref, forced_split_config, ln_backward_vec
 
 from fusedops.backends.triton import configs as tconfigs
 from fusedops.backends.triton import layernorm as tln
@@ -28,6 +28,7 @@ from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.configs import softmax as sm_rules
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import split as rt_split
+from fusedops.backends.triton.runtime.facts import device_facts
 
 KINDS = sorted(tcfg.KIND_CAPS)
 ELT_SIZES = (2, 4)
@@ -194,7 +195,7 @@ def test_layernorm_split_configs_are_valid(elt, aligned):
     for n in (m for m in ROW_LENGTHS if m > 8192):
         for vec in ((0, 16 // elt) if not aligned else (0,)):
             for kind in ("fwd", "bwd"):
-                cfg = tln.split_config(kind, n, elt, aligned, vec)
+                cfg = ln_rules.split_config(kind, n, elt, aligned, vec)
                 if cfg is None:
                     # forward: aligned 16-bit rows of 256K+ (looped); backward with VEC: the
                     # scalar pieces or PyTorch's native kernel (16-bit)
@@ -210,17 +211,17 @@ def test_softmax_split_configs_are_valid():
         for elt in ELT_SIZES:
             for vec in (0, 16 // elt):
                 for kind in ("fwd", "bwd"):
-                    cfg = tsm.split_config(kind, elt, vec, n)
+                    cfg = sm_rules.split_config(kind, elt, vec, n)
                     assert len(cfg) == 3
                     _check_split_config(cfg, n, elt, not vec, vec)
 
 
 def test_split_config_overrides(monkeypatch, launch_rules):
     launch_rules("layernorm", split_config=forced_split_config((1024, 2, 0), (512, 4, 2)))
-    assert tln.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
+    assert ln_rules.split_config("fwd", 1 << 20, 2, True) == (1024, 2, 0)
     assert ln_rules.split_config("bwd", 16384, 2, True) == (512, 4, 2)
     launch_rules("softmax", split_config=forced_split_config(None, (4096, 4, 2)))
-    assert tsm.split_config("bwd", 4) == (4096, 4, 2)
+    assert sm_rules.split_config("bwd", 4) == (4096, 4, 2)
 
 
 def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
@@ -269,17 +270,16 @@ def test_fused_backward_configs_are_valid():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype, launch_rules):
+def test_fused_backward_plan_covers_the_rows(dtype):
     """Invariant: the fused backward's plan covers every row (tiles·ROWS >= M, the block holds
     the row or its aligned body), uses no more programs than tiles nor partial rows than the
     scratch budget, and with unaligned rows a multiple of VEC programs unless every tile has
     its own; rows longer than FUSED_BWD_MAX_BLOCK get no plan (the split / column paths)."""
-    launch_rules("layernorm", num_sms=lambda dev: 132)
     elt = torch.empty((), dtype=dtype).element_size()
     for m in (1, 3, 37, 300, 4096):
         for n in (1, 33, 64, 1000, 1025, 2049, 4097, 8192, 8193):
             x = torch.empty(m, n, dtype=dtype)
-            plan = ln_rules.fused_plan(m, n, x, x)
+            plan = ln_rules.fused_plan(m, n, elt, ln_backward_vec(x, x), 132)
             if rt_device.next_pow2(n) > ln_rules.FUSED_BWD_MAX_BLOCK and n % (16 // elt) == 0:
                 assert plan is None
                 continue
@@ -289,7 +289,7 @@ def test_fused_backward_plan_covers_the_rows(monkeypatch, dtype, launch_rules):
             vec, block, rows, warps, acc_1d, tiles, progs = plan
             assert block >= tcfg.body_len(n, vec) and _pow2(block)
             assert tiles * rows >= m
-            assert 1 <= progs <= min(tiles, max(1, ln_rules.max_partial_rows(x)))
+            assert 1 <= progs <= min(tiles, max(1, ln_rules.max_partial_rows(m, n, elt)))
             if vec and progs < tiles:
                 assert progs % vec == 0
 
@@ -300,7 +300,7 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
     for m, n, dtype in [(4096, 1024, torch.float32), (8, 32768, torch.bfloat16),
                         (1, 300, torch.float16), (100000, 64, torch.bfloat16)]:
         x = torch.empty(m, n, dtype=dtype)
-        rows = ln_rules.max_partial_rows(x)
+        rows = ln_rules.max_partial_rows(m, n, x.element_size())
         assert rows >= 1
         if rows > 1:
             assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
@@ -319,7 +319,7 @@ def test_fused_backward_stages_rule(monkeypatch, device):
         assert stages(block, 4, (block,) * 3) == 1  # float32
         assert stages(block, 2, (block, block, block - 4)) == 1  # unaligned rows
     with tconfigs.override("layernorm", fused_bwd_stages=lambda *args: 2):
-        assert tlnb.fused_bwd_stages(4096, 4, (4096,) * 3) == 2
+        assert ln_rules.fused_bwd_stages(4096, 4, (4096,) * 3) == 2
     seen = []
     real = tlnb._launch_bwd_single
     monkeypatch.setattr(tlnb, "_launch_bwd_single", lambda grid, args, warps: seen.append(
@@ -337,8 +337,12 @@ def test_fused_backward_stages_rule(monkeypatch, device):
 
 def test_native_backward_only_for_unaligned_long_16bit_cuda_rows():
     # CPU tensors never take the native path (it is measured and enabled on CUDA only)
-    x = torch.empty(2, 8193, dtype=torch.bfloat16)
-    assert not ln_rules.native_unaligned(x, x, torch.empty(8193, dtype=torch.bfloat16))
+    assert not ln_rules.native_unaligned(8193, 2, True, device_facts(-1))
+    gpu = device_facts(-1)._replace(cuda=True)
+    assert ln_rules.native_unaligned(8193, 2, True, gpu)
+    assert not ln_rules.native_unaligned(8193, 2, False, gpu)  # (not what the kernel takes)
+    assert not ln_rules.native_unaligned(8193, 4, True, gpu)  # float32 rows
+    assert not ln_rules.native_unaligned(8200, 2, True, gpu)  # 16-byte multiples
 
 
 # ----------------------------------------------------------------------- reload / unrolled tables
@@ -365,24 +369,24 @@ def _check_table(table: dict, above: int, min_warps: int = 0, third=bool):
 def test_reload_and_unrolled_tables_are_valid():
     """Invariant: every reload / unrolled rule (LayerNorm and softmax, forward and backward,
     aligned and unaligned rows, the per-GPU tables) is valid for its kernel and reachable."""
-    _check_table(tln.RELOAD_FWD, tln.RELOAD_FWD_ABOVE)
-    _check_table(tln.RELOAD_VEC_FWD, 0, min_warps=1)
-    _check_table(ln_rules.UNROLLED_FWD, tln.UNROLLED_FWD_ABOVE)
-    _check_table(tln.UNROLLED_VEC_FWD, 0, min_warps=1)
+    _check_table(ln_rules.RELOAD_FWD, ln_rules.RELOAD_FWD_ABOVE)
+    _check_table(ln_rules.RELOAD_VEC_FWD, 0, min_warps=1)
+    _check_table(ln_rules.UNROLLED_FWD, ln_rules.UNROLLED_FWD_ABOVE)
+    _check_table(ln_rules.UNROLLED_VEC_FWD, 0, min_warps=1)
     for rules in ln_rules.UNROLLED_FWD_GPU.values():
-        _check_table(rules, tln.UNROLLED_FWD_ABOVE)
-    _check_table(tsm.RELOAD_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
-    _check_table(tsm.RELOAD_BWD, tsm.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
-    _check_table(tsm.UNROLLED_FWD, tsm.UNROLLED_FWD_ABOVE)
-    _check_table(tsm.UNROLLED_VEC_FWD, tsm.RELOAD_FWD_ABOVE, min_warps=1)
-    _check_table(sm_rules.UNROLLED_BWD, tsm.UNROLLED_BWD_ABOVE, min_warps=1)
+        _check_table(rules, ln_rules.UNROLLED_FWD_ABOVE)
+    _check_table(sm_rules.RELOAD_FWD, sm_rules.RELOAD_FWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.RELOAD_BWD, sm_rules.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
+    _check_table(sm_rules.UNROLLED_FWD, sm_rules.UNROLLED_FWD_ABOVE)
+    _check_table(sm_rules.UNROLLED_VEC_FWD, sm_rules.RELOAD_FWD_ABOVE, min_warps=1)
+    _check_table(sm_rules.UNROLLED_BWD, sm_rules.UNROLLED_BWD_ABOVE, min_warps=1)
     _check_table(sm_rules.UNROLLED_VEC_BWD, 0, min_warps=1)
     for (_, padded) in sm_rules.UNROLLED_VEC_BWD:
         # unaligned rows: N > padded / 2 + 1 > UNROLLED_BWD_ABOVE for any body padded to it
-        assert padded // 2 >= tsm.UNROLLED_BWD_ABOVE
+        assert padded // 2 >= sm_rules.UNROLLED_BWD_ABOVE
 
 
-def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
+def test_unrolled_rules_per_gpu():
     """Invariant: a GPU whose name matches a per-GPU table reads that table's rules for the
     keys it holds and the shared table for every other key; other GPUs and the CPU read the
     shared table, which the per-GPU rules never change."""
@@ -390,19 +394,19 @@ def test_unrolled_rules_per_gpu(monkeypatch, launch_rules):
         pytest.skip("no per-GPU rules to check")
     shared = {k: v for k, v in ln_rules.UNROLLED_FWD.items()}
     for part, rules in ln_rules.UNROLLED_FWD_GPU.items():
-        launch_rules("layernorm", device_name=lambda index, part=part: f"NVIDIA {part} X")
+        name = f"NVIDIA {part} X"
         for key in rules:
-            assert tln.unrolled_fwd_table(0, key) is rules
+            assert ln_rules.unrolled_fwd_table(name, key) is rules
         for key in ln_rules.UNROLLED_FWD:
             if key not in rules:
-                assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
-        assert all(tln.unrolled_fwd_table(-1, key) is ln_rules.UNROLLED_FWD for key in rules)
-        launch_rules("layernorm", device_name=lambda index: "NVIDIA A100-SXM4-80GB")
-        assert all(tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD for key in rules)
+                assert ln_rules.unrolled_fwd_table(name, key) is ln_rules.UNROLLED_FWD
+        assert all(ln_rules.unrolled_fwd_table("", key) is ln_rules.UNROLLED_FWD for key in rules)
+        assert all(ln_rules.unrolled_fwd_table("NVIDIA A100-SXM4-80GB", key)
+                   is ln_rules.UNROLLED_FWD for key in rules)
     assert ln_rules.UNROLLED_FWD == shared
-    launch_rules("layernorm", UNROLLED_FWD_GPU={})
-    key = next(iter(ln_rules.UNROLLED_FWD))
-    assert tln.unrolled_fwd_table(0, key) is ln_rules.UNROLLED_FWD
+    with tconfigs.override("layernorm", UNROLLED_FWD_GPU={}):
+        key = next(iter(ln_rules.UNROLLED_FWD))
+        assert ln_rules.unrolled_fwd_table("NVIDIA H100", key) is ln_rules.UNROLLED_FWD
 
 
 # ------------------------------------------------------------------- rows routed to their rules
@@ -475,18 +479,19 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
                lambda g, a, w: (g, a[10], a[11], w))
     recording(monkeypatch, tsm, "_launch_bwd_looped", bwd, lambda g, a, w: (g, a[7], a[8], w))
     whole = rt_device.next_pow2(n)
-    assert (2, whole) in tln.RELOAD_FWD and (2, whole) in tsm.RELOAD_BWD  # the rows tested
+    # the rows tested
+    assert (2, whole) in ln_rules.RELOAD_FWD and (2, whole) in sm_rules.RELOAD_BWD
     x = torch.randn(3, n, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(x, None, None, 1e-5, torch.bfloat16)
     tsm.softmax_backward(torch.softmax(x, -1), x, torch.bfloat16)
-    table = tln.unrolled_fwd_table(x.get_device(), (2, whole))
-    rule = _first_dividing(table, 2, n, tln.UNROLLED_FWD_ABOVE)
+    table = ln_rules.unrolled_fwd_table(device_facts(x.get_device()).name, (2, whole))
+    rule = _first_dividing(table, 2, n, ln_rules.UNROLLED_FWD_ABOVE)
     if rule:
         assert unrolled == [((3,), n, rule[0], rule[1])] and fwd == []
     else:
-        chunk, warps = tln.RELOAD_FWD[(2, whole)][:2]
+        chunk, warps = ln_rules.RELOAD_FWD[(2, whole)][:2]
         assert fwd == [((3,), whole, chunk, warps)] and unrolled == []
-    chunk, warps = tsm.RELOAD_BWD[(2, whole)][:2]
+    chunk, warps = sm_rules.RELOAD_BWD[(2, whole)][:2]
     assert bwd == [((3,), chunk, whole, warps)]
     odd = torch.randn(3, n + 1, device=_dev()).to(torch.bfloat16)
     tln.layernorm_forward(odd, None, None, 1e-5, torch.bfloat16)
@@ -518,7 +523,7 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
         rule = rule if rule and body >= rule[0] else None
     else:
         body = n
-        rule = _first_dividing(sm_rules.UNROLLED_BWD, elt, n, tsm.UNROLLED_BWD_ABOVE)
+        rule = _first_dividing(sm_rules.UNROLLED_BWD, elt, n, sm_rules.UNROLLED_BWD_ABOVE)
     y = torch.softmax(torch.randn(2, n, device=_dev(), dtype=torch.float64), -1).to(dtype)
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64).to(dtype)
     dx = tsm.softmax_backward(y, dy, dtype)
@@ -545,7 +550,7 @@ def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     recording(monkeypatch, tsm, "_launch_fwd_unrolled", calls, lambda g, a, w: (*a[5:], w))
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     y = tsm.softmax_forward(x, dtype)
-    rule = _first_dividing(tsm.UNROLLED_FWD, _elt(dtype), n, tsm.UNROLLED_FWD_ABOVE)
+    rule = _first_dividing(sm_rules.UNROLLED_FWD, _elt(dtype), n, sm_rules.UNROLLED_FWD_ABOVE)
     assert calls == ([(n, *rule)] if rule else [])
     assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
@@ -574,7 +579,7 @@ def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     x = torch.randn(2, n, device=_dev(), dtype=dtype)
     w = torch.randn(n, device=_dev())
     y = tln.layernorm_forward_y(x, w, None, 1e-5, dtype)
-    rule = _first_dividing(ln_rules.UNROLLED_FWD, _elt(dtype), n, tln.UNROLLED_FWD_ABOVE)
+    rule = _first_dividing(ln_rules.UNROLLED_FWD, _elt(dtype), n, ln_rules.UNROLLED_FWD_ABOVE)
     assert calls == ([(n, *rule)] if rule else [])
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double())
     assert_close_to_ref(y, ref, dtype, scale=4)
@@ -599,8 +604,8 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, launch_rul
     y = tsm.softmax_forward(x, dtype)
     whole = rt_device.next_pow2(n)
     aligned = n % (16 // _elt(dtype)) == 0
-    rule = tsm.RELOAD_FWD.get((_elt(dtype), whole)) if aligned and n > tsm.RELOAD_FWD_ABOVE \
-        else None
+    rule = (sm_rules.RELOAD_FWD.get((_elt(dtype), whole))
+            if aligned and n > sm_rules.RELOAD_FWD_ABOVE else None)
     assert calls == ([((3,), whole, rule[0], n if n == whole else 0, rule[1])] if rule else [])
     assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
@@ -619,7 +624,7 @@ def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n, launch_rule
     w = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
     b = torch.randn(n, device=_dev(), dtype=torch.bfloat16)
     y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, torch.bfloat16)
-    chunk, warps = tln.RELOAD_VEC_FWD[(2, n - 1)]
+    chunk, warps = ln_rules.RELOAD_VEC_FWD[(2, n - 1)]
     assert calls == [((5,), n - 1, chunk, 8, warps)]
     ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double())
     assert_close_to_ref(y, ref, torch.bfloat16, scale=4)
@@ -644,9 +649,9 @@ def test_softmax_backward_32k_reads_whole_rows(monkeypatch, n, dtype):
     dy = torch.randn(2, n, device=_dev(), dtype=torch.float64)
     dx = tsm.softmax_backward(y.to(dtype), dy.to(dtype), dtype)
     whole = rt_device.next_pow2(n)
-    assert (_elt(dtype), whole) in tsm.RELOAD_BWD, "the rows tested here need a reload rule"
-    chunk, warps, *piece = tsm.RELOAD_BWD[(_elt(dtype), whole)]
-    even = n if n == whole and tsm.UNROLL_RELOAD_BWD else 0
+    assert (_elt(dtype), whole) in sm_rules.RELOAD_BWD, "the rows tested here need a reload rule"
+    chunk, warps, *piece = sm_rules.RELOAD_BWD[(_elt(dtype), whole)]
+    even = n if n == whole and sm_rules.UNROLL_RELOAD_BWD else 0
     first = (0, piece[0]) if piece else (whole, chunk)
     assert bwd == [((2,), chunk, *first, even, warps)]
     y_, dy_ = y.to(dtype).double(), dy.to(dtype).double()

@@ -17,7 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _reliability import forward_backward_peak
-from conftest import assert_close_to_ref, assert_row_sum_close, exhaustive_unless, one_of_each
+from conftest import (
+    assert_close_to_ref,
+    assert_row_sum_close,
+    exhaustive_unless,
+    ln_backward_vec,
+    one_of_each,
+)
 
 import fusedops
 
@@ -213,9 +219,11 @@ def _separate_scratch(tln, dy, x, w, mean, rstd, dtype):
     first launch for every row."""
     from fusedops.backends.triton import layernorm_bwd as tlnb
     from fusedops.backends.triton.configs import layernorm as ln_rules
+    from fusedops.backends.triton.runtime.device import num_sms
 
     M, N = x.shape
-    plan = ln_rules.fused_plan(M, N, x, dy)
+    plan = ln_rules.fused_plan(M, N, x.element_size(), ln_backward_vec(x, dy),
+                               num_sms(x.device))
     vec, block, rows, warps, acc_1d, tiles, progs = plan
     dx = torch.empty_like(x)
     part = torch.empty((2, progs, N), dtype=torch.float32, device=x.device)

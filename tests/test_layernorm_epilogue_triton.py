@@ -29,7 +29,6 @@ tb = triton_backend_module()
 from fusedops import _philox  # noqa: E402
 from fusedops.backends import reference  # noqa: E402
 from fusedops.backends.triton import configs  # noqa: E402
-from fusedops.backends.triton import layernorm_epilogue as tle  # noqa: E402
 from fusedops.backends.triton.configs import layernorm as ln_rules  # noqa: E402
 from fusedops.backends.triton.configs import layernorm_epilogue as le_rules  # noqa: E402
 from fusedops.backends.triton.runtime import philox as tphilox  # noqa: E402
@@ -375,27 +374,28 @@ def test_launch_rules():
     read of ds); the Philox column tiles cover the padded row exactly."""
 
     for dropout in (False, True):
-        assert _pow2(tle.fwd_cap(dropout)) and tle.fwd_cap(dropout) <= le_rules.single_block_limit()
+        cap = le_rules.fwd_cap(dropout)
+        assert _pow2(cap) and cap <= le_rules.single_block_limit()
         for act in (0, 1, 2):
-            cap = tle.bwd_cap(dropout, act)
+            cap = le_rules.bwd_cap(dropout, act)
             assert _pow2(cap) and cap <= le_rules.single_block_limit()
-    assert tle.fwd_cap(True) <= tle.fwd_cap(False)
+    assert le_rules.fwd_cap(True) <= le_rules.fwd_cap(False)
     with configs.override(SINGLE_BLOCK_LIMIT=1024):
-        assert tle.fwd_cap(False) <= 1024 and tle.bwd_cap(True, 2) <= 1024
+        assert le_rules.fwd_cap(False) <= 1024 and le_rules.bwd_cap(True, 2) <= 1024
     for elt in (2, 4):
         for dropout in (False, True):
-            for k in range(0, tle.fwd_cap(dropout).bit_length()):
+            for k in range(0, le_rules.fwd_cap(dropout).bit_length()):
                 block = 1 << k
                 for has_res in (False, True):
-                    rows, warps, per_sm, stages = tle.fwd_plan(block, elt, dropout, has_res)
+                    rows, warps, per_sm, stages = le_rules.fwd_plan(block, elt, dropout, has_res)
                     assert _pow2(rows) and _pow2(warps) and warps <= 32
                     assert per_sm is None or per_sm >= 1
                     assert stages is None or 1 <= stages <= 3
             for act in (0, 1, 2):
-                for k in range(0, tle.bwd_cap(dropout, act).bit_length()):
+                for k in range(0, le_rules.bwd_cap(dropout, act).bit_length()):
                     block = 1 << k
                     for strides in ((block, block), (block, block, block)):
-                        rows, warps, per_sm, acc_1d, paired, stages = tle.bwd_plan(
+                        rows, warps, per_sm, acc_1d, paired, stages = le_rules.bwd_plan(
                             block, elt, dropout, act, strides)
                         assert _pow2(rows) and _pow2(warps) and 4 <= warps <= 32
                         assert per_sm >= 1 and 1 <= stages <= 3

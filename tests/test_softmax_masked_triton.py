@@ -26,6 +26,7 @@ from fusedops.backends.triton import configs  # noqa: E402
 from fusedops.backends.triton import softmax_masked as tsm  # noqa: E402
 from fusedops.backends.triton.configs import common as tcfg  # noqa: E402
 from fusedops.backends.triton.configs import softmax_masked as smm_rules  # noqa: E402
+from fusedops.backends.triton.runtime.facts import device_facts  # noqa: E402
 
 # Tensors are created on the GPU when there is one (conftest's _tensors_on_device).
 ON_DEVICE = True
@@ -358,16 +359,17 @@ def _fwd_cap(elt: int) -> int:
 def test_config_rules():
     """Single-block up to the cap (several short rows per program), looped above it; 16 warps
     for masked/causal rows at the cap."""
+    cpu = device_facts(-1)
     for elt in (2, 4):
         cap = _fwd_cap(elt)
-        single, block, rows, _ = tsm.fwd_config(cap, elt)
-        assert single and block == cap and rows == 1
-        assert not tsm.fwd_config(cap + 1, elt)[0]
-        assert tsm.fwd_config(128, elt)[2] > 1
+        cfg = smm_rules.forward_config(cap, elt, False, 1, cpu)
+        assert cfg.variant == "single" and cfg.block == cap and cfg.rows == 1
+        assert smm_rules.forward_config(cap + 1, elt, False, 1, cpu).variant == "looped"
+        assert smm_rules.forward_config(128, elt, False, 1, cpu).rows > 1
         if cap >= 16384:
-            assert tsm.fwd_config(16384, elt, True)[3] == 16
-        single, block, rows, _ = tsm.bwd_config(1000, elt)
-        assert single and block == 1024
+            assert smm_rules.forward_config(16384, elt, True, 1, cpu).warps == 16
+        cfg = smm_rules.backward_config(1000, elt, 1, cpu)
+        assert cfg.variant == "single" and cfg.block == 1024
 
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["cap", "looped"])
@@ -492,8 +494,10 @@ def test_backward_looped(small_single_block, monkeypatch, dtype):
 def test_backward_cap(monkeypatch):
     """The backward's single-block cap and one past it (the looped kernel)."""
     seen = _spy(monkeypatch)
-    limit = max(2**k for k in range(4, 17) if tsm.bwd_config(2**k, 4)[0])
-    assert not tsm.bwd_config(limit + 1, 4)[0]
+    cpu = device_facts(-1)
+    limit = max(2**k for k in range(4, 17)
+                if smm_rules.backward_config(2**k, 4, 1, cpu).variant == "single")
+    assert smm_rules.backward_config(limit + 1, 4, 1, cpu).variant == "looped"
     for n in (limit, limit + 1):
         x = make_x((1, 1, 1, n), torch.float32, seed=n)
         y = tb.softmax_masked_forward(x, None, 0.25, False, x.dtype)

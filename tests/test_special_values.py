@@ -387,22 +387,20 @@ def _long_softmax_rows(n: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _looped_only_at_70000(monkeypatch, n: int) -> None:
+def _looped_only_at_70000(launch_rules, n: int) -> None:
     """Rows of 70000 run the looped kernels (split rows, which take any long row on CUDA, off)."""
     if n == 70000:
-        from fusedops.backends.triton.runtime import split as rt_split
-
-        monkeypatch.setitem(rt_split.SPLIT_STATE, "enabled", False)
+        launch_rules(SPLIT_ROWS=False)
 
 
 @gpu
 @pytest.mark.parametrize("n", [2 * 16384, 6 * 16384 + 5, 70000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_long_rows_special_values(monkeypatch, n, dtype):
+def test_gpu_long_rows_special_values(launch_rules, n, dtype):
     """Rows spanning several chunks: split-row kernels (2 x 16384, 6 x 16384 + 5) and the
     looped kernels (70000, split rows turned off: they would take it), for softmax and
     LayerNorm, forward and backward."""
-    _looped_only_at_70000(monkeypatch, n)
+    _looped_only_at_70000(launch_rules, n)
     x = _long_softmax_rows(n, dtype).cuda()
     dy = torch.randn(x.shape, generator=_gen(11)).to(dtype).cuda()
     check_softmax_special(x, dy)
@@ -414,10 +412,10 @@ def test_gpu_long_rows_special_values(monkeypatch, n, dtype):
 
 @gpu
 @pytest.mark.parametrize("n", [2 * 16384, 6 * 16384 + 5, 70000])
-def test_gpu_long_rows_nan_in_masked_chunk(monkeypatch, n):
+def test_gpu_long_rows_nan_in_masked_chunk(launch_rules, n):
     """NaNs where the running max is -inf, in rows long enough for the split-row (2 x 16384,
     6 x 16384 + 5) and looped (70000) kernels: the rows are NaN, as in torch."""
-    _looped_only_at_70000(monkeypatch, n)
+    _looped_only_at_70000(launch_rules, n)
     x = _nan_lane_rows(n, PIECE).cuda()
     dy = torch.randn(x.shape, generator=_gen(16)).cuda()
     check_softmax_special(x, dy)

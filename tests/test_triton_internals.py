@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref, assert_row_sum_close, exhaustive_unless, one_of_each, tol
+from conftest import (
+    assert_close_to_ref,
+    assert_row_sum_close,
+    exhaustive_unless,
+    ln_backward_vec,
+    one_of_each,
+    tol,
+)
 
 import fusedops
 from fusedops.backends.triton.configs import common as tcfg
@@ -37,17 +44,13 @@ def test_unaligned_vec_rule():
 def test_unaligned_fused_backward_rule(monkeypatch, launch_rules):
     from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    launch_rules("layernorm", num_sms=lambda dev: 132)
-
     # the aligned-body fused backward from 2K bodies (2049), one row per tile; 1025 stays
     # scalar (padded to 2048)
     for n, vec, block in [(8193, 8, 8192), (4097, 8, 4096), (2049, 8, 2048), (1025, 0, 2048)]:
-        x = torch.empty(4096, n, dtype=torch.bfloat16)
-        plan = ln_rules.fused_plan(4096, n, x, x)
+        plan = ln_rules.fused_plan(4096, n, 2, 8, 132)
         assert plan[:3] == (vec, block, 1 if vec else 2)
     # float32 bodies of 4K+: two rows of 4K or one of 8K per 16-warp program, one per SM
-    x = torch.empty(4096, 4097, dtype=torch.float32)
-    assert ln_rules.fused_plan(4096, 4097, x, x)[:4] == (4, 4096, 2, 16)
+    assert ln_rules.fused_plan(4096, 4097, 4, 4, 132)[:4] == (4, 4096, 2, 16)
 
 
 def test_unaligned_split_can_be_turned_off(monkeypatch, launch_rules):
@@ -98,10 +101,10 @@ def test_split_rows_rule():
 
 @exhaustive_unless(lambda dtype: dtype == torch.float32)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_unaligned_rows_on_a_persistent_grid(monkeypatch, triton_backend, device, dtype):
+def test_unaligned_rows_on_a_persistent_grid(launch_rules, triton_backend, device, dtype):
     # More row tiles than programs: each program loops over tiles that must all share one
     # misalignment, since it holds the weight shifted by it (grid rounded to a multiple of VEC).
-    monkeypatch.setattr(tcfg, "num_sms", lambda dev: 1)
+    launch_rules(num_sms=lambda dev: 1)
     m, n = 1100, 33
     assert tcfg.grid_size(100, 8, "ln_bwd", torch.device(device), vec=8) == 8
     assert tcfg.grid_size(100, 16, "ln_bwd", torch.device(device), vec=8) == 8
@@ -138,16 +141,15 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
     at an eighth of x) is read with scalar accesses instead."""
     from fusedops.backends.triton.configs import layernorm as ln_rules
 
-    monkeypatch.setattr(tcfg, "num_sms", lambda dev: sms)
-    launch_rules("layernorm", num_sms=lambda dev: sms)
+    launch_rules(num_sms=lambda dev: sms)
     # short bodies take the scalar variant by default (measured faster); force the body one
     launch_rules("layernorm", FUSED_BWD_UNALIGNED_MIN_BLOCK=16)
     if split:
-        launch_rules("layernorm", max_partial_rows=lambda x: 1 << 20)
+        launch_rules("layernorm", max_partial_rows=lambda m, n, elt_size: 1 << 20)
     torch.manual_seed(m + n)
     x = (torch.randn(m, n, device=device) * 2 + 3).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)
-    plan = ln_rules.fused_plan(m, n, x, dy)
+    plan = ln_rules.fused_plan(m, n, x.element_size(), ln_backward_vec(x, dy), sms)
     vec = 16 // x.element_size()
     assert plan is not None and plan[0] == (vec if split else 0)
     tiles, progs = plan[5], plan[6]
@@ -190,7 +192,7 @@ def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, pai
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, dtype)
-    plan = ln_rules.fused_plan(m, n, x, dy)
+    plan = ln_rules.fused_plan(m, n, x.element_size(), ln_backward_vec(x, dy), 4)
     assert plan is not None and plan[0] == 0
     dx, dw, db = tlnb.layernorm_backward(dy, x, w, mean, rstd, True, True, True)
     r = [t.detach().double().requires_grad_(True) for t in (x, w)]
@@ -229,8 +231,8 @@ def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device,
     x = (torch.randn(m, n, device=device) * 3 + 2).to(dtype)
     dy = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, device=device).to(dtype)
-    assert ln_rules.dx_pieces_plan(n, x, dy)[1:3] == (16, 8)
-    assert ln_rules.dx_pieces_plan(n, x.float(), dy.float()) is None
+    assert ln_rules.dx_pieces_plan(n, 2, ln_backward_vec(x, dy))[1:3] == (16, 8)
+    assert ln_rules.dx_pieces_plan(n, 4, ln_backward_vec(x.float(), dy.float())) is None
     _, mean, rstd = tln.layernorm_forward(x, w, None, 1e-5, dtype)
     r = [t.detach().double().requires_grad_(True) for t in (x, w)]
     want = torch.autograd.grad(F.layer_norm(r[0], (n,), r[1]), r, dy.double())
@@ -248,7 +250,7 @@ def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device,
         assert_close_to_ref(dx, want_nw, dtype, scale=4)
         wide = torch.zeros(m, n + 5, device=device, dtype=dtype)
         wide[:, :n] = dy
-        assert ln_rules.dx_pieces_plan(n, x, wide[:, :n]) is None
+        assert ln_rules.dx_pieces_plan(n, 2, ln_backward_vec(x, wide[:, :n])) is None
         dx, dw, _ = tlnb.layernorm_backward(wide[:, :n], x, w, mean, rstd, True, True, False)
         assert_close_to_ref(dx, want[0], dtype, scale=4)
         assert_row_sum_close(dw, want[1], m, scale=4)

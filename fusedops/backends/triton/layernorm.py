@@ -37,6 +37,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
   kernels with their scratch parked at the end of dx's storage (see ``_park``), the dx of those
   rows written by a second launch; the column path computes dweight/dbias before dx: no
   scratch at all. ``fast`` mode: separate scratch, one launch, the same bits.
+
+Which kernel runs a call, with what parameters: ``configs.layernorm.forward_config`` /
+``backward_config``.
 """
 
 from __future__ import annotations
@@ -44,28 +47,11 @@ from __future__ import annotations
 import torch
 
 from fusedops import _replay
-from fusedops.backends.triton.configs.common import (
-    DEFAULT_SINGLE_BLOCK_LIMIT,
-    body_len,
-    grid_size,
-    num_row_tiles,
-    single_block_limit,
-    unaligned_config,
-    unaligned_vec,
-    unrolled_config,
-)
+from fusedops.backends.triton.configs.common import unaligned_vec
 from fusedops.backends.triton.configs.layernorm import (
-    RELOAD_FWD,
-    RELOAD_FWD_ABOVE,
-    RELOAD_VEC_FWD,
-    RELOAD_VEC_MIN_ELEMS,
     SHIFT_W_BLOCK,
-    STATS_FREE_16BIT_MAX,
-    UNROLLED_FWD_ABOVE,
-    UNROLLED_VEC_FWD,
-    hold_w,
-    split_config,
-    unrolled_fwd_table,
+    LayerNormForward,
+    forward_config,
 )
 from fusedops.backends.triton.kernels.layernorm_fwd import (
     ln_fwd_looped,
@@ -77,21 +63,19 @@ from fusedops.backends.triton.kernels.layernorm_fwd import (
     ln_fwd_unrolled_vec,
     shift_weights,
 )
+from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.device import (
     cdiv,
     next_pow2,
     rows_and_output,
 )
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
 from fusedops.backends.triton.runtime.plans import (
     PlanCache,
     param_ptr,
 )
-from fusedops.backends.triton.runtime.split import (
-    SplitLauncher,
-    split_pieces,
-    split_rows_enabled,
-)
+from fusedops.backends.triton.runtime.split import SplitLauncher
 
 _launch_fwd_single = Launcher(ln_fwd_single)
 
@@ -191,50 +175,52 @@ def _stats_buffers(M: int, device: torch.device, with_stats: bool, placeholder: 
             torch.empty((M,), dtype=torch.float32, device=device))
 
 
-def _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
-                    third_read=False, key=None):
-    """``key``: the call's plan key where its launch may be replayed (the statistics written
-    exactly as the call asked)."""
+# The launch of each call signature (row length, element size, VEC, rows, statistics, row
+# stride a multiple of 8, device), decided once by the rules in configs/layernorm.py.
+@signature_cache
+def _fwd_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, aligned: bool,
+                index: int) -> LayerNormForward:
+    return forward_config(n, elt_size, vec, m, with_stats, aligned, device_facts(index))
+
+
+def _forward_rows(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormForward,
+                  key=None):
+    """The unrolled or reload kernel (one program per row). ``key``: the call's plan key where
+    its launch may be replayed (the statistics written exactly as the call asked)."""
+    with_stats = cfg.stats
     mean, rstd = _stats_buffers(M, x.device, with_stats, y)
     if M > 0:
-        args = (x, w, b, y, mean, rstd, N, stride, N, eps, next_pow2(N), chunk, has_w, has_b,
-                with_stats, third_read)
-        _launch_fwd_reload((M,), args, warps)
-        if key is not None:
-            _fwd_plans.add(key, _launch_fwd_reload, (M,), args, warps, 6)
+        if cfg.variant == "unrolled":
+            launcher = _launch_fwd_unrolled
+            args = (x, w, b, y, mean, rstd, M, stride, N, eps, N, cfg.chunk, has_w, has_b,
+                    with_stats)
+        else:
+            launcher = _launch_fwd_reload
+            args = (x, w, b, y, mean, rstd, N, stride, N, eps, cfg.block, cfg.chunk, has_w,
+                    has_b, with_stats, cfg.third_read)
+        launcher((M,), args, cfg.warps)
+        if key is not None and cfg.plan:
+            _fwd_plans.add(key, launcher, (M,), args, cfg.warps, 6)
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
-def _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats, chunk, warps,
-                      key):
-    mean, rstd = _stats_buffers(M, x.device, with_stats, y)
-    if M > 0:
-        args = (x, w, b, y, mean, rstd, M, stride, N, eps, N, chunk, has_w, has_b, with_stats)
-        _launch_fwd_unrolled((M,), args, warps)
-        if key is not None:
-            _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 6)
-    return (y, mean, rstd) if with_stats else (y, None, None)
-
-
-def _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, chunk, warps,
-                        unrolled: bool = False):
-    """Unaligned rows (VEC > 0) on ln_fwd_reload_vec or (``unrolled``) ln_fwd_unrolled_vec,
-    with weight and bias from per-misalignment shifted copies."""
+def _forward_reload_vec(x, weight, bias, y, M, N, eps, cfg: LayerNormForward):
+    """Unaligned rows (VEC > 0) on ln_fwd_reload_vec or ln_fwd_unrolled_vec, with weight and
+    bias from per-misalignment shifted copies."""
     has_w, has_b = weight is not None, bias is not None
+    with_stats, vec = cfg.stats, cfg.vec
     w = b = y  # placeholders, never read (HAS_W/HAS_B are constexpr)
     w_ld = N
     if has_w or has_b:
         ws, bs, w_ld = _shifted_weights(weight, bias, vec, N)
         w, b = (ws if has_w else y), (bs if has_b else y)
     mean, rstd = _stats_buffers(M, x.device, with_stats, y)
-    if M > 0 and unrolled:
-        _launch_fwd_unrolled_vec((M,), (x, w, b, y, mean, rstd, M, N, eps, w_ld, N,
-                                        (N // vec - 1) * vec, chunk, has_w, has_b, with_stats,
-                                        vec), warps)
+    if M > 0 and cfg.variant == "unrolled_vec":
+        _launch_fwd_unrolled_vec((M,), (x, w, b, y, mean, rstd, M, N, eps, w_ld, N, cfg.body,
+                                        cfg.chunk, has_w, has_b, with_stats, vec), cfg.warps)
     elif M > 0:
-        _launch_fwd_reload_vec((M,), (x, w, b, y, mean, rstd, N, N, eps, w_ld,
-                                      next_pow2(body_len(N, vec)), chunk, has_w, has_b,
-                                      with_stats, vec), warps)
+        _launch_fwd_reload_vec((M,), (x, w, b, y, mean, rstd, N, N, eps, w_ld, cfg.block,
+                                      cfg.chunk, has_w, has_b, with_stats, vec), cfg.warps)
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
@@ -249,44 +235,19 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     plan = _fwd_plans.get(key)
     if plan is not None and not hooks_registered():
         return _replay_forward(plan, x, weight, bias, out_dtype, with_stats)
-    requested_stats = with_stats
     M, N, stride, y = rows_and_output(x, out_dtype)
     has_w, has_b = weight is not None, bias is not None
     w = weight if has_w else y  # placeholders are never read (HAS_W/HAS_B are constexpr)
     b = bias if has_b else y
-    vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     elt = x.element_size()
-    unrolled = unrolled_config(unrolled_fwd_table(x.get_device(), (elt, next_pow2(N))), elt,
-                               N, UNROLLED_FWD_ABOVE, vec)
-    if unrolled:
-        return _forward_unrolled(x, w, b, y, M, N, stride, eps, has_w, has_b, with_stats,
-                                 *unrolled, key)
-    reload = (RELOAD_FWD.get((x.element_size(), next_pow2(N)))
-              if N > RELOAD_FWD_ABOVE and not vec
-              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if reload:
-        # Measured with the statistics written (see STATS_FREE_16BIT_MAX, configs/layernorm.py).
-        stats = with_stats or (x.element_size() == 2 and M * N > STATS_FREE_16BIT_MAX)
-        return _forward_reload(x, w, b, y, M, N, stride, eps, has_w, has_b, stats, *reload,
-                               key=key if stats == with_stats else None)
-    reload = (RELOAD_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
-              if vec and M * N >= RELOAD_VEC_MIN_ELEMS
-              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if reload:
-        return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *reload)
-    unrolled = (UNROLLED_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
-                if vec and M * N >= RELOAD_VEC_MIN_ELEMS
-                and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if unrolled and (N // vec - 1) * vec >= unrolled[0]:
-        return _forward_reload_vec(x, weight, bias, y, M, N, eps, with_stats, vec, *unrolled,
-                                   unrolled=True)
-    single, block, rows, warps, vec = unaligned_config(N, "ln_fwd", x.element_size(), vec)
-    if (not with_stats and x.element_size() == 2 and block >= 8192
-            and M * N > STATS_FREE_16BIT_MAX):
-        # The variant without statistics compiles slower for large 16-bit inputs with rows of
-        # 8K+ (bf16 8K: 2.98 vs 3.62 TB/s); the two small buffers cost nothing next to the kernel.
-        with_stats = True
-    if single and not with_stats:
+    vec = unaligned_vec(N, (stride, N), elt, (x, y))
+    cfg = _fwd_config(N, elt, vec, M, with_stats, stride % 8 == 0, x.get_device())
+    if cfg.variant in ("unrolled", "reload"):
+        return _forward_rows(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg, key)
+    if cfg.variant in ("reload_vec", "unrolled_vec"):
+        return _forward_reload_vec(x, weight, bias, y, M, N, eps, cfg)
+    single = cfg.variant == "single"
+    if single and not cfg.stats:
         mean = rstd = None
     else:
         mean = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -294,40 +255,35 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     if M == 0 or N == 0:
         return y, mean, rstd
     if single:
-        tiles = num_row_tiles(M, rows, vec)
-        # Unaligned 16-bit rows of 4K+: a persistent grid (H200, TB/s: bf16 4097 2.51
-        # vs 2.29 one program per row, 8193 1.93 vs 1.77; float32 within 2%).
-        persist = vec and x.element_size() == 2 and block >= 4096
-        progs = grid_size(tiles, warps, "ln_fwd", x.device, block, vec, persist)
-        args = (x, w, b, y, mean if with_stats else y, rstd if with_stats else y, M, N,
-                stride, N, eps, tiles, progs,
-                block, rows, has_w, has_b, vec, hold_w(block, warps), with_stats)
-        _launch_fwd_single((progs,), args, warps)
-        if key is not None and not vec and with_stats == requested_stats:
-            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 6)
+        args = (x, w, b, y, mean if cfg.stats else y, rstd if cfg.stats else y, M, N,
+                stride, N, eps, cfg.tiles, cfg.grid,
+                cfg.block, cfg.rows, has_w, has_b, cfg.vec, cfg.hold_w, cfg.stats)
+        _launch_fwd_single((cfg.grid,), args, cfg.warps)
+        if key is not None and cfg.plan:
+            _fwd_plans.add(key, _launch_fwd_single, (cfg.grid,), args, cfg.warps, 6)
     else:
-        _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, block, warps, vec)
+        _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, cfg)
     return y, mean, rstd
 
 
-def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, block, warps, vec):
+def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b,
+                  cfg: LayerNormForward):
     """Rows too long for one program: the split-row kernel where it runs, else looped."""
-    cfg = split_config("fwd", N, x.element_size(), stride % 8 == 0 and N % 8 == 0)
-    chunk, split_warps, prefetch = cfg or (0, 0, 0)
-    if cfg and split_rows_enabled(x.device, N, chunk):
-        C, L = split_pieces(N, chunk, vec)
+    if cfg.variant == "split":
+        C, L = cfg.pieces, cfg.piece
         stats = torch.empty((M * C * 2,), dtype=torch.float32, device=x.device)
         count = torch.zeros((M,), dtype=torch.int32, device=x.device)
         if _launch_fwd_split(
             M * C, C,
             (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
-            (next_pow2(L), C, next_pow2(C), has_w, has_b, prefetch, vec), split_warps,
-            x.device, vec=vec,
+            (cfg.block, C, next_pow2(C), has_w, has_b, cfg.prefetch, cfg.vec), cfg.warps,
+            x.device, vec=cfg.vec,
         ):
             return
+        cfg = cfg.fallback
     _launch_fwd_looped((M,), (
-        x, w, b, y, mean, rstd, N, stride, N, eps, block, has_w, has_b,
-    ), warps)
+        x, w, b, y, mean, rstd, N, stride, N, eps, cfg.block, has_w, has_b,
+    ), cfg.warps)
 
 
 def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):

@@ -1,6 +1,7 @@
-"""Triton LayerNorm backward: the host code that picks a kernel (rules in
-``configs/layernorm.py``) and launches it; the paths are described in ``layernorm.py``'s
-docstring, the kernels are in ``kernels/layernorm_bwd.py`` and ``kernels/layernorm_bwd_split.py``.
+"""Triton LayerNorm backward: the host code that runs the path
+``configs.layernorm.backward_config`` picks and launches its kernels; the paths are described
+in ``layernorm.py``'s docstring, the kernels are in ``kernels/layernorm_bwd.py`` and
+``kernels/layernorm_bwd_split.py``.
 """
 
 from __future__ import annotations
@@ -9,28 +10,13 @@ import torch
 
 from fusedops._settings import get_layernorm_backward
 from fusedops.backends.triton.configs import layernorm as rules
-from fusedops.backends.triton.configs.common import (
-    ROW_BODY,
-    grid_size,
-    num_row_tiles,
-    row_config,
-    unaligned_config,
-    unaligned_vec,
-)
+from fusedops.backends.triton.configs.common import ROW_BODY, unaligned_vec
 from fusedops.backends.triton.configs.layernorm import (
     COLUMN_TILE,
     COLUMN_WARPS,
-    SPLIT_PAIRED,
-    column_splits,
-    dx_pieces_plan,
-    fused_bwd_config,
-    fused_bwd_stages,
-    fused_plan,
-    hold_w,
-    max_partial_rows,
-    native_unaligned,
-    paired_sums,
-    split_plan,
+    LayerNormBackward,
+    RowsBackward,
+    backward_config,
 )
 from fusedops.backends.triton.kernels.layernorm_bwd import (
     ln_bwd_dwdb_columns,
@@ -40,13 +26,15 @@ from fusedops.backends.triton.kernels.layernorm_bwd import (
     ln_bwd_single,
 )
 from fusedops.backends.triton.kernels.layernorm_bwd_split import ln_bwd_split
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
-from fusedops.backends.triton.runtime.device import interpreting, next_pow2, num_sms
+from fusedops.backends.triton.runtime.caches import signature_cache
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher
+from fusedops.backends.triton.runtime.device import interpreting, next_pow2
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
 from fusedops.backends.triton.runtime.partials import reduce_partials
 from fusedops.backends.triton.runtime.plans import SequencePlans, run_steps, sequence_steps
 from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
-from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces, zero_counters
+from fusedops.backends.triton.runtime.split import SplitLauncher, zero_counters
 
 
 def _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db):
@@ -191,57 +179,65 @@ def _backward_runner(record, inputs: tuple, out: tuple):
     return run
 
 
+# The backward of each call signature (shape, row strides, VEC, gradients needed, mode, whether
+# PyTorch's kernel could take it, device), decided once by the rules in configs/layernorm.py.
+@signature_cache
+def _bwd_config(m: int, n: int, elt_size: int, strides: tuple[int, int], vec: int,
+                need_dx: bool, need_dw: bool, need_db: bool, parked: bool, plain: bool,
+                index: int) -> LayerNormBackward:
+    return backward_config(m, n, elt_size, strides, vec, need_dx, need_dw, need_db, parked,
+                           plain, device_facts(index))
+
+
 def _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes):
     """:func:`layernorm_backward` through the launch rules."""
     M, N = x.shape
     dev = x.device
     has_w = weight is not None
     w = weight if has_w else x
-    need_part = need_dw or need_db
     parked = get_layernorm_backward() == "low_memory"
-    fused = fused_plan(M, N, x, dy) if need_part and M > 0 and N > 0 else None
-    pieces = dx_pieces_plan(N, x, dy) if fused is None and need_dx and M > 0 else None
-    if pieces is not None:  # long unaligned 16-bit rows: dx on aligned bodies + column kernel
+    strides = (dy.stride(0), x.stride(0))
+    plain = (x.is_contiguous() and dy.is_contiguous() and dy.dtype == x.dtype
+             and (weight is None or weight.dtype == x.dtype))
+    cfg = _bwd_config(M, N, x.element_size(), strides,
+                      unaligned_vec(N, (*strides, N), x.element_size(), (dy, x)),
+                      need_dx, need_dw, need_db, parked, plain, x.get_device())
+    if cfg.variant == "dx_pieces":  # long unaligned 16-bit rows: column kernel + dx on bodies
         return _columns_first_backward(dy, x, w, has_w, mean, rstd, torch.empty_like(x),
-                                       need_dw, need_db, grad_dtypes, pieces)
-    split = (split_plan(N, x, dy) if fused is None and M > 0 and N > 0
-             and (need_dx or (need_part and not parked)) else None)
-    if (fused is None and M > 0 and N > 0 and not (split and split[1])
-            and native_unaligned(x, dy, weight)):
+                                       need_dw, need_db, grad_dtypes, cfg)
+    if cfg.variant == "native":
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
-    if M == 0 or N == 0:
+    if cfg.variant == "empty":
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
-    if parked and dx is None and need_part:  # nothing to park in: the column kernel straight
-        # into dweight/dbias (no scratch; slow for many rows)
+    if cfg.variant == "columns":  # nothing to park in: the column kernel straight into
+        # dweight/dbias (no scratch; slow for many rows)
         mark_replayable()
-        return (None, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes))
-    if fused is not None:
+        return (None, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes,
+                                        cfg.columns))
+    if cfg.variant == "fused":
         return _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                               fused, parked)
-    if split:
+                               cfg, parked)
+    while cfg.variant == "split":
         done = _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                               *split, parked)
-        if done is None and split[1]:  # no grid of C·VEC programs fits (rows too long)
-            if native_unaligned(x, dy, weight):
-                return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
-            split = split_plan(N, x, dy, vec=False)  # the scalar pieces, any grid
-            done = split and _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
-                                             grad_dtypes, *split, parked)
+                               cfg, parked)
         if done is not None:
             return done
-    if need_part and dx is not None:
+        cfg = cfg.fallback  # no grid of C·VEC programs fits (rows too long), or refused
+        if cfg.variant == "native":
+            return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
+    if (need_dw or need_db) and dx is not None:
         # dx row kernel + column kernel: the column pass first, its partials parked in dx
         return _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db,
-                                    grad_dtypes)
+                                       grad_dtypes, cfg)
     # dx as a pure row kernel (like softmax backward: x and dy read once, dx written once);
     # without dx, dweight/dbias from the column kernel into float32 scratch.
     if need_dx:
-        _dx_rows(dy, x, w, has_w, mean, rstd, dx)
+        _dx_rows(dy, x, w, has_w, mean, rstd, dx, cfg.rows)
     mark_replayable()  # (scratch of the column kernel, if any, is refused by sequence_steps)
     return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db, grad_dtypes,
-                                  scratch=True))
+                                  cfg.columns))
 
 
 # Scratch parked in dx (the low_memory mode, the default). The fused and split-row backward
@@ -273,16 +269,14 @@ def _parked(dx: torch.Tensor, offset: int, shape: tuple[int, ...],
         dx.untyped_storage(), offset // dtype.itemsize, shape)
 
 
-def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, plan,
-                    parked: bool):
+def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
+                    cfg: LayerNormBackward, parked: bool):
     """The fused kernel (rows up to 8K): dx, and dweight/dbias from per-program partials, in
     float32 scratch or (``parked``, the low_memory mode, with a dx) parked in dx (see _park)."""
-    vec, block, rows, warps, acc_1d, tiles, progs = plan
+    vec, block, rows, warps, acc_1d, tiles, progs, paired, stages, resident = cfg.fused
     M, N = x.shape
     need_dx = dx is not None
-    paired = paired_sums(x.element_size(), vec, block)
     strides = (dy.stride(0), x.stride(0), N)
-    stages = fused_bwd_stages(block, x.element_size(), strides)
     def dx_only(first: int, grid: int) -> None:  # the parked variant's dx of tiles first..
         _launch_bwd_single((grid,), (
             dy, x, w, mean, rstd, dx, x, M, N, *strides, tiles, grid, first, M,
@@ -296,7 +290,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
             # all the same (its rows bitwise as in any other call), then the column kernel.
             dx_only(0, progs)
             return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
-                                          grad_dtypes))
+                                          grad_dtypes, cfg.columns_direct))
         m_dx, offset = place
         part = _parked(dx, offset, (2, progs, N))
     else:
@@ -310,8 +304,7 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     if m_dx < M:
         first = m_dx // rows  # a multiple of vec: m_dx is a multiple of rows * vec
         left = tiles - first
-        per_sm = fused_bwd_config(block, vec > 0, x.element_size())[2]
-        tail = max(1, min(left, num_sms(x.device) * per_sm))
+        tail = max(1, min(left, resident))
         if vec and tail < left:
             tail = max(vec, tail // vec * vec)
         dx_only(first, tail)
@@ -319,33 +312,31 @@ def _fused_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     return dx, dw, db
 
 
-def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg,
-                    vec: int, parked: bool):
-    """The split-row kernel (long rows): partials, per-row statistics and counters in scratch
-    or (``parked``, with a dx) parked in dx (see _park). None if the cooperative launch was
-    refused or no grid fits (the caller then uses the other kernels). ``vec`` > 0: unaligned
-    rows as aligned-body pieces plus edges (dx is then contiguous like x and dy). Parked:
-    partials, then statistics and counters, at the end of dx's storage (see _published_dx)."""
+def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
+                    cfg: LayerNormBackward, parked: bool):
+    """The split-row kernel (long rows, ``cfg.split``): partials, per-row statistics and
+    counters in scratch or (``parked``, with a dx) parked in dx (see _park). None if the
+    cooperative launch was refused or no grid fits (the caller then runs ``cfg.fallback``).
+    VEC > 0: unaligned rows as aligned-body pieces plus edges (dx is then contiguous like x
+    and dy). Parked: partials, then statistics and counters, at the end of dx's storage (see
+    _published_dx)."""
     M, N = x.shape
     dev = x.device
     need_dx = dx is not None
     need_part = need_dw or need_db
-    chunk, split_warps, prefetch, *extra = cfg
-    cap = extra[0] if extra else None
-    C, L = split_pieces(N, chunk, vec)
-    paired = SPLIT_PAIRED
+    split = cfg.split
+    split_warps, vec, paired = split.warps, split.vec, split.paired
+    C, L = split.pieces, split.piece
     # ``mean`` stands in for the buffers (same dtype/alignment) until they are sized.
     args = [dy, x, w, mean, rstd, dx if need_dx else x, mean, mean, mean, N, L,
             dy.stride(0), x.stride(0), N, M, M * C]
-    head = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, prefetch, parked,
-            vec, paired)
-    clusters = (len(extra) > 1 and extra[1] and need_dx and not vec
-                and clusters_enabled(dev, N, chunk, C))
-    launcher, consts, progs = _split_grid(M * C, C, args, head, split_warps, dev, vec, cap,
-                                          clusters)
+    head = (next_pow2(L), C, next_pow2(C), has_w, need_dx, need_dw, need_db, split.prefetch,
+            parked, vec, paired)
+    launcher, consts, progs = _split_grid(M * C, C, args, head, split_warps, dev, vec,
+                                          split.cap, split.clusters)
     if not progs:
         return None
-    progs = max(C, min(progs, max_partial_rows(x) * C))
+    progs = max(C, min(progs, split.max_rows * C))
     if vec and progs < M * C:  # a program's rows VEC apart share one misalignment (see kernel)
         progs = min(M * C, max(C * vec, progs // (C * vec) * (C * vec)))
     # One partial row per group of C programs (a program keeps one chunk of the row).
@@ -365,7 +356,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
             # arithmetic (bitwise as in any other call), then the column kernel.
             dx_pieces(0)
             return (dx, *_column_backward(dy, x, mean, rstd, None, need_dw, need_db,
-                                          grad_dtypes))
+                                          grad_dtypes, cfg.columns_direct))
         m_dx, offset = place
         part = _parked(dx, offset, (2, part_rows, N)) if need_part else mean
         stats = _parked(dx, offset + part_bytes, (2 * M * C,))
@@ -386,7 +377,7 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
             return None
         # The cluster launch failed (clusters are now off): the same pieces, cooperatively.
         args[8] = _zeroed(count, need_dx, parked)
-        launcher = _bwd_split_launcher(cap)
+        launcher = _bwd_split_launcher(split.cap)
         consts = (*consts[:-1], False)
         if launcher.programs(M * C, C, tuple(args), consts, split_warps, dev, vec) < progs or \
                 not launcher(M * C, C, tuple(args), consts, split_warps, dev, progs):
@@ -443,71 +434,61 @@ def _zeroed(count: torch.Tensor, need_dx: bool, parked: bool) -> torch.Tensor:
     return zero_counters(count) if parked else count.zero_()
 
 
-def _dx_rows(dy, x, w, has_w, mean, rstd, dx) -> None:
+def _dx_rows(dy, x, w, has_w, mean, rstd, dx, cfg: RowsBackward) -> None:
     """dx of (M, N) rows from the dx-only row kernel (single-block, or looped for long rows)."""
     M, N = x.shape
-    single, block, rows, warps = row_config(N, "ln_bwd", x.element_size())
-    vec = 0
-    if single:
-        vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x, dx))
-        if vec:
-            single, block, rows, warps, vec = unaligned_config(N, "ln_bwd", x.element_size(),
-                                                               vec)
-    if single:
-        tiles = num_row_tiles(M, rows, vec)
-        progs = grid_size(tiles, warps, "ln_bwd", x.device, vec=vec)
-        _launch_bwd_single((progs,), (
-            dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, tiles, progs, 0, M,
-            block, rows, has_w, True, False, False, vec, hold_w(block, warps), True, False,
-            paired_sums(x.element_size(), vec, block), 1,
-        ), warps)
+    if cfg.single:
+        _launch_bwd_single((cfg.programs,), (
+            dy, x, w, mean, rstd, dx, x, M, N, dy.stride(0), x.stride(0), N, cfg.tiles,
+            cfg.programs, 0, M, cfg.block, cfg.rows, has_w, True, False, False, cfg.vec,
+            cfg.hold_w, True, False, cfg.paired, 1,
+        ), cfg.warps)
     else:
         _launch_dx_looped((M,), (
             dy, x, w, mean, rstd, dx, N, dy.stride(0), x.stride(0), dx.stride(0),
-            block, has_w,
-        ), warps)
+            cfg.block, has_w,
+        ), cfg.warps)
 
 
 def _columns_first_backward(dy, x, w, has_w, mean, rstd, dx, need_dw: bool, need_db: bool,
-                            grad_dtypes=None, pieces: tuple | None = None):
+                            grad_dtypes, cfg: LayerNormBackward):
     """dx, dweight, dbias with no scratch beyond the outputs (the dx row kernel's path, both
     modes): dweight/dbias from :func:`_column_backward` first, then the dx row kernel writes dx
-    (one stream: in order), or with ``pieces`` (see dx_pieces_plan) ln_bwd_dx_pieces on the
-    rows' aligned bodies. 5 passes over memory."""
-    dw, db = _column_backward(dy, x, mean, rstd, dx, need_dw, need_db, grad_dtypes)
-    if dx is not None and pieces is not None:
+    (one stream: in order), or with ``cfg.pieces`` (see dx_pieces_plan) ln_bwd_dx_pieces on
+    the rows' aligned bodies. 5 passes over memory."""
+    dw, db = _column_backward(dy, x, mean, rstd, dx, need_dw, need_db, grad_dtypes, cfg.columns)
+    if dx is not None and cfg.pieces is not None:
         M, N = x.shape
-        C, L, vec, warps = pieces
+        C, L, vec, warps, paired = cfg.pieces
         _launch_dx_pieces((M,), (
             dy, x, w, mean, rstd, dx, N, L, dy.stride(0), x.stride(0), N, 0,
-            next_pow2(L), C, next_pow2(C), has_w, False, vec, SPLIT_PAIRED,
+            next_pow2(L), C, next_pow2(C), has_w, False, vec, paired,
         ), warps)
     elif dx is not None:
-        _dx_rows(dy, x, w, has_w, mean, rstd, dx)
+        _dx_rows(dy, x, w, has_w, mean, rstd, dx, cfg.rows)
     mark_replayable()
     return dx, dw, db
 
 
-def _column_backward(dy, x, mean, rstd, dx, need_dw: bool, need_db: bool, grad_dtypes=None,
-                     scratch: bool = False):
-    """dweight/dbias (in ``grad_dtypes``, None: float32) from the column kernel: its float32
-    partials parked in dx's storage (allocated, not yet written) and summed from there, or
-    (``scratch``) in a buffer of their own; with neither (x needs no gradient, or 1-3 rows),
-    one row split writes dweight/dbias directly (one program per 256 columns)."""
+def _column_backward(dy, x, mean, rstd, dx, need_dw: bool, need_db: bool, grad_dtypes,
+                     columns: tuple[int, int, int]):
+    """dweight/dbias (in ``grad_dtypes``, None: float32) from the column kernel on ``columns``
+    (column blocks, row splits, rows per split): with several splits, their float32 partials
+    parked in dx's storage (allocated, not yet written) and summed from there, or without a dx
+    in a buffer of their own; with one split (x needs no gradient, or 1-3 rows), written
+    directly into dweight/dbias."""
     if not (need_dw or need_db):
         return None, None
     M, N = x.shape
     dev = x.device
-    room = M * N * x.element_size() // (8 * N) if dx is not None else 0  # (2, N) float32 pairs
-    col_blocks, splits, rows_per_split = column_splits(M, N, dev,
-                                                        None if scratch else max(1, room))
+    col_blocks, splits, rows_per_split = columns
     dt_w, dt_b = grad_dtypes or (None, None)
     # separate tensors: outputs of a custom op must not alias each other
     dw = torch.empty((N,), dtype=dt_w or torch.float32, device=dev) if need_dw else None
     db = torch.empty((N,), dtype=dt_b or torch.float32, device=dev) if need_db else None
     part = None
     if splits > 1:
-        part = (torch.empty((2, splits, N), dtype=torch.float32, device=dev) if scratch
+        part = (torch.empty((2, splits, N), dtype=torch.float32, device=dev) if dx is None
                 else _parked(dx, 0, (2, splits, N)))
     outs = (part[0], part[1]) if part is not None else (dw if need_dw else db,
                                                         db if need_db else dw)

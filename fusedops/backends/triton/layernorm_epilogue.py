@@ -48,21 +48,11 @@ from __future__ import annotations
 import torch
 
 from fusedops import _philox, _replay
-from fusedops.backends.triton.configs import layernorm as ln_rules
-from fusedops.backends.triton.configs.common import grid_size
 from fusedops.backends.triton.configs.layernorm_epilogue import (
-    BWD_ELEMS_PER_THREAD,
-    COLUMN_PER_SM,
-    COLUMN_ROWS,
-    LOOPED_ELEMS_PER_THREAD,
     PLANS,
-    bwd_cap,
-    bwd_plan,
-    epi_warps,
-    fwd_cap,
-    fwd_plan,
-    looped_groups,
-    slices,
+    EpilogueConfig,
+    backward_config,
+    forward_config,
 )
 from fusedops.backends.triton.kernels.layernorm_epilogue_bwd import (
     ln_epi_bwd_2d,
@@ -70,7 +60,8 @@ from fusedops.backends.triton.kernels.layernorm_epilogue_bwd import (
     ln_epi_bwd_row_sums,
 )
 from fusedops.backends.triton.kernels.layernorm_epilogue_fwd import ln_epi_fwd_2d, ln_epi_fwd_looped
-from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
+from fusedops.backends.triton.runtime.caches import signature_cache
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
 from fusedops.backends.triton.runtime.partials import reduce_partials
 from fusedops.backends.triton.runtime.plans import (
@@ -148,6 +139,19 @@ def _check_contiguous_rows(x: torch.Tensor, residual: torch.Tensor | None) -> No
 
 def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# The launch of each call signature, decided once by the rules in configs/layernorm_epilogue.py.
+@signature_cache
+def _fwd_config(n: int, elt_size: int, m: int, dropout: bool, has_res: bool,
+                index: int) -> EpilogueConfig:
+    return forward_config(n, elt_size, m, dropout, has_res, device_facts(index))
+
+
+@signature_cache
+def _bwd_config(n: int, elt_size: int, m: int, dropout: bool, act: int,
+                strides: tuple[int, ...], index: int) -> EpilogueConfig:
+    return backward_config(n, elt_size, m, dropout, act, strides, device_facts(index))
 
 
 # Inference add + LayerNorm plans are also replayed from the ops layer (fusedops._replay); the
@@ -292,25 +296,19 @@ def _forward(x, residual, weight, bias, eps, out_dtype, dropout_p, seed, activat
     b = bias if has_b else out
     mp = mean if need_stats else out
     rp = rstd if need_stats else out
-    block = next_pow2(N)
-    if block <= fwd_cap(dropout):
-        rows2, warps2, per_sm, stages = fwd_plan(block, x.element_size(), dropout, has_res)
-        tiles2 = cdiv(M, rows2)
-        progs2 = (grid_size(tiles2, warps2, "ln_fwd", dev, block) if per_sm is None
-                  else max(1, min(tiles2, num_sms(dev) * per_sm)))
-        _launch_fwd_2d((progs2,), (
+    cfg = _fwd_config(N, x.element_size(), M, dropout, has_res, x.get_device())
+    if cfg.variant == "single":
+        _launch_fwd_2d((cfg.grid,), (
             x, r, w, b, out, sp, mp, rp, M, N, stride_x, stride_r, eps, scale, k0, k1, thresh,
-            tiles2, progs2, block, rows2, slices(block, dropout), has_res, has_w, has_b, dropout,
-            act, need_stats, _rne(x), stages,
-        ), warps2)
-        mark_replayable()
+            cfg.tiles, cfg.grid, cfg.block, cfg.rows, cfg.slices, has_res, has_w, has_b,
+            dropout, act, need_stats, _rne(x), cfg.stages,
+        ), cfg.warps)
     else:
-        groups = looped_groups()
         _launch_fwd_looped((M,), (
             x, r, w, b, out, sp, mp, rp, N, stride_x, stride_r, eps, scale, k0, k1, thresh,
-            groups, has_res, has_w, has_b, dropout, act, need_stats, _rne(x),
-        ), epi_warps(groups * 1024, LOOPED_ELEMS_PER_THREAD))
-        mark_replayable()
+            cfg.groups, has_res, has_w, has_b, dropout, act, need_stats, _rne(x),
+        ), cfg.warps)
+    mark_replayable()
     return out, s, mean, rstd
 
 
@@ -390,43 +388,32 @@ def _backward(dout, ds, s, weight, bias, mean, rstd, dropout_p, seed, activation
     dsp = ds if has_ds else s
     stride_ds = ds.stride(0) if has_ds else 0
     dxp = dx if need_dx else s
-    block = next_pow2(N)
-    if block <= bwd_cap(dropout, act):
-        strides = (dout.stride(0), s.stride(0)) + ((stride_ds,) if has_ds else ())
-        rows2, warps2, per_sm, acc_1d, paired, stages = bwd_plan(
-            block, s.element_size(), dropout, act, strides)
-        tiles2 = cdiv(M, rows2)
-        progs2 = max(1, min(tiles2, num_sms(dev) * per_sm, ln_rules.max_partial_rows(s)))
-        dw, db, dwp, dbp, part = _partials(progs2, N, need_dw, need_db, dxp)
-        scratch = ()
-        _launch_bwd_2d((progs2,), (
+    strides = (dout.stride(0), s.stride(0)) + ((stride_ds,) if has_ds else ())
+    cfg = _bwd_config(N, s.element_size(), M, dropout, act, strides, s.get_device())
+    scratch = ()
+    if cfg.variant == "single":
+        dw, db, dwp, dbp, part = _partials(cfg.grid, N, need_dw, need_db, dxp)
+        _launch_bwd_2d((cfg.grid,), (
             dout, dsp, s, w, b, mean, rstd, dxp, dwp, dbp, M, N, dout.stride(0), stride_ds,
-            s.stride(0), scale, k0, k1, thresh, tiles2, progs2,
-            block, rows2, slices(block, dropout), has_ds, has_w, has_b, dropout, act, need_dx,
-            need_dw, need_db, acc_1d, paired, stages,
-        ), warps2)
+            s.stride(0), scale, k0, k1, thresh, cfg.tiles, cfg.grid,
+            cfg.block, cfg.rows, cfg.slices, has_ds, has_w, has_b, dropout, act, need_dx,
+            need_dw, need_db, cfg.acc_1d, cfg.paired, cfg.stages,
+        ), cfg.warps)
     else:
-        groups = looped_groups()
         sums = dxp
-        scratch = ()
         if need_dx:
             sums = torch.empty((M, 2), dtype=torch.float32, device=dev)
             scratch = (sums,)
             _launch_bwd_row_sums((M,), (
                 dout, s, w, b, mean, rstd, sums, N, dout.stride(0), s.stride(0), scale, k0, k1,
-                thresh, groups, has_w, has_b, dropout, act,
-            ), epi_warps(groups * 1024, LOOPED_ELEMS_PER_THREAD))
-        col_blocks = cdiv(N, 1024)
-        splits = max(1, min(cdiv(M, COLUMN_ROWS),
-                            cdiv(COLUMN_PER_SM * num_sms(dev), col_blocks)))
-        rows_per_split = cdiv(cdiv(M, splits), COLUMN_ROWS) * COLUMN_ROWS
-        splits = cdiv(M, rows_per_split)
-        dw, db, dwp, dbp, part = _partials(splits, N, need_dw, need_db, dxp)
-        _launch_bwd_columns((col_blocks, splits), (
+                thresh, cfg.groups, has_w, has_b, dropout, act,
+            ), cfg.sums_warps)
+        dw, db, dwp, dbp, part = _partials(cfg.splits, N, need_dw, need_db, dxp)
+        _launch_bwd_columns((cfg.col_blocks, cfg.splits), (
             dout, dsp, s, w, b, mean, rstd, sums, dxp, dwp, dbp, M, N, dout.stride(0),
-            stride_ds, s.stride(0), scale, k0, k1, thresh, rows_per_split,
-            COLUMN_ROWS, 1, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
-        ), epi_warps(COLUMN_ROWS * 1024, BWD_ELEMS_PER_THREAD))
+            stride_ds, s.stride(0), scale, k0, k1, thresh, cfg.rows_per_split,
+            cfg.column_rows, 1, has_ds, has_w, has_b, dropout, act, need_dx, need_dw, need_db,
+        ), cfg.warps)
     if part is not None:
         dw, db = reduce_partials(part, need_dw, need_db, dtypes=grad_dtypes)
         scratch = (*scratch, part)

@@ -22,7 +22,9 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   ``UNROLLED_VEC_BWD``: long 16-bit rows, aligned or not) streams y and dy for per-lane partial
   dot products, then re-reads both from L2 to write dx.
 
-All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine.
+All math is float32; row offsets are 64-bit so tensors beyond 2^31 elements are fine. Which
+kernel runs a call, with what parameters: ``configs.softmax.forward_config`` /
+``backward_config``.
 """
 
 from __future__ import annotations
@@ -30,28 +32,11 @@ from __future__ import annotations
 import torch
 
 from fusedops import _replay
-from fusedops.backends.triton.configs.common import (
-    DEFAULT_SINGLE_BLOCK_LIMIT,
-    body_len,
-    grid_size,
-    num_row_tiles,
-    single_block_limit,
-    unaligned_config,
-    unaligned_vec,
-    unrolled_config,
-)
+from fusedops.backends.triton.configs.common import unaligned_vec
 from fusedops.backends.triton.configs.softmax import (
-    RELOAD_BWD,
-    RELOAD_BWD_ABOVE,
-    RELOAD_FWD,
-    RELOAD_FWD_ABOVE,
-    UNROLL_RELOAD_BWD,
-    UNROLLED_BWD_ABOVE,
-    UNROLLED_FWD,
-    UNROLLED_FWD_ABOVE,
-    UNROLLED_VEC_FWD,
-    split_config,
-    unrolled_bwd_config,
+    SoftmaxConfig,
+    backward_config,
+    forward_config,
 )
 from fusedops.backends.triton.kernels.softmax import (
     softmax_bwd_looped,
@@ -65,10 +50,12 @@ from fusedops.backends.triton.kernels.softmax import (
     softmax_fwd_unrolled,
     softmax_fwd_unrolled_vec,
 )
+from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.device import next_pow2, rows_and_output
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
 from fusedops.backends.triton.runtime.plans import PlanCache
-from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces, split_rows_enabled
+from fusedops.backends.triton.runtime.split import SplitLauncher
 
 _launch_fwd_single = Launcher(softmax_fwd_single)
 _launch_fwd_looped = Launcher(softmax_fwd_looped)
@@ -105,20 +92,29 @@ def _replay_runner(key: tuple, plan: tuple):
 _fwd_plans = PlanCache(_replay.SOFTMAX, _replay_runner)
 
 
-def _launch_split(launcher, M: int, N: int, tensors: tuple, strides: tuple, per_piece: int,
-                  elt_size: int, kind: str, vec: int, device: torch.device) -> bool:
-    """Run the split-row kernel ``launcher`` over (M, N) rows if it applies; False otherwise
-    (the caller then runs the looped kernel)."""
-    chunk, warps, prefetch = split_config(kind, elt_size, vec, N)
-    if not split_rows_enabled(device, N, chunk):
-        return False
-    C, L = split_pieces(N, chunk, vec)
+# The launch of each call signature (rows, element size, VEC, row count, device), decided once
+# by the rules in configs/softmax.py.
+@signature_cache
+def _fwd_config(n: int, elt_size: int, vec: int, m: int, index: int) -> SoftmaxConfig:
+    return forward_config(n, elt_size, vec, m, device_facts(index))
+
+
+@signature_cache
+def _bwd_config(n: int, elt_size: int, vec: int, m: int, index: int) -> SoftmaxConfig:
+    return backward_config(n, elt_size, vec, m, device_facts(index))
+
+
+def _launch_split(launcher, cfg: SoftmaxConfig, M: int, N: int, tensors: tuple,
+                  strides: tuple, per_piece: int, device: torch.device) -> bool:
+    """Run the split-row kernel ``launcher`` over (M, N) rows as ``cfg`` says; False where the
+    launch was refused (the caller then runs ``cfg.fallback``)."""
+    C, L = cfg.pieces, cfg.piece
     stats = torch.empty((M * C * per_piece,), dtype=torch.float32, device=device)
     count = torch.zeros((M,), dtype=torch.int32, device=device)
-    block = next_pow2(L)
     return bool(launcher(
         M * C, C, (*tensors, stats, count, N, L, *strides, M * C),
-        (block, C, next_pow2(C), prefetch, vec, L == block), warps, device, vec=vec))
+        (cfg.block, C, next_pow2(C), cfg.prefetch, cfg.vec, L == cfg.block), cfg.warps, device,
+        vec=cfg.vec))
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -141,42 +137,27 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if M == 0 or N == 0:
         return y
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
-    unrolled = unrolled_config(UNROLLED_FWD, x.element_size(), N, UNROLLED_FWD_ABOVE, vec)
-    if unrolled:
-        chunk, warps = unrolled
-        args = (x, y, M, stride, N, N, chunk)
-        _launch_fwd_unrolled((M,), args, warps)
-        if key is not None:
-            _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, warps, 2)
-        return y
-    unrolled = (UNROLLED_VEC_FWD.get((x.element_size(), next_pow2(body_len(N, vec))))
-                if vec and N > RELOAD_FWD_ABOVE
-                and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if unrolled and (N // vec - 1) * vec >= unrolled[0]:
-        chunk, warps = unrolled
-        _launch_fwd_unrolled_vec((M,), (x, y, M, N, N, (N // vec - 1) * vec, chunk, vec), warps)
-        return y
-    if N > RELOAD_FWD_ABOVE and not vec and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT:
-        whole = next_pow2(N)
-        reload = RELOAD_FWD.get((x.element_size(), whole))
-        if reload:
-            chunk, warps = reload
-            _launch_fwd_reload((M,), (x, y, N, stride, N, whole, chunk, N if N == whole else 0),
-                               warps)
-            return y
-    single, block, rows, warps, vec = unaligned_config(N, "softmax_fwd", x.element_size(), vec)
-    if single:
-        tiles = num_row_tiles(M, rows, vec)
-        progs = grid_size(tiles, warps, "softmax_fwd", x.device)
-        args = (x, y, M, N, stride, N, tiles, progs, block, rows, vec)
-        _launch_fwd_single((progs,), args, warps)
-        if key is not None and not vec:
-            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, warps, 2)
+    cfg = _fwd_config(N, x.element_size(), vec, M, x.get_device())
+    if cfg.variant == "single":
+        args = (x, y, M, N, stride, N, cfg.tiles, cfg.grid, cfg.block, cfg.rows, cfg.vec)
+        _launch_fwd_single((cfg.grid,), args, cfg.warps)
+    elif cfg.variant == "unrolled":
+        args = (x, y, M, stride, N, N, cfg.chunk)
+        _launch_fwd_unrolled((M,), args, cfg.warps)
+    elif cfg.variant == "unrolled_vec":
+        _launch_fwd_unrolled_vec((M,), (x, y, M, N, N, cfg.body, cfg.chunk, cfg.vec), cfg.warps)
+    elif cfg.variant == "reload":
+        _launch_fwd_reload((M,), (x, y, N, stride, N, cfg.whole, cfg.chunk, cfg.even),
+                           cfg.warps)
     else:
-        if _launch_split(_launch_fwd_split, M, N, (x, y), (stride, N), 2, x.element_size(),
-                         "fwd", vec, x.device):
-            return y
-        _launch_fwd_looped((M,), (x, y, N, stride, N, block), warps)
+        if cfg.variant == "split":
+            if _launch_split(_launch_fwd_split, cfg, M, N, (x, y), (stride, N), 2, x.device):
+                return y
+            cfg = cfg.fallback
+        _launch_fwd_looped((M,), (x, y, N, stride, N, cfg.block), cfg.warps)
+    if key is not None and cfg.plan:
+        _fwd_plans.add(key, _launch_fwd_single if cfg.variant == "single"
+                       else _launch_fwd_unrolled, (cfg.grid,), args, cfg.warps, 2)
     return y
 
 
@@ -189,37 +170,22 @@ def softmax_backward(y: torch.Tensor, dy: torch.Tensor, out_dtype: torch.dtype) 
     if M == 0 or N == 0:
         return dx
     vec = unaligned_vec(N, (N, dy.stride(0)), y.element_size(), (y, dy, dx))
-    if N > UNROLLED_BWD_ABOVE:
-        unrolled = unrolled_bwd_config(N, vec, y.element_size())
-        if unrolled:
-            chunk, warps = unrolled
-            body = (N // vec - 1) * vec if vec else N
-            _launch_bwd_unrolled((M,), (y, dy, dx, M, dy.stride(0), N, body, chunk, vec),
-                                 warps)
-            return dx
-    reload = (RELOAD_BWD.get((y.element_size(), next_pow2(N)))
-              if N > RELOAD_BWD_ABOVE and not vec
-              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if reload:
-        chunk, warps, *first = reload  # (chunk, warps[, first-pass piece]): see RELOAD_BWD
-        even = N if N == next_pow2(N) and UNROLL_RELOAD_BWD else 0
-        _launch_bwd_looped((M,), (
-            y, dy, dx, N, N, dy.stride(0), N, chunk, 0 if first else next_pow2(N),
-            first[0] if first else chunk, even), warps)
-        return dx
-    single, block, rows, warps, vec = unaligned_config(N, "softmax_bwd", y.element_size(), vec)
-    if single:
-        tiles = num_row_tiles(M, rows, vec)
-        progs = grid_size(tiles, warps, "softmax_bwd", y.device)
-        _launch_bwd_single(
-            (progs,), (y, dy, dx, M, N, dy.stride(0), tiles, progs, block, rows, vec), warps
-        )
+    cfg = _bwd_config(N, y.element_size(), vec, M, y.get_device())
+    if cfg.variant == "single":
+        _launch_bwd_single((cfg.grid,), (y, dy, dx, M, N, dy.stride(0), cfg.tiles, cfg.grid,
+                                         cfg.block, cfg.rows, cfg.vec), cfg.warps)
+    elif cfg.variant == "unrolled":
+        _launch_bwd_unrolled((M,), (y, dy, dx, M, dy.stride(0), N, cfg.body, cfg.chunk, cfg.vec),
+                             cfg.warps)
+    elif cfg.variant == "reload":
+        _launch_bwd_looped((M,), (y, dy, dx, N, N, dy.stride(0), N, cfg.chunk, cfg.whole,
+                                  cfg.first, cfg.even), cfg.warps)
     else:
-        if _launch_split(_launch_bwd_split, M, N, (y, dy, dx), (N, dy.stride(0)), 1,
-                         y.element_size(), "bwd", vec, y.device):
-            return dx
-        _launch_bwd_looped(
-            (M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0), block, 0, block, 0),
-            warps
-        )
+        if cfg.variant == "split":
+            if _launch_split(_launch_bwd_split, cfg, M, N, (y, dy, dx), (N, dy.stride(0)), 1,
+                             y.device):
+                return dx
+            cfg = cfg.fallback
+        _launch_bwd_looped((M,), (y, dy, dx, N, y.stride(0), dy.stride(0), dx.stride(0),
+                                  cfg.block, 0, cfg.block, 0), cfg.warps)
     return dx

@@ -19,7 +19,7 @@ with a float mask, see ``_exp``):
 
 * forward single-block (padded rows up to ``FWD_SINGLE_CAP`` and the single-block limit):
   ``ROWS`` whole rows per program in registers, one max and one sum, one read and one write;
-  launch rules of the plain softmax forward (``row_config`` / ``grid_size``, kind
+  launch rules of the plain softmax forward (``row_config`` / ``grid_programs``, kind
   ``softmax_fwd``): several short rows per program, one program per row tile.
 * forward looped (longer rows): one program per row; pass 1 streams the row in ``CHUNK``
   pieces keeping a per-lane online (max, sum), pass 2 re-reads it (from L2) and writes y.
@@ -37,15 +37,20 @@ from __future__ import annotations
 import torch
 
 from fusedops import _replay
-from fusedops.backends.triton.configs.common import grid_size
-from fusedops.backends.triton.configs.softmax_masked import PLANS, bwd_config, fwd_config
+from fusedops.backends.triton.configs.softmax_masked import (
+    PLANS,
+    MaskedSoftmaxConfig,
+    backward_config,
+    forward_config,
+)
 from fusedops.backends.triton.kernels.softmax_masked import (
     smm_bwd_looped,
     smm_bwd_single,
     smm_fwd_looped,
     smm_fwd_single,
 )
-from fusedops.backends.triton.runtime.device import cdiv
+from fusedops.backends.triton.runtime.caches import signature_cache
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
 from fusedops.backends.triton.runtime.plans import SequencePlans, replay_runner, tensor_key
 from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
@@ -70,6 +75,18 @@ def _mask_kind(mask: torch.Tensor | None) -> int:
     if not mask.is_floating_point():
         raise TypeError(f"mask must be bool or floating point, got dtype {mask.dtype}")
     return FLOAT_MASK
+
+
+# The launch of each call signature (rows, element size, masked, row count, device), decided
+# once by the rules in configs/softmax_masked.py.
+@signature_cache
+def _fwd_config(n: int, elt_size: int, masked: bool, m: int, index: int) -> MaskedSoftmaxConfig:
+    return forward_config(n, elt_size, masked, m, device_facts(index))
+
+
+@signature_cache
+def _bwd_config(n: int, elt_size: int, m: int, index: int) -> MaskedSoftmaxConfig:
+    return backward_config(n, elt_size, m, device_facts(index))
 
 
 _fwd_plans = SequencePlans(_replay.SOFTMAX_MASKED)  # (clearing the plans clears the runners)
@@ -171,16 +188,14 @@ def _forward(x, mask, scale, causal, out_dtype):
     elt = x.element_size()
     causal = bool(causal)
     scale2 = float(scale) if kind == FLOAT_MASK else float(scale) * _LOG2E
-    single, block, rows, warps = fwd_config(N, elt, bool(kind) or causal)
-    vec = 16 // elt
-    if single:
-        tiles = cdiv(M, rows)
-        progs = grid_size(tiles, warps, "softmax_fwd", x.device)
-        _launch_fwd_single((progs,), (x, m, y, M, N, Q, H, sb, sh, sq, sn, scale2, tiles, progs,
-                                      block, rows, vec, kind, mcols, causal), warps)
+    cfg = _fwd_config(N, elt, bool(kind) or causal, M, x.get_device())
+    if cfg.variant == "single":
+        _launch_fwd_single((cfg.grid,), (x, m, y, M, N, Q, H, sb, sh, sq, sn, scale2, cfg.tiles,
+                                         cfg.grid, cfg.block, cfg.rows, cfg.vec, kind, mcols,
+                                         causal), cfg.warps)
     else:
         _launch_fwd_looped((M,), (x, m, y, N, Q, H, sb, sh, sq, sn, scale2,
-                                  block, vec, kind, mcols, causal), warps)
+                                  cfg.block, cfg.vec, kind, mcols, causal), cfg.warps)
     mark_replayable()
     return y
 
@@ -206,14 +221,12 @@ def _backward(y, dy, scale, out_dtype):
     if N > 1 and dy.stride(1) != 1:
         dy = dy.contiguous()
     scale = float(scale)
-    single, block, rows, warps = bwd_config(N, y.element_size())
-    if single:
-        tiles = cdiv(M, rows)
-        progs = grid_size(tiles, warps, "softmax_bwd", y.device)
-        _launch_bwd_single((progs,), (y, dy, dx, M, N, dy.stride(0), scale, tiles, progs,
-                                      block, rows), warps)
+    cfg = _bwd_config(N, y.element_size(), M, y.get_device())
+    if cfg.variant == "single":
+        _launch_bwd_single((cfg.grid,), (y, dy, dx, M, N, dy.stride(0), scale, cfg.tiles,
+                                         cfg.grid, cfg.block, cfg.rows), cfg.warps)
     else:
-        _launch_bwd_looped((M,), (y, dy, dx, N, dy.stride(0), scale, block), warps)
+        _launch_bwd_looped((M,), (y, dy, dx, N, dy.stride(0), scale, cfg.block), cfg.warps)
     mark_replayable()
     return dx
 

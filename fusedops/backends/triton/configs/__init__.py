@@ -2,8 +2,10 @@
 
 Each module holds its rule tables and thresholds (UPPER_CASE data, each with the measurement
 that chose it) and the pure functions that read them (shape, dtype, strides and device facts
-in; a configuration out; nothing allocated, nothing launched). The host file of each op
-(``triton/<op>.py``) binds what it needs at import and applies it per call.
+in; a configuration out; nothing allocated, nothing launched), ending in the op's whole
+decision, ``forward_config`` / ``backward_config``: a NamedTuple of the kernel variant and
+every launch parameter (``rmsnorm`` keeps its rule functions). The host file of each op
+(``triton/<op>.py``) memoizes the decision per call signature and dispatches on the variant.
 
 :func:`override` is the one way to change rules, for experiments and tests::
 
@@ -20,8 +22,9 @@ configuration); ``op`` may be left out where the name is defined by one module o
 (also set from the environment at import, ``docs/api.md``): ``SINGLE_BLOCK_LIMIT`` (a power of
 two >= 16), ``SPLIT_ROWS`` (``FUSEDOPS_SPLIT_ROWS``), ``CLUSTERS`` (``FUSEDOPS_CLUSTERS``),
 ``ROW_BODY`` (``FUSEDOPS_ROW_BODY``) and ``layernorm``'s ``BWD_PLANS`` (``FUSEDOPS_BWD_PLANS``).
-Launch-config caches and replay plans are dropped on entry and on exit, so no plan made under
-one set of rules serves a call under another. Overrides are process-wide (not per thread).
+Launch-config caches (the hosts' per-signature memos among them) and replay plans are dropped
+on entry and on exit, so nothing decided under one set of rules serves a call under another.
+Overrides are process-wide (not per thread).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Launch rules shared by the row kernels: the single-block limit, per-kind tiles and warps
-(:func:`row_config`), grids, and the body/edge split of unaligned rows."""
+(:func:`row_config`), grids (:func:`grid_programs`), whether split rows fit
+(:func:`split_fits`), and the body/edge split of unaligned rows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from fusedops.backends.triton.runtime.caches import config_cache, config_caches
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
+from fusedops.backends.triton.runtime.facts import DeviceFacts
 
 # Rows whose padded length is at most this many elements (and at most the kernel kind's cap in
 # KIND_CAPS) are held whole in registers by one program (read once, written once). Longer rows
@@ -130,20 +132,36 @@ PERSISTENT_ABOVE = {"ln_fwd": 8192}
 
 def grid_size(num_tiles: int, num_warps: int, kind: str, device: torch.device,
               block: int = 0, vec: int = 0, persistent: bool = False) -> int:
+    """:func:`grid_programs` on ``device`` (whose SMs are looked up only for persistent
+    grids)."""
+    if (not persistent and not PERSISTENT[kind]
+            and block <= PERSISTENT_ABOVE.get(kind, 1 << 62)):
+        return max(1, num_tiles)
+    return grid_programs(num_tiles, num_warps, kind, num_sms(device), block, vec, True)
+
+
+def grid_programs(num_tiles: int, num_warps: int, kind: str, sms: int, block: int = 0,
+                  vec: int = 0, persistent: bool = False) -> int:
     """Programs for a single-block launch of ``kind`` over ``num_tiles`` row tiles of padded
-    rows of ``block`` elements (``persistent``: a persistent grid whatever the kind's rule).
-    With unaligned rows (``vec`` > 0, see :func:`tile_rows`) a persistent grid is a multiple of
-    ``vec``, so all tiles of a program share one misalignment (weights held in registers stay
-    valid)."""
+    rows of ``block`` elements on a GPU of ``sms`` SMs (``persistent``: a persistent grid
+    whatever the kind's rule). With unaligned rows (``vec`` > 0, see :func:`tile_rows`) a
+    persistent grid is a multiple of ``vec``, so all tiles of a program share one misalignment
+    (weights held in registers stay valid)."""
     if (not persistent and not PERSISTENT[kind]
             and block <= PERSISTENT_ABOVE.get(kind, 1 << 62)):
         return max(1, num_tiles)
     # One resident wave: 2048 threads per SM on Hopper/Ampere; the persistent loop does the rest.
     per_sm = max(1, 2048 // (32 * num_warps))
-    progs = max(1, min(num_tiles, num_sms(device) * per_sm))
+    progs = max(1, min(num_tiles, sms * per_sm))
     if vec and progs < num_tiles:
         progs = max(vec, progs // vec * vec)
     return progs
+
+
+def split_fits(dev: DeviceFacts, n: int, chunk: int) -> bool:
+    """Whether the split-row kernels run rows of ``n`` on ``dev`` in equal pieces of at most
+    ``chunk`` elements: they may run there, and all pieces of a row are resident at once."""
+    return dev.split_rows and cdiv(n, chunk) <= dev.num_sms
 
 
 # FUSEDOPS_ROW_BODY=0 turns the body/edge split off (scalar access for unaligned rows), for

@@ -1,29 +1,39 @@
 """LayerNorm launch rules: which kernel runs a call and with what tile, warps, stages and grid.
 
-Rule tables and thresholds are data (UPPER_CASE); the functions below read them and allocate
-or launch nothing. Experiments change them through
-:func:`fusedops.backends.triton.configs.override`.
-Forward: ``unrolled_fwd_table`` + ``UNROLLED_FWD`` / ``RELOAD_FWD`` / ``RELOAD_VEC_FWD`` /
-``UNROLLED_VEC_FWD``, then ``configs.common.unaligned_config`` (single-block / looped) and
-``split_config("fwd", ...)``; backward: ``fused_plan``, ``dx_pieces_plan``, ``split_plan``,
-``native_unaligned``, ``column_splits``. The host code that applies them:
+:func:`forward_config` / :func:`backward_config` (at the end) are the whole decision: the
+call's facts and :class:`DeviceFacts` in, a :class:`LayerNormForward` / :class:`LayerNormBackward`
+(the kernel variant or path and every launch parameter) out. Forward, in order:
+``unrolled_fwd_table`` + ``UNROLLED_FWD``, ``RELOAD_FWD``, ``RELOAD_VEC_FWD``,
+``UNROLLED_VEC_FWD``, then ``configs.common.unaligned_config`` (single-block), else
+``split_config("fwd", ...)`` where split rows fit, else looped; backward: ``fused_plan``,
+``dx_pieces_plan``, ``split_plan``, ``native_unaligned``, then the dx row kernel
+(``configs.common.row_config``) and ``column_splits``. Rule tables and thresholds are data
+(UPPER_CASE); every function here reads only them and its arguments (no tensors, no device,
+nothing allocated or launched). Experiments change them through
+:func:`fusedops.backends.triton.configs.override`. The host code that applies the decisions:
 ``triton/layernorm.py`` (forward) and ``triton/layernorm_bwd.py``.
 """
 
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import NamedTuple
 
 from fusedops.backends.triton.configs.common import (
+    DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
+    grid_programs,
     num_row_tiles,
+    row_config,
     single_block_limit,
-    unaligned_vec,
+    split_fits,
+    unaligned_config,
+    unrolled_config,
 )
-from fusedops.backends.triton.runtime.device import cdiv, device_name, next_pow2, num_sms
-from fusedops.backends.triton.runtime.split import split_pieces, split_rows_enabled
+from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2
+from fusedops.backends.triton.runtime.facts import DeviceFacts
+from fusedops.backends.triton.runtime.split import split_pieces
 
 # Backward replay plans (see triton/layernorm_bwd.py); FUSEDOPS_BWD_PLANS=0 turns them off.
 BWD_PLANS = os.environ.get("FUSEDOPS_BWD_PLANS", "1") != "0"
@@ -136,23 +146,24 @@ NATIVE_UNALIGNED_16BIT_BWD = True
 DX_PIECES_BWD: tuple[int, int] | None = (4096, 8)
 
 
-def dx_pieces_plan(N: int, x: torch.Tensor, dy: torch.Tensor) -> tuple | None:
-    """(C, L, VEC, warps) of the dx-pieces backward (DX_PIECES_BWD) for rows of ``N``, or None
+def dx_pieces_plan(n: int, elt_size: int, vec: int) -> tuple | None:
+    """(C, L, VEC, warps) of the dx-pieces backward (DX_PIECES_BWD) for rows of ``n`` elements
+    of ``elt_size`` bytes (``vec``: see ``configs.common.unaligned_vec``, for x and dy), or None
     where it does not run."""
-    if DX_PIECES_BWD is None or x.element_size() != 2 or next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
+    if DX_PIECES_BWD is None or elt_size != 2 or next_pow2(n) <= FUSED_BWD_MAX_BLOCK:
         return None
-    vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), 2, (dy, x))
     if not vec:
         return None
     piece, warps = DX_PIECES_BWD
-    return (*split_pieces(N, piece, vec), vec, warps)
+    return (*split_pieces(n, piece, vec), vec, warps)
 
 
-def native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    n = x.shape[1]
-    return (NATIVE_UNALIGNED_16BIT_BWD and x.is_cuda and x.element_size() == 2 and n % 8 != 0
-            and next_pow2(n) > FUSED_BWD_MAX_BLOCK and x.is_contiguous() and dy.is_contiguous()
-            and dy.dtype == x.dtype and (weight is None or weight.dtype == x.dtype))
+def native_unaligned(n: int, elt_size: int, plain: bool, dev: DeviceFacts) -> bool:
+    """Whether PyTorch's native backward runs rows of ``n`` (NATIVE_UNALIGNED_16BIT_BWD);
+    ``plain``: x and dy contiguous, dy and the weight (if any) in x's dtype (what the native
+    kernel takes as it is)."""
+    return (NATIVE_UNALIGNED_16BIT_BWD and dev.cuda and elt_size == 2 and n % 8 != 0
+            and next_pow2(n) > FUSED_BWD_MAX_BLOCK and plain)
 
 
 # Backward strategy (triton/layernorm.py docstring). Padded rows up to FUSED_BWD_MAX_BLOCK run one
@@ -164,11 +175,12 @@ def native_unaligned(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | N
 FUSED_BWD_MAX_BLOCK = 8192
 
 
-def max_partial_rows(x: torch.Tensor) -> int:
-    """Most (2, N) float32 partial rows a backward call may allocate: 1/8 of x's bytes, so
-    small batches do not pay scratch comparable to their activations (peak memory stays
-    within a few percent of torch's); large ones are not limited by it."""
-    return max(1, x.numel() * x.element_size() // 8 // (8 * x.shape[1]))
+def max_partial_rows(m: int, n: int, elt_size: int) -> int:
+    """Most (2, N) float32 partial rows a backward call on (m, n) rows of ``elt_size``-byte
+    elements may allocate: 1/8 of x's bytes, so small batches do not pay scratch comparable to
+    their activations (peak memory stays within a few percent of torch's); large ones are not
+    limited by it."""
+    return max(1, m * n * elt_size // 8 // (8 * n))
 
 
 def fused_bwd_config(block: int, body: bool = False,
@@ -246,23 +258,23 @@ def fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> int
 SPLIT_PAIRED = True
 
 
-def fused_plan(M: int, N: int, x: torch.Tensor, dy: torch.Tensor):
-    """(VEC, BLOCK, ROWS, warps, ACC_1D, tiles, programs) of the fused backward for (M, N) rows,
-    or None where rows are too long for it. Unaligned rows (VEC > 0, see ``unaligned_vec``) are
-    configured for their aligned body (N = 8193: 8192, not 16384) on a grid that is a multiple
-    of VEC or has one tile per program (a program's accumulators then stay on fixed columns);
-    where the partial-row budget allows no such grid, or the body is shorter than
+def fused_plan(m: int, n: int, elt_size: int, vec: int, sms: int) -> tuple | None:
+    """(VEC, BLOCK, ROWS, warps, ACC_1D, tiles, programs) of the fused backward for (m, n) rows
+    of ``elt_size``-byte elements (``vec``: see ``configs.common.unaligned_vec``, for x and dy)
+    on a GPU of ``sms`` SMs, or None where rows are too long for it. Unaligned rows (VEC > 0)
+    are configured for their aligned body (N = 8193: 8192, not 16384) on a grid that is a
+    multiple of VEC or has one tile per program (a program's accumulators then stay on fixed
+    columns); where the partial-row budget allows no such grid, or the body is shorter than
     FUSED_BWD_UNALIGNED_MIN_BLOCK, they are read with scalar accesses."""
-    vec = unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
-    if vec and next_pow2(body_len(N, vec)) < FUSED_BWD_UNALIGNED_MIN_BLOCK:
+    if vec and next_pow2(body_len(n, vec)) < FUSED_BWD_UNALIGNED_MIN_BLOCK:
         vec = 0
     for v in (vec, 0) if vec else (0,):
-        block = next_pow2(body_len(N, v))
+        block = next_pow2(body_len(n, v))
         if block > min(FUSED_BWD_MAX_BLOCK, single_block_limit()):
             continue
-        rows, warps, per_sm, acc_1d = fused_bwd_config(block, v > 0, x.element_size())
-        tiles = num_row_tiles(M, rows, v)
-        progs = max(1, min(tiles, num_sms(x.device) * per_sm, max_partial_rows(x)))
+        rows, warps, per_sm, acc_1d = fused_bwd_config(block, v > 0, elt_size)
+        tiles = num_row_tiles(m, rows, v)
+        progs = max(1, min(tiles, sms * per_sm, max_partial_rows(m, n, elt_size)))
         if v and progs < tiles:
             progs = progs // v * v
             if not progs:
@@ -340,13 +352,12 @@ UNROLLED_FWD_GPU: dict[str, dict[tuple[int, int], tuple[tuple[int, int], ...]]] 
 }
 
 
-def unrolled_fwd_table(device_index: int, key: tuple[int, int]) -> dict:
-    """The rule table to read ``key`` ((element size, padded row)) from on CUDA device
-    ``device_index`` (-1: the CPU): a matching GPU's UNROLLED_FWD_GPU rules where they hold
-    ``key``, else UNROLLED_FWD. No table is built per call; both are read per call, so tests
-    and tuning can change either."""
-    if device_index >= 0 and UNROLLED_FWD_GPU:
-        name = device_name(device_index)
+def unrolled_fwd_table(name: str, key: tuple[int, int]) -> dict:
+    """The rule table to read ``key`` ((element size, padded row)) from on the GPU called
+    ``name`` ("": the CPU): a matching GPU's UNROLLED_FWD_GPU rules where they hold ``key``,
+    else UNROLLED_FWD. No table is built per call; both are read per call, so tests and tuning
+    can change either."""
+    if name and UNROLLED_FWD_GPU:
         for part, rules in UNROLLED_FWD_GPU.items():
             if key in rules and part in name:
                 return rules
@@ -385,31 +396,262 @@ UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
 }
 
 
-def split_plan(N: int, x: torch.Tensor, dy: torch.Tensor,
-                vec: bool = True) -> tuple[tuple, int] | None:
-    """(config, VEC) of the split-row backward for rows of ``N``, or None where it does not
-    run. VEC > 0: rows that start unaligned (x and dy contiguous, N not a multiple of 16
-    bytes), read as an aligned body cut into pieces plus edges (see unaligned_vec); ``vec``
-    False: scalar accesses instead."""
-    if next_pow2(N) <= FUSED_BWD_MAX_BLOCK:
+def split_plan(n: int, elt_size: int, vec: int, aligned: bool,
+               dev: DeviceFacts) -> tuple[tuple, int] | None:
+    """(config, VEC) of the split-row backward for rows of ``n``, or None where it does not
+    run on ``dev``. VEC > 0 (``vec`` from ``configs.common.unaligned_vec``; 0: scalar accesses
+    asked for): rows that start unaligned, read as an aligned body cut into pieces plus edges
+    where VEC_SPLIT_BWD has a rule, else as scalar pieces. ``aligned``: x's and dy's row
+    strides are multiples of 8 elements."""
+    if next_pow2(n) <= FUSED_BWD_MAX_BLOCK:
         return None
-    vec = vec and unaligned_vec(N, (dy.stride(0), x.stride(0), N), x.element_size(), (dy, x))
-    aligned = x.stride(0) % 8 == 0 and dy.stride(0) % 8 == 0
-    cfg = split_config("bwd", N, x.element_size(), aligned, vec) if vec else None
+    cfg = split_config("bwd", n, elt_size, aligned, vec) if vec else None
     if cfg is None:  # no rule for aligned-body pieces here: scalar pieces
-        vec, cfg = 0, split_config("bwd", N, x.element_size(), aligned)
-    return (cfg, vec) if cfg and split_rows_enabled(x.device, N, cfg[0]) else None
+        vec, cfg = 0, split_config("bwd", n, elt_size, aligned)
+    return (cfg, vec) if cfg and split_fits(dev, n, cfg[0]) else None
 
 
-def column_splits(M: int, N: int, dev: torch.device,
-                   max_splits: int | None = None) -> tuple[int, int, int]:
-    """(column blocks, row splits, rows per split) of the dweight/dbias column kernel: the
-    fewest row splits giving COLUMN_PER_SM programs per SM, each owning a (row-split,
-    column-block) tile (one split: no partials to sum); at most ``max_splits`` splits."""
+def column_splits(m: int, n: int, sms: int,
+                  max_splits: int | None = None) -> tuple[int, int, int]:
+    """(column blocks, row splits, rows per split) of the dweight/dbias column kernel on a GPU
+    of ``sms`` SMs: the fewest row splits giving COLUMN_PER_SM programs per SM, each owning a
+    (row-split, column-block) tile (one split: no partials to sum); at most ``max_splits``
+    splits."""
     block_c, block_r = COLUMN_TILE
-    col_blocks = cdiv(N, block_c)
-    splits = max(1, min(cdiv(M, block_r), cdiv(COLUMN_PER_SM * num_sms(dev), col_blocks)))
+    col_blocks = cdiv(n, block_c)
+    splits = max(1, min(cdiv(m, block_r), cdiv(COLUMN_PER_SM * sms, col_blocks)))
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
-    rows_per_split = cdiv(cdiv(M, splits), block_r) * block_r
-    return col_blocks, cdiv(M, rows_per_split), rows_per_split
+    rows_per_split = cdiv(cdiv(m, splits), block_r) * block_r
+    return col_blocks, cdiv(m, rows_per_split), rows_per_split
+
+
+# ---------------------------------------------------------------------------- the decisions
+
+
+class LayerNormForward(NamedTuple):
+    """A LayerNorm forward launch: the kernel variant and its parameters (0 where it has none).
+
+    Variants (``kernels/layernorm_fwd.py``): ``"unrolled"`` (``ln_fwd_unrolled``), ``"reload"``
+    (``ln_fwd_reload``), ``"reload_vec"`` / ``"unrolled_vec"`` (``ln_fwd_reload_vec`` /
+    ``ln_fwd_unrolled_vec``, weights from shifted copies), ``"single"`` (``ln_fwd_single``),
+    ``"split"`` (``ln_fwd_split``; ``fallback``: the looped launch where the split launch is
+    refused at run time) and ``"looped"`` (``ln_fwd_looped``)."""
+
+    variant: str
+    grid: int = 0  # programs (split: sized from the compiled kernel's occupancy at launch)
+    warps: int = 0
+    block: int = 0  # BLOCK: the padded row or body (single, reload), the chunk (looped) or piece
+    rows: int = 0  # rows per tile (single)
+    tiles: int = 0  # row tiles (single)
+    chunk: int = 0  # elements per iteration (unrolled, reload) or largest piece (split)
+    vec: int = 0  # elements per 16 bytes where rows start unaligned (body + edges), else 0
+    body: int = 0  # unrolled_vec: the start of the aligned body's last vector
+    stats: bool = True  # mean/rstd written (STATS; may be on where the call needs none)
+    third_read: bool = False  # reload: THIRD_READ
+    hold_w: bool = False  # single: weight and bias held in registers across tiles
+    prefetch: int = 0  # split: PREFETCH (runtime/split.py)
+    pieces: int = 0  # split: C pieces per row
+    piece: int = 0  # split: L elements per piece
+    plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
+    fallback: LayerNormForward | None = None
+
+
+def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, aligned: bool,
+                   dev: DeviceFacts) -> LayerNormForward:
+    """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes on ``dev``
+    (``vec``: see ``configs.common.unaligned_vec``; ``with_stats``: the call returns mean and
+    rstd; ``aligned``: x's row stride is a multiple of 8 elements). Rules in the order asked:
+    UNROLLED_FWD (per GPU: unrolled_fwd_table), RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD,
+    then the single-block kernel (``configs.common.unaligned_config``), split rows
+    (split_config) where they fit, the looped kernel."""
+    whole = next_pow2(n)
+    unrolled = unrolled_config(unrolled_fwd_table(dev.name, (elt_size, whole)), elt_size, n,
+                               UNROLLED_FWD_ABOVE, vec)
+    if unrolled:
+        return LayerNormForward("unrolled", m, unrolled[1], chunk=unrolled[0], stats=with_stats,
+                                plan=True)
+    default_limit = single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT
+    reload = (RELOAD_FWD.get((elt_size, whole))
+              if n > RELOAD_FWD_ABOVE and not vec and default_limit else None)
+    if reload:
+        # Measured with the statistics written (see STATS_FREE_16BIT_MAX).
+        stats = with_stats or (elt_size == 2 and m * n > STATS_FREE_16BIT_MAX)
+        return LayerNormForward("reload", m, reload[1], whole, chunk=reload[0], stats=stats,
+                                third_read=len(reload) > 2 and reload[2],
+                                plan=stats == with_stats)
+    big_unaligned = vec and m * n >= RELOAD_VEC_MIN_ELEMS and default_limit
+    body = next_pow2(body_len(n, vec))
+    reload = RELOAD_VEC_FWD.get((elt_size, body)) if big_unaligned else None
+    if reload:
+        return LayerNormForward("reload_vec", m, reload[1], body, chunk=reload[0], vec=vec,
+                                stats=with_stats)
+    unrolled = UNROLLED_VEC_FWD.get((elt_size, body)) if big_unaligned else None
+    if unrolled and (n // vec - 1) * vec >= unrolled[0]:
+        return LayerNormForward("unrolled_vec", m, unrolled[1], chunk=unrolled[0], vec=vec,
+                                body=(n // vec - 1) * vec, stats=with_stats)
+    single, block, rows, warps, vec = unaligned_config(n, "ln_fwd", elt_size, vec)
+    # The variant without statistics compiles slower for large 16-bit inputs with rows of 8K+
+    # (bf16 8K: 2.98 vs 3.62 TB/s); the two small buffers cost nothing next to the kernel.
+    stats = with_stats or (elt_size == 2 and block >= 8192 and m * n > STATS_FREE_16BIT_MAX)
+    if single:
+        tiles = num_row_tiles(m, rows, vec)
+        # Unaligned 16-bit rows of 4K+: a persistent grid (H200, TB/s: bf16 4097 2.51
+        # vs 2.29 one program per row, 8193 1.93 vs 1.77; float32 within 2%).
+        persist = bool(vec) and elt_size == 2 and block >= 4096
+        progs = grid_programs(tiles, warps, "ln_fwd", dev.num_sms, block, vec, persist)
+        return LayerNormForward("single", progs, warps, block, rows, tiles, vec=vec,
+                                stats=stats, hold_w=hold_w(block, warps),
+                                plan=not vec and stats == with_stats)
+    looped = LayerNormForward("looped", m, warps, block)
+    cfg = split_config("fwd", n, elt_size, aligned and n % 8 == 0)
+    if not (cfg and split_fits(dev, n, cfg[0])):
+        return looped
+    chunk, split_warps, prefetch = cfg
+    pieces, piece = split_pieces(n, chunk, vec)
+    return LayerNormForward("split", 0, split_warps, next_pow2(piece), chunk=chunk, vec=vec,
+                            prefetch=prefetch, pieces=pieces, piece=piece, fallback=looped)
+
+
+class FusedBackward(NamedTuple):
+    """``ln_bwd_single`` writing dx and accumulating dweight/dbias (see :func:`fused_plan`)."""
+
+    vec: int
+    block: int
+    rows: int
+    warps: int
+    acc_1d: bool
+    tiles: int
+    programs: int
+    paired: bool  # PAIRED (paired_sums)
+    stages: int  # STAGES (fused_bwd_stages)
+    resident: int  # programs resident at once (caps the parked rows' second launch)
+
+
+class SplitBackward(NamedTuple):
+    """``ln_bwd_split`` (see :func:`split_config`); its grid comes from the compiled kernel's
+    occupancy at launch."""
+
+    chunk: int
+    warps: int
+    prefetch: int
+    cap: int | None  # register cap (maxnreg)
+    clusters: bool  # launched as thread-block clusters (else, or where refused, cooperative)
+    vec: int
+    pieces: int  # C
+    piece: int  # L
+    paired: bool  # PAIRED (SPLIT_PAIRED)
+    max_rows: int  # partial rows the call may allocate (max_partial_rows)
+
+
+class RowsBackward(NamedTuple):
+    """The dx row kernel: ``ln_bwd_single`` writing dx only (``single``), else
+    ``ln_bwd_dx_looped`` (BLOCK: the chunk; one program per row)."""
+
+    single: bool
+    block: int
+    rows: int
+    warps: int
+    vec: int = 0
+    tiles: int = 0
+    programs: int = 0
+    hold_w: bool = False
+    paired: bool = False
+
+
+class LayerNormBackward(NamedTuple):
+    """A LayerNorm backward: the path (its launches, in ``triton/layernorm_bwd.py``) and the
+    parameters of each kernel it runs. Column launches (``ln_bwd_dwdb_columns``) are (column
+    blocks, row splits, rows per split); ``columns_direct``: one split straight into
+    dweight/dbias, for parked paths that find no room in dx.
+
+    ``"empty"`` (no rows or columns), ``"native"`` (PyTorch's kernel), ``"columns"`` (no dx:
+    the column kernel alone), ``"fused"``, ``"dx_pieces"`` (columns, then dx on aligned-body
+    pieces), ``"split"`` (``fallback``: what runs where no split grid fits or the launch is
+    refused), ``"rows"`` (the columns, then the dx row kernel ``rows``)."""
+
+    variant: str
+    fused: FusedBackward | None = None
+    split: SplitBackward | None = None
+    # (C, L, VEC, warps, PAIRED) of ln_bwd_dx_pieces (dx_pieces_plan, SPLIT_PAIRED)
+    pieces: tuple[int, int, int, int, bool] | None = None
+    rows: RowsBackward | None = None
+    columns: tuple[int, int, int] | None = None
+    columns_direct: tuple[int, int, int] | None = None
+    fallback: LayerNormBackward | None = None
+
+
+def backward_config(m: int, n: int, elt_size: int, strides: tuple[int, int], vec: int,
+                    need_dx: bool, need_dw: bool, need_db: bool, parked: bool, plain: bool,
+                    dev: DeviceFacts) -> LayerNormBackward:
+    """The backward of (m, n) rows of ``elt_size``-byte elements on ``dev``: ``strides`` (dy's,
+    x's row strides), ``vec`` (``configs.common.unaligned_vec`` of dy and x), the gradients
+    needed, ``parked`` (the ``low_memory`` mode: scratch parked in dx) and ``plain`` (see
+    :func:`native_unaligned`). Asked in order: fused_plan, dx_pieces_plan, split_plan,
+    native_unaligned, then the dx row kernel (row_config) and the column kernel."""
+    need_part = need_dw or need_db
+    some = m > 0 and n > 0
+    fused = fused_plan(m, n, elt_size, vec, dev.num_sms) if need_part and some else None
+    pieces = dx_pieces_plan(n, elt_size, vec) if fused is None and need_dx and m > 0 else None
+    room = max(1, m * n * elt_size // (8 * n)) if some else 1  # (2, N) float32 rows in dx
+    if pieces is not None:
+        return LayerNormBackward("dx_pieces", pieces=(*pieces, SPLIT_PAIRED),
+                                 columns=column_splits(m, n, dev.num_sms, room))
+    aligned = strides[0] % 8 == 0 and strides[1] % 8 == 0
+    split = (split_plan(n, elt_size, vec, aligned, dev)
+             if fused is None and some and (need_dx or (need_part and not parked)) else None)
+    native = fused is None and some and native_unaligned(n, elt_size, plain, dev)
+    if native and not (split and split[1]):
+        return LayerNormBackward("native")
+    if not some:
+        return LayerNormBackward("empty")
+    direct = column_splits(m, n, dev.num_sms, 1)
+    if parked and not need_dx and need_part:
+        return LayerNormBackward("columns", columns=direct)
+    if fused is not None:
+        v, block, rows, warps, acc_1d, tiles, progs = fused
+        per_sm = fused_bwd_config(block, v > 0, elt_size)[2]
+        return LayerNormBackward("fused", FusedBackward(
+            v, block, rows, warps, acc_1d, tiles, progs, paired_sums(elt_size, v, block),
+            fused_bwd_stages(block, elt_size, (*strides, n)), dev.num_sms * per_sm),
+            columns_direct=direct)
+    rows = LayerNormBackward("rows", rows=_dx_rows_config(m, n, elt_size, vec, dev),
+                             columns=column_splits(m, n, dev.num_sms,
+                                                   room if need_dx else None))
+    if not split:
+        return rows
+    fallback = rows
+    if split[1]:  # aligned-body pieces, where no grid of C·VEC programs fits: PyTorch's
+        # kernel, else the scalar pieces (any grid)
+        scalar = None if native else split_plan(n, elt_size, 0, aligned, dev)
+        if native:
+            fallback = LayerNormBackward("native")
+        elif scalar:
+            fallback = _split_path(scalar, m, n, elt_size, need_dx, dev, direct, rows)
+    return _split_path(split, m, n, elt_size, need_dx, dev, direct, fallback)
+
+
+def _split_path(plan: tuple[tuple, int], m: int, n: int, elt_size: int, need_dx: bool,
+                dev: DeviceFacts, direct: tuple[int, int, int],
+                fallback: LayerNormBackward) -> LayerNormBackward:
+    """The split path of ``plan`` (split_plan's (config, VEC)), ``fallback`` where it fails."""
+    (chunk, warps, prefetch, *extra), vec = plan
+    pieces, piece = split_pieces(n, chunk, vec)
+    clusters = bool(len(extra) > 1 and extra[1] and need_dx and not vec and dev.clusters
+                    and pieces in CLUSTER_SIZES)
+    return LayerNormBackward("split", split=SplitBackward(
+        chunk, warps, prefetch, extra[0] if extra else None, clusters, vec, pieces, piece,
+        SPLIT_PAIRED, max_partial_rows(m, n, elt_size)), columns_direct=direct,
+        fallback=fallback)
+
+
+def _dx_rows_config(m: int, n: int, elt_size: int, vec: int, dev: DeviceFacts) -> RowsBackward:
+    single, block, rows, warps = row_config(n, "ln_bwd", elt_size)
+    if single and vec:
+        single, block, rows, warps, vec = unaligned_config(n, "ln_bwd", elt_size, vec)
+    if not single:
+        return RowsBackward(False, block, rows, warps)
+    tiles = num_row_tiles(m, rows, vec)
+    return RowsBackward(True, block, rows, warps, vec, tiles,
+                        grid_programs(tiles, warps, "ln_bwd", dev.num_sms, vec=vec),
+                        hold_w(block, warps), paired_sums(elt_size, vec, block))

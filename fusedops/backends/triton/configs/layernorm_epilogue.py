@@ -1,13 +1,18 @@
-"""Launch rules of the LayerNorm epilogues (residual add, dropout, activation): the row caps of
-the single-block kernels (:func:`fwd_cap`, :func:`bwd_cap`), their tile plans (:func:`fwd_plan`,
-:func:`bwd_plan`) and the looped kernels' chunks. Host code: ``triton/layernorm_epilogue.py``;
-kernels: ``kernels/layernorm_epilogue*.py``.
+"""Launch rules of the LayerNorm epilogues (residual add, dropout, activation):
+:func:`forward_config` / :func:`backward_config` decide a call's launch (an
+:class:`EpilogueConfig`) from the row caps of the single-block kernels (:func:`fwd_cap`,
+:func:`bwd_cap`), their tile plans (:func:`fwd_plan`, :func:`bwd_plan`) and the looped kernels'
+chunks. Host code: ``triton/layernorm_epilogue.py``; kernels: ``kernels/layernorm_epilogue*.py``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fusedops.backends.triton.configs import layernorm as ln_rules
-from fusedops.backends.triton.configs.common import single_block_limit
+from fusedops.backends.triton.configs.common import grid_programs, single_block_limit
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2
+from fusedops.backends.triton.runtime.facts import DeviceFacts
 
 # Padded rows up to these many columns are held whole in registers; longer rows take the
 # looped kernels. Forward: FWD_MAX_BLOCK, with dropout FWD_MAX_BLOCK_DROPOUT.
@@ -145,3 +150,66 @@ def looped_groups() -> int:
 # The backward makes plans only for calls that give grad_dtypes (the eager autograd path), as
 # LayerNorm's does. PLANS = False turns them off (tests compare both paths).
 PLANS = True
+
+
+class EpilogueConfig(NamedTuple):
+    """A launch of the epilogue kernels: ``"single"`` (``ln_epi_fwd_2d`` / ``ln_epi_bwd_2d``:
+    [ROWS, BLOCK] row tiles) or ``"looped"`` (``ln_epi_fwd_looped``; backward:
+    ``ln_epi_bwd_row_sums``, then ``ln_epi_bwd_columns`` on a (col_blocks, splits) grid)."""
+
+    variant: str
+    grid: int  # programs (looped: one per row; backward: the row-sums kernel's)
+    warps: int  # (looped backward: the column kernel's)
+    block: int = 0  # BLOCK: the padded row (single)
+    rows: int = 0  # rows per tile (single)
+    tiles: int = 0  # row tiles (single)
+    slices: int = 1  # Q column slices (single, see slices)
+    stages: int | None = None  # STAGES of the tile loop (single)
+    acc_1d: bool = False  # backward single: ACC_1D
+    paired: bool = False  # backward single: PAIRED
+    groups: int = 0  # looped: 1024-column groups per chunk
+    sums_warps: int = 0  # looped backward: the row-sums kernel's warps
+    col_blocks: int = 0  # looped backward: 1024-column blocks of the column kernel
+    splits: int = 0  # looped backward: row splits (float32 partial rows)
+    rows_per_split: int = 0
+    column_rows: int = 0  # looped backward: rows per iteration of the column kernel
+
+
+def forward_config(n: int, elt_size: int, m: int, dropout: bool, has_res: bool,
+                   dev: DeviceFacts) -> EpilogueConfig:
+    """The forward for ``m`` rows of ``n`` elements of ``elt_size`` bytes on ``dev``."""
+    block = next_pow2(n)
+    if block <= fwd_cap(dropout):
+        rows, warps, per_sm, stages = fwd_plan(block, elt_size, dropout, has_res)
+        tiles = cdiv(m, rows)
+        progs = (grid_programs(tiles, warps, "ln_fwd", dev.num_sms, block) if per_sm is None
+                 else max(1, min(tiles, dev.num_sms * per_sm)))
+        return EpilogueConfig("single", progs, warps, block, rows, tiles, slices(block, dropout),
+                              stages)
+    groups = looped_groups()
+    return EpilogueConfig("looped", m, epi_warps(groups * 1024, LOOPED_ELEMS_PER_THREAD),
+                          groups=groups)
+
+
+def backward_config(n: int, elt_size: int, m: int, dropout: bool, act: int,
+                    strides: tuple[int, ...], dev: DeviceFacts) -> EpilogueConfig:
+    """The backward for ``m`` rows of ``n`` elements (``strides``: the row strides of dout, s
+    and ds where ds is read) on ``dev``."""
+    block = next_pow2(n)
+    if block <= bwd_cap(dropout, act):
+        rows, warps, per_sm, acc_1d, paired, stages = bwd_plan(block, elt_size, dropout, act,
+                                                              strides)
+        tiles = cdiv(m, rows)
+        progs = max(1, min(tiles, dev.num_sms * per_sm,
+                           ln_rules.max_partial_rows(m, n, elt_size)))
+        return EpilogueConfig("single", progs, warps, block, rows, tiles, slices(block, dropout),
+                              stages, acc_1d, paired)
+    groups = looped_groups()
+    col_blocks = cdiv(n, 1024)
+    splits = max(1, min(cdiv(m, COLUMN_ROWS), cdiv(COLUMN_PER_SM * dev.num_sms, col_blocks)))
+    rows_per_split = cdiv(cdiv(m, splits), COLUMN_ROWS) * COLUMN_ROWS
+    return EpilogueConfig("looped", m, epi_warps(COLUMN_ROWS * 1024, BWD_ELEMS_PER_THREAD),
+                          groups=groups,
+                          sums_warps=epi_warps(groups * 1024, LOOPED_ELEMS_PER_THREAD),
+                          col_blocks=col_blocks, splits=cdiv(m, rows_per_split),
+                          rows_per_split=rows_per_split, column_rows=COLUMN_ROWS)

@@ -1,21 +1,32 @@
 """Softmax launch rules: which kernel runs a call and with what tile, warps and grid.
 
-Forward: ``UNROLLED_FWD`` (aligned rows) / ``UNROLLED_VEC_FWD`` (unaligned) through
-``configs.common.unrolled_config``, then ``RELOAD_FWD``, then ``configs.common.unaligned_config``
-(single-block / looped) and :func:`split_config` for long rows. Backward: ``UNROLLED_BWD`` /
+:func:`forward_config` / :func:`backward_config` are the whole decision: a call's row length,
+element size, alignment (VEC), row count and :class:`DeviceFacts` in, a :class:`SoftmaxConfig`
+(the kernel variant and every launch parameter) out. They ask, in order: forward
+``UNROLLED_FWD`` (aligned rows, ``configs.common.unrolled_config``), ``UNROLLED_VEC_FWD``
+(unaligned), ``RELOAD_FWD``, then ``configs.common.unaligned_config`` (single-block, else split
+rows by :func:`split_config` where they fit, else looped); backward ``UNROLLED_BWD`` /
 ``UNROLLED_VEC_BWD`` (:func:`unrolled_bwd_config`), ``RELOAD_BWD``, then the same shared rules.
 The host code that applies them: ``triton/softmax.py``; kernels: ``kernels/softmax.py``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
+    grid_programs,
+    num_row_tiles,
     single_block_limit,
+    split_fits,
+    unaligned_config,
     unrolled_config,
 )
 from fusedops.backends.triton.runtime.device import next_pow2
+from fusedops.backends.triton.runtime.facts import DeviceFacts
+from fusedops.backends.triton.runtime.split import split_pieces
 
 
 # Split-row kernels: (piece elements, warps, PREFETCH) by direction, element size and whether
@@ -122,3 +133,89 @@ def unrolled_bwd_config(N: int, vec: int, elt_size: int) -> tuple[int, int] | No
     cfg = (UNROLLED_VEC_BWD.get((elt_size, next_pow2(body_len(N, vec))))
            if single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
     return cfg if cfg and (N // vec - 1) * vec >= cfg[0] else None
+
+
+class SoftmaxConfig(NamedTuple):
+    """A softmax launch: the kernel variant and its parameters (0 where the variant has none).
+
+    Variants (``kernels/softmax.py``): ``"unrolled"`` (``softmax_fwd_unrolled`` /
+    ``softmax_bwd_unrolled``), ``"unrolled_vec"`` (``softmax_fwd_unrolled_vec``), ``"reload"``
+    (``softmax_fwd_reload``; backward: ``softmax_bwd_looped`` reading whole rows),
+    ``"single"``, ``"split"`` (cooperative pieces; ``fallback``: the looped launch where the
+    split launch is refused at run time) and ``"looped"``."""
+
+    variant: str
+    grid: int = 0  # programs (split: sized from the compiled kernel's occupancy at launch)
+    warps: int = 0
+    block: int = 0  # BLOCK: single: the padded row (or body); looped: the chunk; split: the piece
+    rows: int = 0  # rows per program tile (single)
+    tiles: int = 0  # row tiles (single)
+    chunk: int = 0  # elements per iteration (unrolled, reload) or largest piece (split)
+    vec: int = 0  # elements per 16 bytes where rows start unaligned (body + edges), else 0
+    body: int = 0  # unrolled over the aligned body: its last vector's start
+    whole: int = 0  # reload: the padded row read whole (backward: 0 when read in pieces)
+    first: int = 0  # backward reload: the first pass's piece
+    even: int = 0  # reload: N where power-of-two rows run unmasked, else 0
+    prefetch: int = 0  # split: PREFETCH (runtime/split.py)
+    pieces: int = 0  # split: C pieces per row
+    piece: int = 0  # split: L elements per piece
+    plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
+    fallback: SoftmaxConfig | None = None
+
+
+def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: int,
+                 dev: DeviceFacts, plan: bool = False) -> SoftmaxConfig:
+    """Single-block, else split rows where they fit, else looped (shared by both directions)."""
+    single, block, rows, warps, vec = unaligned_config(n, kind, elt_size, vec)
+    if single:
+        tiles = num_row_tiles(m, rows, vec)
+        progs = grid_programs(tiles, warps, kind, dev.num_sms)
+        return SoftmaxConfig("single", progs, warps, block, rows, tiles, vec=vec,
+                             plan=plan and not vec)
+    looped = SoftmaxConfig("looped", m, warps, block)
+    chunk, split_warps, prefetch = split_config(direction, elt_size, vec, n)
+    if not split_fits(dev, n, chunk):
+        return looped
+    pieces, piece = split_pieces(n, chunk, vec)
+    return SoftmaxConfig("split", 0, split_warps, next_pow2(piece), chunk=chunk, vec=vec,
+                         prefetch=prefetch, pieces=pieces, piece=piece, fallback=looped)
+
+
+def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) -> SoftmaxConfig:
+    """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes (``vec``: see
+    ``configs.common.unaligned_vec``) on ``dev``."""
+    unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, UNROLLED_FWD_ABOVE, vec)
+    if unrolled:
+        return SoftmaxConfig("unrolled", m, unrolled[1], chunk=unrolled[0], plan=True)
+    default_limit = single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT
+    unrolled = (UNROLLED_VEC_FWD.get((elt_size, next_pow2(body_len(n, vec))))
+                if vec and n > RELOAD_FWD_ABOVE and default_limit else None)
+    if unrolled and (n // vec - 1) * vec >= unrolled[0]:
+        return SoftmaxConfig("unrolled_vec", m, unrolled[1], chunk=unrolled[0], vec=vec,
+                             body=(n // vec - 1) * vec)
+    if n > RELOAD_FWD_ABOVE and not vec and default_limit:
+        whole = next_pow2(n)
+        reload = RELOAD_FWD.get((elt_size, whole))
+        if reload:
+            return SoftmaxConfig("reload", m, reload[1], chunk=reload[0], whole=whole,
+                                 even=n if n == whole else 0)
+    return _rows_config("softmax_fwd", "fwd", n, elt_size, vec, m, dev, plan=True)
+
+
+def backward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) -> SoftmaxConfig:
+    """The backward launch for ``m`` rows of ``n`` elements (as :func:`forward_config`)."""
+    if n > UNROLLED_BWD_ABOVE:
+        unrolled = unrolled_bwd_config(n, vec, elt_size)
+        if unrolled:
+            return SoftmaxConfig("unrolled", m, unrolled[1], chunk=unrolled[0], vec=vec,
+                                 body=(n // vec - 1) * vec if vec else n)
+    reload = (RELOAD_BWD.get((elt_size, next_pow2(n)))
+              if n > RELOAD_BWD_ABOVE and not vec
+              and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if reload:
+        chunk, warps, *first = reload  # (chunk, warps[, first-pass piece]): see RELOAD_BWD
+        return SoftmaxConfig("reload", m, warps, chunk=chunk,
+                             whole=0 if first else next_pow2(n),
+                             first=first[0] if first else chunk,
+                             even=n if n == next_pow2(n) and UNROLL_RELOAD_BWD else 0)
+    return _rows_config("softmax_bwd", "bwd", n, elt_size, vec, m, dev)

@@ -37,6 +37,7 @@ import warnings
 
 import torch
 
+from fusedops.backends.triton.runtime.caches import config_caches
 from fusedops.backends.triton.runtime.launcher import (
     current_stream,
     direct_entry,
@@ -48,20 +49,25 @@ from fusedops.backends.triton.runtime.split import split_rows_enabled
 
 CLUSTER_STATE = {"enabled": os.environ.get("FUSEDOPS_CLUSTERS", "1") != "0"}
 
+# Pieces per row a cluster may hold: the sizes tested on a GPU (16 is the most a Hopper cluster
+# may hold, beyond the portable 8).
+CLUSTER_SIZES = (2, 4, 8, 16)
+
 
 def clusters_enabled(device: torch.device, n: int, chunk: int, chunks: int) -> bool:
     """Whether a split-row kernel may run rows of ``n`` in ``chunks`` pieces of ``chunk`` as
     clusters: the split-row kernels are on, the device is Hopper or newer, and C is 2, 4, 8 or
     16 (the sizes tested on a GPU; 16 is the most a Hopper cluster may hold, beyond the
     portable 8). Other piece counts (rows that are no power of two) stay cooperative."""
-    if not (CLUSTER_STATE["enabled"] and chunks in (2, 4, 8, 16)
+    if not (CLUSTER_STATE["enabled"] and chunks in CLUSTER_SIZES
             and split_rows_enabled(device, n, chunk)):
         return False
-    return _hopper_or_newer(device.index)
+    return hopper_or_newer(device.index)
 
 
 @functools.cache
-def _hopper_or_newer(index: int) -> bool:
+def hopper_or_newer(index: int) -> bool:
+    """Whether CUDA device ``index`` runs thread-block clusters (compute capability 9+)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -69,6 +75,8 @@ def disable_clusters(reason: str) -> None:
     """Run split-row kernels on cooperative grids for the rest of the process (warned once)."""
     if CLUSTER_STATE["enabled"]:
         CLUSTER_STATE["enabled"] = False
+        for cache in config_caches:  # launch configs (and plans) chose clusters
+            cache.cache_clear()
         warnings.warn(f"fusedops: cluster split-row kernels disabled ({reason}); using "
                       "cooperative grids", RuntimeWarning, stacklevel=3)
 
