@@ -20,11 +20,14 @@ from fusedops.backends.triton import configs
 from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton import layernorm_bwd as tlnb
 from fusedops.backends.triton import layernorm_epilogue as tle
+from fusedops.backends.triton import rmsnorm as trms
+from fusedops.backends.triton import rmsnorm_bwd as trmsb
 from fusedops.backends.triton import softmax as tsm
 from fusedops.backends.triton import softmax_masked as tsmm
 from fusedops.backends.triton.configs import common
 from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.configs import layernorm_epilogue as le_rules
+from fusedops.backends.triton.configs import rmsnorm as rms_rules
 from fusedops.backends.triton.configs import softmax as sm_rules
 from fusedops.backends.triton.configs import softmax_masked as smm_rules
 from fusedops.backends.triton.runtime.caches import config_caches
@@ -286,6 +289,38 @@ def test_epilogue_configs():
         assert le_rules.backward_config(64, 2, 4, False, 0, (64, 64), GPU).variant == "looped"
 
 
+# ------------------------------------------------------------------------------------ RMSNorm
+
+def test_rmsnorm_configs():
+    """Every row length gets a launch; single-block launches hold the padded row (or body);
+    VEC only where the call's rows have one; split rows only where the device runs them and
+    every piece of a row is resident; the shifted weight copies only with VEC."""
+    for n, elt, vec, _, _, dev in _cases(ms=(37,)):
+        for aligned in (False, True):
+            for large in (False, True):
+                fwd = rms_rules.forward_config(n, elt, vec, aligned, dev, large)
+                assert _pow2(fwd.warps) and fwd.warps <= 32 and fwd.vec in (0, vec)
+                assert not fwd.shifted_w or (fwd.vec and large)
+                if fwd.kernel in ("single", "reload_vec"):
+                    assert _pow2(fwd.block) and fwd.block >= common.body_len(n, fwd.vec)
+                elif fwd.kernel == "split":
+                    assert common.split_fits(dev, n, fwd.chunk)
+                else:
+                    assert fwd.kernel == "looped" and _pow2(fwd.block)
+            bwd = rms_rules.backward_config(n, elt, vec, aligned, dev)
+            assert _pow2(bwd.warps) and bwd.warps <= 32 and bwd.vec in (0, vec)
+            if bwd.kernel == "fused":
+                assert _pow2(bwd.block) and bwd.block >= common.body_len(n, bwd.vec)
+                assert bwd.block <= rms_rules.FUSED_BWD_MAX_BLOCK
+            elif bwd.kernel == "split":
+                assert common.split_fits(dev, n, bwd.chunk) and (dev.clusters or not bwd.cluster)
+            else:
+                assert bwd.kernel == "looped" and _pow2(bwd.block)
+    with configs.override("rmsnorm", VEC_EDGES=False, SPLIT_ROWS_MIN=1 << 62):
+        assert rms_rules.forward_config(8193, 2, 8, False, GPU, True).vec == 0
+        assert rms_rules.backward_config(262144, 4, 0, True, GPU).kernel == "looped"
+
+
 # ---------------------------------------------------------------------- purity and the memos
 
 def test_configs_read_no_tensor_and_no_device(monkeypatch):
@@ -308,6 +343,8 @@ def test_configs_read_no_tensor_and_no_device(monkeypatch):
                                             dev)),
                 (smm_rules.forward_config, (n, 2, True, 37, dev)),
                 (le_rules.backward_config, (n, 2, 37, True, 1, (n, n), dev)),
+                (rms_rules.forward_config, (n, 2, 8 if n % 8 else 0, False, dev, True)),
+                (rms_rules.backward_config, (n, 4, 0, True, dev)),
             ]
             for fn, args in calls:
                 assert fn(*args) == fn(*args)
@@ -324,6 +361,8 @@ MEMOS = {
                                               True, True, -1)),
     "epilogue forward": (tle._fwd_config, (1000, 2, 4, False, False, -1)),
     "epilogue backward": (tle._bwd_config, (1000, 2, 4, False, 0, (1000, 1000), -1)),
+    "rmsnorm forward": (trms._fwd_config, (1000, 2, 0, True, -1, False)),
+    "rmsnorm backward": (trmsb._bwd_config, (1000, 2, 0, True, -1)),
 }
 
 

@@ -34,9 +34,11 @@ tb = triton_backend_module()
 
 from _concurrent_programs import concurrent_programs  # noqa: E402
 
+from fusedops.backends.triton import rmsnorm as trms  # noqa: E402
 from fusedops.backends.triton import rmsnorm_bwd as trmsb  # noqa: E402
 from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
 from fusedops.backends.triton.runtime import split as rt_split  # noqa: E402
+from fusedops.backends.triton.runtime.facts import DeviceFacts, device_facts  # noqa: E402
 from fusedops.backends.triton.runtime.recording import record_launches  # noqa: E402
 
 ON_DEVICE = True  # tensors on the GPU where there is one (conftest's _tensors_on_device)
@@ -246,7 +248,11 @@ def split_rows(monkeypatch, launch_rules):
                  "CLUSTER_BWD": {}}
         launch_rules("rmsnorm", **rules)
         launch_rules(SINGLE_BLOCK_LIMIT=64)
-        monkeypatch.setattr(rms_rules, "split_rows_enabled", lambda *a: True)
+        # Split rows allowed (every row's pieces resident), no clusters; the grid's programs
+        # come from ``sms`` at launch.
+        facts = DeviceFacts(True, 1 << 10, "", True, False)
+        for host in (trms, trmsb):
+            monkeypatch.setattr(host, "device_facts", lambda index: facts)
         monkeypatch.setattr(rt_split, "num_sms", lambda device: sms)
 
     if HAS_CUDA:
@@ -348,8 +354,7 @@ def test_split_backward_launch_paths(monkeypatch, path):
 def test_rules_pick_the_variants(monkeypatch, launch_rules):
     """forward_config / backward_config on CUDA device facts (split rows allowed): which
     kernel each row length takes, and the switches that turn the new paths off."""
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(rms_rules, "split_rows_enabled", lambda *a: True)
+    cuda = DeviceFacts(True, 132, "NVIDIA H100 80GB HBM3", True, True)
     fwd, bwd = rms_rules.forward_config, rms_rules.backward_config
     launch_rules("rmsnorm")  # (the caches dropped around the test)
     assert fwd(8193, 2, 8, False, cuda, True)[:2] == ("reload_vec", 8192)
@@ -375,7 +380,7 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
 
 
 def test_rules_off_cuda_never_split():
-    cpu = torch.device("cpu")
+    cpu = device_facts(-1)
     assert rms_rules.forward_config(65537, 2, 8, False, cpu, True).kernel == "looped"
     assert rms_rules.backward_config(65537, 2, 8, False, cpu).kernel == "looped"
 

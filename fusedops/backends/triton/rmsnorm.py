@@ -72,7 +72,9 @@ from fusedops.backends.triton.kernels.rmsnorm import (
 )
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
 from fusedops.backends.triton.rmsnorm_bwd import rmsnorm_backward
+from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, rows_and_output
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
 from fusedops.backends.triton.runtime.plans import PlanCache, param_ptr
 from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces
@@ -84,6 +86,14 @@ _launch_fwd_reload_vec = Launcher(rms_fwd_reload_vec)
 _launch_fwd_looped = Launcher(rms_fwd_looped)
 _launch_fwd_split = SplitLauncher(rms_fwd_split)
 _launch_shift_weight = Launcher(shift_weight)
+
+
+# The launch of each call signature (row, element size, VEC, row alignment, device, whether
+# the call is large), decided once by configs.rmsnorm.forward_config.
+@signature_cache
+def _fwd_config(n: int, elt_size: int, vec: int, aligned: bool, index: int,
+                large: bool) -> FwdConfig:
+    return forward_config(n, elt_size, vec, aligned, device_facts(index), large)
 
 
 def _replay_runner(key: tuple, plan: tuple):
@@ -156,8 +166,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         return y, rstd
     elt = x.element_size()
     vec = unaligned_vec(N, (stride, N), elt, (x, y))
-    cfg = forward_config(N, elt, vec, (stride | N) % (16 // elt) == 0, x.device,
-                         M * N >= SHIFTED_W_MIN_ELEMS)
+    cfg = _fwd_config(N, elt, vec, (stride | N) % (16 // elt) == 0, x.get_device(),
+                      M * N >= SHIFTED_W_MIN_ELEMS)
     has_w = weight is not None
     w, w_ld = (weight, 1) if has_w else (y, 1)  # placeholders are never read (HAS_W / STATS)
     if has_w and cfg.shifted_w:
@@ -188,7 +198,7 @@ def _forward_long(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdConf
             return
         if cfg.vec:
             elt = x.element_size()
-            cfg = forward_config(N, elt, 0, (stride | N) % (16 // elt) == 0, x.device, False)
+            cfg = _fwd_config(N, elt, 0, (stride | N) % (16 // elt) == 0, x.get_device(), False)
             if cfg.kernel == "split" and _forward_split(x, w, y, r, M, N, stride, eps, has_w,
                                                         with_stats, cfg):
                 return

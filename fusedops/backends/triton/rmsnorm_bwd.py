@@ -16,8 +16,10 @@ from fusedops.backends.triton.kernels.rmsnorm import (
     rms_bwd_vec,
 )
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_bwd_split
+from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
+from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher
 from fusedops.backends.triton.runtime.partials import reduce_partials
 from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces
@@ -29,6 +31,13 @@ _launch_dw_columns = Launcher(rms_bwd_dw_columns)
 # Split-row launchers by register cap (see SPLIT_BWD): cooperative grids and clusters.
 _split_launchers: dict[int | None, SplitLauncher] = {}
 _cluster_launchers: dict[int | None, ClusterLauncher] = {}
+
+
+# The launch of each call signature (row, element size, VEC, row alignment, device), decided
+# once by configs.rmsnorm.backward_config.
+@signature_cache
+def _bwd_config(n: int, elt_size: int, vec: int, aligned: bool, index: int) -> rules.BwdConfig:
+    return rules.backward_config(n, elt_size, vec, aligned, device_facts(index))
 
 
 def split_launcher(maxnreg: int | None) -> SplitLauncher:
@@ -81,14 +90,14 @@ def rmsnorm_backward(
     strides = (dy.stride(0), x.stride(0), N)
     vec = unaligned_vec(N, strides, elt, (dy, x))
     aligned = all(s % (16 // elt) == 0 for s in strides)
-    cfg = rules.backward_config(N, elt, vec, aligned, dev)
+    cfg = _bwd_config(N, elt, vec, aligned, x.get_device())
     call = (dy, x, w, weight is not None, rstd, dx, dw)
     if cfg.kernel == "fused" and cfg.vec and _fused_vec(*call, cfg):
         return dx, dw
     if cfg.kernel == "split" and _split(*call, cfg):
         return dx, dw
     if cfg.vec:  # no grid of a multiple of VEC programs fits: scalar accesses
-        cfg = rules.backward_config(N, elt, 0, aligned, dev)
+        cfg = _bwd_config(N, elt, 0, aligned, x.get_device())
         if cfg.kernel == "split" and _split(*call, cfg):
             return dx, dw
     if cfg.kernel == "fused":

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     PERSISTENT,
@@ -24,11 +22,11 @@ from fusedops.backends.triton.configs.common import (
     body_len,
     row_config,
     single_block_limit,
+    split_fits,
     unaligned_config,
 )
-from fusedops.backends.triton.runtime.caches import config_cache
 from fusedops.backends.triton.runtime.device import next_pow2
-from fusedops.backends.triton.runtime.split import split_rows_enabled
+from fusedops.backends.triton.runtime.facts import DeviceFacts
 
 # The weight stays in registers across a program's row tiles while each thread holds at most
 # this many row elements (LayerNorm's measured rule, FWD_HOLD_W_MAX_PER_THREAD).
@@ -231,10 +229,9 @@ def _looped_fwd() -> FwdConfig:
     return FwdConfig("looped", chunk, 1, warps, False, 0, chunk, 0, False)
 
 
-@config_cache
-def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, device: torch.device,
+def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: DeviceFacts,
                    large: bool) -> FwdConfig:
-    """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``device``. ``vec``:
+    """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``dev``. ``vec``:
     ``unaligned_vec``'s VEC for the call (0: rows start 16-byte aligned, or scalar accesses);
     ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
     has at least SHIFTED_W_MIN_ELEMS elements. In order: rows no program
@@ -244,7 +241,7 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, device: 
     vec = vec if VEC_EDGES else 0
     single, block, rows, warps = row_config(body_len(n, vec), "ln_fwd", elt_size)
     if not single:
-        return split_fwd_config(n, elt_size, vec, rows_aligned, device) or _looped_fwd()
+        return split_fwd_config(n, elt_size, vec, rows_aligned, dev) or _looped_fwd()
     shifted = bool(vec) and large
     reload = (RELOAD_VEC_FWD.get((elt_size, block)) if shifted
               and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
@@ -264,13 +261,13 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, device: 
 
 
 def split_fwd_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
-                     device: torch.device) -> FwdConfig | None:
+                     dev: DeviceFacts) -> FwdConfig | None:
     """The split-row forward for rows of ``n`` (aligned-body pieces with ``vec`` > 0), or None
     where it does not run (SPLIT_FWD, SPLIT_ROWS_MIN, not CUDA, switched off)."""
     if n < SPLIT_ROWS_MIN:
         return None
     rule = SPLIT_FWD.get((elt_size, rows_aligned))
-    if rule is None or not split_rows_enabled(device, n, rule[0]):
+    if rule is None or not split_fits(dev, n, rule[0]):
         return None
     return FwdConfig("split", 0, 1, rule[1], False, vec, rule[0], rule[2], False)
 
@@ -279,10 +276,9 @@ def _first(table, n: int):
     return next((cfg for longest, cfg in table if n <= longest), None)
 
 
-@config_cache
 def backward_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
-                    device: torch.device) -> BwdConfig:
-    """The backward of rows of ``n`` elements of ``elt_size`` bytes on ``device``. ``vec``:
+                    dev: DeviceFacts) -> BwdConfig:
+    """The backward of rows of ``n`` elements of ``elt_size`` bytes on ``dev``. ``vec``:
     ``unaligned_vec``'s VEC (x, dy and dx one row stride); ``rows_aligned``: the row strides
     of x and dy and ``n`` are multiples of 16 bytes. Padded rows (bodies, with ``vec``) up to
     the fused limit: the fused kernel (unaligned bodies of FUSED_BWD_VEC_MIN_BLOCK+ on
@@ -314,7 +310,7 @@ def backward_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
             cfg = _first(CLUSTER_BWD.get(elt_size, ()), n) if rows_aligned else None
             cluster = cfg is not None
             cfg = cfg or _first(SPLIT_BWD.get(elt_size, ()), n)
-    if cfg is not None and split_rows_enabled(device, n, cfg[0]):
+    if cfg is not None and split_fits(dev, n, cfg[0]):
         chunk, warps, prefetch, cap = cfg
         return BwdConfig("split", 0, 1, warps, 0, True, vec, chunk, prefetch, cap, cluster)
     chunk, warps = looped_config()
