@@ -482,19 +482,9 @@ def test_metal_layernorm_epilogue_compile_shader_path_end_to_end(fake_mps):
                 torch.testing.assert_close(got, want, **tol(dtype, 20))
 
 
-class _FakeExt:
+class _FakeExt(emu.FakeExtension):
     """Stands in for fusedops._metal_ext: the LayerNorm epilogue bindings, with the parameter
     names the extension declares, run the host code on the emulation."""
-
-    def __init__(self, metal_lib):
-        self.L = emu.EmuLauncher(metal_lib, 256)
-        self.calls = []
-
-    def initialize(self):
-        pass
-
-    def kernel_names(self):
-        return list(self.L.lib.kernels)
 
     def layernorm_epilogue_forward(self, x, residual, weight, bias, eps, out_dtype, dropout_p,
                                    seed, activation, need_stats):

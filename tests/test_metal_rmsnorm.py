@@ -267,19 +267,9 @@ def test_metal_rmsnorm_compile_shader_path_end_to_end(fake_mps):
                 assert torch.equal(fusedops.fused_rmsnorm(x, (n,), w, EPS), y.detach())
 
 
-class _FakeExt:
+class _FakeExt(emu.FakeExtension):
     """Stands in for fusedops._metal_ext: the RMSNorm bindings, with the parameter names the
     extension declares, run the host code on the emulation (what the extension mirrors)."""
-
-    def __init__(self, metal_lib):
-        self.L = emu.EmuLauncher(metal_lib, 256)
-        self.calls = []
-
-    def initialize(self):
-        pass
-
-    def kernel_names(self):
-        return list(self.L.lib.kernels)
 
     def rmsnorm_forward(self, x, weight, eps, out_dtype):
         self.calls.append("rmsnorm_forward")

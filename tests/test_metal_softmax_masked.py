@@ -340,19 +340,9 @@ def test_metal_softmax_masked_compile_shader_path_end_to_end(fake_mps):
     assert_close_to_ref(y, oracle(x.detach(), None, 1.0, False), torch.float32)
 
 
-class _FakeExt:
+class _FakeExt(emu.FakeExtension):
     """Stands in for fusedops._metal_ext: the masked softmax bindings, with the parameter names
     the extension declares, run the host code on the emulation (what the extension mirrors)."""
-
-    def __init__(self, metal_lib):
-        self.L = emu.EmuLauncher(metal_lib, 256)
-        self.calls = []
-
-    def initialize(self):
-        pass
-
-    def kernel_names(self):
-        return list(self.L.lib.kernels)
 
     def softmax_masked_forward(self, x, mask, scale, causal, out_dtype):
         self.calls.append("softmax_masked_forward")

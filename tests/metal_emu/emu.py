@@ -551,6 +551,22 @@ class EmuLauncher:
             g.check(i, const)
 
 
+class FakeExtension:
+    """Base of the tests' stand-ins for ``fusedops._metal_ext``: the extension's bindings (each
+    subclass adds those of its op, with the parameter names the extension declares) run the
+    host code on this emulation, through ``self.L``; ``calls`` records what they were asked."""
+
+    def __init__(self, lib: EmuLibrary, max_threads: int = 256):
+        self.L = EmuLauncher(lib, max_threads)
+        self.calls: list = []
+
+    def initialize(self) -> None:
+        pass
+
+    def kernel_names(self) -> list[str]:
+        return list(self.L.lib.kernels)
+
+
 _cache: dict[tuple, EmuLibrary] = {}
 
 
