@@ -248,7 +248,9 @@ def _epilogue(x, normalized_shape, weight, bias, eps, residual, dropout_p, activ
 
 
 def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
-    """``(layer_norm(x + residual), x + residual)`` in PyTorch's ops, arguments checked."""
+    """``(layer_norm(x + residual), x + residual)`` in PyTorch's ops, arguments checked: what
+    :func:`_epilogue`'s inline native path does not take (parameters of another dtype) or
+    where torch raised (fusedops' error then names the argument)."""
     if residual.__class__ is not torch.Tensor or residual.shape != x.shape \
             or residual.dtype != x.dtype or not eps >= 0.0:
         check_layernorm_args(x, normalize_shape(normalized_shape), weight, bias, eps)
@@ -258,15 +260,6 @@ def _native_add_layernorm(x, normalized_shape, weight, bias, eps, residual):
     except RuntimeError:  # (a residual on another device): the argument it was, named
         check_epilogue_args(x, residual, 0.0, None, True)
         raise
-    if (weight is None or weight.dtype is x.dtype) and (bias is None or bias.dtype is x.dtype):
-        # One dtype: torch's op itself, in one call (as in fused_layernorm).
-        try:
-            return torch.layer_norm(s, normalized_shape if isinstance(
-                                        normalized_shape, _native.SHAPES)
-                                    else (normalized_shape,),
-                                    weight, bias, eps), s
-        except _native.ERRORS:
-            pass  # (the call below raises fusedops' error, naming the argument)
     return _native.layer_norm(s, normalize_shape(normalized_shape), weight, bias, eps), s
 
 
