@@ -147,12 +147,16 @@ def test_unaligned_layernorm_backward_paths(monkeypatch, dtype, m, n, rule, want
     seen = []
     real_split, real_native = tlnb._split_backward, tlnb._native_backward
     real_cols = tlnb._columns_first_backward
-    monkeypatch.setattr(tlnb, "_split_backward",
-                        lambda *a: seen.append(a[10:12]) or real_split(*a))
+    def split(*a):  # a[10]: the LayerNormBackward decision; its split kernel's parameters
+        sp = a[10].split
+        seen.append(((sp.chunk, sp.warps, sp.prefetch), sp.vec))
+        return real_split(*a)
+
+    monkeypatch.setattr(tlnb, "_split_backward", split)
     monkeypatch.setattr(tlnb, "_native_backward",
                         lambda *a: seen.append("native") or real_native(*a))
     monkeypatch.setattr(tlnb, "_columns_first_backward", lambda *a: seen.append(
-        "pieces" if len(a) > 10 and a[10] else "columns") or real_cols(*a))
+        "pieces" if a[10].pieces else "columns") or real_cols(*a))
     _layernorm_case(m, n, dtype)
     assert seen == want
 

@@ -30,12 +30,16 @@ def saved_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
 
 
 def peak_bytes(step: Callable[[], None]) -> int:
-    """Peak CUDA bytes allocated above the starting point while ``step`` runs, measured on a
-    second call (the first warms up kernels and the caching allocator)."""
+    """Peak CUDA bytes requested above the starting point while ``step`` runs, measured on a
+    second call (the first warms up kernels and the caching allocator).
+
+    Requested bytes are the tensors' own sizes. The allocator's counts (``memory_allocated``)
+    add block rounding and unsplit cached blocks, which depend on what ran earlier in the
+    process, so two steps with the same tensors could compare either way."""
     step()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    base = torch.cuda.memory_stats()["requested_bytes.all.current"]
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    return torch.cuda.memory_stats()["requested_bytes.all.peak"] - base
