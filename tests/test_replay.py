@@ -464,3 +464,31 @@ def test_replayed_calls_match_the_normal_path(dtype):
         .to(dtype), **tol(dtype, 4))
     tcfg.set_single_block_limit(None)
     assert not _replay.SOFTMAX and not _replay.LAYERNORM
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="plans need compiled kernels")
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,dtype", [
+    (8192, 4096, torch.bfloat16),  # the reload kernel (one program per row, N first)
+    (12000, 8192, torch.float32),  # the unrolled kernel (M first)
+    (3000, 768, torch.float16),  # the single-block kernel
+])
+def test_layernorm_forward_statistics_replayed_with_every_row(m, n, dtype):
+    """A replayed forward that keeps its statistics allocates mean and rstd for every row,
+    whichever row kernel the plan recorded: more rows than columns, so sizing them by any
+    other launch argument would leave rows out (writes past the end)."""
+    from fusedops.backends.triton import layernorm as tln
+
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    tln._fwd_plans.clear()
+    first = tln.layernorm_forward(x, w, b, 1e-5, dtype)
+    assert len(tln._fwd_plans) == 1  # the second call replays this plan
+    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
+    assert mean.shape == (m,) and rstd.shape == (m,)
+    assert torch.equal(y, first[0]) and torch.equal(mean, first[1])
+    assert torch.equal(rstd, first[2])
+    var, mu = torch.var_mean(x.double(), dim=1, unbiased=False)
+    torch.testing.assert_close(mean.double(), mu, **tol(torch.float32))
+    torch.testing.assert_close(rstd.double(), (var + 1e-5).rsqrt(), **tol(torch.float32, 4))

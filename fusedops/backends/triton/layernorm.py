@@ -287,8 +287,8 @@ def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b,
 
 
 def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
-    """:func:`_forward` from a plan: the single-block or unrolled launch with this call's
-    tensors (both take (x, w, b, y, mean, rstd, M, ...))."""
+    """:func:`_forward` from a plan: the recorded launch (single-block, unrolled or reload: all
+    take (x, w, b, y, mean, rstd, ...)) with this call's tensors; mean and rstd have x's rows."""
     go, grid, device, tail = plan
     y = torch.empty_like(x, dtype=out_dtype)
     yp = y.data_ptr()
@@ -297,8 +297,9 @@ def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
     if not with_stats:
         go(grid, current_stream(device), (x.data_ptr(), wp, bp, yp, yp, yp, *tail))
         return y, None, None
-    mean = torch.empty((tail[0],), dtype=torch.float32, device=x.device)
-    rstd = torch.empty((tail[0],), dtype=torch.float32, device=x.device)
+    rows = x.numel() // x.shape[-1]  # the key fixes the shape; a plan's launch had rows
+    mean = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     go(grid, current_stream(device),
        (x.data_ptr(), wp, bp, yp, mean.data_ptr(), rstd.data_ptr(), *tail))
     return y, mean, rstd
