@@ -35,13 +35,23 @@ def _rstd(var, eps, EXACT: tl.constexpr):
 
 @triton.jit
 def _affine(y, w_ptr, b_ptr, offs, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-            POLICY: tl.constexpr = ""):
+            KEEP: tl.constexpr):
     # y·w[offs] + b[offs] (each where present) as one FMA, which is what the compiler makes of
     # it on GPUs; written out so the interpreter rounds it the same way.
+    # KEEP: the weights stay in L2 for the next row ("evict_last"); a flag rather than the policy
+    # string, which Triton 3.6 cannot take as a nested function's constexpr.
     if HAS_W:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        if KEEP:
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w = w.to(tl.float32)
     if HAS_B:
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        if KEEP:
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+        b = b.to(tl.float32)
     if HAS_W and HAS_B:
         y = tl.fma(y, w, b)
     elif HAS_W:
@@ -115,7 +125,7 @@ def ln_fwd_single(
         elif HAS_B:
             y = y + b
         if VEC > 0:
-            ye = _affine(xce * rstd[:, None], w_ptr, b_ptr, e_col, e_col < N, HAS_W, HAS_B)
+            ye = _affine(xce * rstd[:, None], w_ptr, b_ptr, e_col, e_col < N, HAS_W, HAS_B, False)
             tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
@@ -130,7 +140,7 @@ def _write_normalized(x_row, y_row, w_ptr, b_ptr, cols, N, mean, rstd, HAS_W: tl
     # evicted first), normalised, scaled and shifted, written in y's dtype.
     valid = cols < N
     x = tl.load(x_row + cols, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, valid, HAS_W, HAS_B, "evict_last")
+    y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, valid, HAS_W, HAS_B, True)
     tl.store(y_row + cols, y.to(y_row.dtype.element_ty), mask=valid)
 
 
@@ -338,7 +348,7 @@ def ln_fwd_unrolled_vec(
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
     # (row 0 of the shifted copies is the weight itself)
-    ye = _affine(dve * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B)
+    ye = _affine(dve * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
     tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
     w_at = head * w_ld
     for c0 in tl.static_range(0, BODY, CHUNK):
@@ -349,8 +359,7 @@ def ln_fwd_unrolled_vec(
         else:
             x = tl.load(x_body + c, mask=m, other=0.0, eviction_policy="evict_first").to(
                 tl.float32)
-        y = _affine(((x - x0) - off) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B,
-                    "evict_last")
+        y = _affine(((x - x0) - off) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
         if c0 + CHUNK <= BODY:
             tl.store(y_body + c, y.to(y_ptr.dtype.element_ty))
         else:
@@ -392,7 +401,7 @@ def ln_fwd_reload_vec(
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
     # (row 0 of the shifted copies is the weight itself)
-    ye = _affine(xce * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B)
+    ye = _affine(xce * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
     tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
     lanes = tl.arange(0, CHUNK)
     w_at = head * w_ld
@@ -401,7 +410,7 @@ def ln_fwd_reload_vec(
         m = c < body
         xv = tl.load(x_ptr + first + c, mask=m, other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
-        yv = _affine((xv - mean) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, "evict_last")
+        yv = _affine((xv - mean) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
         tl.store(y_ptr + first + c, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -496,11 +505,11 @@ def ln_fwd_split(
             elif HAS_B:
                 y = y + b.to(tl.float32)
         else:
-            y = _affine(y, w_ptr, b_ptr, pos, mask, HAS_W, HAS_B)
+            y = _affine(y, w_ptr, b_ptr, pos, mask, HAS_W, HAS_B, False)
         offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
         tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if VEC > 0:
-            ye = _affine((xe - mean) * rstd, w_ptr, b_ptr, e_col, e_mask, HAS_W, HAS_B)
+            ye = _affine((xe - mean) * rstd, w_ptr, b_ptr, e_col, e_mask, HAS_W, HAS_B, False)
             tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         if chunk == 0:
             tl.store(mean_ptr + row, mean)
