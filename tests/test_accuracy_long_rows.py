@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import INTERPRETING
 
-from fusedops import fused_layernorm, fused_softmax
+from fusedops import fused_layernorm, fused_rmsnorm, fused_softmax
 from fusedops.backends.triton import softmax as tsm
 
 FLOOR_ULPS = 0.5
@@ -70,8 +70,8 @@ def _backward_ref(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
 
 
-def _cases():
-    return [pytest.param(n, d, r, marks=() if (n, d, r) in DEFAULT else pytest.mark.exhaustive,
+def _cases(default=DEFAULT):
+    return [pytest.param(n, d, r, marks=() if (n, d, r) in default else pytest.mark.exhaustive,
                          id=f"{n}-{d}-{'row' if r == 1 else f'{r}rows'}")
             for n in LENGTHS for d in DATA for r in (1, 2)]
 
@@ -99,6 +99,25 @@ def test_layernorm_float32(triton_backend, device, n, data, rows):
                         F.layer_norm(x.double(), (n,), w.double(), b.double()), "with weights")
     assert_within_torch(fused_layernorm(x, n), F.layer_norm(x, (n,)),
                         F.layer_norm(x.double(), (n,)), "without weights")
+
+
+# RMSNorm's eps given to both sides: torch's default (None) is the machine epsilon of each
+# dtype, 2^-23 for float32 and 2^-52 for the float64 reference, itself an ulp of rstd apart.
+RMS_EPS = 1e-6
+# A single row of 16384 (randn) was 4.3x torch's error without the weight before rstd's
+# Newton step (single-block and split-row kernels).
+RMS_DEFAULT = {(1024, "x100", 1), (8193, "randn", 2), (16384, "randn", 1), (17866, "x10", 2),
+               (65537, "shifted", 2)}
+
+
+@pytest.mark.parametrize("n,data,rows", _cases(RMS_DEFAULT))
+def test_rmsnorm_float32(triton_backend, device, n, data, rows):
+    x, _ = _rows(n, data, rows, device)
+    w = (1 + 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(n))).to(device)
+    assert_within_torch(fused_rmsnorm(x, n, w, RMS_EPS), F.rms_norm(x, (n,), w, RMS_EPS),
+                        F.rms_norm(x.double(), (n,), w.double(), RMS_EPS), "with weight")
+    assert_within_torch(fused_rmsnorm(x, n, eps=RMS_EPS), F.rms_norm(x, (n,), eps=RMS_EPS),
+                        F.rms_norm(x.double(), (n,), eps=RMS_EPS), "without weight")
 
 
 def test_layernorm_float32_unaligned_unrolled(triton_backend, device, launch_rules):
@@ -181,3 +200,22 @@ def test_split_rows_float32(triton_backend, split_on_interpreter, n, data, rows)
                   HAS_W=True, HAS_B=True)
     assert_within_torch(yl, F.layer_norm(x, (n,), w, b),
                         F.layer_norm(x.double(), (n,), w.double(), b.double()), "layernorm")
+
+
+@pytest.mark.parametrize("n,data,rows", [
+    pytest.param(n, d, r, marks=() if (n, d, r) in {(16384, "randn", 1), (65537, "x10", 2)}
+                 else pytest.mark.exhaustive, id=f"{n}-{d}-{r}")
+    for n in (16384, 65536, 65537, 131072, 262144) for d in DATA for r in (1, 2)])
+def test_split_rows_rmsnorm_float32(triton_backend, split_on_interpreter, n, data, rows):
+    from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
+
+    x, _ = _rows(n, data, rows, "cpu")
+    x = x.reshape(-1, n)
+    w = 1 + 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for weight in (w, None):
+        y, rstd = torch.empty_like(x), torch.empty(x.shape[0])
+        _split_launch(rms_fwd_split, x, (x, x if weight is None else w, y, rstd),
+                      (n, n, RMS_EPS), full=False, HAS_W=weight is not None, STATS=True)
+        w64 = None if weight is None else w.double()
+        assert_within_torch(y, F.rms_norm(x, (n,), weight, RMS_EPS),
+                            F.rms_norm(x.double(), (n,), w64, RMS_EPS), f"weight {w64 is not None}")
