@@ -20,6 +20,48 @@ from fusedops.backends.triton.kernels.common import (
 
 
 @triton.jit
+def _rstd(var, eps, EXACT: tl.constexpr):
+    # 1 / sqrt(var + eps); NaN where the variance overflows float32 (as torch), never a silent
+    # row of zeros. EXACT (float32 y): GPUs' plain float32 sqrt and division are approximate
+    # (rstd a few ulp off, on every element of the row), so one Newton step follows; rounded
+    # ones compile to subroutine calls (ptxas sm_90: the split kernel at 32 registers and 4 KB
+    # of spills). An inf or NaN start (var + eps = 0 or inf) is kept.
+    r = 1.0 / tl.sqrt(var + eps)
+    if EXACT:
+        r1 = tl.fma(0.5 * tl.fma(-(var + eps), r * r, 1.0), r, r)
+        r = tl.where(r1 == r1, r1, r)
+    return tl.where(var < float("inf"), r, float("nan"))
+
+
+@triton.jit
+def _affine(y, w_ptr, b_ptr, offs, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+            KEEP: tl.constexpr):
+    # y·w[offs] + b[offs] (each where present) as one FMA, which is what the compiler makes of
+    # it on GPUs; written out so the interpreter rounds it the same way.
+    # KEEP: the weights stay in L2 for the next row ("evict_last"); a flag rather than the policy
+    # string, which Triton 3.6 cannot take as a nested function's constexpr.
+    if HAS_W:
+        if KEEP:
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w = w.to(tl.float32)
+    if HAS_B:
+        if KEEP:
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+        else:
+            b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+        b = b.to(tl.float32)
+    if HAS_W and HAS_B:
+        y = tl.fma(y, w, b)
+    elif HAS_W:
+        y = y * w
+    elif HAS_B:
+        y = y + b
+    return y
+
+
+@triton.jit
 def ln_fwd_single(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
     num_tiles, num_progs,
@@ -32,6 +74,7 @@ def ln_fwd_single(
     # that would otherwise spill (a 32K-column row at 32 warps spills 240+ bytes per thread).
     # With VEC > 0 lane j is column head + j, the same in every row of a tile, and in every tile
     # of a program when num_progs is a multiple of VEC (the launcher sees to it for HOLD_W).
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     if HOLD_W:
@@ -66,8 +109,7 @@ def ln_fwd_single(
             xce = tl.where(e_mask, xe - mean[:, None], 0.0)
             sq += tl.sum(xce * xce, axis=1)
         var = sq / N
-        # A variance that overflows float32 gives NaN (as torch does), never a row of zeros.
-        rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+        rstd = _rstd(var, eps, EXACT)
         y = xc * rstd[:, None]
         if not HOLD_W:  # long rows: weight and bias reloaded per tile (from L2)
             wcols = head + cols[None, :]
@@ -76,16 +118,14 @@ def ln_fwd_single(
                 w = tl.load(w_ptr + wcols, mask=wmask, other=0.0).to(tl.float32)
             if HAS_B:
                 b = tl.load(b_ptr + wcols, mask=wmask, other=0.0).to(tl.float32)
-        if HAS_W:
+        if HAS_W and HAS_B:
+            y = tl.fma(y, w, b)
+        elif HAS_W:
             y = y * w
-        if HAS_B:
+        elif HAS_B:
             y = y + b
         if VEC > 0:
-            ye = xce * rstd[:, None]
-            if HAS_W:
-                ye = ye * tl.load(w_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
-            if HAS_B:
-                ye = ye + tl.load(b_ptr + e_col, mask=e_col < N, other=0.0).to(tl.float32)
+            ye = _affine(xce * rstd[:, None], w_ptr, b_ptr, e_col, e_col < N, HAS_W, HAS_B, False)
             tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
@@ -100,13 +140,7 @@ def _write_normalized(x_row, y_row, w_ptr, b_ptr, cols, N, mean, rstd, HAS_W: tl
     # evicted first), normalised, scaled and shifted, written in y's dtype.
     valid = cols < N
     x = tl.load(x_row + cols, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    y = (x - mean) * rstd
-    if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=valid, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-    if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=valid, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
+    y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, valid, HAS_W, HAS_B, True)
     tl.store(y_row + cols, y.to(y_row.dtype.element_ty), mask=valid)
 
 
@@ -133,6 +167,7 @@ def ln_fwd_looped(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, stride_x, stride_y, eps,
     CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
 ):
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
@@ -161,7 +196,7 @@ def ln_fwd_looped(
     mean = x0 + tl.sum(cnt * (avg - x0), axis=0) / N
     dev = tl.where(cnt > 0, avg - mean, 0.0)
     var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0)) / N
-    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    rstd = _rstd(var, eps, EXACT)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     for start in range(0, N, CHUNK):
@@ -180,6 +215,7 @@ def ln_fwd_reload(
     # far fewer registers than the single-block kernel (which holds the row and the weights until
     # it writes): more programs per SM, more bytes in flight. Inductor's reduction kernels do the
     # same at these lengths (its first loop fully unrolled).
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
@@ -195,7 +231,7 @@ def ln_fwd_reload(
         x = tl.load(x_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xc = tl.where(mask, x.to(tl.float32) - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
-    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    rstd = _rstd(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
@@ -216,6 +252,7 @@ def ln_fwd_unrolled(
     # both passes unroll, so a thread has every chunk's loads in flight at once while holding
     # only its lanes' running sums, and no element needs a mask. This is the structure of
     # Inductor's static-shape reductions, which beat the reload kernel at 16-bit 16K on H200s.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
@@ -240,7 +277,7 @@ def ln_fwd_unrolled(
     off = tl.sum(lane_off, axis=0) / CHUNK
     dev = lane_off - off
     var = (tl.sum(m2, axis=0) + per_lane * tl.sum(dev * dev, axis=0)) / N
-    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    rstd = _rstd(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
@@ -249,9 +286,15 @@ def ln_fwd_unrolled(
         x = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
         y = ((x - x0) - off) * rstd
         if HAS_W:
-            y = y * tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
+            w = tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
         if HAS_B:
-            y = y + tl.load(b_ptr + cols, eviction_policy="evict_last").to(tl.float32)
+            b = tl.load(b_ptr + cols, eviction_policy="evict_last").to(tl.float32)
+        if HAS_W and HAS_B:
+            y = tl.fma(y, w, b)
+        elif HAS_W:
+            y = y * w
+        elif HAS_B:
+            y = y + b
         tl.store(y_row + cols, y.to(y_row.dtype.element_ty))
 
 
@@ -268,6 +311,7 @@ def ln_fwd_unrolled_vec(
     # before the boundary (< VEC) and the tail after the body (< 2·VEC), in one 4·VEC-lane edge
     # tile. Weight and bias for the body from the shifted copies of shift_weights (row
     # ``head``), so those loads are vectors too.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
     start = row.to(tl.int64) * stride
     first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
@@ -299,15 +343,12 @@ def ln_fwd_unrolled_vec(
     dev = lane_off - off
     dve = tl.where(emask, de - off, 0.0)
     var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0) + tl.sum(dve * dve, axis=0)) / N
-    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    rstd = _rstd(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
-    ye = dve * rstd
-    if HAS_W:  # row 0 of the shifted copies is the weight itself
-        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
-    if HAS_B:
-        ye = ye + tl.load(b_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    # (row 0 of the shifted copies is the weight itself)
+    ye = _affine(dve * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
     tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
     w_at = head * w_ld
     for c0 in tl.static_range(0, BODY, CHUNK):
@@ -318,13 +359,7 @@ def ln_fwd_unrolled_vec(
         else:
             x = tl.load(x_body + c, mask=m, other=0.0, eviction_policy="evict_first").to(
                 tl.float32)
-        y = ((x - x0) - off) * rstd
-        if HAS_W:
-            y = y * tl.load(w_ptr + w_at + c, mask=m, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + w_at + c, mask=m, other=0.0,
-                            eviction_policy="evict_last").to(tl.float32)
+        y = _affine(((x - x0) - off) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
         if c0 + CHUNK <= BODY:
             tl.store(y_body + c, y.to(y_ptr.dtype.element_ty))
         else:
@@ -341,6 +376,7 @@ def ln_fwd_reload_vec(
     # vectors from the first boundary of the row on) plus up to 2·VEC edge elements, as in
     # row_body/row_edges; x and y share the row stride. Weight and bias come from the shifted
     # copies of shift_weights (row ``head``), so the write pass loads them as vectors too.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
     start = row.to(tl.int64) * stride
     first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
@@ -360,15 +396,12 @@ def ln_fwd_reload_vec(
     xc = tl.where(bmask, x.to(tl.float32) - mean, 0.0)
     xce = tl.where(emask, xe - mean, 0.0)
     var = (tl.sum(xc * xc, axis=0) + tl.sum(xce * xce, axis=0)) / N
-    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+    rstd = _rstd(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
-    ye = xce * rstd
-    if HAS_W:  # row 0 of the shifted copies is the weight itself
-        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
-    if HAS_B:
-        ye = ye + tl.load(b_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    # (row 0 of the shifted copies is the weight itself)
+    ye = _affine(xce * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
     tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
     lanes = tl.arange(0, CHUNK)
     w_at = head * w_ld
@@ -377,13 +410,7 @@ def ln_fwd_reload_vec(
         m = c < body
         xv = tl.load(x_ptr + first + c, mask=m, other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
-        yv = (xv - mean) * rstd
-        if HAS_W:
-            yv = yv * tl.load(w_ptr + w_at + c, mask=m, other=0.0,
-                              eviction_policy="evict_last").to(tl.float32)
-        if HAS_B:
-            yv = yv + tl.load(b_ptr + w_at + c, mask=m, other=0.0,
-                              eviction_policy="evict_last").to(tl.float32)
+        yv = _affine((xv - mean) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
         tl.store(y_ptr + first + c, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -402,6 +429,7 @@ def ln_fwd_split(
     # same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC (or one item
     # per program), so its rows share one misalignment and its weight columns are fixed: weight and
     # bias are loaded once. PREFETCH: see runtime/split.py.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -467,26 +495,21 @@ def ln_fwd_split(
         mean = ref + tl.sum(counts * (means - ref), axis=0) / N
         dev = means - mean
         var = (tl.sum(m2s, axis=0) + tl.sum(counts * dev * dev, axis=0)) / N
-        rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
+        rstd = _rstd(var, eps, EXACT)
         y = (x - mean) * rstd
         if VEC > 0:
-            if HAS_W:
+            if HAS_W and HAS_B:
+                y = tl.fma(y, w.to(tl.float32), b.to(tl.float32))
+            elif HAS_W:
                 y = y * w.to(tl.float32)
-            if HAS_B:
+            elif HAS_B:
                 y = y + b.to(tl.float32)
         else:
-            if HAS_W:
-                y = y * tl.load(w_ptr + pos, mask=mask, other=0.0).to(tl.float32)
-            if HAS_B:
-                y = y + tl.load(b_ptr + pos, mask=mask, other=0.0).to(tl.float32)
+            y = _affine(y, w_ptr, b_ptr, pos, mask, HAS_W, HAS_B, False)
         offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
         tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if VEC > 0:
-            ye = (xe - mean) * rstd
-            if HAS_W:
-                ye = ye * tl.load(w_ptr + e_col, mask=e_mask, other=0.0).to(tl.float32)
-            if HAS_B:
-                ye = ye + tl.load(b_ptr + e_col, mask=e_mask, other=0.0).to(tl.float32)
+            ye = _affine((xe - mean) * rstd, w_ptr, b_ptr, e_col, e_mask, HAS_W, HAS_B, False)
             tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         if chunk == 0:
             tl.store(mean_ptr + row, mean)

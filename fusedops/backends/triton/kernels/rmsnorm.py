@@ -23,6 +23,29 @@ def body_weight(w_ptr, head, w_ld, cols, N, VEC: tl.constexpr):
 
 
 @triton.jit
+def sum_sq(x, axis):
+    return tl.sum(x * x, axis=axis)
+
+
+@triton.jit
+def rstd_of(ss, N, eps, EXACT: tl.constexpr):
+    """1 / sqrt(ss / N + eps); 0 for an infinite mean square, as torch's rms_norm."""
+    ms = ss / N
+    v = ms + eps
+    r = 1.0 / tl.sqrt(v)
+    if EXACT:
+        # float32 y: one Newton step after GPUs' approximate sqrt and division (a few ulp on
+        # every element), its residual 1 - v·r² carrying the roundings of r², ss / N and + eps.
+        h = r * r
+        n = N + 0.0
+        v_lo = tl.fma(-ms, n, ss) / n + tl.where(ms >= eps, (ms - v) + eps, (eps - v) + ms)
+        e = tl.fma(-v, h, 1.0) - v * tl.fma(r, r, -h) - v_lo * h
+        # (an inf, NaN or overflowing start, v = 0, inf or tiny, is kept)
+        r = tl.where(tl.abs(e) < 0.5, tl.fma(0.5 * e, r, r), r)
+    return r
+
+
+@triton.jit
 def shift_weight(w_ptr, ws_ptr, N, w_ld, BLOCK: tl.constexpr):
     # Row h of the (VEC, w_ld) output is the weight from column h on, zero-padded: what
     # body_weight reads with aligned vector loads for rows whose body starts at column h.
@@ -43,6 +66,7 @@ def rms_fwd_single(
     # VEC > 0: unaligned rows as an aligned body plus edges (row_body / row_edges in
     # kernels/common.py, stride_x == stride_y); a tile's rows share one misalignment, and so
     # do all tiles of a program on a grid that is a multiple of VEC (grid_size).
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     if HAS_W and HOLD_W:
@@ -56,12 +80,12 @@ def rms_fwd_single(
         if VEC > 0:  # issued before any reduction, so all loads are in flight together
             e_offs, e_mask, e_col = row_edges(rows, head, M, N, stride_x, VEC)
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
-        ss = tl.sum(x * x, axis=1)
+        ss = sum_sq(x, 1)
         if VEC > 0:
-            ss += tl.sum(xe * xe, axis=1)
+            ss += sum_sq(xe, 1)
         # An infinite mean square (an inf in the row, or squares beyond float32) gives rstd 0,
         # as torch's rms_norm and the reference: finite elements 0, the inf itself NaN.
-        rstd = 1.0 / tl.sqrt(ss / N + eps)
+        rstd = rstd_of(ss, N, eps, EXACT)
         y = x * rstd[:, None]
         if HAS_W:
             if not HOLD_W:
@@ -88,6 +112,7 @@ def rms_fwd_reload_vec(
     # whole in one load for the sum of squares (nothing of it held past the reduction), then
     # again in CHUNK pieces from L2 to write y; the edges (< 2·VEC elements) in one small tile.
     # x and y share the row stride; the weight from the shifted copies (w_ld > 1) or itself.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
     start = row.to(tl.int64) * stride
     first = ((start + (VEC - 1)) // VEC) * VEC  # a multiple of VEC, visibly to the compiler
@@ -100,8 +125,8 @@ def rms_fwd_reload_vec(
     ecol = tl.where(j < VEC, j, head + body + (j - VEC))
     emask = tl.where(j < VEC, j < head, ecol < N)
     xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
-    ss = tl.sum(x * x, axis=0) + tl.sum(xe * xe, axis=0)
-    rstd = 1.0 / tl.sqrt(ss / N + eps)  # 0 for an infinite mean square, as torch
+    ss = sum_sq(x, 0) + sum_sq(xe, 0)
+    rstd = rstd_of(ss, N, eps, EXACT)
     if STATS:
         tl.store(rstd_ptr + row, rstd)
     ye = xe * rstd
@@ -136,9 +161,8 @@ def rms_fwd_looped(
         # evict_last keeps the row in L2 for the second pass; evict_first lets it go after it.
         x = tl.load(x_row + cols, mask=cols < N, other=0.0,
                     eviction_policy="evict_last").to(tl.float32)
-        acc += x * x
-    ms = tl.sum(acc, axis=0) / N
-    rstd = 1.0 / tl.sqrt(ms + eps)  # 0 for an infinite mean square, as torch
+        acc = tl.fma(x, x, acc)  # (what GPUs contract it to; the interpreter rounds the same)
+    rstd = rstd_of(tl.sum(acc, axis=0), N, eps, y_ptr.dtype.element_ty == tl.float32)
     if STATS:
         tl.store(rstd_ptr + row, rstd)
     for start in range(0, N, CHUNK):

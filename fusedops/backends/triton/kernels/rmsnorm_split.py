@@ -19,6 +19,7 @@ from fusedops.backends.triton.kernels.common import (
     split_head,
     split_piece,
 )
+from fusedops.backends.triton.kernels.rmsnorm import rstd_of, sum_sq
 
 
 @triton.jit
@@ -59,6 +60,7 @@ def rms_fwd_split(
     # stride; the grid is a multiple of C·VEC (or one item per program), so a program's rows
     # share one misalignment and its weight columns are fixed: the weight is loaded once.
     # PREFETCH: see runtime/split.py.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
@@ -83,11 +85,11 @@ def rms_fwd_split(
                 x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
         else:
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        ss = tl.sum(x * x, axis=0)
+        ss = sum_sq(x, 0)
         if VEC > 0:
             e_offs, e_mask, e_col = piece_edges(row, chunk, N, stride_x, VEC)
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
-            ss += tl.sum(xe * xe, axis=0)
+            ss += sum_sq(xe, 0)
         tl.store(stats_ptr + item, ss)
         publish_row(count_ptr, row)
         if PREFETCH == 3:
@@ -97,7 +99,7 @@ def rms_fwd_split(
             x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
         total = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
                                cache_modifier=".cg"), axis=0)
-        rstd = 1.0 / tl.sqrt(total / N + eps)  # 0 for an infinite mean square, as torch
+        rstd = rstd_of(total, N, eps, EXACT)
         y = x * rstd
         if HAS_W:
             if VEC > 0:
