@@ -99,10 +99,18 @@ def test_resolve_subsets():
 def test_plan_counts():
     est = bench.plan(bench.OPS, tuple(bench.DTYPES), bench.SIZES, bench.resolve_providers(None),
                      5.0, 25.0)
-    assert est["points"] == 6 * 3 * 13
-    assert est["measurements"] == 6 * 3 * 13 * 5
-    assert est["compiled_shapes"] == 3 * 3 * 13  # fwd and bwd share one compile per shape
+    assert est["points"] == 6 * 3 * 14
+    assert est["measurements"] == 6 * 3 * 14 * 5
+    assert est["compiled_shapes"] == 3 * 3 * 14  # fwd and bwd share one compile per shape
     assert est["est_total_s"] > 0
+
+
+def test_default_sizes():
+    assert bench.SIZES == (256, 512, 768, 1024, 2048, 4096, 8192, 8193, 16384, 32768, 65536,
+                           65537, 131072, 262144)
+    assert bench.resolve_sizes(None) == bench.SIZES
+    help_text = "".join(bench.build_parser().format_help().split())  # argparse wraps it
+    assert "fullsweep:256,512,768,1K,2K,4K,8K,8193,16K,32K,64K,65537,128K,256K)" in help_text
 
 
 # --- the tiny CPU sweep ---------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from fusedops.tools.cli import UsageError
 
 OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd",
        "rmsnorm_bwd")
-SIZES = (256, 512, 1024, 2048, 4096, 8192, 8193, 16384, 32768, 65536, 65537, 131072, 262144)
+SIZES = (256, 512, 768, 1024, 2048, 4096, 8192, 8193, 16384, 32768, 65536, 65537, 131072,
+         262144)
 TOTAL_ELEMENTS = 2**27
 QUICK = {
     "dtypes": ("bf16",),
