@@ -199,23 +199,28 @@ def annotate_speedups(records: list[dict]) -> None:
 
 def plan(ops: Sequence[str], dtypes: Sequence[str], sizes: Sequence[int],
          providers: Sequence[str], warmup_ms: float, rep_ms: float,
-         compile_s_per_shape: float = 1.5, jit_s_per_kernel: float = 0.3) -> dict[str, Any]:
+         compile_s_per_shape: float = 1.5, jit_s_per_kernel: float = 0.3,
+         ahead_ms: tuple[float, float] = (20.0, 70.0)) -> dict[str, Any]:
     """Point counts and a rough time estimate (seconds) for a sweep on a GPU.
 
     Per timed measurement: warmup + rep + ~45 ms (first call, correctness check, do_bench's own
-    estimate, data and cleanup); per compiled shape (one per op family, dtype and N):
-    ``compile_s_per_shape``; per Triton kernel specialisation of fusedops/Liger (one per op,
-    dtype and block size): ``jit_s_per_kernel``. For scale: the full four-op sweep in
-    ``benchmarks/results/h200-2026-11-21.json`` (780 measurements) took 222 s, 98 s of it
-    compiling; this estimate gives 270 s for it.
+    estimate, data and cleanup), plus its GPU-ahead time (``ahead_ms``: forward, backward; the
+    GPU sleep of :meth:`~fusedops.tools.bench_harness.Timer.gpu_ahead` and 31 calls); per
+    compiled shape (one per op family, dtype and N): ``compile_s_per_shape``; per Triton kernel
+    specialisation of fusedops/Liger (one per op, dtype and block size): ``jit_s_per_kernel``.
+    For scale: the full four-op sweep in ``benchmarks/results/h200-2026-11-21.json`` (780
+    measurements, before GPU-ahead times) took 222 s, 98 s of it compiling; this estimate
+    without ``ahead_ms`` gives 270 s for it.
     """
     n_points = len(ops) * len(dtypes) * len(sizes)
     fams = {family(o) for o in ops}
     measurements = n_points * len(providers)
+    n_bwd = sum(is_backward(o) for o in ops) * len(dtypes) * len(sizes) * len(providers)
     compiles = len(fams) * len(dtypes) * len(sizes) if "compile" in providers else 0
     blocks = len({1 << (n - 1).bit_length() for n in sizes})
     jit = sum(p in providers for p in ("fusedops", "liger")) * len(ops) * len(dtypes) * blocks
-    t_measure = measurements * (warmup_ms + rep_ms + 45.0) / 1e3
+    t_measure = (measurements * (warmup_ms + rep_ms + 45.0)
+                 + (measurements - n_bwd) * ahead_ms[0] + n_bwd * ahead_ms[1]) / 1e3
     t_compile = compiles * compile_s_per_shape
     t_jit = jit * jit_s_per_kernel
     return {"points": n_points, "measurements": measurements, "compiled_shapes": compiles,
