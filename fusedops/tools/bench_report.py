@@ -12,7 +12,7 @@ from typing import Any
 
 from fusedops.tools.bench_harness import CPU_NOTE, format_size
 from fusedops.tools.bench_host import TARGET_US
-from fusedops.tools.bench_ops import NOISE, OPS, annotate_speedups
+from fusedops.tools.bench_ops import COMPILE_BUDGET, NOISE, OPS, annotate_speedups
 from fusedops.tools.bench_providers import PROVIDER_NAMES
 from fusedops.tools.cli import can_plot
 
@@ -237,13 +237,28 @@ def format_table(result: dict) -> str:
     title = (f"TB/s by provider ({result.get('device')}, copy "
              f"{copy:.3f} TB/s)" if copy else f"TB/s by provider ({result.get('device')})")
     notes = ("! = output differs from torch beyond the loose check; fail = raised; "
-             "skip = budget; "
+             "skip = budget or unsupported; "
              + ("fusedops ms (gpu) = do_bench median (GPU-ahead time); " if gpu else "")
              + "vs p = p's time / fusedops' time (> 1: fusedops faster)")
     lines = [title, _render(head, rows), notes]
+    unsupported = format_unsupported(result)
+    if unsupported:
+        lines.append(unsupported)
     if is_cpu(result):
         lines.insert(1, cpu_label(result))
     return "\n".join(lines)
+
+
+def format_unsupported(result: dict) -> str:
+    """One line per (provider, op, reason) of the records skipped because the provider does
+    not support the op (every skip but the compile budget), with their count."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for r in result.get("records", []):
+        if r.get("status") == "skipped" and r.get("error") and r["error"] != COMPILE_BUDGET:
+            key = (r["provider"], r["op"], r["error"])
+            groups[key] = groups.get(key, 0) + 1
+    return "\n".join(f"skipped: {p} {op} ({n} point{'s' if n != 1 else ''}): {why}"
+                     for (p, op, why), n in groups.items())
 
 
 def is_cpu(result: dict) -> bool:

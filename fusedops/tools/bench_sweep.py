@@ -6,7 +6,9 @@ torch eager on that data before it is timed, and mismatches are marked in the re
 device-to-device copy bandwidth is measured first, so every result is also a fraction of it;
 small shapes get a separate host-latency measurement (:func:`measure_host_latency`). Every
 record also has ``ms_gpu``, on CUDA the GPU's own time with the host far ahead
-(:meth:`fusedops.tools.bench_harness.Timer.gpu_ahead`), None elsewhere.
+(:meth:`fusedops.tools.bench_harness.Timer.gpu_ahead`), None elsewhere. An op a provider does
+not support (:meth:`~fusedops.tools.bench_providers.Provider.unsupported_reason`) is recorded
+as ``status: "skipped"`` with the reason in ``error``, as points past the compile budget are.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from fusedops.tools.bench_host import host_costs_for_sweep
 from fusedops.tools.bench_latency import host_latency_for_sweep
 from fusedops.tools.bench_ops import (
     BYTES_MODEL,
+    COMPILE_BUDGET,
     FLOP_MODEL,
     HOST_LATENCY_SHAPES,
     NOISE,
@@ -226,6 +229,10 @@ def run_provider(point: Point, provider: Provider, ops: Sequence[str], dtype_nam
     for op in ops:
         rec = base_record(op, dtype_name, point.M, point.N, provider.name, elt)
         records.append(rec)
+        unsupported = provider.unsupported_reason(op)
+        if unsupported is not None:
+            rec["status"], rec["error"] = "skipped", unsupported
+            continue
         try:
             rec["backend"] = provider.backend(point.x)
             if compile_grad_fwd or is_backward(op):
@@ -353,7 +360,7 @@ def _run_point(sw: _Sweep, idx: int, dt_name: str, fam: str, n: int, bar: Progre
             for op in ops:
                 rec = base_record(op, dt_name, m, n, p.name, dtype.itemsize)
                 rec["status"] = "skipped"
-                rec["error"] = "compile budget spent"
+                rec["error"] = COMPILE_BUDGET
                 records.append(rec)
         else:
             recs = run_provider(point, p, ops, dt_name, sw.timer, sw.check, sw.copy_tbps,
