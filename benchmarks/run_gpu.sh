@@ -15,8 +15,8 @@
 # Writes into $OUT (default out/gpu): <gpu>-<date>.json/.csv/.txt, PNGs (one per op for up to
 # four ops, else one per family: see --plot-by) and pytest.log; prints a short table last.
 # Committed results go to benchmarks/results/<gpu>/ (see its README).
-# Liger-Kernel: if .whl/ holds wheels (the machine needs no network), they are installed to
-# /tmp/site.
+# Liger-Kernel, QuACK: if .whl/ holds wheels (the machine needs no network), they are installed
+# to /tmp/site (without their dependencies).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -68,8 +68,16 @@ try:
     lv = version("liger-kernel")
 except Exception as exc:
     lv = f"not importable ({type(exc).__name__})"
+try:
+    import importlib
+    importlib.import_module("quack.softmax")
+    from importlib.metadata import version
+    qv = version("quack-kernels")
+except Exception as exc:
+    qv = f"not importable ({type(exc).__name__})"
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE"
-print(f"run_gpu.sh: {name}; torch {torch.__version__}; triton {tv}; liger-kernel {lv}")
+print(f"run_gpu.sh: {name}; torch {torch.__version__}; triton {tv}; liger-kernel {lv}; "
+      f"quack-kernels {qv}")
 EOF
 
 TEST_RC=0

@@ -99,10 +99,27 @@ def test_resolve_subsets():
 def test_plan_counts():
     est = bench.plan(bench.OPS, tuple(bench.DTYPES), bench.SIZES, bench.resolve_providers(None),
                      5.0, 25.0)
-    assert est["points"] == 6 * 3 * 13
-    assert est["measurements"] == 6 * 3 * 13 * 5
-    assert est["compiled_shapes"] == 3 * 3 * 13  # fwd and bwd share one compile per shape
+    assert est["points"] == 6 * 3 * 14
+    # six providers; QuACK's LayerNorm backward points are skipped, not timed
+    assert est["measurements"] == 6 * 3 * 14 * 6 - 3 * 14
+    assert est["compiled_shapes"] == 3 * 3 * 14  # fwd and bwd share one compile per shape
+    assert est["cute_kernels"] == 5 * 3 * 14
     assert est["est_total_s"] > 0
+    # the GPU-ahead measurement is part of every timed record's cost
+    no_ahead = bench.plan(bench.OPS, ("bf16",), (1024,), ("torch",), 5.0, 25.0,
+                          ahead_ms=(0.0, 0.0))
+    ahead = bench.plan(bench.OPS, ("bf16",), (1024,), ("torch",), 5.0, 25.0,
+                       ahead_ms=(20.0, 70.0))
+    assert ahead["est_measure_s"] - no_ahead["est_measure_s"] == pytest.approx(
+        (3 * 20.0 + 3 * 70.0) / 1e3)
+
+
+def test_default_sizes():
+    assert bench.SIZES == (256, 512, 768, 1024, 2048, 4096, 8192, 8193, 16384, 32768, 65536,
+                           65537, 131072, 262144)
+    assert bench.resolve_sizes(None) == bench.SIZES
+    help_text = "".join(bench.build_parser().format_help().split())  # argparse wraps it
+    assert "fullsweep:256,512,768,1K,2K,4K,8K,8193,16K,32K,64K,65537,128K,256K)" in help_text
 
 
 # --- the tiny CPU sweep ---------------------------------------------------------------------------
@@ -144,8 +161,8 @@ def test_tiny_sweep_records(tiny_result):
         assert set(rec["speedup"]) == others
     fo = [x for x in recs if x["provider"] == "fusedops"]
     assert {x["backend"] for x in fo} == {"reference"}  # CPU tensors use the reference path
-    # the GPU-ahead time is a CUDA measurement: backward records carry None here
-    assert all(x["ms_gpu"] is None for x in recs if x["op"].endswith("_bwd"))
+    # the GPU-ahead time is a CUDA measurement: every record has the field, None here
+    assert all(x["ms_gpu"] is None for x in recs)
 
 
 def test_tiny_sweep_speedups_consistent(tiny_result):
@@ -212,9 +229,11 @@ def test_write_outputs(tiny_result, tmp_path):
     with (tmp_path / "tiny.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(tiny_result["records"])
-    for col in ("op", "dtype", "M", "N", "provider", "ms", "tbps", "gflops", "copy_tbps",
-                "frac_copy", "speedup_vs_torch", "speedup_vs_naive"):
+    for col in ("op", "dtype", "M", "N", "provider", "ms", "ms_gpu", "tbps", "gflops",
+                "copy_tbps", "frac_copy", "speedup_vs_torch", "speedup_vs_naive"):
         assert col in rows[0]
+    assert {row["ms_gpu"] for row in rows} == {""}  # no GPU-ahead time on CPU
+    assert all("ms_gpu" in rec and rec["ms_gpu"] is None for rec in data["records"])
     for fam in FAMILIES:
         assert (tmp_path / f"tiny-{fam}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (tmp_path / "tiny.txt").read_text()
@@ -536,6 +555,21 @@ def test_format_table():
     assert "!" in row
     # columns line up
     assert len({len(ln) for ln in lines[1:3]}) == 1
+    # no GPU-ahead times (not CUDA): no column for them
+    assert "(gpu)" not in text
+
+
+def test_format_table_gpu_ahead_column():
+    res = _synthetic()
+    for r in res["records"]:
+        if r["ms"] is not None:
+            r["ms_gpu"] = r["ms"] * 0.5
+    lines = bench_report.format_table(res).splitlines()
+    assert "fusedops ms (gpu)" in lines[1]
+    row = next(ln for ln in lines if ln.startswith("softmax_fwd") and " 1K " in ln)
+    assert "0.140 (0.070)" in row  # fusedops' do_bench median (GPU-ahead time)
+    assert row.split()[-2:] == ["x1.43", "-"]  # speed-ups still from the do_bench medians
+    assert len({len(ln) for ln in lines[1:3]}) == 1
 
 
 def test_format_short_table_and_targets():
@@ -574,15 +608,46 @@ def test_gpu_ahead_is_cuda_only():
 
 
 def test_gpu_ahead_failure_keeps_the_record(monkeypatch):
-    def boom(self, fn):
+    def boom(self, fn, cycles=None):
         raise RuntimeError("CUDA out of memory")
     monkeypatch.setattr(bench.Timer, "gpu_ahead", boom)
-    r = bench.run_sweep(ops="layernorm_bwd", dtypes="fp32", sizes=[64], providers="fusedops",
+    r = bench.run_sweep(ops="layernorm", dtypes="fp32", sizes=[64], providers="fusedops",
                         device="cpu", total=2**8, warmup_ms=0.1, rep_ms=0.2,
                         host_latency=False, progress=False)
-    rec = r["records"][0]
-    assert rec["status"] == "ok" and rec["ms"] > 0
-    assert rec["ms_gpu"] is None and "out of memory" in rec["ms_gpu_error"]
+    assert [rec["op"] for rec in r["records"]] == ["layernorm_fwd", "layernorm_bwd"]
+    for rec in r["records"]:
+        assert rec["status"] == "ok" and rec["ms"] > 0
+        assert rec["ms_gpu"] is None and "out of memory" in rec["ms_gpu_error"]
+
+
+def test_gpu_ahead_recorded_for_every_point(monkeypatch, tmp_path):
+    # A stand-in for CUDA's GPU-ahead time: every record, forward and backward, of every
+    # provider carries it, into the JSON, the CSV and the table; the forward sleeps shorter.
+    seen = []
+
+    def ahead(self, fn, cycles=None):
+        fn()  # the timed call itself, as the real measurement makes it
+        seen.append(cycles)
+        return 0.5
+
+    monkeypatch.setattr(bench.Timer, "gpu_ahead", ahead)
+    r = bench.run_sweep(ops="softmax,rms_fwd", dtypes="fp32", sizes=[64],
+                        providers="fusedops,torch", device="cpu", total=2**8, warmup_ms=0.1,
+                        rep_ms=0.2, host_latency=False, progress=False)
+    recs = r["records"]
+    assert len(recs) == 3 * 2 and all(rec["ms_gpu"] == 0.5 for rec in recs)
+    fwd = bench.Timer.AHEAD_CYCLES_FORWARD
+    assert sorted(seen) == sorted([fwd, bench.Timer.AHEAD_CYCLES, fwd] * 2)
+    assert fwd < bench.Timer.AHEAD_CYCLES
+    bench_report.write_outputs(r, tmp_path, stem="g", plots=False)
+    assert all(rec["ms_gpu"] == 0.5
+               for rec in json.loads((tmp_path / "g.json").read_text())["records"])
+    with (tmp_path / "g.csv").open() as f:
+        assert {row["ms_gpu"] for row in csv.DictReader(f)} == {"0.5"}
+    lines = bench_report.format_table(r).splitlines()
+    head = next(ln for ln in lines if ln.startswith("op "))
+    assert "fusedops ms (gpu)" in head
+    assert "(0.500)" in next(ln for ln in lines if ln.startswith("softmax_fwd"))
 
 
 def test_slug_and_stem():

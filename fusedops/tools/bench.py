@@ -7,10 +7,12 @@ What it measures (see ``benchmarks/README.md`` and ``docs/performance.md``):
   N, each at ``M = total // N`` rows (``total`` = 2^27 elements by default, far larger than any
   L2), fresh random data per point;
 * providers in the same run: fusedops, torch eager, torch.compile (dynamic=False, recompiled per
-  shape, compile time reported), Liger-Kernel when importable, the unfused eager composition;
+  shape, compile time reported), Liger-Kernel and QuACK when importable (CUDA; QuACK has no
+  LayerNorm backward, so those points are recorded as skipped), the unfused eager composition;
 * the device-to-device copy bandwidth first, so every result is also a fraction of it;
 * bandwidth = minimum bytes moved (:func:`bytes_moved`) / median time, GFLOP/s from the stated
-  FLOP counts (:data:`FLOPS_PER_ELEMENT`), speedup of each provider against every other;
+  FLOP counts (:data:`FLOPS_PER_ELEMENT`), speedup of each provider against every other; on
+  CUDA also each record's GPU-ahead time (``ms_gpu``: the GPU's own time, the host far ahead);
 * small-shape host latency: wall time per call of fusedops vs the native torch op;
 * a correctness guard: every provider's output is checked against torch eager on the same data
   before it is timed, and mismatches are marked in the results.
@@ -103,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fusedops bench",
         description="Benchmark fused softmax / LayerNorm / RMSNorm against torch eager, "
-        "torch.compile, "
-        "Liger-Kernel and the unfused composition: TB/s, GFLOP/s, fraction of the measured "
-        "copy bandwidth, speedups; JSON/CSV/PNG under --out.",
+        "torch.compile, Liger-Kernel, QuACK and the unfused composition: TB/s, GFLOP/s, "
+        "fraction of the measured copy bandwidth, speedups, the GPU-ahead time beside do_bench "
+        "on CUDA; JSON/CSV/PNG under --out.",
     )
     p.add_argument("--device", choices=("cuda", "mps", "cpu"), default=None,
                    help="default: cuda if available, else mps, else cpu (tiny sizes)")

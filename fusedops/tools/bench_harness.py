@@ -286,15 +286,23 @@ class Timer:
     # A GPU sleep long enough for the host to enqueue every call of ``gpu_ahead`` behind it
     # (about 50 ms at 2 GHz; a slow host needs up to ~0.5 ms per backward call).
     AHEAD_CYCLES = 100_000_000
+    # The sweep's forward calls: one launch to a handful (naive, Dynamo's guards), under ~0.1 ms
+    # of host time per call with its flush and events even on a slow host, so the 30 are
+    # issued well inside this ~10 ms sleep; and a host slower than that still stays ahead, since
+    # each call's 256 MiB flush plus a 2^27-element kernel takes the GPU longer than issuing
+    # them takes the host. A fifth of the backward's sleep keeps this extra measurement to
+    # ~20 ms per forward record.
+    AHEAD_CYCLES_FORWARD = 20_000_000
     AHEAD_CALLS = 30
 
-    def gpu_ahead(self, fn: Callable[[], Any]) -> float | None:
+    def gpu_ahead(self, fn: Callable[[], Any], cycles: int | None = None) -> float | None:
         """CUDA only: the median time (ms) of single calls, each after an L2 flush, all
-        enqueued behind a GPU sleep so the host is far ahead and the GPU never waits for it:
-        the GPU's own time. ``do_bench`` times calls the host issues as the GPU runs them; where
-        a call's host time is close to its GPU time (a backward through autograd on a slow
-        host) the GPU waits inside the timed window and its medians spread run to run. None
-        elsewhere (or without ``torch.cuda._sleep``)."""
+        enqueued behind a GPU sleep of ``cycles`` clock cycles (default :attr:`AHEAD_CYCLES`)
+        so the host is far ahead and the GPU never waits for it: the GPU's own time.
+        ``do_bench`` times calls the host issues as the GPU runs them; where a call's host time
+        is close to its GPU time (a backward through autograd on a slow host) the GPU waits
+        inside the timed window and its medians spread run to run. None elsewhere (or without
+        ``torch.cuda._sleep``)."""
         sleep = getattr(torch.cuda, "_sleep", None)
         if self.device != "cuda" or sleep is None:
             return None
@@ -304,7 +312,7 @@ class Timer:
                   for _ in range(self.AHEAD_CALLS)]
         fn()
         torch.cuda.synchronize()
-        sleep(self.AHEAD_CYCLES)
+        sleep(self.AHEAD_CYCLES if cycles is None else cycles)
         for start, end in events:
             self._flush.zero_()
             start.record()

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from fusedops.tools.bench_harness import parse_size, split_list
-from fusedops.tools.bench_providers import FAMILIES, PROVIDER_NAMES
+from fusedops.tools.bench_providers import FAMILIES, PROVIDER_NAMES, all_providers
 from fusedops.tools.cli import UsageError
 
 OPS = ("softmax_fwd", "softmax_bwd", "layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd",
        "rmsnorm_bwd")
-SIZES = (256, 512, 1024, 2048, 4096, 8192, 8193, 16384, 32768, 65536, 65537, 131072, 262144)
+SIZES = (256, 512, 768, 1024, 2048, 4096, 8192, 8193, 16384, 32768, 65536, 65537, 131072,
+         262144)
 TOTAL_ELEMENTS = 2**27
 QUICK = {
     "dtypes": ("bf16",),
@@ -68,6 +69,8 @@ BYTES_MODEL = {
 }
 # A provider is "slower" than another only beyond this relative margin (run-to-run noise).
 NOISE = 0.02
+# The reason of a compile-provider record skipped because the compile budget was spent.
+COMPILE_BUDGET = "compile budget spent"
 
 
 def family(op: str) -> str:
@@ -170,7 +173,7 @@ def resolve_providers(providers: str | Sequence[str] | None) -> tuple[str, ...]:
     for n in names:
         n = n.lower()
         n = {"eager": "torch", "inductor": "compile", "torch.compile": "compile",
-             "liger-kernel": "liger", "unfused": "naive"}.get(n, n)
+             "liger-kernel": "liger", "quack-kernels": "quack", "unfused": "naive"}.get(n, n)
         if n not in PROVIDER_NAMES:
             raise UsageError(f"unknown provider {n!r}; choose from {PROVIDER_NAMES}")
         if n not in out:
@@ -198,26 +201,39 @@ def annotate_speedups(records: list[dict]) -> None:
 
 def plan(ops: Sequence[str], dtypes: Sequence[str], sizes: Sequence[int],
          providers: Sequence[str], warmup_ms: float, rep_ms: float,
-         compile_s_per_shape: float = 1.5, jit_s_per_kernel: float = 0.3) -> dict[str, Any]:
+         compile_s_per_shape: float = 1.5, jit_s_per_kernel: float = 0.3,
+         ahead_ms: tuple[float, float] = (20.0, 70.0),
+         cute_s_per_kernel: float = 2.0) -> dict[str, Any]:
     """Point counts and a rough time estimate (seconds) for a sweep on a GPU.
 
     Per timed measurement: warmup + rep + ~45 ms (first call, correctness check, do_bench's own
-    estimate, data and cleanup); per compiled shape (one per op family, dtype and N):
-    ``compile_s_per_shape``; per Triton kernel specialisation of fusedops/Liger (one per op,
-    dtype and block size): ``jit_s_per_kernel``. For scale: the full four-op sweep in
-    ``benchmarks/results/h200-2026-11-21.json`` (780 measurements) took 222 s, 98 s of it
-    compiling; this estimate gives 270 s for it.
+    estimate, data and cleanup), plus its GPU-ahead time (``ahead_ms``: forward, backward; the
+    GPU sleep of :meth:`~fusedops.tools.bench_harness.Timer.gpu_ahead` and 31 calls); per
+    compiled shape (one per op family, dtype and N): ``compile_s_per_shape``; per Triton kernel
+    specialisation of fusedops/Liger (one per op, dtype and block size): ``jit_s_per_kernel``;
+    per QuACK kernel (CuTe DSL compiles one per op, dtype and N; a guess until a sweep with
+    QuACK is timed): ``cute_s_per_kernel``. For scale: the full four-op sweep in
+    ``benchmarks/results/h200-2026-11-21.json`` (780 measurements, before GPU-ahead times)
+    took 222 s, 98 s of it compiling; this estimate without ``ahead_ms`` gives 270 s for it.
     """
     n_points = len(ops) * len(dtypes) * len(sizes)
     fams = {family(o) for o in ops}
-    measurements = n_points * len(providers)
+    per_op = len(dtypes) * len(sizes)
+    table = all_providers()
+    # (provider, op) pairs that are timed: an unsupported op is recorded as skipped.
+    timed = [(p, o) for p in providers for o in ops if table[p].unsupported_reason(o) is None]
+    measurements = len(timed) * per_op
+    n_bwd = sum(is_backward(o) for _, o in timed) * per_op
     compiles = len(fams) * len(dtypes) * len(sizes) if "compile" in providers else 0
     blocks = len({1 << (n - 1).bit_length() for n in sizes})
     jit = sum(p in providers for p in ("fusedops", "liger")) * len(ops) * len(dtypes) * blocks
-    t_measure = measurements * (warmup_ms + rep_ms + 45.0) / 1e3
+    cute = sum(p == "quack" for p, _ in timed) * per_op
+    t_measure = (measurements * (warmup_ms + rep_ms + 45.0)
+                 + (measurements - n_bwd) * ahead_ms[0] + n_bwd * ahead_ms[1]) / 1e3
     t_compile = compiles * compile_s_per_shape
-    t_jit = jit * jit_s_per_kernel
+    t_jit = jit * jit_s_per_kernel + cute * cute_s_per_kernel
     return {"points": n_points, "measurements": measurements, "compiled_shapes": compiles,
-            "jit_kernels": jit, "est_measure_s": t_measure, "est_compile_s": t_compile,
-            "est_jit_s": t_jit, "est_total_s": t_measure + t_compile + t_jit + 15.0}
+            "jit_kernels": jit, "cute_kernels": cute, "est_measure_s": t_measure,
+            "est_compile_s": t_compile, "est_jit_s": t_jit,
+            "est_total_s": t_measure + t_compile + t_jit + 15.0}
 

@@ -25,6 +25,7 @@ STYLE = {
     "torch": {"color": "#1f77b4", "marker": "s"},
     "compile": {"color": "#2ca02c", "marker": "^"},
     "liger": {"color": "#9467bd", "marker": "D"},
+    "quack": {"color": "#8c564b", "marker": "P"},
     "naive": {"color": "#7f7f7f", "marker": "v", "linestyle": "--"},
 }
 DTYPE_ORDER = ("bf16", "fp16", "fp32")

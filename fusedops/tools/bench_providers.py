@@ -11,13 +11,17 @@ input, all with the same signature:
 Backward passes are not separate entry points: the harness runs the forward with inputs that
 require grad and times ``torch.autograd.grad`` on its output, so each provider's backward is the
 one its own autograd graph records (a single node for the fused providers, the whole unfused
-chain for ``naive``, the AOTAutograd-compiled backward for ``compile``).
+chain for ``naive``, the AOTAutograd-compiled backward for ``compile``). A provider whose
+forward records no backward names that op in :attr:`Provider.unsupported`; the sweep then
+records the point as skipped with the reason instead of timing it.
 """
 
 from __future__ import annotations
 
+import importlib
+import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +109,63 @@ def _liger_rmsnorm(x, w, b=None):
     return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
 
 
+class Float32Copies:
+    """float32 copies of parameter tensors, made once per tensor (again only after the tensor is
+    changed in place), for kernels that take float32 weights whatever x's dtype: the sweep calls
+    a row function once untimed before timing it on the same weight, so the conversion stays out
+    of the timed calls. Entries go when their tensor does."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def get(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` as float32 (same shape and device; ``t`` itself when already float32)."""
+        if t is None or t.dtype == torch.float32:
+            return t
+        key = id(t)
+        hit = self._copies.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        copy = t.detach().to(torch.float32)
+        # The callback runs before the id can be reused by another tensor.
+        ref = weakref.ref(t, lambda _ref, key=key: self._copies.pop(key, None))
+        self._copies[key] = (ref, t._version, copy)
+        return copy
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
+QUACK_FP32 = Float32Copies()
+
+
+def _quack_softmax(x, w=None, b=None):
+    # quack.softmax.softmax(x): SoftmaxFunction.apply, with a backward (its softmax_bwd kernel).
+    # It takes 2-D x only (fp16/bf16/fp32); the host-latency shapes include 3-D ones.
+    softmax = importlib.import_module("quack.softmax").softmax
+    if x.dim() == 2:
+        return softmax(x)
+    return softmax(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+def _quack_layernorm(x, w, b):
+    # quack.rmsnorm.layernorm_fwd(x, weight, bias=None, eps=1e-6, return_rstd=False,
+    # return_mean=False): forward only (no autograd), 2-D x, weight and bias float32 only.
+    layernorm_fwd = importlib.import_module("quack.rmsnorm").layernorm_fwd
+    w32, b32 = QUACK_FP32.get(w), QUACK_FP32.get(b)
+    if x.dim() == 2:
+        return layernorm_fwd(x, w32, b32, eps=EPS)
+    return layernorm_fwd(x.reshape(-1, x.shape[-1]), w32, b32, eps=EPS).reshape(x.shape)
+
+
+def _quack_rmsnorm(x, w, b=None):
+    # quack.rmsnorm.rmsnorm(x, weight=None, bias=None, residual=None, out_dtype=None,
+    # residual_dtype=None, eps=1e-6, prenorm=False, weight_offset=0.0): RMSNormFunction.apply,
+    # with a backward (dx, dweight); weight in fp16/bf16/fp32, so the sweep's own weight; it
+    # flattens leading dims itself. QuACK's default eps is 1e-6: pass the sweep's.
+    return importlib.import_module("quack.rmsnorm").rmsnorm(x, w, eps=EPS)
+
+
 # --- provider objects -----------------------------------------------------------------------------
 
 
@@ -114,7 +175,8 @@ class Provider:
 
     One row function per family: ``softmax`` and ``layernorm`` are required, ``rmsnorm`` may be
     left out (None), in which case ``make("rmsnorm")`` raises and the harness records the error
-    for that family's points only.
+    for that family's points only. ``unsupported`` maps an op (``"layernorm_bwd"``) this
+    provider cannot run to the reason; the sweep records those points as skipped with it.
 
     ``make(family)`` returns the callable for one sweep point; the ``compile`` provider resets
     Dynamo and returns a fresh ``torch.compile(dynamic=False)`` wrapper each time, so every shape
@@ -129,6 +191,7 @@ class Provider:
     compiles: bool = False
     devices: tuple[str, ...] = ("cuda", "mps", "cpu")
     runs_on: str = ""
+    unsupported: dict[str, str] = field(default_factory=dict)
 
     def unavailable_reason(self, device_type: str,
                            families: Iterable[str] | None = None) -> str | None:
@@ -137,6 +200,10 @@ class Provider:
         if device_type not in self.devices:
             return f"{self.name} does not run on {device_type}"
         return None
+
+    def unsupported_reason(self, op: str) -> str | None:
+        """Why this provider does not run ``op`` (e.g. ``"layernorm_bwd"``), or None."""
+        return self.unsupported.get(op)
 
     def row_fn(self, family: str) -> RowFn:
         """The (uncompiled) row function of ``family``; ValueError when there is none."""
@@ -202,6 +269,45 @@ class LigerProvider(Provider):
             return "liger-kernel"
 
 
+# The QuACK function each family runs (module, function). The package re-exports functions named
+# like the submodules (quack.softmax, quack.rmsnorm), so the submodules are imported by name.
+QUACK_FUNCTIONS = {
+    "softmax": ("quack.softmax", "softmax"),
+    "layernorm": ("quack.rmsnorm", "layernorm_fwd"),
+    "rmsnorm": ("quack.rmsnorm", "rmsnorm"),
+}
+# quack.rmsnorm.layernorm_fwd records no autograd backward; the module's layernorm_bwd is a bare
+# kernel call (it needs the forward's rstd and mean), not something autograd.grad can reach.
+QUACK_NO_LAYERNORM_BWD = ("QuACK has no LayerNorm backward (layernorm_fwd is forward only, "
+                          "without autograd)")
+
+
+class QuackProvider(Provider):
+    def unavailable_reason(self, device_type: str,
+                           families: Iterable[str] | None = None) -> str | None:
+        """Also requires QuACK's function for every family the sweep runs (all three when
+        ``families`` is None); importing QuACK also loads the CuTe DSL, which can fail for
+        reasons other than a missing package."""
+        reason = super().unavailable_reason(device_type, families)
+        if reason is not None:
+            return reason
+        for fam in FAMILIES if families is None else families:
+            module, name = QUACK_FUNCTIONS[fam]
+            try:
+                getattr(importlib.import_module(module), name)
+            except Exception as exc:  # ImportError, or a CUTLASS/driver error at import time
+                return f"quack not importable: {type(exc).__name__}: {exc}"
+        return None
+
+    def backend(self, x: torch.Tensor) -> str:
+        try:
+            from importlib.metadata import version
+
+            return f"quack-kernels {version('quack-kernels')}"
+        except Exception:
+            return "quack-kernels"
+
+
 def all_providers() -> dict[str, Provider]:
     """Every known provider, in the order results are shown."""
     return {
@@ -221,6 +327,15 @@ def all_providers() -> dict[str, Provider]:
             "liger", "Liger-Kernel LigerSoftmaxFunction / LigerLayerNormFunction / "
             "LigerRMSNormFunction (offset 0, casting llama, not in place)",
             _liger_softmax, _liger_layernorm, _liger_rmsnorm, devices=("cuda",),
+        ),
+        "quack": QuackProvider(
+            "quack", "QuACK (quack-kernels, CuTe DSL): quack.softmax.softmax(x) / "
+            f"quack.rmsnorm.layernorm_fwd(x, weight.float(), bias.float(), eps={EPS:g}), "
+            "forward only, its float32 weight and bias converted once per weight tensor outside "
+            f"the timed calls / quack.rmsnorm.rmsnorm(x, weight, eps={EPS:g}); inputs of more "
+            "than 2 dims flattened to rows",
+            _quack_softmax, _quack_layernorm, _quack_rmsnorm, devices=("cuda",),
+            unsupported={"layernorm_bwd": QUACK_NO_LAYERNORM_BWD},
         ),
         "naive": Provider(
             "naive", "unfused eager composition (max/exp/sum/div; mean/var/sub/mul/add; "

@@ -12,7 +12,7 @@ from typing import Any
 
 from fusedops.tools.bench_harness import CPU_NOTE, format_size
 from fusedops.tools.bench_host import TARGET_US
-from fusedops.tools.bench_ops import NOISE, OPS, annotate_speedups
+from fusedops.tools.bench_ops import COMPILE_BUDGET, NOISE, OPS, annotate_speedups
 from fusedops.tools.bench_providers import PROVIDER_NAMES
 from fusedops.tools.cli import can_plot
 
@@ -196,17 +196,32 @@ def worst_speedup(row: dict[str, dict], provider: str = "fusedops") -> tuple[flo
     return best
 
 
+def _ms(v: float) -> str:
+    """3 decimals for GPU-sized times (ms), 3 significant digits for tiny (CPU test) ones."""
+    return f"{v:.3f}" if abs(v) >= 0.01 else f"{v:.3g}"
+
+
+def _gpu_cell(r: dict | None) -> str:
+    """``"ms (GPU-ahead ms)"`` of a record; just the ms where it has no GPU-ahead time."""
+    if not r or r.get("ms") is None:
+        return "-"
+    text = _ms(r["ms"])
+    return text if r.get("ms_gpu") is None else f"{text} ({_ms(r['ms_gpu'])})"
+
+
 def format_table(result: dict) -> str:
     """One row per (op, dtype, N): TB/s per provider, fusedops' fraction of copy bandwidth and
-    its speedup over each other provider (other ms / fusedops ms: ``x0.95`` = 5% slower)."""
+    its speedup over each other provider (other ms / fusedops ms: ``x0.95`` = 5% slower); where
+    the run has GPU-ahead times (CUDA), also fusedops' do_bench ms with its GPU-ahead ms."""
     records = result.get("records", [])
     if not records:
         return "(no sweep records)"
     provs = _providers_in(records)
     others = [p for p in provs if p != "fusedops"] if "fusedops" in provs else []
+    gpu = "fusedops" in provs and any(r.get("ms_gpu") is not None for r in records)
     grid = _grid(records)
     head = (["op", "dtype", "N", "M"] + provs + ["frac_copy"]
-            + [f"vs {p}" for p in others])
+            + (["fusedops ms (gpu)"] if gpu else []) + [f"vs {p}" for p in others])
     rows = []
     for key in _row_order(grid):
         row = grid[key]
@@ -216,16 +231,34 @@ def format_table(result: dict) -> str:
         speed = (fo or {}).get("speedup") or {}
         rows.append([key[0], key[1], format_size(key[2]), str(any_r["M"])]
                     + [_cell(row.get(p)) for p in provs] + [frac]
+                    + ([_gpu_cell(fo)] if gpu else [])
                     + [f"x{speed[p]:.2f}" if p in speed else "-" for p in others])
     copy = result.get("copy_tbps")
     title = (f"TB/s by provider ({result.get('device')}, copy "
              f"{copy:.3f} TB/s)" if copy else f"TB/s by provider ({result.get('device')})")
     notes = ("! = output differs from torch beyond the loose check; fail = raised; "
-             "skip = budget; vs p = p's time / fusedops' time (> 1: fusedops faster)")
+             "skip = budget or unsupported; "
+             + ("fusedops ms (gpu) = do_bench median (GPU-ahead time); " if gpu else "")
+             + "vs p = p's time / fusedops' time (> 1: fusedops faster)")
     lines = [title, _render(head, rows), notes]
+    unsupported = format_unsupported(result)
+    if unsupported:
+        lines.append(unsupported)
     if is_cpu(result):
         lines.insert(1, cpu_label(result))
     return "\n".join(lines)
+
+
+def format_unsupported(result: dict) -> str:
+    """One line per (provider, op, reason) of the records skipped because the provider does
+    not support the op (every skip but the compile budget), with their count."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for r in result.get("records", []):
+        if r.get("status") == "skipped" and r.get("error") and r["error"] != COMPILE_BUDGET:
+            key = (r["provider"], r["op"], r["error"])
+            groups[key] = groups.get(key, 0) + 1
+    return "\n".join(f"skipped: {p} {op} ({n} point{'s' if n != 1 else ''}): {why}"
+                     for (p, op, why), n in groups.items())
 
 
 def is_cpu(result: dict) -> bool:
@@ -332,8 +365,8 @@ def targets_summary(result: dict) -> dict[str, Any]:
     return out
 
 
-# A backward record whose do_bench median exceeds the GPU's own time (Timer.gpu_ahead) by more
-# than this fraction was timed partly waiting for the host.
+# A record whose do_bench median exceeds the GPU's own time (Timer.gpu_ahead) by more than this
+# fraction was timed partly waiting for the host.
 HOST_BOUND = 0.10
 
 

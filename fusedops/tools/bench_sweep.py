@@ -4,9 +4,11 @@ Every (dtype, op family, N) point gets fresh random data (:class:`Point`), share
 providers and by the family's forward and backward; each provider's output is checked against
 torch eager on that data before it is timed, and mismatches are marked in the record. The
 device-to-device copy bandwidth is measured first, so every result is also a fraction of it;
-small shapes get a separate host-latency measurement (:func:`measure_host_latency`). CUDA
-backward records also carry ``ms_gpu``, the GPU's own time with the host far ahead
-(:meth:`fusedops.tools.bench_harness.Timer.gpu_ahead`).
+small shapes get a separate host-latency measurement (:func:`measure_host_latency`). Every
+record also has ``ms_gpu``, on CUDA the GPU's own time with the host far ahead
+(:meth:`fusedops.tools.bench_harness.Timer.gpu_ahead`), None elsewhere. An op a provider does
+not support (:meth:`~fusedops.tools.bench_providers.Provider.unsupported_reason`) is recorded
+as ``status: "skipped"`` with the reason in ``error``, as points past the compile budget are.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from fusedops.tools.bench_host import host_costs_for_sweep
 from fusedops.tools.bench_latency import host_latency_for_sweep
 from fusedops.tools.bench_ops import (
     BYTES_MODEL,
+    COMPILE_BUDGET,
     FLOP_MODEL,
     HOST_LATENCY_SHAPES,
     NOISE,
@@ -120,7 +123,7 @@ def base_record(op: str, dtype_name: str, M: int, N: int, provider: str, elt: in
     return {
         "op": op, "dtype": dtype_name, "M": M, "N": N, "provider": provider,
         "backend": None, "status": "error", "ok": None, "max_err": None,
-        "ms": None, "ms_p20": None, "ms_p80": None,
+        "ms": None, "ms_p20": None, "ms_p80": None, "ms_gpu": None,
         "bytes": bytes_moved(op, M, N, elt), "flops": flops(op, M, N),
         "tbps": None, "gflops": None, "copy_tbps": None, "frac_copy": None,
         "compile_s": None, "first_call_s": None, "error": None,
@@ -140,10 +143,22 @@ def finish_record(rec: dict, ms: float, lo: float, hi: float, copy_tbps: float |
         rec["frac_peak"] = rec["tbps"] / peak_tbps
 
 
+def _gpu_ahead(rec: dict, timer: Timer, call: Callable[[], Any], cycles: int) -> None:
+    """``rec["ms_gpu"]``: :meth:`Timer.gpu_ahead` of ``call`` behind a ``cycles`` GPU sleep
+    (None off CUDA). An extra measurement: its failure notes ``ms_gpu_error`` and leaves the
+    record's do_bench time standing."""
+    try:
+        rec["ms_gpu"] = timer.gpu_ahead(call, cycles=cycles)
+    except Exception as exc:
+        rec["ms_gpu"] = None
+        rec["ms_gpu_error"] = short_error(exc)
+
+
 def _time_forward(point: Point, fn: Callable, rec: dict, timer: Timer, check: bool,
                   grad_inputs: tuple | None) -> tuple[float, float, float, float]:
     """(ms, p20, p80, first-call seconds) of the forward; in grad mode on ``grad_inputs`` when
-    given (one compiled training graph then serves fwd and bwd), else inference."""
+    given (one compiled training graph then serves fwd and bwd), else inference. Also
+    ``ms_gpu`` in ``rec``."""
     train = grad_inputs is not None
     args = point.args(grad_inputs) if train else point.args()
     rec["fwd_mode"] = "train" if train else "inference"
@@ -155,7 +170,12 @@ def _time_forward(point: Point, fn: Callable, rec: dict, timer: Timer, check: bo
         if check:
             rec["ok"], rec["max_err"] = check_outputs((y,), (point.ref_y,), point.dtype)
         del y
-        ms, lo, hi = timer(lambda fn=fn, args=args: fn(*args))
+
+        def run_fwd(fn=fn, args=args):
+            return fn(*args)
+
+        ms, lo, hi = timer(run_fwd)
+        _gpu_ahead(rec, timer, run_fwd, Timer.AHEAD_CYCLES_FORWARD)
     return ms, lo, hi, first
 
 
@@ -182,11 +202,7 @@ def _time_backward(point: Point, fn: Callable, rec: dict, timer: Timer, check: b
             return torch.autograd.grad(y, inputs, dy, retain_graph=True)
 
         ms, lo, hi = timer(run_bwd)
-        try:  # an extra measurement: its failure must not cost the record
-            rec["ms_gpu"] = timer.gpu_ahead(run_bwd)
-        except Exception as exc:
-            rec["ms_gpu"] = None
-            rec["ms_gpu_error"] = short_error(exc)
+        _gpu_ahead(rec, timer, run_bwd, Timer.AHEAD_CYCLES)
         del y, run_bwd
     return ms, lo, hi, first_fwd, first_bwd
 
@@ -213,6 +229,10 @@ def run_provider(point: Point, provider: Provider, ops: Sequence[str], dtype_nam
     for op in ops:
         rec = base_record(op, dtype_name, point.M, point.N, provider.name, elt)
         records.append(rec)
+        unsupported = provider.unsupported_reason(op)
+        if unsupported is not None:
+            rec["status"], rec["error"] = "skipped", unsupported
+            continue
         try:
             rec["backend"] = provider.backend(point.x)
             if compile_grad_fwd or is_backward(op):
@@ -340,7 +360,7 @@ def _run_point(sw: _Sweep, idx: int, dt_name: str, fam: str, n: int, bar: Progre
             for op in ops:
                 rec = base_record(op, dt_name, m, n, p.name, dtype.itemsize)
                 rec["status"] = "skipped"
-                rec["error"] = "compile budget spent"
+                rec["error"] = COMPILE_BUDGET
                 records.append(rec)
         else:
             recs = run_provider(point, p, ops, dt_name, sw.timer, sw.check, sw.copy_tbps,
