@@ -116,8 +116,8 @@ def vec_bwd_config(block: int, elt_size: int) -> tuple[int, int]:
 # [3.98], 8K 2 x 8 4.04 [3.96]; float32 8K 1 x 8 4.10 [4.03], 16K 2 x 16 4.10 [3.90], 32K
 # 1 x 32 3.90 [3.85]. Rows with N not a multiple of 16 keep LayerNorm's rules (scalar
 # accesses at 8193: 1.75 [1.16-1.58 on these]). Not kept: 16-bit 16K on 1 x 32, faster for the
-# forward with rstd (3.91 [3.22]) but not for the inference forward
-# (benchmarks/results/h200/rmsnorm.json, which ran it: 0.65-0.68 of copy, behind compile).
+# forward with rstd (3.91 [3.22]) but not for the inference forward (0.65-0.68 of copy, behind
+# compile, in the RMSNorm sweep committed at 308b1c8 as benchmarks/results/h200/rmsnorm.json).
 FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
     (2, 4096): (4, 8, False), (2, 8192): (2, 8, False),
     (4, 8192): (1, 8, False), (4, 16384): (2, 16, False), (4, 32768): (1, 32, False),
