@@ -241,34 +241,6 @@ LIGER_FUNCTIONS = {
 }
 
 
-class LigerProvider(Provider):
-    def unavailable_reason(self, device_type: str,
-                           families: Iterable[str] | None = None) -> str | None:
-        """Also requires Liger's function for every family the sweep runs (all three when
-        ``families`` is None), so a Liger build that lacks one family's op is reported
-        unavailable only for sweeps that need it."""
-        reason = super().unavailable_reason(device_type, families)
-        if reason is not None:
-            return reason
-        import importlib
-
-        for fam in FAMILIES if families is None else families:
-            module, name = LIGER_FUNCTIONS[fam]
-            try:
-                getattr(importlib.import_module(module), name)
-            except Exception as exc:  # ImportError, or a Triton/driver error at import time
-                return f"liger-kernel not importable: {type(exc).__name__}: {exc}"
-        return None
-
-    def backend(self, x: torch.Tensor) -> str:
-        try:
-            from importlib.metadata import version
-
-            return f"liger-kernel {version('liger-kernel')}"
-        except Exception:
-            return "liger-kernel"
-
-
 # The QuACK function each family runs (module, function). The package re-exports functions named
 # like the submodules (quack.softmax, quack.rmsnorm), so the submodules are imported by name.
 QUACK_FUNCTIONS = {
@@ -282,30 +254,38 @@ QUACK_NO_LAYERNORM_BWD = ("QuACK has no LayerNorm backward (layernorm_fwd is for
                           "without autograd)")
 
 
-class QuackProvider(Provider):
+@dataclass
+class PackageProvider(Provider):
+    """A provider from another package: ``functions`` maps each family to the (module, name)
+    it runs, ``package`` is its distribution name (its version goes into every record)."""
+
+    package: str = ""
+    functions: dict[str, tuple[str, str]] = field(default_factory=dict)
+
     def unavailable_reason(self, device_type: str,
                            families: Iterable[str] | None = None) -> str | None:
-        """Also requires QuACK's function for every family the sweep runs (all three when
-        ``families`` is None); importing QuACK also loads the CuTe DSL, which can fail for
-        reasons other than a missing package."""
+        """Also requires the package's function for every family the sweep runs (all three
+        when ``families`` is None), so a build that lacks one family's op is reported
+        unavailable only for sweeps that need it. Importing can fail for reasons other than a
+        missing package (a Triton, CUTLASS or driver error at import time)."""
         reason = super().unavailable_reason(device_type, families)
         if reason is not None:
             return reason
         for fam in FAMILIES if families is None else families:
-            module, name = QUACK_FUNCTIONS[fam]
+            module, name = self.functions[fam]
             try:
                 getattr(importlib.import_module(module), name)
-            except Exception as exc:  # ImportError, or a CUTLASS/driver error at import time
-                return f"quack not importable: {type(exc).__name__}: {exc}"
+            except Exception as exc:
+                return f"{self.name} not importable: {type(exc).__name__}: {exc}"
         return None
 
     def backend(self, x: torch.Tensor) -> str:
         try:
             from importlib.metadata import version
 
-            return f"quack-kernels {version('quack-kernels')}"
+            return f"{self.package} {version(self.package)}"
         except Exception:
-            return "quack-kernels"
+            return self.package
 
 
 def all_providers() -> dict[str, Provider]:
@@ -323,12 +303,13 @@ def all_providers() -> dict[str, Provider]:
             "compile", "torch.compile(dynamic=False) of the torch eager op, recompiled per shape",
             torch_softmax, torch_layernorm, torch_rmsnorm, compiles=True, runs_on="inductor",
         ),
-        "liger": LigerProvider(
+        "liger": PackageProvider(
             "liger", "Liger-Kernel LigerSoftmaxFunction / LigerLayerNormFunction / "
             "LigerRMSNormFunction (offset 0, casting llama, not in place)",
             _liger_softmax, _liger_layernorm, _liger_rmsnorm, devices=("cuda",),
+            package="liger-kernel", functions=LIGER_FUNCTIONS,
         ),
-        "quack": QuackProvider(
+        "quack": PackageProvider(
             "quack", "QuACK (quack-kernels, CuTe DSL): quack.softmax.softmax(x) / "
             f"quack.rmsnorm.layernorm_fwd(x, weight.float(), bias.float(), eps={EPS:g}), "
             "forward only, its float32 weight and bias converted once per weight tensor outside "
@@ -336,6 +317,7 @@ def all_providers() -> dict[str, Provider]:
             "than 2 dims flattened to rows",
             _quack_softmax, _quack_layernorm, _quack_rmsnorm, devices=("cuda",),
             unsupported={"layernorm_bwd": QUACK_NO_LAYERNORM_BWD},
+            package="quack-kernels", functions=QUACK_FUNCTIONS,
         ),
         "naive": Provider(
             "naive", "unfused eager composition (max/exp/sum/div; mean/var/sub/mul/add; "

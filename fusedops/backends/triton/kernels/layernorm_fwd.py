@@ -34,24 +34,26 @@ def _rstd(var, eps, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _param(ptr, offs, mask, KEEP: tl.constexpr):
+    # A weight or bias slice in float32; KEEP: it stays in L2 for the next row ("evict_last"),
+    # a flag rather than the policy string, which Triton 3.6 cannot take as a nested function's
+    # constexpr.
+    if KEEP:
+        v = tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+    else:
+        v = tl.load(ptr + offs, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _affine(y, w_ptr, b_ptr, offs, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
             KEEP: tl.constexpr):
     # y·w[offs] + b[offs] (each where present) as one FMA, which is what the compiler makes of
     # it on GPUs; written out so the interpreter rounds it the same way.
-    # KEEP: the weights stay in L2 for the next row ("evict_last"); a flag rather than the policy
-    # string, which Triton 3.6 cannot take as a nested function's constexpr.
     if HAS_W:
-        if KEEP:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
-        else:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        w = w.to(tl.float32)
+        w = _param(w_ptr, offs, mask, KEEP)
     if HAS_B:
-        if KEEP:
-            b = tl.load(b_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
-        else:
-            b = tl.load(b_ptr + offs, mask=mask, other=0.0)
-        b = b.to(tl.float32)
+        b = _param(b_ptr, offs, mask, KEEP)
     if HAS_W and HAS_B:
         y = tl.fma(y, w, b)
     elif HAS_W:
