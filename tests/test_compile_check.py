@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,29 @@ def test_record_files_merged_and_selected(dev, tmp_path, monkeypatch):
     assert {r["kernel"] for r in cc.select(recs, "k2,zz", None)} == {"m:k2"}
     ns, rest = cc.parse_args(["record", "--out", "f.jsonl", "-k", "a and not b", "tests", "-x"])
     assert (ns.out, rest) == ("f.jsonl", ["-k", "a and not b", "tests", "-x"])
+
+
+def _dies_on_5(rec: dict, arch: int, tail: int) -> tuple:
+    """Stands in for launch_compiler.check: record 5 kills its process, as a compiler crash
+    would, while 4, 6 and 7 are still running; every fourth record fails."""
+    if rec["i"] == 5:
+        os._exit(3)
+    if rec["i"] in (4, 6, 7):
+        time.sleep(0.2)
+    return (None if rec["i"] % 4 else "boom"), None, 0.0
+
+
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork",
+                    reason="the stand-in reaches forked compile processes only")
+def test_a_compiler_crash_is_pinned_on_its_record(dev, monkeypatch):
+    _, comp = dev
+    monkeypatch.setattr(comp, "check", _dies_on_5)
+    got = sorted((r["i"], err) for r, err, _ in comp.run_all([{"i": i} for i in range(12)],
+                                                             2, 90, 6))
+    assert [i for i, _ in got] == list(range(12))  # every record once
+    # the records running beside the crash are checked again, each in a process of its own
+    assert [i for i, err in got if err] == [0, 4, 5, 8] and "died" in got[5][1]
+    assert got[4][1] == "boom"
 
 
 @pytest.fixture
