@@ -140,7 +140,7 @@ def install() -> None:
         return
     original = cls.run
 
-    def run(self, *args, grid, warmup, **kwargs):
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         record(self.fn, args, kwargs)
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
