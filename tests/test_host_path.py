@@ -232,7 +232,7 @@ def test_softmax_plan_replays_the_recorded_launch(fake_stream, monkeypatch):
     x = torch.randn(6, 64, device=_dev())
     go = _Recorder()
     tsm._fwd_plans[(x.shape, x.dtype, torch.float32, x.get_device())] = (
-        go, (3,), x.get_device(), ("tail", 1))
+        go, (3,), x.get_device(), ("tail", 1), 0)
     y = tsm.softmax_forward(x, torch.float32)
     assert go.calls == [((3,), ("stream", x.get_device()), (x.data_ptr(), y.data_ptr(),
                                                             "tail", 1))]
@@ -261,7 +261,7 @@ def test_layernorm_plan_replays_the_recorded_launch(fake_stream, with_stats, aff
     key = (x.shape, x.dtype, x.dtype, x.get_device(), 1e-5, with_stats,
            None if w is None else w.dtype, None if b is None else b.dtype)
     go = _Recorder()
-    tln._fwd_plans[key] = (go, (2,), x.get_device(), (5, "tail"))
+    tln._fwd_plans[key] = (go, (2,), x.get_device(), (5, "tail"), 5)
     y, mean, rstd = tln._forward(x, w, b, 1e-5, x.dtype, with_stats)
     (grid, stream, args), = go.calls
     yp = y.data_ptr()
@@ -293,7 +293,7 @@ def test_plan_cache_keeps_only_direct_c_entries(monkeypatch):
 
     t = torch.zeros(4)
     plans.add("k", FakeLauncher(go), (1,), (t, t, 3, 4), 4, 2)
-    assert plans["k"] == (go, (1,), t.get_device(), (3, 4))
+    assert plans["k"] == (go, (1,), t.get_device(), (3, 4), 0)
     plans.add("other", FakeLauncher(lambda *a: None), (1,), (t, t, 3), 4, 2)  # not a C entry
     plans.add("none", FakeLauncher(None), (1,), (t, t, 3), 4, 2)  # nothing compiled
     assert set(plans) == {"k"}

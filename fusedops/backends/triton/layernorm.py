@@ -200,7 +200,7 @@ def _forward_rows(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormFor
                     has_b, with_stats, cfg.third_read)
         launcher((M,), args, cfg.warps)
         if key is not None and cfg.plan:
-            _fwd_plans.add(key, launcher, (M,), args, cfg.warps, 6)
+            _fwd_plans.add(key, launcher, (M,), args, cfg.warps, 6, M)
     return (y, mean, rstd) if with_stats else (y, None, None)
 
 
@@ -260,7 +260,7 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
                 cfg.block, cfg.rows, has_w, has_b, cfg.vec, cfg.hold_w, cfg.stats)
         _launch_fwd_single((cfg.grid,), args, cfg.warps)
         if key is not None and cfg.plan:
-            _fwd_plans.add(key, _launch_fwd_single, (cfg.grid,), args, cfg.warps, 6)
+            _fwd_plans.add(key, _launch_fwd_single, (cfg.grid,), args, cfg.warps, 6, M)
     else:
         _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, cfg)
     return y, mean, rstd
@@ -288,8 +288,9 @@ def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b,
 
 def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
     """:func:`_forward` from a plan: the recorded launch (single-block, unrolled or reload: all
-    take (x, w, b, y, mean, rstd, ...)) with this call's tensors; mean and rstd have x's rows."""
-    go, grid, device, tail = plan
+    take (x, w, b, y, mean, rstd, ...)) with this call's tensors; mean and rstd have the rows the
+    plan recorded (the key fixes x's shape)."""
+    go, grid, device, tail, rows = plan
     y = torch.empty_like(x, dtype=out_dtype)
     yp = y.data_ptr()
     wp = yp if weight is None else weight.data_ptr()  # placeholders, as in _forward
@@ -297,7 +298,6 @@ def _replay_forward(plan, x, weight, bias, out_dtype, with_stats: bool):
     if not with_stats:
         go(grid, current_stream(device), (x.data_ptr(), wp, bp, yp, yp, yp, *tail))
         return y, None, None
-    rows = x.numel() // x.shape[-1]  # the key fixes the shape; a plan's launch had rows
     mean = torch.empty((rows,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
     go(grid, current_stream(device),

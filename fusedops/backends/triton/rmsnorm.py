@@ -128,7 +128,7 @@ _fwd_plans = PlanCache(_replay.RMSNORM, _replay_runner)
 
 def _replay_forward(plan, x, weight, out_dtype, with_stats: bool):
     """:func:`_forward` from a plan: the single-block launch with this call's tensors."""
-    go, grid, device, tail = plan
+    go, grid, device, tail, _ = plan
     y = torch.empty_like(x, dtype=out_dtype)
     yp = y.data_ptr()
     wp = yp if weight is None else weight.data_ptr()

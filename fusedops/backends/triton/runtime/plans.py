@@ -14,11 +14,12 @@ class PlanCache(dict):
     """Launch plans of one op's small-call path, per call signature (shapes, dtypes, device,
     scalar arguments: whatever fixes every launch argument but the tensors' addresses).
 
-    A plan is ``(go, grid, device index, tail)``: the compiled kernel's direct C entry
-    (:func:`direct_entry`, one taking raw pointers), its grid, and the launch arguments after
-    the tensors. A call that finds its plan allocates its outputs and calls ``go`` with the
-    tensors' addresses as ints: no launch rules, no launch key, no pointer checks (the
-    dispatcher only sends CUDA tensors here, the ops layer checks devices). About 4 µs of host
+    A plan is ``(go, grid, device index, tail, rows)``: the compiled kernel's direct C entry
+    (:func:`direct_entry`, one taking raw pointers), its grid, the launch arguments after the
+    tensors, and the call's rows where its maker gave them. A call that finds its plan allocates
+    its outputs and calls ``go`` with the tensors' addresses as ints: no launch rules, no launch
+    key, no pointer checks (the dispatcher only sends CUDA tensors here, the ops layer checks
+    devices). About 4 µs of host
     time per small call on an H100 host (docs/performance.md, "Small shapes").
 
     Plans are made only by the first call that took the normal path (and only for launches
@@ -44,15 +45,16 @@ class PlanCache(dict):
             self.replay.clear()  # runners replay plans: they go with them
 
     def add(self, key, launcher: Launcher, grid: tuple, args: tuple, num_warps: int,
-            n_tensors: int) -> None:
+            n_tensors: int, rows: int = 0) -> None:
         """Remember the launch ``launcher(grid, args, num_warps)`` just made, whose first
-        ``n_tensors`` arguments are the call's tensors (in the order plan users pass them)."""
+        ``n_tensors`` arguments are the call's tensors (in the order plan users pass them);
+        ``rows``: the call's rows, for plan users that allocate per-row outputs."""
         go = launcher.entry(args, num_warps)
         if go is None or not getattr(go, "raw_pointers", False):
             return  # no direct C entry (other Triton versions, interpreter): no plans
         if len(self) >= self.MAX_PLANS:
             self.clear()
-        plan = self[key] = (go, grid, args[0].get_device(), args[n_tensors:])
+        plan = self[key] = (go, grid, args[0].get_device(), args[n_tensors:], rows)
         made = self.runner(key, plan) if self.runner is not None and len(grid) == 1 else None
         if made is not None:
             self.replay[made[0]] = made[1]
