@@ -100,6 +100,15 @@ _ATTENTION_RULES = _dispatch.SIZE_RULES["attention"]
 _grad_enabled = torch.is_grad_enabled
 _native_now = _dispatch.native_now
 _stack_depth = torch._C._len_torch_function_stack
+_INF = float("inf")
+# Inference calls below the size rule that carry a mask, by (id of the attention module, query
+# shape, key length): present once that module has run a call of that shape. Its second such
+# call runs fused, and the fused op replays its launch from then on (fusedops._replay, one plan
+# per shape for every layer); a shape a module meets once (each decoding step's new key length
+# in a single generate) stays on the model's own function, whose host cost is lower than the
+# fused op's first, unreplayed call. Bounded: emptied when it reaches SEEN_MAX.
+SEEN: dict[tuple, bool] = {}
+SEEN_MAX = 1 << 16
 
 
 def fused_eager_attention(
@@ -114,7 +123,8 @@ def fused_eager_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager attention, ``softmax(q @ k^T * scaling + mask) @ v``, its softmax fused; the
     model's own eager function where the fused softmax would not pay (the size rule of
-    ``fusedops._dispatch``) or that does more (``softcap``, sinks, a head mask)."""
+    ``fusedops._dispatch``, :data:`SEEN`) or that does more (``softcap``, sinks, a head
+    mask)."""
     eager, contiguous = _eager_of.get(module.__class__) or _eager(module)
     shape = query.shape
     # The size rule inline, as the ops read it (host cost per call: decoding steps and small
@@ -125,10 +135,24 @@ def fused_eager_attention(
     below = _ATTENTION_RULES.get(rule)
     if below is None:
         below = _dispatch.size_rule("attention", rule)
-    if (query.ndim != 4 or attention_mask is not None and attention_mask.ndim != 4
-            or shape[0] * shape[1] * shape[2] * key.shape[-2] < below or _native_now()
-            or kwargs and not _DELEGATED_KWARGS.isdisjoint(kwargs)
-            and any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS)):
+    if len(shape) != 4 or attention_mask is not None and attention_mask.ndim != 4:
+        fused = False
+    elif shape[0] * shape[1] * shape[2] * key.shape[-2] >= below:
+        fused = True
+    elif grad or attention_mask is None or below == _INF or _native_now():
+        # (Below the rule, a maskless inference call saves one native multiply, less than the
+        # fused call's host cost: benchmarks/results/h200/attention-calls.json. Nothing is
+        # entered in SEEN while torch.compile traces: a guard on it would recompile.)
+        fused = False
+    else:
+        seen = (id(module), shape, key.shape[-2])
+        fused = seen in SEEN
+        if not fused:
+            if len(SEEN) >= SEEN_MAX:
+                SEEN.clear()
+            SEEN[seen] = True
+    if not fused or _native_now() or kwargs and not _DELEGATED_KWARGS.isdisjoint(kwargs) \
+            and any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS):
         if fx_patterns.counts is not None:
             fx_patterns.count("hf_attention:unfused")
         return eager(module, query, key, value, attention_mask, scaling=scaling,

@@ -1,0 +1,108 @@
+"""When patch_model's Hugging Face attention function runs the fused softmax and when the
+model's own eager function: the size rule, and below it, inference calls with a mask from the
+second call of their shape in each attention module on (fusedops.patching.hf_attention.SEEN)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_patching_utils import assert_outputs_close, hf_bert, hf_gpt2, run, twins
+
+import fusedops
+from fusedops import _dispatch
+from fusedops.patching import fx_patterns, hf_attention
+
+pytest.importorskip("transformers")
+
+RULES = _dispatch.SIZE_RULES["attention"]
+LAYERS = 2  # the tiny models' attention calls per forward
+
+
+@pytest.fixture
+def rule_above_every_call(monkeypatch):
+    """The reference backend runs the fused paths on CPU; the attention rule is set above any
+    tiny model's scores (as on a GPU for a small batch), the table of seen shapes emptied."""
+    monkeypatch.setattr(hf_attention, "SEEN", {})
+    with fusedops.use_backend("reference"):
+        for grad in (False, True):
+            RULES["cpu", torch.float32, grad] = 1 << 40
+        yield
+        RULES.clear()
+
+
+def calls(model, inputs, grad: bool = False) -> Counter:
+    fx_patterns.counts = counts = Counter()
+    try:
+        with torch.set_grad_enabled(grad):
+            run(model, inputs)
+    finally:
+        fx_patterns.counts = None
+    return counts
+
+
+def patched_gpt2():
+    model, ref, inputs = twins(hf_gpt2)
+    fusedops.patch_model(model.eval(), force=True)
+    return model, ref.eval(), inputs
+
+
+def test_a_masked_shape_runs_fused_from_its_second_call(rule_above_every_call):
+    model, ref, inputs = patched_gpt2()
+    assert calls(model, inputs) == {"hf_attention:unfused": LAYERS}
+    assert calls(model, inputs) == {"hf_attention": LAYERS}
+    with torch.no_grad():
+        assert_outputs_close(run(model, inputs), run(ref, inputs), atol=1e-5, rtol=1e-5)
+    # Another length is a shape of its own: the model's function first, then fused.
+    longer = (torch.randint(0, 40, (2, 7)),)
+    assert calls(model, longer) == {"hf_attention:unfused": LAYERS}
+    assert calls(model, longer) == {"hf_attention": LAYERS}
+    assert calls(model, inputs) == {"hf_attention": LAYERS}
+
+
+def test_calls_that_need_autograd_wait_for_the_rule(rule_above_every_call):
+    model, _, inputs = patched_gpt2()
+    for _ in range(3):
+        assert calls(model, inputs, grad=True) == {"hf_attention:unfused": LAYERS}
+    assert hf_attention.SEEN == {}
+
+
+def test_calls_without_a_mask_wait_for_the_rule(rule_above_every_call):
+    # BERT with no padding gets no mask: fusing would save one multiply, less than it costs.
+    model, _, inputs = twins(hf_bert)
+    fusedops.patch_model(model.eval(), force=True)
+    for _ in range(3):
+        assert calls(model, inputs) == {"hf_attention:unfused": LAYERS}
+    padded = (inputs[0], torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]))
+    assert calls(model, padded) == {"hf_attention:unfused": LAYERS}
+    assert calls(model, padded) == {"hf_attention": LAYERS}
+
+
+def test_calls_at_the_rule_run_fused_at_once(rule_above_every_call):
+    model, _, inputs = patched_gpt2()
+    scores = inputs[0].shape[0] * 2 * inputs[0].shape[1] ** 2  # B * heads * T * T
+    RULES["cpu", torch.float32, False] = scores
+    assert calls(model, inputs) == {"hf_attention": LAYERS}
+    RULES["cpu", torch.float32, True] = scores
+    assert calls(model, inputs, grad=True) == {"hf_attention": LAYERS}
+    assert hf_attention.SEEN == {}
+
+
+def test_seen_shapes_are_bounded(rule_above_every_call, monkeypatch):
+    monkeypatch.setattr(hf_attention, "SEEN_MAX", 2)
+    model, _, _ = patched_gpt2()
+    for t in (3, 4, 5):
+        calls(model, (torch.randint(0, 40, (1, t)),))
+    # Emptied whenever it holds two (module, shape) entries: only the last call's are left.
+    assert len(hf_attention.SEEN) == 2
+    assert {shape[2] for _, shape, _ in hf_attention.SEEN} == {5}
+
+
+def test_without_a_fused_backend_the_model_runs_its_own(monkeypatch):
+    # No fused backend for CPU tensors (the rule is inf): never fused, nothing remembered.
+    monkeypatch.setattr(hf_attention, "SEEN", {})
+    model, _, inputs = patched_gpt2()
+    for _ in range(3):
+        assert calls(model, inputs) == {"hf_attention:unfused": LAYERS}
+    assert hf_attention.SEEN == {}
