@@ -100,6 +100,25 @@ def test_rmsnorm_float32(triton_backend, device, n, data, rows):
                         F.rms_norm(x.double(), (n,), eps=RMS_EPS), "without weight")
 
 
+def test_rmsnorm_float32_unrolled(triton_backend, device, launch_rules):
+    """Aligned float32 rows of 8K take the unrolled kernel (rms_fwd_unrolled, UNROLLED_FWD):
+    per-lane sums of squares over unrolled chunks, rstd with the other kernels' Newton step."""
+    from fusedops.backends.triton.runtime.recording import record_launches
+
+    launch_rules("rmsnorm")  # no launch plan from before (a replay is not recorded)
+    n = 8192
+    w = (1 + 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(n))).to(device)
+    for data, rows in (("randn", 1), ("x100", 2), ("shifted", 3)):  # (one call per signature)
+        x, _ = _rows(n, data, rows, device)
+        with record_launches() as record:
+            with_w, without_w = fused_rmsnorm(x, n, w, RMS_EPS), fused_rmsnorm(x, n, eps=RMS_EPS)
+        assert [launcher.kernel.__name__ for launcher, *_ in record] == ["rms_fwd_unrolled"] * 2
+        assert_within_torch(with_w, F.rms_norm(x, (n,), w, RMS_EPS),
+                            F.rms_norm(x.double(), (n,), w.double(), RMS_EPS), data)
+        assert_within_torch(without_w, F.rms_norm(x, (n,), eps=RMS_EPS),
+                            F.rms_norm(x.double(), (n,), eps=RMS_EPS), data)
+
+
 def test_layernorm_float32_unaligned_unrolled(triton_backend, device, launch_rules):
     """The unrolled kernel for unaligned rows (ln_fwd_unrolled_vec), which float32 rows of 64K+
     take in calls of 2^24 elements or more; the size threshold lifted to reach it here."""

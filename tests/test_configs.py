@@ -293,8 +293,9 @@ def test_epilogue_configs():
 
 def test_rmsnorm_configs():
     """Every row length gets a launch; single-block launches hold the padded row (or body);
-    VEC only where the call's rows have one; split rows only where the device runs them and
-    every piece of a row is resident; the shifted weight copies only with VEC."""
+    unrolled launches only for aligned rows their chunk divides; VEC only where the call's
+    rows have one; split rows only where the device runs them and every piece of a row is
+    resident; the shifted weight copies only with VEC."""
     for n, elt, vec, _, _, dev in _cases(ms=(37,)):
         for aligned in (False, True):
             for large in (False, True):
@@ -303,6 +304,9 @@ def test_rmsnorm_configs():
                 assert not fwd.shifted_w or (fwd.vec and large)
                 if fwd.kernel in ("single", "reload_vec"):
                     assert _pow2(fwd.block) and fwd.block >= common.body_len(n, fwd.vec)
+                elif fwd.kernel == "unrolled":
+                    assert aligned and not vec and n % fwd.chunk == 0
+                    assert fwd.chunk % (32 * fwd.warps) == 0
                 elif fwd.kernel == "split":
                     assert common.split_fits(dev, n, fwd.chunk)
                 else:

@@ -25,6 +25,7 @@ from fusedops.backends.triton import layernorm_bwd as tlnb
 from fusedops.backends.triton import softmax as tsm
 from fusedops.backends.triton.configs import common as tcfg
 from fusedops.backends.triton.configs import layernorm as ln_rules
+from fusedops.backends.triton.configs import rmsnorm as rms_rules
 from fusedops.backends.triton.configs import softmax as sm_rules
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import split as rt_split
@@ -367,14 +368,16 @@ def _check_table(table: dict, above: int, min_warps: int = 0, third=bool):
 
 
 def test_reload_and_unrolled_tables_are_valid():
-    """Invariant: every reload / unrolled rule (LayerNorm and softmax, forward and backward,
-    aligned and unaligned rows, the per-GPU tables) is valid for its kernel and reachable."""
+    """Invariant: every reload / unrolled rule (LayerNorm, RMSNorm and softmax, forward and
+    backward, aligned and unaligned rows, the per-GPU tables) is valid for its kernel and
+    reachable."""
     _check_table(ln_rules.RELOAD_FWD, ln_rules.RELOAD_FWD_ABOVE)
     _check_table(ln_rules.RELOAD_VEC_FWD, 0, min_warps=1)
     _check_table(ln_rules.UNROLLED_FWD, ln_rules.UNROLLED_FWD_ABOVE)
     _check_table(ln_rules.UNROLLED_VEC_FWD, 0, min_warps=1)
     for rules in ln_rules.UNROLLED_FWD_GPU.values():
         _check_table(rules, ln_rules.UNROLLED_FWD_ABOVE)
+    _check_table(rms_rules.UNROLLED_FWD, 0)
     _check_table(sm_rules.RELOAD_FWD, sm_rules.RELOAD_FWD_ABOVE, min_warps=1)
     _check_table(sm_rules.RELOAD_BWD, sm_rules.RELOAD_BWD_ABOVE, min_warps=1, third="piece")
     _check_table(sm_rules.UNROLLED_FWD, sm_rules.UNROLLED_FWD_ABOVE)

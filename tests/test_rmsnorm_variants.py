@@ -1,7 +1,8 @@
 """The RMSNorm kernels LayerNorm's refinements brought: unaligned rows as an aligned body plus
 edges (forward single-block and reload kernels, the weight from shifted copies; the fused
-backward's rms_bwd_vec) and split rows for long rows (rms_fwd_split, rms_bwd_split, in
-clusters on Hopper), each against a float64 oracle, each asserting from the recorded launches
+backward's rms_bwd_vec), split rows for long rows (rms_fwd_split, rms_bwd_split, in
+clusters on Hopper) and the unrolled forward of aligned rows (rms_fwd_unrolled, its launch
+plans replayed), each against a float64 oracle, each asserting from the recorded launches
 that it ran (a silent fallback fails), and the launch rules that pick them.
 
 CPU: the Triton interpreter; the split-row kernels with their programs as concurrent threads
@@ -11,6 +12,7 @@ CPU: the Triton interpreter; the split-row kernels with their programs as concur
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from fusedops.backends.triton import rmsnorm_bwd as trmsb  # noqa: E402
 from fusedops.backends.triton.configs import rmsnorm as rms_rules  # noqa: E402
 from fusedops.backends.triton.runtime import split as rt_split  # noqa: E402
 from fusedops.backends.triton.runtime.facts import DeviceFacts, device_facts  # noqa: E402
+from fusedops.backends.triton.runtime.launcher import Launcher  # noqa: E402
 from fusedops.backends.triton.runtime.recording import record_launches  # noqa: E402
 
 ON_DEVICE = True  # tensors on the GPU where there is one (conftest's _tensors_on_device)
@@ -229,6 +232,160 @@ def test_vec_edges_switch(launch_rules):
     x, w, dy = make(4, 2049, BF16, "same", seed=9)
     runs = check(x, w, dy)
     assert vecs(runs, "rms_fwd_single") == [0] and "rms_bwd_vec" not in runs
+
+
+# -------------------------------------------------------------------------- unrolled rows
+
+# Small rows on rms_fwd_unrolled (the shipped rules start at 8K columns): 256 in chunks of 64;
+# padded 512, the first chunk dividing N: 384 in chunks of 128, 448 of 64.
+SMALL_UNROLLED = {(2, 256): ((64, 2),), (4, 256): ((64, 2),), (2, 512): ((128, 4), (64, 2))}
+UNROLLED_ROWS = [(BF16, 256, 64), (FP16, 384, 128), (FP32, 256, 64), (BF16, 448, 64),
+                 (FP16, 192, 64)]
+
+
+def unrolled(runs: dict) -> list[tuple]:
+    """(N, CHUNK, HAS_W, STATS) of each rms_fwd_unrolled launch."""
+    return [args[-4:] for args in runs.get("rms_fwd_unrolled", [])]
+
+
+@exhaustive_unless(one_of_each({"dtype,n,chunk": UNROLLED_ROWS,
+                                "w_mode": ["none", "same", "fp32"]}))
+@pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
+@pytest.mark.parametrize("dtype,n,chunk", UNROLLED_ROWS, ids=str)
+def test_forward_unrolled(dtype, n, chunk, w_mode, launch_rules):
+    """Aligned rows a rule's chunk divides: rms_fwd_unrolled (per-lane sums of squares over
+    unrolled chunks, then y from a second read), with rstd and without (STATS)."""
+    launch_rules("rmsnorm", UNROLLED_FWD=SMALL_UNROLLED)
+    x, w, dy = make(3, n, dtype, w_mode, seed=n + 20)
+    runs = check(x, w, dy, need=(False, False), stats=False)
+    has_w = w is not None
+    assert unrolled(runs) == [(n, chunk, has_w, True), (n, chunk, has_w, False)]
+    assert "rms_fwd_single" not in runs
+
+
+@pytest.mark.parametrize("dtype,n,chunk,warps", [(BF16, 16384, 4096, 16), (FP16, 12288, 4096, 16),
+                                                 (FP32, 8192, 2048, 16)], ids=str)
+def test_forward_unrolled_shipped_rules(dtype, n, chunk, warps, launch_rules):
+    """The shipped UNROLLED_FWD at its real row lengths (2 rows): 16-bit 16K, 12K (padded to
+    16K, three chunks) and float32 8K."""
+    launch_rules("rmsnorm")  # no launch plan from before (a replay is not recorded)
+    x, w, dy = make(2, n, dtype, "same", seed=n)
+    y64, rstd64, _, _ = oracle(x, w, dy)
+    with record_launches() as record:
+        y, rstd = tb.rmsnorm_forward(x, w, EPS, dtype)
+        y_only = tb.rmsnorm_forward_y(x, w, EPS, dtype)
+        y_no_w, _ = tb.rmsnorm_forward(x, None, EPS, dtype)
+    assert_close_to_ref(y, y64, dtype)
+    assert torch.equal(y_only, y)
+    torch.testing.assert_close(rstd.double(), rstd64, **tol(FP32))
+    assert_close_to_ref(y_no_w, oracle(x, None, dy)[0], dtype)
+    got = [(args[-4:], num_warps) for launcher, _grid, args, num_warps in record
+           if launcher.kernel.__name__ == "rms_fwd_unrolled"]
+    assert got == [((n, chunk, True, True), warps), ((n, chunk, True, False), warps),
+                   ((n, chunk, False, True), warps)]
+
+
+@pytest.mark.parametrize("case", ["not-divided", "unaligned", "column-slice", "switched-off"])
+def test_rows_the_unrolled_kernel_leaves(case, launch_rules):
+    """Rows no chunk divides, rows that start unaligned (N = 2^k + 1), rows whose stride is
+    not a multiple of 16 bytes, and every row with the table emptied keep the single-block
+    kernel."""
+    launch_rules("rmsnorm", UNROLLED_FWD={} if case == "switched-off" else SMALL_UNROLLED)
+    n = {"not-divided": 248, "unaligned": 257}.get(case, 256)
+    x, w, dy = make(3, n, BF16, "same", seed=22)
+    if case == "column-slice":
+        x = make(3, n + 4, BF16, "none", seed=23)[0][:, :n]
+    runs = check(x, w, dy, need=(False, False), stats=False)
+    assert "rms_fwd_unrolled" not in runs and len(runs["rms_fwd_single"]) == 2
+
+
+def _at(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A 1-D CPU tensor of ``like``'s dtype and size over the memory at ``address``."""
+    nbytes = like.numel() * like.element_size()
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=like.dtype)
+
+
+@pytest.fixture
+def interpreted_plans(monkeypatch, fake_stream):
+    """Launch plans on CPU tensors: a launcher's direct entry (raw addresses, as Triton 3.6's
+    C entry takes them) runs the interpreted kernel on tensors rebuilt at those addresses, so
+    a replayed call computes its result. Returns the kernel names of the replayed launches."""
+    if HAS_CUDA:
+        pytest.skip("CUDA replays compiled kernels (tests/test_replay.py)")
+    replayed = []
+
+    def entry(self, args, num_warps):
+        like = [a for a in args if isinstance(a, torch.Tensor)]
+
+        def go(grid, stream, raw):
+            replayed.append(self.kernel.__name__)
+            n = len(like)
+            self(grid, (*map(_at, raw[:n], like), *raw[n:]), num_warps)
+
+        def launch(g, gy, gz, stream, *rest):  # the C entry the ops layer's runner calls
+            go((g,), stream, rest[9:])
+
+        go.raw_pointers = True
+        go.c_entry = (launch, None, False, False, None)
+        return go
+
+    monkeypatch.setattr(Launcher, "entry", entry)
+    return replayed
+
+
+@pytest.mark.parametrize("kernel", ["rms_fwd_unrolled", "rms_fwd_single"])
+@pytest.mark.parametrize("dtype,w_mode", [(BF16, "same"), (FP16, "fp32"), (FP32, "none")],
+                         ids=str)
+def test_forward_plans_replay(interpreted_plans, monkeypatch, launch_rules, kernel, dtype,
+                              w_mode):
+    """A second call of a signature replays the launch the first recorded (rstd allocated for
+    the plan's rows), and the ops layer's runner (fusedops._replay.RMSNORM) an inference
+    plan: the first call's bits from the unrolled kernel as from the single-block one."""
+    from fusedops import _replay
+
+    launch_rules("rmsnorm", UNROLLED_FWD=SMALL_UNROLLED if kernel == "rms_fwd_unrolled" else {})
+    x, w, _ = make(5, 256, dtype, w_mode, seed=24)
+    kept = []  # (no output of a replay lands where an earlier result was freed)
+    for stats in (True, False):
+        first = trms._forward(x, w, EPS, dtype, stats)
+        again = trms._forward(x, w, EPS, dtype, stats)
+        kept += [first, again]
+        assert torch.equal(again[0], first[0])
+        assert (again[1] is None) == (not stats)
+        if stats:
+            assert again[1].shape == (5,) and torch.equal(again[1], first[1])
+    run = _replay.RMSNORM[(x.shape, dtype, -1, EPS)]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        by_runner = run(x, w)
+    assert torch.equal(by_runner, first[0])
+    assert interpreted_plans == [kernel] * 3
+
+
+def test_rules_pick_the_unrolled_kernel(launch_rules):
+    """forward_config: aligned rows with an UNROLLED_FWD config take rms_fwd_unrolled (16-bit
+    16K on 4096 x 16); rows of 16385 (unaligned or not), misaligned row strides, rows without a
+    rule, shrunk block limits and an emptied table do not."""
+    launch_rules("rmsnorm")  # (the caches dropped around the test)
+    fwd = rms_rules.forward_config
+    for dev in (DeviceFacts(True, 132, "NVIDIA H200", True, True), device_facts(-1)):
+        assert fwd(16384, 2, 0, True, dev, True)[:1] + fwd(16384, 2, 0, True, dev, True)[3:] \
+            == ("unrolled", 16, False, 0, 4096, 0, False)
+        assert fwd(16384, 2, 0, True, dev, False).kernel == "unrolled"
+        assert fwd(12288, 2, 0, True, dev, True)[3::3] == (16, 4096)
+        assert fwd(8192, 2, 0, True, dev, True)[3::3] == (8, 2048)
+        assert fwd(8192, 4, 0, True, dev, True)[3::3] == (16, 2048)
+        assert fwd(32768, 2, 0, True, dev, True)[3::3] == (32, 8192)
+        assert fwd(16385, 2, 8, False, dev, True).kernel != "unrolled"
+        assert fwd(16385, 2, 0, False, dev, True).kernel != "unrolled"  # scalar accesses
+        assert fwd(16384, 2, 0, False, dev, True).kernel == "single"  # a misaligned stride
+        assert fwd(16384, 4, 0, True, dev, True).kernel == "single"  # no float32 16K rule
+        assert fwd(4096, 2, 0, True, dev, True).kernel == "single"
+    launch_rules(SINGLE_BLOCK_LIMIT=8192)
+    assert fwd(8192, 2, 0, True, device_facts(-1), True).kernel == "single"
+    launch_rules(SINGLE_BLOCK_LIMIT=None)
+    launch_rules("rmsnorm", UNROLLED_FWD={})
+    assert fwd(16384, 2, 0, True, device_facts(-1), True).kernel == "single"
 
 
 # ----------------------------------------------------------------------------- split rows
@@ -424,6 +581,8 @@ _COMPILE = textwrap.dedent("""
                                                 HOLD_W=True, STATS=True, VEC=8), ("w_ld",)),
         "fwd_reload": build(k.rms_fwd_reload_vec, dict(BLOCK_N=4096, CHUNK=1024, HAS_W=True,
                                                        STATS=True, VEC=8), ("w_ld",)),
+        "fwd_unrolled": build(k.rms_fwd_unrolled, dict(N=16384, CHUNK=4096, HAS_W=True,
+                                                       STATS=True), ("stride_x", "stride_y")),
         "fwd_split": build(ks.rms_fwd_split, dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True,
                                                   STATS=True, PREFETCH=3, VEC=8), ("L",)),
         "bwd_vec": build(k.rms_bwd_vec, dict(BLOCK_N=4096, HAS_W=True, HOLD_W=True,
@@ -450,7 +609,7 @@ def test_kernels_compile_for_sm90(sm90):
     """Every new kernel compiles for sm_90 (the interpreter checks no compile-time rules).
     The cluster variant exchanges on chip (cluster barrier, stores into peers' shared memory,
     no atomics), the cooperative one through counters; unaligned bodies (and the weight
-    copies) are read and written with 16-byte vectors."""
+    copies), and the unrolled kernel's chunks, are read and written with 16-byte vectors."""
     cluster, coop = sm90["cluster"], sm90["coop"]
     assert cluster["barrier.cluster.arrive.release"] == 2 and cluster["mapa.shared::cluster"]
     assert cluster["atom."] + cluster["red.global"] == 0

@@ -20,6 +20,10 @@ scalar accesses), the kernels configured for the body (8192 at N = 8193).
   rstd store for inference calls. With VEC a tile's rows share one misalignment, and calls of
   ``SHIFTED_W_MIN_ELEMS`` elements and more read the weight from copies shifted per
   misalignment (``shifted_weight``) so its loads are vectors too.
+* Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``: LayerNorm's
+  configs, not yet measured for RMSNorm): one program per row, the row length compile-time;
+  pass 1 sums squares per lane over unrolled chunks (every chunk's loads in flight at once,
+  the row kept in L2), pass 2 reads it again from L2 to write y.
 * Forward, reload (unaligned 16-bit bodies of 4K-32K in large calls, ``RELOAD_VEC_FWD``): one
   row per program, the body read whole for the sum of squares, then again from L2 in chunks
   to write y, the weight from the shifted copies.
@@ -68,6 +72,7 @@ from fusedops.backends.triton.kernels.rmsnorm import (
     rms_fwd_looped,
     rms_fwd_reload_vec,
     rms_fwd_single,
+    rms_fwd_unrolled,
     shift_weight,
 )
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
@@ -82,6 +87,7 @@ from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces
 __all__ = ["rmsnorm_backward", "rmsnorm_forward", "rmsnorm_forward_y"]
 
 _launch_fwd_single = Launcher(rms_fwd_single)
+_launch_fwd_unrolled = Launcher(rms_fwd_unrolled)
 _launch_fwd_reload_vec = Launcher(rms_fwd_reload_vec)
 _launch_fwd_looped = Launcher(rms_fwd_looped)
 _launch_fwd_split = SplitLauncher(rms_fwd_split)
@@ -121,18 +127,20 @@ def _replay_runner(key: tuple, plan: tuple):
     return (shape, dtype, device, eps), run
 
 
-# Single-block forward launches of aligned rows, per (shape, dtypes, device, eps, with_stats):
-# see _forward. Inference plans are also replayed from the ops layer (fusedops._replay).
+# Single-block and unrolled forward launches of aligned rows, per (shape, dtypes, device, eps,
+# with_stats): see _forward. Inference plans are also replayed from the ops layer
+# (fusedops._replay).
 _fwd_plans = PlanCache(_replay.RMSNORM, _replay_runner)
 
 
 def _replay_forward(plan, x, weight, out_dtype, with_stats: bool):
-    """:func:`_forward` from a plan: the single-block launch with this call's tensors."""
-    go, grid, device, tail, _ = plan
+    """:func:`_forward` from a plan: the recorded launch (single-block or unrolled: both take
+    (x, w, y, rstd, ...)) with this call's tensors; rstd has the rows the plan recorded."""
+    go, grid, device, tail, rows = plan
     y = torch.empty_like(x, dtype=out_dtype)
     yp = y.data_ptr()
     wp = yp if weight is None else weight.data_ptr()
-    rstd = torch.empty((tail[0],), dtype=torch.float32, device=x.device) if with_stats else None
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device) if with_stats else None
     go(grid, current_stream(device), (x.data_ptr(), wp, yp, yp if rstd is None else
                                       rstd.data_ptr(), *tail))
     return y, rstd
@@ -181,7 +189,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                 cfg.block, cfg.rows, has_w, hold_w(cfg.block, cfg.warps), with_stats, cfg.vec)
         _launch_fwd_single((progs,), args, cfg.warps)
         if key is not None and not cfg.vec:
-            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, cfg.warps, 4)
+            _fwd_plans.add(key, _launch_fwd_single, (progs,), args, cfg.warps, 4, M)
+    elif cfg.kernel == "unrolled":
+        args = (x, w, y, r, M, stride, N, eps, N, cfg.chunk, has_w, with_stats)
+        _launch_fwd_unrolled((M,), args, cfg.warps)
+        if key is not None:
+            _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, cfg.warps, 4, M)
     elif cfg.kernel == "reload_vec":
         _launch_fwd_reload_vec((M,), (x, w, y, r, N, stride, eps, w_ld, cfg.block, cfg.chunk,
                                       has_w, with_stats, cfg.vec), cfg.warps)

@@ -8,7 +8,9 @@ Rules marked "LayerNorm's" were measured for the LayerNorm kernels of the same s
 row lengths, not yet for RMSNorm's (which move the same bytes with less arithmetic). The new
 paths can be switched off for measurements against the kernels they replaced:
 ``configs.override("rmsnorm", VEC_EDGES=False)`` (unaligned rows on scalar accesses) and
-``configs.override("rmsnorm", SPLIT_ROWS_MIN=1 << 62)`` (long rows on the looped kernels).
+``configs.override("rmsnorm", SPLIT_ROWS_MIN=1 << 62)`` (long rows on the looped kernels),
+``configs.override("rmsnorm", UNROLLED_FWD={})`` (aligned rows on the kernels they took before
+rms_fwd_unrolled).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fusedops.backends.triton.configs.common import (
     single_block_limit,
     split_fits,
     unaligned_config,
+    unrolled_config,
 )
 from fusedops.backends.triton.runtime.device import next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts
@@ -123,6 +126,18 @@ FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
     (4, 8192): (1, 8, False), (4, 16384): (2, 16, False), (4, 32768): (1, 32, False),
 }
 
+# Aligned rows on rms_fwd_unrolled (N compile-time, one program per row): (element size,
+# padded row) -> ((chunk, warps), ...), the first config whose chunk divides N taken (warps 0:
+# the rows keep the other kernels); rows must start 16-byte aligned (row stride and N).
+# LayerNorm's UNROLLED_FWD configs, not yet measured for RMSNorm; they take these rows from
+# the single-block kernel (also from FWD_RULES at 8K), which holds a 16-bit 16K row on 16 warps
+# at 88 registers, one program per SM whose loads idle while it reduces (ptxas sm_90:
+# rms_fwd_unrolled 32 registers on 4096 x 16).
+UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
+    (2, 8192): ((2048, 8), (1024, 8)), (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32),),
+    (4, 8192): ((2048, 16),),
+}
+
 # Unaligned rows in the single-block kernel: LayerNorm's unaligned_config (kind "ln_fwd"), and
 # for 16-bit bodies of this many elements and more a persistent grid (LayerNorm's, H200: bf16
 # 4097 2.51 vs 2.29 TB/s one program per row, 8193 1.93 vs 1.77; float32 within 2%).
@@ -191,13 +206,14 @@ SCALAR_SPLIT_BWD_16BIT: tuple[tuple[int, tuple[int, int, int, int | None]], ...]
 class FwdConfig(NamedTuple):
     """The forward's kernel and launch parameters (:func:`forward_config`)."""
 
-    kernel: str  # "single" | "reload_vec" | "split" | "looped"
-    block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped), 0 (split)
+    kernel: str  # "single" | "unrolled" | "reload_vec" | "split" | "looped"
+    block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped), 0 (split,
+    # unrolled: N is its constexpr)
     rows: int  # rows per tile (single)
     warps: int
     persistent: bool  # single: a persistent grid (grid_size) rather than one program per tile
     vec: int  # VEC: > 0 for unaligned rows as an aligned body plus edges
-    chunk: int  # reload_vec: write-pass chunk; split: largest piece
+    chunk: int  # unrolled: CHUNK; reload_vec: write-pass chunk; split: largest piece
     prefetch: int  # split: PREFETCH
     shifted_w: bool  # the weight from per-misalignment shifted copies
 
@@ -234,11 +250,16 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``dev``. ``vec``:
     ``unaligned_vec``'s VEC for the call (0: rows start 16-byte aligned, or scalar accesses);
     ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
-    has at least SHIFTED_W_MIN_ELEMS elements. In order: rows no program
-    holds (padded body above the single-block limit) split rows where they run, else looped;
-    unaligned 16-bit rows of large calls rms_fwd_reload_vec (RELOAD_VEC_FWD); the single-block
-    kernel (FWD_RULES, else LayerNorm's rules, kind "ln_fwd")."""
+    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with an UNROLLED_FWD
+    config rms_fwd_unrolled; rows no program holds (padded body above the single-block limit)
+    split rows where they run, else looped; unaligned 16-bit rows of large calls
+    rms_fwd_reload_vec (RELOAD_VEC_FWD); the single-block kernel (FWD_RULES, else LayerNorm's
+    rules, kind "ln_fwd")."""
     vec = vec if VEC_EDGES else 0
+    # (every row length is looked up: the host memoizes this decision per call signature)
+    unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, 0, vec) if rows_aligned else None
+    if unrolled:
+        return FwdConfig("unrolled", 0, 1, unrolled[1], False, 0, unrolled[0], 0, False)
     single, block, rows, warps = row_config(body_len(n, vec), "ln_fwd", elt_size)
     if not single:
         return split_fwd_config(n, elt_size, vec, rows_aligned, dev) or _looped_fwd()

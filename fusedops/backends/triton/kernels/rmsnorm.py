@@ -178,6 +178,37 @@ def rms_fwd_looped(
 
 
 @triton.jit
+def rms_fwd_unrolled(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y, eps,
+    N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, STATS: tl.constexpr,
+):
+    # (M is unused: the grid has one program per row; it follows the tensors as in the
+    # single-block kernel, so launch plans of both record the same kind of tail.)
+    # rms_fwd_looped with the row length a compile-time constant (N a multiple of CHUNK, as
+    # LayerNorm's ln_fwd_unrolled): both passes unroll, so a thread has every chunk's loads in
+    # flight at once while holding only its lanes' running sums, and no element needs a mask.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    y_row = y_ptr + row.to(tl.int64) * stride_y
+    lanes = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for start in tl.static_range(0, N, CHUNK):
+        # evict_last keeps the row in L2 for the second pass; evict_first lets it go after it.
+        x = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32)
+        acc = tl.fma(x, x, acc)  # (as in rms_fwd_looped)
+    rstd = rstd_of(tl.sum(acc, axis=0), N, eps, EXACT)
+    if STATS:
+        tl.store(rstd_ptr + row, rstd)
+    for start in tl.static_range(0, N, CHUNK):
+        cols = start + lanes
+        y = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
+        tl.store(y_row + cols, y.to(y_row.dtype.element_ty))
+
+
+@triton.jit
 def rms_bwd_single(
     dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, M, N, stride_dy, stride_x, stride_dx,
     num_tiles, num_progs,
