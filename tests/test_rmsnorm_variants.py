@@ -263,8 +263,8 @@ def test_forward_unrolled(dtype, n, chunk, w_mode, launch_rules):
     assert "rms_fwd_single" not in runs
 
 
-@pytest.mark.parametrize("dtype,n,chunk,warps", [(BF16, 16384, 4096, 16), (FP16, 12288, 4096, 16),
-                                                 (FP32, 8192, 2048, 16)], ids=str)
+@pytest.mark.parametrize("dtype,n,chunk,warps", [(BF16, 16384, 8192, 16), (FP16, 12288, 4096, 16),
+                                                 (FP32, 8192, 4096, 32)], ids=str)
 def test_forward_unrolled_shipped_rules(dtype, n, chunk, warps, launch_rules):
     """The shipped UNROLLED_FWD at its real row lengths (2 rows): 16-bit 16K, 12K (padded to
     16K, three chunks) and float32 8K."""
@@ -364,23 +364,27 @@ def test_forward_plans_replay(interpreted_plans, monkeypatch, launch_rules, kern
 
 def test_rules_pick_the_unrolled_kernel(launch_rules):
     """forward_config: aligned rows with an UNROLLED_FWD config take rms_fwd_unrolled (16-bit
-    16K on 4096 x 16); rows of 16385 (unaligned or not), misaligned row strides, rows without a
+    16K on 8192 x 16); rows of 16385 (unaligned or not), misaligned row strides, rows without a
     rule, shrunk block limits and an emptied table do not."""
     launch_rules("rmsnorm")  # (the caches dropped around the test)
     fwd = rms_rules.forward_config
     for dev in (DeviceFacts(True, 132, "NVIDIA H200", True, True), device_facts(-1)):
         assert fwd(16384, 2, 0, True, dev, True)[:1] + fwd(16384, 2, 0, True, dev, True)[3:] \
-            == ("unrolled", 16, False, 0, 4096, 0, False)
+            == ("unrolled", 16, False, 0, 8192, 0, False)
         assert fwd(16384, 2, 0, True, dev, False).kernel == "unrolled"
         assert fwd(12288, 2, 0, True, dev, True)[3::3] == (16, 4096)
-        assert fwd(8192, 2, 0, True, dev, True)[3::3] == (8, 2048)
-        assert fwd(8192, 4, 0, True, dev, True)[3::3] == (16, 2048)
+        assert fwd(8192, 2, 0, True, dev, True)[3::3] == (16, 4096)
+        assert fwd(6144, 2, 0, True, dev, True)[3::3] == (8, 2048)
+        assert fwd(8192, 4, 0, True, dev, True)[3::3] == (32, 4096)
+        assert fwd(16384, 4, 0, True, dev, True)[3::3] == (32, 4096)
         assert fwd(32768, 2, 0, True, dev, True)[3::3] == (32, 8192)
+        assert fwd(65536, 2, 0, True, dev, True)[3::3] == (32, 8192)
+        assert fwd(4096, 2, 0, True, dev, True)[3::3] == (8, 2048)
         assert fwd(16385, 2, 8, False, dev, True).kernel != "unrolled"
         assert fwd(16385, 2, 0, False, dev, True).kernel != "unrolled"  # scalar accesses
         assert fwd(16384, 2, 0, False, dev, True).kernel == "single"  # a misaligned stride
-        assert fwd(16384, 4, 0, True, dev, True).kernel == "single"  # no float32 16K rule
-        assert fwd(4096, 2, 0, True, dev, True).kernel == "single"
+        assert fwd(32768, 4, 0, True, dev, True).kernel == "single"  # no float32 32K rule
+        assert fwd(2048, 2, 0, True, dev, True).kernel == "single"
     launch_rules(SINGLE_BLOCK_LIMIT=8192)
     assert fwd(8192, 2, 0, True, device_facts(-1), True).kernel == "single"
     launch_rules(SINGLE_BLOCK_LIMIT=None)
@@ -521,7 +525,8 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     assert fwd(65537, 2, 8, False, cuda, True)[:1] + fwd(65537, 2, 8, False, cuda, True)[5:8] \
         == ("split", 8, 8192, 3)
     assert fwd(65536, 4, 0, True, cuda, True)[5:8] == (0, 8192, 1)
-    assert fwd(65536, 2, 0, True, cuda, True).kernel == "looped"  # (measured faster)
+    assert fwd(65536, 2, 0, True, cuda, True).kernel == "unrolled"  # (measured faster)
+    assert fwd(131072, 2, 0, True, cuda, True).kernel == "looped"  # (no 128K rule)
     assert fwd(262144, 4, 0, True, cuda, True).kernel == "split"
     assert bwd(8193, 2, 8, False, cuda)[:1] + bwd(8193, 2, 8, False, cuda)[6:7] == ("fused", 8)
     assert bwd(16385, 2, 8, False, cuda).kernel == "fused"  # a 16K body
@@ -532,6 +537,8 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     launch_rules("rmsnorm", VEC_EDGES=False, SPLIT_ROWS_MIN=1 << 62)
     assert fwd(8193, 2, 8, False, cuda, True)[5] == 0
     assert fwd(65537, 2, 8, False, cuda, True).kernel == "looped"
+    launch_rules("rmsnorm", UNROLLED_FWD={})
+    assert fwd(65536, 2, 0, True, cuda, True).kernel == "looped"
     assert bwd(8193, 2, 8, False, cuda)[6] == 0
     assert bwd(131072, 4, 0, True, cuda).kernel == "looped"
 

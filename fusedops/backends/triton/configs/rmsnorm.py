@@ -128,14 +128,20 @@ FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
 
 # Aligned rows on rms_fwd_unrolled (N compile-time, one program per row): (element size,
 # padded row) -> ((chunk, warps), ...), the first config whose chunk divides N taken (warps 0:
-# the rows keep the other kernels); rows must start 16-byte aligned (row stride and N).
-# LayerNorm's UNROLLED_FWD configs, not yet measured for RMSNorm; they take these rows from
-# the single-block kernel (also from FWD_RULES at 8K), which holds a 16-bit 16K row on 16 warps
-# at 88 registers, one program per SM whose loads idle while it reduces (ptxas sm_90:
-# rms_fwd_unrolled 32 registers on 4096 x 16).
+# the rows keep the other kernels); rows must start 16-byte aligned (row stride and N). The
+# single-block kernel held a 16-bit 16K row on 16 warps at 88 registers, one program per SM
+# whose loads idle while it reduces (ptxas sm_90: rms_fwd_unrolled 32 registers on 4096 x 16).
+# H200, inference forward, fraction of copy bandwidth, bf16 / fp16 (the kernels these rows
+# took before; compile: torch.compile, same run; benchmarks/results/h200/rmsnorm-unrolled.json):
+# 16-bit 4K 0.99 / 1.00 on 2048 x 8 (single 0.97 / 0.98; compile 0.88-0.91), 8K 1.01 on 4096 x
+# 16 (single 0.97-0.98; compile 1.01), 16K 1.00 on 8192 x 16 (single 0.77; compile 0.96), 32K
+# 0.99 on 8192 x 32 (single 0.90; compile 0.97-0.99), 64K 0.90 on 8192 x 32 (looped 0.65;
+# compile 0.66); float32 8K 0.995 on 4096 x 32 (single 0.97), 16K 0.996 (single 0.96;
+# compile 0.99). Second configs (padded neighbours such as 12288, 6144) are LayerNorm's.
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
-    (2, 8192): ((2048, 8), (1024, 8)), (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32),),
-    (4, 8192): ((2048, 16),),
+    (2, 4096): ((2048, 8),), (2, 8192): ((4096, 16), (2048, 8)),
+    (2, 16384): ((8192, 16), (4096, 16)), (2, 32768): ((8192, 32),), (2, 65536): ((8192, 32),),
+    (4, 8192): ((4096, 32), (2048, 16)), (4, 16384): ((4096, 32),),
 }
 
 # Unaligned rows in the single-block kernel: LayerNorm's unaligned_config (kind "ln_fwd"), and
