@@ -195,10 +195,11 @@ def backend_for(x: torch.Tensor) -> Backend:
 # (BERT at 8x512 is host-bound: its add + LayerNorm epilogues lose below 2^23 elements). A
 # masked softmax call runs fused at every size: its exact composition in torch ops (scale, mask,
 # softmax, rows with nothing kept set to zero) costs the host more than the replayed kernel
-# (benchmarks/results/h200/host.txt). Inside a Hugging Face model, though, the fused attention
-# cost host-bound BERT-base and GPT-2 a few percent of a forward at 1x128 and 8x512 (2^17-2^24.6
-# scores per call) and gains at 32x512 (2^26.6): patch_model's attention function runs the
-# model's own below 2^25 ("attention"; models.json: level at the former, 0.84 at the latter).
+# (benchmarks/results/h200/host.txt). patch_model's attention function runs fused from 2^25
+# scores ("attention"; a 32x512 block of BERT-base or GPT-2 gains, models.json: 0.84-0.88) and,
+# below that, only inference calls with a mask that its attention module made before
+# (fusedops.patching.hf_attention.SEEN, attention-calls.json: a replayed fused call costs the
+# host less than the model's own, a first call more).
 # Calls with dropout always run fused (the mask's generator is part of the op).
 NATIVE_BELOW: dict[tuple[str, bool], int] = {
     ("softmax", False): 1 << 22, ("softmax", True): 1 << 24,
