@@ -526,7 +526,10 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
         == ("split", 8, 8192, 3)
     assert fwd(65536, 4, 0, True, cuda, True)[5:8] == (0, 8192, 1)
     assert fwd(65536, 2, 0, True, cuda, True).kernel == "unrolled"  # (measured faster)
-    assert fwd(131072, 2, 0, True, cuda, True).kernel == "looped"  # (no 128K rule)
+    assert fwd(131072, 2, 0, True, cuda, True)[:1] + fwd(131072, 2, 0, True, cuda, True)[3::3] \
+        == ("unrolled", 32, 16384)
+    assert fwd(98304, 2, 0, True, cuda, True).kernel == "unrolled"  # (6 chunks of 16K)
+    assert fwd(131072, 4, 0, True, cuda, True).kernel == "split"  # (no float32 rule)
     assert fwd(262144, 4, 0, True, cuda, True).kernel == "split"
     assert bwd(8193, 2, 8, False, cuda)[:1] + bwd(8193, 2, 8, False, cuda)[6:7] == ("fused", 8)
     assert bwd(16385, 2, 8, False, cuda).kernel == "fused"  # a 16K body

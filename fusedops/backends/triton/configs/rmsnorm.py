@@ -138,9 +138,13 @@ FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
 # 0.99 on 8192 x 32 (single 0.90; compile 0.97-0.99), 64K 0.90 on 8192 x 32 (looped 0.65;
 # compile 0.66); float32 8K 0.995 on 4096 x 32 (single 0.97), 16K 0.996 (single 0.96;
 # compile 0.99). Second configs (padded neighbours such as 12288, 6144) are LayerNorm's.
+# Longer rows (rmsnorm-unrolled-long.json): bf16 128K 0.76 on 16384 x 32 (looped 0.63, compile
+# 0.63), 256K 0.67 (looped 0.63); float32 32K-256K stay (single-block / split 0.69-0.89, the
+# unrolled candidates 0.67-0.83).
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 4096): ((2048, 8),), (2, 8192): ((4096, 16), (2048, 8)),
     (2, 16384): ((8192, 16), (4096, 16)), (2, 32768): ((8192, 32),), (2, 65536): ((8192, 32),),
+    (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),
     (4, 8192): ((4096, 32), (2048, 16)), (4, 16384): ((4096, 32),),
 }
 
