@@ -1,11 +1,11 @@
 """Embed the Metal shader sources into a C++ header for the extension (run by setup.py on macOS).
 
 The header defines ``kFusedopsMetalSource``: the shader files of ``SHADER_FILES`` in
-``fusedops/backends/metal/shader_source.py`` (``softmax.metal``, ``layernorm.metal``, ``rmsnorm.metal``,
-``softmax_masked.metal``, ``layernorm_epilogue.metal``) with their ``#include "..."`` lines
-replaced by the included files (each file once), exactly what ``fusedops.backends.metal.library_source()``
-hands to ``torch.mps.compile_shader`` (a test compares the two). The extension compiles it with
-``newLibraryWithSource`` at first use.
+``fusedops/backends/metal/shader_source.py`` (``softmax.metal``, ``layernorm.metal``,
+``rmsnorm.metal``, ``softmax_masked.metal``, ``layernorm_epilogue.metal``) with their
+``#include "..."`` lines replaced by the included files (each file once), exactly what
+``fusedops.backends.metal.library_source()`` hands to ``torch.mps.compile_shader`` (a test
+compares the two). The extension compiles it with ``newLibraryWithSource`` at first use.
 
     python csrc/embed_shaders.py metal csrc/shaders_embedded.h
 """
@@ -21,8 +21,10 @@ _DELIM = "FUSEDOPS_METAL"
 
 
 def _load_shader_source():
-    """fusedops/backends/metal/shader_source.py loaded by path: stdlib only, no fusedops or torch import."""
-    path = Path(__file__).resolve().parent.parent / "fusedops" / "backends" / "metal" / "shader_source.py"
+    """fusedops/backends/metal/shader_source.py loaded by path: stdlib only, no fusedops or
+    torch import."""
+    root = Path(__file__).resolve().parent.parent
+    path = root / "fusedops" / "backends" / "metal" / "shader_source.py"
     spec = importlib.util.spec_from_file_location("fusedops_shader_source", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
