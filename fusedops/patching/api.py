@@ -283,6 +283,11 @@ def _swap_modules(state: PatchState, report: PatchReport, tree: _Tree) -> None:
     """Module level: torch classes, then hand-written norms (module docstring, point 1)."""
     for name, module, excluded in tree.items():
         cls = type(module)
+        if cls is nn.Dropout:
+            # (exactly nn.Dropout: a subclass may do more in eval mode)
+            if not excluded and _swap(state, report, module, cls, swaps.LeanDropout, None):
+                report.lean_dropout.append(name)
+            continue
         base = swaps.torch_base(cls)
         if base is None:
             _recognise(state, report, name, module, excluded)
@@ -307,14 +312,19 @@ def _swap_modules(state: PatchState, report: PatchReport, tree: _Tree) -> None:
 
 
 def _swap(state: PatchState, report: PatchReport, module: nn.Module, cls: type,
-          new_cls: type, entry: dict) -> bool:
+          new_cls: type, entry: dict | None) -> bool:
+    """Swap ``module``'s class; ``entry``: its row of ``report.replaced`` (or of
+    ``report.skipped`` if the swap fails), None for a Dropout (``report.lean_dropout``)."""
     try:
         module.__class__ = new_cls
     except TypeError as exc:  # e.g. an incompatible __slots__ layout
-        entry["reason"] = f"class swap failed: {exc}"
-        report.skipped.append(entry)
+        if entry is not None:
+            entry["reason"] = f"class swap failed: {exc}"
+            report.skipped.append(entry)
         return False
     state.swapped.append((module, cls))
+    if entry is None:
+        return True
     shape, config = swaps.module_config(module)
     report.replaced.append({**entry, "fused_type": new_cls.__name__, "shape": shape,
                             "config": config})
@@ -541,6 +551,8 @@ def _verify(model: nn.Module, state: PatchState, example_inputs: Any, reference:
         return hook
 
     for module, _ in state.swapped:
+        if isinstance(module, swaps.LeanDropout):
+            continue
         spec = module.__dict__.get(swaps.NORM_ATTR)
         op = spec.op if spec is not None else swaps.BASES[swaps.torch_base(type(module))][1]
         hooks.append(module.register_forward_hook(count(op)))

@@ -46,6 +46,9 @@ class PatchReport:
         pattern_skipped: candidate modules (a LayerNorm/Softmax child, or a forward that calls
             softmax) whose forward could not be proven exact, with ``name``, ``type``,
             ``reason``.
+        lean_dropout: the qualified names of the ``nn.Dropout`` modules whose eval-mode call
+            now returns its input without calling ``F.dropout`` (the same tensor ``F.dropout``
+            returns there; training mode unchanged): host time of eval forwards.
         excluded: the qualified names of the excluded subtrees (functional calls inside them
             are not routed either).
         unmatched_exclude: ``exclude`` entries that matched no module (typos, usually).
@@ -68,6 +71,7 @@ class PatchReport:
     fused_patterns: list[dict] = dataclasses.field(default_factory=list)
     pattern_skipped: list[dict] = dataclasses.field(default_factory=list)
     routed_functions: list[dict] = dataclasses.field(default_factory=list)
+    lean_dropout: list[str] = dataclasses.field(default_factory=list)
     excluded: list[str] = dataclasses.field(default_factory=list)
     unmatched_exclude: list[str] = dataclasses.field(default_factory=list)
     verification: dict | None = None
@@ -139,6 +143,9 @@ class PatchReport:
                 ["name", "type", "reason"],
                 [[s["name"] or "(root)", s["type"], s["reason"]] for s in self.pattern_skipped],
             )
+        if self.lean_dropout:
+            lines += ["", f"Dropout modules whose eval-mode call skips F.dropout "
+                      f"({len(self.lean_dropout)}; the same result, training unchanged)."]
         if self.excluded:
             lines += ["", "Excluded subtrees (no module swap, no functional routing): "
                       + ", ".join(n or "(root)" for n in self.excluded)]

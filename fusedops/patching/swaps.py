@@ -21,6 +21,7 @@ import importlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fusedops.modules import FusedLayerNorm, FusedRMSNorm, FusedSoftmax
@@ -42,6 +43,21 @@ class _PatchedFusedRMSNorm(FusedRMSNorm):
 class _PatchedFusedSoftmax(FusedSoftmax):
     """What an ``nn.Softmax`` becomes under patch_model (shows as FusedSoftmax)."""
 
+
+class LeanDropout(nn.Dropout):
+    """What an ``nn.Dropout`` becomes under patch_model: in eval mode its call returns the
+    input itself, which is what ``F.dropout`` returns there, without that call (about 1.7 µs of
+    host time per module call on a CPU, where a host-bound forward has one or two per layer).
+    Training mode, tensor subclasses and active torch function modes take ``F.dropout``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training or input.__class__ is not torch.Tensor or _stack_depth() \
+                or not 0.0 <= self.p <= 1.0:
+            return F.dropout(input, self.p, self.training, self.inplace)
+        return input
+
+
+_stack_depth = torch._C._len_torch_function_stack
 
 # repr() uses the class __name__; pickling uses __qualname__, which stays importable.
 _PatchedFusedLayerNorm.__name__ = "FusedLayerNorm"
