@@ -233,13 +233,40 @@ def test_time_rounds_interleaves_and_drops_failures():
             raise RuntimeError("out of memory\nsecond line")
 
     steps = {"a": step("a"), "b": step("b"), "c": broken}
-    samples, errors = timing.time_rounds(steps, lambda: None, rounds=3, warmup=1)
+    samples, errors, repeats = timing.time_rounds(steps, lambda: None, rounds=3, warmup=1)
+    assert repeats == 1
     assert calls[:3] == ["a", "b", "c"]  # warm-up
     # rounds: the starting variant rotates; c fails in round 1 and is dropped
     assert calls[3:] == ["a", "b", "c", "b", "c", "a", "a", "b"]
     assert errors == {"c": "RuntimeError: out of memory"}
     assert [len(samples[n]) for n in "abc"] == [3, 3, 1]
     assert all(wall >= host >= 0 for wall, host in samples["a"])
+
+
+def test_rounds_repeat_short_steps(monkeypatch):
+    """min_round_s: every variant runs as many steps per round as make the fastest one's round
+    about that long (capped), and a sample is the time per step."""
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    calls: list[str] = []
+
+    def step(name, seconds):
+        def run():
+            calls.append(name)
+            clock[0] += seconds
+        return run
+
+    steps = {"fast": step("fast", 0.004), "slow": step("slow", 0.010)}
+    samples, errors, repeats = timing.time_rounds(steps, lambda: None, rounds=2, warmup=0,
+                                                  min_round_s=0.05)
+    assert repeats == 13 and errors == {}  # ceil(0.05 / 0.004)
+    assert calls[:2] == ["fast", "slow"]  # the one timed step each that sets the count
+    assert calls[2:] == ["fast"] * 13 + ["slow"] * 13 + ["slow"] * 13 + ["fast"] * 13
+    assert samples["fast"] == [pytest.approx((0.004, 0.004))] * 2
+    assert samples["slow"] == [pytest.approx((0.010, 0.010))] * 2
+    steps = {"tiny": step("tiny", 1e-9)}
+    assert timing.time_rounds(steps, lambda: None, 1, 0, min_round_s=1.0)[2] \
+        == timing.MAX_REPEATS
 
 
 def test_gpu_times_retries_then_gives_up(monkeypatch):

@@ -21,10 +21,13 @@ tokens with the KV cache after a ``--gen-shapes`` prompt).
 
 Measured per (model, shape, mode, variant):
 
-* wall: ``perf_counter`` from the step's start to after a device synchronize, median and
-  20%/80% quantiles over the rounds;
-* host: ``perf_counter`` from the step's start until the Python call returns, before any
-  synchronize: what the host spends issuing the step;
+* wall: ``perf_counter`` from the round's start to after a device synchronize, per step, median
+  and 20%/80% quantiles over the rounds; a round runs each variant's step ``--min-round-ms``
+  worth of times back to back (the count set once per group from the fastest variant, at most
+  64; ``steps_per_round`` in the summary), so a short step's sample is not one scheduling
+  jitter of the host;
+* host: ``perf_counter`` from the round's start until the last Python call returns, before any
+  synchronize, per step: what the host spends issuing the step;
 * GPU (CUDA): the GPU's own time with the host far ahead: the stream is blocked by
   ``torch.cuda._sleep``, a CUDA event, the step, a second event; valid only if the host finished
   issuing before the sleep ended (else retried with a longer sleep, then reported as None);
@@ -105,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--gen-rounds", type=int, default=None,
                    help="timed rounds for generate (default min(rounds, 5))")
+    p.add_argument("--min-round-ms", type=float, default=50.0,
+                   help="steps per round so that the fastest variant's round lasts about this "
+                        "long, at most 64 (default 50; 0: one step per round)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant after the "
                    "first call (default 3; 1 for generate)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated (default 128)")
@@ -172,6 +178,7 @@ def resolve(args: argparse.Namespace, argv: Sequence[str] = ()) -> Options:
         device=device, preset=args.preset or ("full" if cuda else "tiny"),
         dtype=args.dtype or ("bf16" if cuda else "fp32"), rounds=rounds,
         gen_rounds=_positive(args.gen_rounds or min(rounds, 5), "--gen-rounds"),
+        min_round_ms=max(0.0, args.min_round_ms),
         warmup=max(0, args.warmup), new_tokens=_positive(args.new_tokens, "--new-tokens"),
         threads=args.threads, out=args.out, compile_backend=args.compile_backend,
         force_patch=args.force_patch,

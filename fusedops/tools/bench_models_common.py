@@ -34,6 +34,7 @@ class Options:
     dtype: str = "fp32"
     rounds: int = 10
     gen_rounds: int = 5
+    min_round_ms: float = 0.0
     warmup: int = 3
     new_tokens: int = 128
     threads: int | None = None

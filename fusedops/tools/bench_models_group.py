@@ -147,7 +147,8 @@ def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: 
     rounds = opts.gen_rounds if generate else opts.rounds
     warmup = min(opts.warmup, 1) if generate else opts.warmup
     graphs_before = dynamo_counts()[0]
-    samples, errors = timing.time_rounds(steps, timing.sync_fn(device), rounds, warmup)
+    samples, errors, repeats = timing.time_rounds(steps, timing.sync_fn(device), rounds,
+                                                  warmup, opts.min_round_ms / 1e3)
     recompiled = dynamo_counts()[0] - graphs_before
     _fill_timings(records, samples, errors, group)
     live = {n: s for n, s in steps.items() if n not in errors}
@@ -155,6 +156,7 @@ def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: 
         device_extras(live, records, generate, device)
     row = summarize_group(group, records, samples)
     row["weights_identical"] = same
+    row["steps_per_round"] = repeats
     row["graphs_compiled_while_timing"] = recompiled
     return list(records.values()), row
 

@@ -88,6 +88,15 @@ def format_summary(result: dict) -> str:
     return _report.table(rows, headers, align="lll" + "r" * (len(headers) - 3))
 
 
+def _round_steps(result: dict) -> str:
+    """', N-M steps per round' from the summary rows (runs before --min-round-ms: '')."""
+    steps = [r["steps_per_round"] for r in result.get("summary", []) if "steps_per_round" in r]
+    if not steps:
+        return ""
+    lo, hi = min(steps), max(steps)
+    return f", {lo}{'' if lo == hi else f'-{hi}'} steps per round"
+
+
 def format_notes(result: dict) -> str:
     """The lines printed above the tables: device, what patching did, anything flagged."""
     meta = result["meta"]
@@ -96,7 +105,7 @@ def format_notes(result: dict) -> str:
     lines = [f"device: {dev['name']} ({dev['type']}), torch {meta['versions']['torch']}, "
              f"transformers {meta['versions']['transformers']}, dtype {opts['dtype']}, "
              f"preset {opts['preset']}, {opts['rounds']} rounds ({opts['gen_rounds']} for "
-             "generate)"]
+             "generate)" + _round_steps(result)]
     if not dev.get("fused_kernels_available"):
         lines.append("no fused kernel on this device: 'patched' runs the PyTorch reference "
                      "path, so no speed-up is expected or claimed")

@@ -5,6 +5,7 @@ the median and 20%/80% quantiles every time is reported with."""
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,23 +35,46 @@ def sync_fn(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def time_once(step: Callable[[], Any], sync: Callable[[], None]) -> tuple[float, float]:
-    """(wall, host) seconds of one step: the device is idle at the start; host = until the
-    call returns, wall = until the device is done."""
+def time_once(step: Callable[[], Any], sync: Callable[[], None],
+              repeats: int = 1) -> tuple[float, float]:
+    """(wall, host) seconds per step of ``repeats`` steps back to back: the device is idle at
+    the start; host = until the last call returns, wall = until the device is done."""
     sync()
     t0 = time.perf_counter()
-    step()
+    for _ in range(repeats):
+        step()
     t1 = time.perf_counter()
     sync()
-    return time.perf_counter() - t0, t1 - t0
+    return (time.perf_counter() - t0) / repeats, (t1 - t0) / repeats
+
+
+MAX_REPEATS = 64
+
+
+def steps_per_round(steps: dict[str, Callable[[], Any]], sync: Callable[[], None],
+                    min_round_s: float) -> int:
+    """Steps each variant runs per round so that the fastest variant's round lasts about
+    ``min_round_s`` (at most MAX_REPEATS; 1 for 0): one short step's time is the host's
+    scheduling jitter as much as the step, which a round of several averages out."""
+    times = []
+    for step in steps.values() if min_round_s > 0 else ():
+        try:
+            times.append(time_once(step, sync)[0])
+        except Exception:  # (it fails again in its round, which records the error)
+            continue
+    if not times:
+        return 1
+    return max(1, min(MAX_REPEATS, math.ceil(min_round_s / max(min(times), 1e-6))))
 
 
 def time_rounds(steps: dict[str, Callable[[], Any]], sync: Callable[[], None], rounds: int,
-                warmup: int) -> tuple[dict[str, list[tuple[float, float]]], dict[str, str]]:
-    """Warm every step up, then ``rounds`` rounds, each timing every step once (the starting
-    step rotates each round). The same :func:`time_once` times every variant; the garbage
-    collector runs between rounds, never inside one. A step that raises is dropped with its
-    error. Returns ``({name: [(wall_s, host_s) per round]}, {name: error})``."""
+                warmup: int, min_round_s: float = 0.0
+                ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, str], int]:
+    """Warm every step up, then ``rounds`` rounds, each timing every step (the starting
+    step rotates each round) over :func:`steps_per_round` steps. The same :func:`time_once`
+    times every variant; the garbage collector runs between rounds, never inside one. A step
+    that raises is dropped with its error. Returns ``({name: [(wall_s, host_s) per step, one
+    per round]}, {name: error}, steps per round)``."""
     live = dict(steps)
     errors: dict[str, str] = {}
     samples: dict[str, list[tuple[float, float]]] = {n: [] for n in steps}
@@ -61,6 +85,7 @@ def time_rounds(steps: dict[str, Callable[[], Any]], sync: Callable[[], None], r
         except Exception as exc:
             errors[name] = short_error(exc)
             live.pop(name)
+    repeats = steps_per_round(live, sync, min_round_s)
     # Objects alive now (torch, transformers, the models) are left out of the collections
     # between rounds, which then cost what the rounds allocated, not the whole process.
     gc.freeze()
@@ -75,7 +100,7 @@ def time_rounds(steps: dict[str, Callable[[], Any]], sync: Callable[[], None], r
             try:
                 for name in order:
                     try:
-                        samples[name].append(time_once(live[name], sync))
+                        samples[name].append(time_once(live[name], sync, repeats))
                     except Exception as exc:
                         errors[name] = short_error(exc)
                         live.pop(name)
@@ -83,7 +108,7 @@ def time_rounds(steps: dict[str, Callable[[], Any]], sync: Callable[[], None], r
                 gc.enable()
     finally:
         gc.unfreeze()
-    return samples, errors
+    return samples, errors, repeats
 
 
 _CYCLES_PER_MS: list[float] = []
