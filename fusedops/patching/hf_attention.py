@@ -138,7 +138,7 @@ def fused_eager_attention(
     if len(shape) != 4 or attention_mask is not None and attention_mask.ndim != 4:
         fused = False
     elif shape[0] * shape[1] * shape[2] * key.shape[-2] >= below:
-        fused = True
+        fused = not _native_now()
     elif grad or attention_mask is None or below == _INF or _native_now():
         # (Below the rule, a maskless inference call saves one native multiply, less than the
         # fused call's host cost: benchmarks/results/h200/attention-calls.json. Nothing is
@@ -151,7 +151,7 @@ def fused_eager_attention(
             if len(SEEN) >= SEEN_MAX:
                 SEEN.clear()
             SEEN[seen] = True
-    if not fused or _native_now() or kwargs and not _DELEGATED_KWARGS.isdisjoint(kwargs) \
+    if not fused or kwargs and not _DELEGATED_KWARGS.isdisjoint(kwargs) \
             and any(kwargs.get(k) is not None for k in _DELEGATED_KWARGS):
         if fx_patterns.counts is not None:
             fx_patterns.count("hf_attention:unfused")
