@@ -44,6 +44,9 @@ class _PatchedFusedSoftmax(FusedSoftmax):
     """What an ``nn.Softmax`` becomes under patch_model (shows as FusedSoftmax)."""
 
 
+_stack_depth = torch._C._len_torch_function_stack
+
+
 class LeanDropout(nn.Dropout):
     """What an ``nn.Dropout`` becomes under patch_model: in eval mode its call returns the
     input itself, which is what ``F.dropout`` returns there, without that call (about 1.7 µs of
@@ -56,8 +59,6 @@ class LeanDropout(nn.Dropout):
             return F.dropout(input, self.p, self.training, self.inplace)
         return input
 
-
-_stack_depth = torch._C._len_torch_function_stack
 
 # repr() uses the class __name__; pickling uses __qualname__, which stays importable.
 _PatchedFusedLayerNorm.__name__ = "FusedLayerNorm"

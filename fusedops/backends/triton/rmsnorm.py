@@ -20,8 +20,9 @@ scalar accesses), the kernels configured for the body (8192 at N = 8193).
   rstd store for inference calls. With VEC a tile's rows share one misalignment, and calls of
   ``SHIFTED_W_MIN_ELEMS`` elements and more read the weight from copies shifted per
   misalignment (``shifted_weight``) so its loads are vectors too.
-* Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``: LayerNorm's
-  configs, not yet measured for RMSNorm): one program per row, the row length compile-time;
+* Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``, measured
+  for RMSNorm: 16-bit 4K-256K, float32 8K and 16K): one program per row, the row length
+  compile-time;
   pass 1 sums squares per lane over unrolled chunks (every chunk's loads in flight at once,
   the row kept in L2), pass 2 reads it again from L2 to write y.
 * Forward, reload (unaligned 16-bit bodies of 4K-32K in large calls, ``RELOAD_VEC_FWD``): one
