@@ -311,6 +311,12 @@ def plain_eager() -> bool:
     return _counts is None and not _is_compiling() and not _any_autocast()
 
 
+def plain_eager_checked() -> bool:
+    """:func:`plain_eager` for a caller that has just checked :func:`native_now` (so Dynamo is
+    not tracing): two fewer Python calls on a path taken once per attention layer."""
+    return _counts is None and not _any_autocast()
+
+
 @contextlib.contextmanager
 def count_fused_calls() -> Iterator[Counter]:
     """Count calls routed to fused kernels, per op (e.g. ``softmax_forward``), inside the block.

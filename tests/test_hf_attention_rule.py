@@ -106,3 +106,40 @@ def test_without_a_fused_backend_the_model_runs_its_own(monkeypatch):
     for _ in range(3):
         assert calls(model, inputs) == {"hf_attention:unfused": LAYERS}
     assert hf_attention.SEEN == {}
+
+
+def test_fused_inference_calls_replay_from_the_attention_function(rule_above_every_call,
+                                                                  monkeypatch):
+    # A signature with a replay runner (fusedops._replay, made by the GPU backend) is launched
+    # straight from the attention function; calls that need autograd, and a runner that
+    # declines (None), take masked_softmax.
+    from fusedops.ops.softmax_masked import masked_softmax
+
+    ran = Counter()
+
+    def runner(x, mask, scale, causal):
+        def run(x2, mask2):
+            ran["run"] += 1
+            return masked_softmax(x2, -1, None, scale, mask2, causal)
+        return run if not ran["decline"] else (lambda x2, mask2: None)
+
+    monkeypatch.setattr(hf_attention, "replay_runner", runner)
+    model, ref, inputs = patched_gpt2()
+    calls(model, inputs)
+    with torch.no_grad():
+        assert_outputs_close(run(model, inputs), run(ref, inputs), atol=1e-5, rtol=1e-5)
+    assert ran["run"] == LAYERS
+    ran["decline"] = 1
+    with torch.no_grad():
+        assert_outputs_close(run(model, inputs), run(ref, inputs), atol=1e-5, rtol=1e-5)
+    assert ran["run"] == LAYERS
+    ran["decline"] = 0
+    RULES["cpu", torch.float32, True] = 0  # training calls fused too: never the runner
+    out = run(model, inputs)
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    out.float().sum().backward()
+    assert ran["run"] == LAYERS
+    # Under count_fused_calls (plain_eager is False) the runner is not used either.
+    with _dispatch.count_fused_calls(), torch.no_grad():
+        run(model, inputs)
+    assert ran["run"] == LAYERS

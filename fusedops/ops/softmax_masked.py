@@ -203,6 +203,16 @@ _grad_enabled = torch.is_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
+def replay_runner(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool):
+    """The ``fusedops._replay.SOFTMAX_MASKED`` runner of a call of this signature seen before
+    (``run(x, mask) -> y or None``), or None/False. The caller has checked what the signature
+    assumes: plain tensors, ``dim=-1``, no ``dtype``, a float ``scale``, a mask that needs no
+    gradient, and :func:`fusedops._dispatch.plain_eager` (or the same facts otherwise)."""
+    return _replay.SOFTMAX_MASKED.get((
+        x.shape, x.dtype, x.get_device(), scale, causal,
+        None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
+
+
 def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: float | None,
                    mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """fused_softmax's path for scale/mask/causal (its arguments as the user gave them)."""
@@ -213,9 +223,7 @@ def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: 
         # A call seen before, replayed (fusedops._replay): no checks or launch rules; with
         # grad, through the lean Function above. (Exact classes: a bool scale or a non-bool
         # causal must still raise.)
-        run = _replay.SOFTMAX_MASKED.get((
-            x.shape, x.dtype, x.get_device(), 1.0 if scale is None else scale, causal,
-            None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
+        run = replay_runner(x, mask, 1.0 if scale is None else scale, causal)
         if run:
             if not (x.requires_grad and _grad_enabled()):
                 y = run(x, mask)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fusedops import _dispatch
-from fusedops.ops.softmax_masked import masked_softmax
+from fusedops.ops.softmax_masked import masked_softmax, replay_runner
 from fusedops.patching import fx_patterns
 from fusedops.patching.routing import routing_off
 
@@ -99,6 +99,7 @@ def _eager(module: nn.Module) -> tuple[Any, bool]:
 _ATTENTION_RULES = _dispatch.SIZE_RULES["attention"]
 _grad_enabled = torch.is_grad_enabled
 _native_now = _dispatch.native_now
+_plain_eager_checked = _dispatch.plain_eager_checked
 _stack_depth = torch._C._len_torch_function_stack
 _INF = float("inf")
 # Inference calls below the size rule that carry a mask, by (id of the attention module, query
@@ -164,12 +165,15 @@ def fused_eager_attention(
     if _stack_depth():
         with routing_off():
             return _attention(module, query, key, value, attention_mask, scaling, dropout,
-                              contiguous)
-    return _attention(module, query, key, value, attention_mask, scaling, dropout, contiguous)
+                              contiguous, not grad)
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, contiguous,
+                      not grad)
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout, contiguous):
-    """The fused body of :func:`fused_eager_attention` (arguments as it was given them)."""
+def _attention(module, query, key, value, attention_mask, scaling, dropout, contiguous,
+               inference):
+    """The fused body of :func:`fused_eager_attention` (arguments as it was given them;
+    ``inference``: no gradient needed, and torch.compile/torch.func were checked)."""
     shape = query.shape
     if scaling is None:
         scaling = shape[-1] ** -0.5
@@ -181,8 +185,18 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, cont
     mask = attention_mask
     if mask is not None and mask.shape[-1] != key.shape[-2]:
         mask = mask[:, :, :, : key.shape[-2]]
-    weights = masked_softmax(scores, -1, None,
-                             scaling if scaling.__class__ is float else float(scaling), mask, False)
+    scale = scaling if scaling.__class__ is float else float(scaling)
+    weights = None
+    if inference and scores.__class__ is torch.Tensor and (
+            mask is None or mask.__class__ is torch.Tensor and not mask.requires_grad) \
+            and _plain_eager_checked():
+        # A replayed launch straight from here: masked_softmax's own checks would repeat what
+        # this call has established (host cost per attention layer).
+        run = replay_runner(scores, mask, scale, False)
+        if run:
+            weights = run(scores, mask)
+    if weights is None:
+        weights = masked_softmax(scores, -1, None, scale, mask, False)
     if dropout:
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights if weights.dtype == value.dtype else weights.to(value.dtype),
