@@ -329,8 +329,11 @@ RELOAD_FWD_ABOVE = 2048  # shorter rows skip the lookup (no rule below 4K; saves
 #   3.93 (the one length measured slower). 16K-32K: level or slower, no rule.
 #   Long rows: bf16 128K on 16K x 32 2.98 was 2.23 (split rows; 8K x 32 2.56), 256K 2.66 was
 #   2.36 (8K x 16 2.48).
+#   Short rows (benchmarks/results/h200/short-rows.json, bf16, fraction of copy): 768 on 256 x 1
+#   1.02 (single-block, 1024 lanes for 768, 164 registers: 0.85; compile 1.02), 1536 on 512 x 2
+#   1.02 (512 x 4: 0.95).
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
-    (2, 1024): ((512, 2),), (2, 2048): ((2048, 4), (512, 4)),
+    (2, 1024): ((512, 2), (256, 1)), (2, 2048): ((2048, 4), (512, 2)),
     (2, 4096): ((4096, 0), (1024, 4), (512, 4)), (2, 8192): ((2048, 8), (1024, 8)),
     (2, 16384): ((4096, 16),), (2, 32768): ((8192, 32), (1024, 8)),
     (2, 65536): ((16384, 32),), (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),

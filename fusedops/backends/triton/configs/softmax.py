@@ -97,11 +97,15 @@ RELOAD_FWD_ABOVE = 16384  # shorter rows skip the lookup (no rule below 32K; sav
 # 3.99, 16K 4.14 / 4.12 vs 3.88 / 3.91 (single-block), 64K on 8K x 16 3.45 / 3.45 vs 3.19 /
 # 3.19 (reload); float32 16K 4.22 vs 4.07. Level or slower: 16-bit 32K (2.81-3.19 vs 3.20-3.24
 # single-block), float32 32K (3.60-4.16 vs 4.17 reload) and 64K (2.92-3.09 vs 3.35 split rows).
+# Rows between powers of two (benchmarks/results/h200/short-rows.json, bf16, fraction of copy,
+# against single-block on the padded row): 768 1.03 on 256 x 2 (1.00), 2560 1.01 (0.99), 3072
+# 1.01 on 1024 x 4 (0.98), 3584 1.03 (1.01), 5120 1.01 on 1024 x 8 (0.85); 1536 level.
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
-    (2, 4096): ((2048, 8),), (2, 8192): ((2048, 8),), (2, 16384): ((2048, 8),),
+    (2, 1024): ((1024, 0), (256, 2)), (2, 4096): ((2048, 8), (1024, 4), (512, 4)),
+    (2, 8192): ((2048, 8), (1024, 8)), (2, 16384): ((2048, 8),),
     (2, 65536): ((8192, 16),), (4, 16384): ((4096, 16),),
 }
-UNROLLED_FWD_ABOVE = 1024  # shorter rows skip the lookup
+UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
 # Unaligned rows (VEC > 0) on softmax_fwd_unrolled_vec: (element size, padded body) ->
 # (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, TB/s
