@@ -268,26 +268,40 @@ def layernorm_candidates(n: int, elt: int, current: dict, dev: DeviceFacts) -> l
             [("layernorm", {"UNROLLED_FWD": {key: ((chunk, warps),)}, **no_gpu_table})],
             f"layernorm UNROLLED_FWD[{key}]: ({chunk}, {warps}) the first config whose chunk "
             f"divides {n}" + (" (and in UNROLLED_FWD_GPU)" if gpu_table else "")))
-    if block <= RELOAD_MAX_BLOCK:
-        chunk, warps = block // 4, max(1, block // 1024)
-        rules: dict[str, Any] = {}
-        if current["variant"] == "unrolled":
-            rules.update(UNROLLED_FWD={}, **no_gpu_table)
-        rules["RELOAD_FWD"] = {key: (chunk, warps)}
-        if n <= ln_rules.RELOAD_FWD_ABOVE:
-            rules["RELOAD_FWD_ABOVE"] = block // 2
+    unset = {"UNROLLED_FWD": {}, **no_gpu_table} if current["variant"] == "unrolled" else {}
+    out += reload_candidates("layernorm", n, elt, block, ln_rules.RELOAD_FWD_ABOVE, unset)
+    out += single_candidates("ln_fwd", block, current)
+    return out
+
+
+def reload_candidates(op: str, n: int, elt: int, block: int, above: int,
+                      unset: dict[str, Any]) -> list[Candidate]:
+    """The reload kernel on a quarter-row chunk (rows up to RELOAD_MAX_BLOCK), with ``unset``
+    (rules that would take the row first) cleared."""
+    if block > RELOAD_MAX_BLOCK:
+        return []
+    key = (elt, block)
+    chunk, warps = block // 4, max(1, block // 1024)
+    rules: dict[str, Any] = {**unset, "RELOAD_FWD": {key: (chunk, warps)}}
+    if n <= above:
+        rules["RELOAD_FWD_ABOVE"] = block // 2
+    return [Candidate(
+        f"reload {block}, {chunk}x{warps}",
+        {"variant": "reload", "block": block, "chunk": chunk, "warps": warps},
+        [(op, rules)], f"{op} RELOAD_FWD[{key}] = ({chunk}, {warps}), RELOAD_FWD_ABOVE below {n}")]
+
+
+def single_candidates(kind: str, block: int, current: dict) -> list[Candidate]:
+    """The single-block kernel pinned to each rows/warps pair, where it is the current choice."""
+    if current["variant"] != "single":
+        return []
+    out = []
+    for rows, warps in single_configs(block):
+        facts = {"variant": "single", "block": block, "rows": rows, "warps": warps}
         out.append(Candidate(
-            f"reload {block}, {chunk}x{warps}",
-            {"variant": "reload", "block": block, "chunk": chunk, "warps": warps},
-            [("layernorm", rules)],
-            f"layernorm RELOAD_FWD[{key}] = ({chunk}, {warps}), RELOAD_FWD_ABOVE below {n}"))
-    if current["variant"] == "single":
-        for rows, warps in single_configs(block):
-            facts = {"variant": "single", "block": block, "rows": rows, "warps": warps}
-            out.append(Candidate(
-                label_of(facts), facts,
-                [("common", {"row_config": PinRowConfig("ln_fwd", block, rows, warps)})],
-                single_hint("ln_fwd", block, rows, warps)))
+            label_of(facts), facts,
+            [("common", {"row_config": PinRowConfig(kind, block, rows, warps)})],
+            single_hint(kind, block, rows, warps)))
     return out
 
 
@@ -331,26 +345,9 @@ def softmax_candidates(n: int, elt: int, current: dict, dev: DeviceFacts) -> lis
             f"softmax UNROLLED_FWD[{key}]: ({chunk}, {warps}) the first config whose chunk "
             f"divides {n}" + (", UNROLLED_FWD_ABOVE below it" if n <= sm_rules.UNROLLED_FWD_ABOVE
                               else "")))
-    if block <= RELOAD_MAX_BLOCK:
-        chunk, warps = block // 4, max(1, block // 1024)
-        rules = {}
-        if current["variant"] == "unrolled":
-            rules["UNROLLED_FWD"] = {}
-        rules["RELOAD_FWD"] = {key: (chunk, warps)}
-        if n <= sm_rules.RELOAD_FWD_ABOVE:
-            rules["RELOAD_FWD_ABOVE"] = block // 2
-        out.append(Candidate(
-            f"reload {block}, {chunk}x{warps}",
-            {"variant": "reload", "block": block, "chunk": chunk, "warps": warps},
-            [("softmax", rules)],
-            f"softmax RELOAD_FWD[{key}] = ({chunk}, {warps}), RELOAD_FWD_ABOVE below {n}"))
-    if current["variant"] == "single":
-        for rows, warps in single_configs(block):
-            facts = {"variant": "single", "block": block, "rows": rows, "warps": warps}
-            out.append(Candidate(
-                label_of(facts), facts,
-                [("common", {"row_config": PinRowConfig("softmax_fwd", block, rows, warps)})],
-                single_hint("softmax_fwd", block, rows, warps)))
+    unset = {"UNROLLED_FWD": {}} if current["variant"] == "unrolled" else {}
+    out += reload_candidates("softmax", n, elt, block, sm_rules.RELOAD_FWD_ABOVE, unset)
+    out += single_candidates("softmax_fwd", block, current)
     return out
 
 
