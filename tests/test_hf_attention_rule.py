@@ -143,3 +143,33 @@ def test_fused_inference_calls_replay_from_the_attention_function(rule_above_eve
     with _dispatch.count_fused_calls(), torch.no_grad():
         run(model, inputs)
     assert ran["run"] == LAYERS
+
+
+def test_fused_call_frees_the_scores_before_the_second_matmul(rule_above_every_call,
+                                                              monkeypatch):
+    # As in the model's own function, the scores are not alive beside the weights and the
+    # output of weights @ v (the peak memory of large inference calls).
+    import weakref
+
+    from fusedops.ops import softmax_masked
+
+    model, _, inputs = patched_gpt2()
+    calls(model, inputs)  # each module's first call of the shape: the model's own
+    scores_refs: list = []
+    seen_alive: list[bool] = []
+    real_softmax, real_matmul = softmax_masked.masked_softmax, torch.matmul
+
+    def softmax_spy(x, *args):
+        scores_refs.append(weakref.ref(x))
+        return real_softmax(x, *args)
+
+    def matmul_spy(a, b):
+        if scores_refs and a.dim() == 4 and b.shape[-2] == a.shape[-1] \
+                and len(seen_alive) < len(scores_refs):
+            seen_alive.append(scores_refs[-1]() is not None)
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(hf_attention, "masked_softmax", softmax_spy)
+    monkeypatch.setattr(torch, "matmul", matmul_spy)
+    assert calls(model, inputs) == {"hf_attention": LAYERS}
+    assert len(scores_refs) == LAYERS and seen_alive == [False] * LAYERS

@@ -197,6 +197,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, cont
             weights = run(scores, mask)
     if weights is None:
         weights = masked_softmax(scores, -1, None, scale, mask, False)
+    # Freed before the second matmul (the model's own function rebinds its one name): held,
+    # the scores would stay alive beside the weights and the output, raising the peak.
+    del scores
     if dropout:
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights if weights.dtype == value.dtype else weights.to(value.dtype),
