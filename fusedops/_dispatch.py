@@ -312,9 +312,10 @@ def plain_eager() -> bool:
 
 
 def plain_eager_checked() -> bool:
-    """:func:`plain_eager` for a caller that has just checked :func:`native_now` (so Dynamo is
-    not tracing): two fewer Python calls on a path taken once per attention layer."""
-    return _counts is None and not _any_autocast()
+    """:func:`plain_eager` for a caller that has just found :func:`native_now` False, so Dynamo
+    is not tracing unless a backend is forced: two fewer Python calls on a path taken once per
+    attention layer."""
+    return _counts is None and not _any_autocast() and (_forced is None or not _is_compiling())
 
 
 @contextlib.contextmanager

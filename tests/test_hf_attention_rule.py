@@ -173,3 +173,19 @@ def test_fused_call_frees_the_scores_before_the_second_matmul(rule_above_every_c
     monkeypatch.setattr(torch, "matmul", matmul_spy)
     assert calls(model, inputs) == {"hf_attention": LAYERS}
     assert len(scores_refs) == LAYERS and seen_alive == [False] * LAYERS
+
+
+def test_no_replay_while_torch_compile_traces_with_a_forced_backend(monkeypatch):
+    # A forced backend keeps the fused attention under torch.compile; its replay runners hold
+    # raw addresses and are for eager calls only.
+    torch._dynamo.reset()
+    asked = []
+    monkeypatch.setattr(hf_attention, "replay_runner", lambda *a: asked.append(a) or None)
+    model, ref, inputs = patched_gpt2()
+    with fusedops.use_backend("reference"), torch.no_grad():
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        assert_outputs_close(run(compiled, inputs), run(ref, inputs), atol=1e-5, rtol=1e-5)
+        assert asked == []
+        run(model, inputs)  # eager: the runner is asked
+    assert len(asked) == LAYERS
+    torch._dynamo.reset()
