@@ -378,11 +378,7 @@ def plan_case(op: str, dtype: str, n: int, m: int, dev: DeviceFacts,
         elif got == current:
             cand.status = "same as current"
         case.candidates.append(cand)
-    if max_candidates is not None:
-        live = [c for c in case.candidates if c.status == "planned"]
-        for c in live[max_candidates:]:
-            c.status = "left out (--max-candidates)"
-    return case
+    return cap_candidates(case, max_candidates)
 
 
 # ------------------------------------------------------------------------------ running
@@ -487,6 +483,49 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+
+def cap_candidates(case: Case, max_candidates: int | None) -> Case:
+    """``case`` with its planned candidates past the first ``max_candidates`` left out."""
+    if max_candidates is not None:
+        live = [c for c in case.candidates if c.status == "planned"]
+        for c in live[max_candidates:]:
+            c.status = "left out (--max-candidates)"
+    return case
+
+
+def bench_ms(fn: Callable[[], object], args: argparse.Namespace, phases: dict[str, float]) -> float:
+    """``do_bench``'s median of ``fn`` in ms (``args.smoke``: one call, the interpreter's time,
+    nothing to read into it); the time spent goes to ``phases["timing"]``."""
+    start = time.perf_counter()
+    try:
+        if args.smoke:
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+    finally:
+        phases["timing"] += time.perf_counter() - start
+
+
+class Records(list):
+    """A case's measurement records: ``add(provider, label, ms=..., **extra)`` fills in the
+    case's fields, the bytes (``copy_bytes`` for the copy, ``nbytes`` otherwise) and TB/s."""
+
+    def __init__(self, fields: dict[str, Any], copy_bytes: int, nbytes: int) -> None:
+        super().__init__()
+        self.fields, self.copy_bytes, self.nbytes = fields, copy_bytes, nbytes
+
+    def add(self, provider: str, label: str, **extra: Any) -> dict:
+        r = {**self.fields, "provider": provider, "label": label, "status": "ok", "ms": None,
+             "tbps": None, "frac_copy": None,
+             "bytes": self.copy_bytes if provider == "copy" else self.nbytes, **extra}
+        if r["ms"]:
+            r["tbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
+        self.append(r)
+        return r
+
+
 def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: int,
              phases: dict[str, float]) -> list[dict]:
     op, n, m = case.op, case.n, case.m
@@ -501,28 +540,11 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
         b = (0.1 * torch.randn(n, device=device, generator=g)).to(dtype)
     nbytes = 2 * m * n * elt + WEIGHTS[op] * n * elt
     fused = fused_fn(op, x, w, b)
-    records: list[dict] = []
+    records = Records({"op": op, "dtype": case.dtype, "N": n, "M": m}, 2 * m * n * elt, nbytes)
+    record = records.add
 
     def timed(fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
-        try:
-            if args.smoke:  # one call, the interpreter's time: nothing to read into it
-                fn()
-                return (time.perf_counter() - start) * 1e3
-            from triton.testing import do_bench
-
-            return do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
-        finally:
-            phases["timing"] += time.perf_counter() - start
-
-    def record(provider: str, label: str, **extra: Any) -> dict:
-        r = {"op": op, "dtype": case.dtype, "N": n, "M": m, "provider": provider,
-             "label": label, "status": "ok", "ms": None, "tbps": None, "frac_copy": None,
-             "bytes": 2 * m * n * elt if provider == "copy" else nbytes, **extra}
-        if r["ms"]:
-            r["tbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e12
-        records.append(r)
-        return r
+        return bench_ms(fn, args, phases)
 
     y = torch.empty_like(x)
     record("copy", "y.copy_(x)", ms=timed(lambda: y.copy_(x)))
@@ -621,8 +643,9 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per case: copy TB/s, fraction of copy for current (both timings), eager, compile, the
-    best timed candidate and its override, counts of candidates by status."""
+    """Per case: copy TB/s, fraction of copy for current (both timings, and through autograd
+    where a script times that), eager, compile, the best timed candidate and its override,
+    counts of candidates by status."""
     def frac(provider: str) -> float | None:
         r = next((r for r in records if r["provider"] == provider and r["frac_copy"]), None)
         return r["frac_copy"] if r else None
@@ -639,8 +662,8 @@ def summarize(records: list[dict]) -> dict:
         "op": first["op"], "dtype": first["dtype"], "N": first["N"], "M": first["M"],
         "copy_tbps": first["tbps"], "current": current["label"] if current else None,
         "current_frac": frac("current"), "current_again_frac": frac("current (again)"),
-        "eager_frac": frac("torch"), "compile_frac": frac("compile"),
-        "best": best["label"] if best else None, "best_frac": best["frac_copy"] if best else None,
+        "autograd_frac": frac("current (autograd)"), "eager_frac": frac("torch"),
+        "compile_frac": frac("compile"), "best": best["label"] if best else None, "best_frac": best["frac_copy"] if best else None,
         "best_override": best["override"] if best else None,
         "best_rule_hint": best["rule_hint"] if best else None, "candidates": counts,
     }
