@@ -544,6 +544,10 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
     (torch.bfloat16, 32768),
     (torch.bfloat16, 13000),  # no config's chunk divides it
     (torch.float32, 65536),
+    (torch.bfloat16, 768),  # rows between powers of two
+    (torch.float16, 3072),
+    (torch.bfloat16, 5120),
+    (torch.bfloat16, 1024),  # a 0-warp config: the other kernels
 ], ids=str)
 def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     """Aligned rows whose padded length has an unrolled forward rule with a chunk dividing N
@@ -570,6 +574,9 @@ def test_softmax_unrolled_forward_takes_its_rows(monkeypatch, dtype, n):
     (torch.bfloat16, 2560),
     (torch.bfloat16, 16640),
     (torch.float32, 16384),
+    (torch.bfloat16, 768),
+    (torch.float16, 1536),
+    (torch.bfloat16, 1024),
 ], ids=str)
 def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     """LayerNorm forward: aligned rows run ln_fwd_unrolled with the first config of their

@@ -264,10 +264,12 @@ def test_forward_unrolled(dtype, n, chunk, w_mode, launch_rules):
 
 
 @pytest.mark.parametrize("dtype,n,chunk,warps", [(BF16, 16384, 8192, 16), (FP16, 12288, 4096, 16),
-                                                 (FP32, 8192, 4096, 32)], ids=str)
+                                                 (FP32, 8192, 4096, 32), (BF16, 768, 256, 1),
+                                                 (FP16, 3072, 1024, 8), (BF16, 5120, 1024, 8)],
+                         ids=str)
 def test_forward_unrolled_shipped_rules(dtype, n, chunk, warps, launch_rules):
     """The shipped UNROLLED_FWD at its real row lengths (2 rows): 16-bit 16K, 12K (padded to
-    16K, three chunks) and float32 8K."""
+    16K, three chunks), float32 8K, and 16-bit rows between powers of two (768, 3072, 5120)."""
     launch_rules("rmsnorm")  # no launch plan from before (a replay is not recorded)
     x, w, dy = make(2, n, dtype, "same", seed=n)
     y64, rstd64, _, _ = oracle(x, w, dy)
@@ -283,6 +285,19 @@ def test_forward_unrolled_shipped_rules(dtype, n, chunk, warps, launch_rules):
            if launcher.kernel.__name__ == "rms_fwd_unrolled"]
     assert got == [((n, chunk, True, True), warps), ((n, chunk, True, False), warps),
                    ((n, chunk, False, True), warps)]
+
+
+@pytest.mark.parametrize("n", [1024, 2048])
+def test_power_of_two_rows_keep_their_kernel(n, launch_rules):
+    """16-bit 1024 and 2048 keep the single-block kernel (0-warp configs in UNROLLED_FWD ahead
+    of the chunks that serve 768 and 1536)."""
+    launch_rules("rmsnorm")
+    x, w, dy = make(2, n, BF16, "same", seed=n)
+    with record_launches() as record:
+        y = tb.rmsnorm_forward_y(x, w, EPS, BF16)
+    assert_close_to_ref(y, oracle(x, w, dy)[0], BF16)
+    names = [launcher.kernel.__name__ for launcher, *_ in record]
+    assert names and "rms_fwd_unrolled" not in names
 
 
 @pytest.mark.parametrize("case", ["not-divided", "unaligned", "column-slice", "switched-off"])
