@@ -105,7 +105,6 @@ import argparse
 import contextlib
 import inspect
 import json
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -120,10 +119,13 @@ from short_rows import (
     Case,
     Records,
     bench_ms,
+    candidate_fields,
     cap_candidates,
     dtype_name,
     environment,
     fmt,
+    not_runnable,
+    pick_device,
     short_error,
     summarize,
     sync,
@@ -1137,17 +1139,10 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
         del compiled
 
     for cand in case.candidates:
-        base = {"override": cand.override, "rule_hint": cand.hint,
-                "facts": {k: list(v) if isinstance(v, tuple) else v
-                          for k, v in cand.facts.items()}}
+        base = candidate_fields(cand)
         if cand.status == "planned" and time.time() > deadline:
             cand.status = "left out (--budget-s)"
-        if cand.status != "planned":
-            record("candidate", cand.label, status=cand.status, error=cand.error, **base)
-            continue
-        if ref is None:
-            record("candidate", cand.label, status="failed",
-                   error="no reference: the current rules' call failed", **base)
+        if not_runnable(cand, ref, record, base):
             continue
         start = time.perf_counter()
         try:
@@ -1261,21 +1256,7 @@ def main() -> None:
                    help="CPU tensors under TRITON_INTERPRET=1, small sizes, one call per timing")
     args = p.parse_args()
 
-    assumed = False
-    if args.smoke:
-        if not interpreting():
-            sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment (read when Triton is "
-                     "imported)")
-        device, index = torch.device("cpu"), -1
-        fusedops.set_backend("triton")  # CPU tensors on the interpreted kernels, any size
-    elif torch.cuda.is_available() and not interpreting():
-        device = torch.device("cuda", torch.cuda.current_device())
-        index = device.index
-    elif args.list:
-        device, index, assumed = torch.device("cpu"), -1, True
-    else:
-        sys.exit("norm_backward.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1, or "
-                 "--list)")
+    device, index, assumed = pick_device(args, "norm_backward.py")
     def facts_now() -> DeviceFacts:
         return assumed_gpu() if assumed else device_facts(index)
 

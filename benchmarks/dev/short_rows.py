@@ -493,6 +493,44 @@ def cap_candidates(case: Case, max_candidates: int | None) -> Case:
     return case
 
 
+def candidate_fields(cand: Candidate) -> dict[str, Any]:
+    """What every record of a candidate carries: its override, rule hint and facts."""
+    return {"override": cand.override, "rule_hint": cand.hint,
+            "facts": {k: list(v) if isinstance(v, tuple) else v for k, v in cand.facts.items()}}
+
+
+def not_runnable(cand: Candidate, ref: object, record: Callable[..., dict],
+                 base: dict[str, Any]) -> bool:
+    """Record a candidate that will not run (not planned, or no reference to check it
+    against) and say so."""
+    if cand.status != "planned":
+        record("candidate", cand.label, status=cand.status, error=cand.error, **base)
+        return True
+    if ref is None:
+        record("candidate", cand.label, status="failed",
+               error="no reference: the current rules' call failed", **base)
+        return True
+    return False
+
+
+def pick_device(args: argparse.Namespace, script: str) -> tuple[torch.device, int, bool]:
+    """(device, its index, whether the GPU is only assumed): the CPU under the interpreter
+    for ``--smoke`` (the Triton backend forced), the current CUDA GPU, or the CPU for a
+    ``--list`` without one; exits otherwise."""
+    if args.smoke:
+        if not interpreting():
+            sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment (read when Triton is "
+                     "imported)")
+        fusedops.set_backend("triton")  # CPU tensors on the interpreted kernels, any size
+        return torch.device("cpu"), -1, False
+    if torch.cuda.is_available() and not interpreting():
+        device = torch.device("cuda", torch.cuda.current_device())
+        return device, device.index, False
+    if args.list:
+        return torch.device("cpu"), -1, True
+    sys.exit(f"{script} needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1, or --list)")
+
+
 def bench_ms(fn: Callable[[], object], args: argparse.Namespace, phases: dict[str, float]) -> float:
     """``do_bench``'s median of ``fn`` in ms (``args.smoke``: one call, the interpreter's time,
     nothing to read into it); the time spent goes to ``phases["timing"]``."""
@@ -595,13 +633,8 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
         del compiled
 
     for cand in case.candidates:
-        base = {"override": cand.override, "rule_hint": cand.hint, "facts": cand.facts}
-        if cand.status != "planned":
-            record("candidate", cand.label, status=cand.status, error=cand.error, **base)
-            continue
-        if ref is None:
-            record("candidate", cand.label, status="failed",
-                   error="no reference: the current rules' call failed", **base)
+        base = candidate_fields(cand)
+        if not_runnable(cand, ref, record, base):
             continue
         start = time.perf_counter()
         try:
@@ -743,19 +776,7 @@ def main() -> None:
                    help="CPU tensors under TRITON_INTERPRET=1, M=4, one call per timing")
     args = p.parse_args()
 
-    if args.smoke:
-        if not interpreting():
-            sys.exit("--smoke needs TRITON_INTERPRET=1 in the environment (read when Triton is "
-                     "imported)")
-        device, index = torch.device("cpu"), -1
-        fusedops.set_backend("triton")  # CPU tensors on the interpreted kernels, any size
-    elif torch.cuda.is_available() and not interpreting():
-        device = torch.device("cuda", torch.cuda.current_device())
-        index = device.index
-    elif args.list:
-        device, index = torch.device("cpu"), -1
-    else:
-        sys.exit("short_rows.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1, or --list)")
+    device, index, _ = pick_device(args, "short_rows.py")
     dev = device_facts(index)
 
     cases = [plan_case(op, dt, n, SMOKE_ROWS if args.smoke else TOTAL_ELEMENTS // n, dev,
