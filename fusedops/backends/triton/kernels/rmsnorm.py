@@ -182,8 +182,8 @@ def rms_fwd_unrolled(
     x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y, eps,
     N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, STATS: tl.constexpr,
 ):
-    # (M is unused: the grid has one program per row; it follows the tensors as in the
-    # single-block kernel, so launch plans of both record the same kind of tail.)
+    # (M is unused: the grid has one program per row; it leads the scalar arguments as in
+    # LayerNorm's ln_fwd_unrolled and the single-block kernel.)
     # rms_fwd_looped with the row length a compile-time constant (N a multiple of CHUNK, as
     # LayerNorm's ln_fwd_unrolled): both passes unroll, so a thread has every chunk's loads in
     # flight at once while holding only its lanes' running sums, and no element needs a mask.
