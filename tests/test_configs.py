@@ -43,6 +43,7 @@ ELT_SIZES = (2, 4)
 FACTS = {
     "cpu": device_facts(-1),
     "gpu": DeviceFacts(True, 132, "NVIDIA H100 80GB HBM3", True, True),
+    "gpu-h200": DeviceFacts(True, 132, "NVIDIA H200", True, True),  # (its per-GPU rules)
     "gpu-no-split": DeviceFacts(True, 80, "NVIDIA A100-SXM4-80GB", False, False),
 }
 GPU = FACTS["gpu"]

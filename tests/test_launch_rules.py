@@ -29,7 +29,7 @@ from fusedops.backends.triton.configs import rmsnorm as rms_rules
 from fusedops.backends.triton.configs import softmax as sm_rules
 from fusedops.backends.triton.runtime import device as rt_device
 from fusedops.backends.triton.runtime import split as rt_split
-from fusedops.backends.triton.runtime.facts import device_facts
+from fusedops.backends.triton.runtime.facts import DeviceFacts, device_facts
 
 KINDS = sorted(tcfg.KIND_CAPS)
 ELT_SIZES = (2, 4)
@@ -411,6 +411,32 @@ def test_unrolled_rules_per_gpu():
         key = next(iter(ln_rules.UNROLLED_FWD))
         assert ln_rules.unrolled_fwd_table("NVIDIA H100", key) is ln_rules.UNROLLED_FWD
 
+
+
+def test_backward_rules_per_gpu():
+    """Invariant: a GPU whose name matches a per-GPU backward table (LayerNorm's pipelined
+    blocks, RMSNorm's cluster pieces) reads it, every other GPU and the CPU the shared rules;
+    a backward config on such a GPU takes the GPU's cluster pieces."""
+    stages = ln_rules.fused_bwd_stages
+    for part, blocks in ln_rules.PIPELINED_BWD_BLOCKS_GPU.items():
+        for block in blocks:
+            shared = 3 if block in ln_rules.PIPELINED_BWD_BLOCKS else 1
+            assert stages(block, 2, (block,) * 3, f"NVIDIA {part} X") == 3
+            assert stages(block, 2, (block,) * 3, "NVIDIA A100-SXM4-80GB") == shared
+            assert stages(block, 2, (block,) * 3) == shared
+            assert stages(block, 4, (block,) * 3, f"NVIDIA {part}") == 1  # float32
+            assert stages(block, 2, (block, block, block - 4), f"NVIDIA {part}") == 1
+    for part, tables in rms_rules.CLUSTER_BWD_GPU.items():
+        dev = DeviceFacts(True, 132, f"NVIDIA {part}", True, True)
+        for elt, rules in tables.items():
+            assert rms_rules.cluster_bwd_table(dev.name, elt) is rules
+            assert rms_rules.cluster_bwd_table("", elt) == rms_rules.CLUSTER_BWD.get(elt, ())
+            for longest, (piece, warps, prefetch, cap) in rules:
+                cfg = rms_rules.backward_config(longest, elt, 0, True, dev)
+                assert (cfg.kernel, cfg.chunk, cfg.warps, cfg.prefetch, cfg.maxnreg,
+                        cfg.cluster) == ("split", piece, warps, prefetch, cap, True)
+    with tconfigs.override("rmsnorm", CLUSTER_BWD_GPU={}):
+        assert rms_rules.cluster_bwd_table("NVIDIA H200", 2) == rms_rules.CLUSTER_BWD[2]
 
 # ------------------------------------------------------------------- rows routed to their rules
 

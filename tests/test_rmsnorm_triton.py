@@ -172,7 +172,8 @@ def test_unaligned_16k_rows_fused_on_32_warps(launch_rules):
     """Rows of 8K-16K whose N is not a multiple of 16, on scalar accesses (the body/edge
     split off): the fused backward on 32 warps."""
     assert rms_rules.bwd_config(16384, 2, aligned=False) == (1, 32, 1, True)
-    assert rms_rules.bwd_config(16384, 2) == (1, 16, 1, True)
+    assert rms_rules.bwd_config(16384, 2) == rms_rules.BWD_RULES_16BIT[16384]
+    assert rms_rules.bwd_config(16384, 4) == (1, 16, 1, True)  # float32: one 16-warp program per SM
     assert rms_rules.bwd_config(8192, 2) == rms_rules.BWD_RULES_16BIT[8192]
     assert rms_rules.bwd_config(8192, 2, aligned=False) != rms_rules.BWD_RULES_16BIT[8192]
     launch_rules("rmsnorm", VEC_EDGES=False)

@@ -243,13 +243,21 @@ PAIRED_SUMS = True  # off: the separate reductions (for experiments)
 # runs), 2K 2.58-2.60 -> 2.69-2.72, fp16 alike; slower at 256/512 (2.69 -> 2.61) and 4K (2.78
 # -> 2.72), level on float32 (whose 4K+ tiles also do not fit shared memory three deep).
 PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({1024, 2048})
+# ... and these as well on GPUs whose name contains the key. H200, bf16, fraction of copy
+# (benchmarks/results/h200/norm-backward.json): 512 0.89 vs 0.78, 4K 0.90 vs 0.87.
+PIPELINED_BWD_BLOCKS_GPU: dict[str, frozenset[int]] = {"H200": frozenset({512, 4096})}
 
 
-def fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...]) -> int:
+def fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...], name: str = "") -> int:
     """num_stages of the fused backward's tile loop (1: not pipelined) for padded rows of
-    ``block`` elements of ``elt_size`` bytes with these row strides (PIPELINED_BWD_BLOCKS)."""
-    aligned = all(s % 8 == 0 for s in strides)
-    return 3 if elt_size == 2 and aligned and block in PIPELINED_BWD_BLOCKS else 1
+    ``block`` elements of ``elt_size`` bytes with these row strides on the GPU called ``name``
+    (PIPELINED_BWD_BLOCKS, PIPELINED_BWD_BLOCKS_GPU)."""
+    if elt_size != 2 or not all(s % 8 == 0 for s in strides):
+        return 1
+    if block in PIPELINED_BWD_BLOCKS:
+        return 3
+    return 3 if any(part in name and block in blocks
+                    for part, blocks in PIPELINED_BWD_BLOCKS_GPU.items()) else 1
 
 
 # The split-row backward's two piece sums in one paired reduction. H200, TB/s, separate ->
@@ -616,7 +624,7 @@ def backward_config(m: int, n: int, elt_size: int, strides: tuple[int, int], vec
         per_sm = fused_bwd_config(block, v > 0, elt_size)[2]
         return LayerNormBackward("fused", FusedBackward(
             v, block, rows, warps, acc_1d, tiles, progs, paired_sums(elt_size, v, block),
-            fused_bwd_stages(block, elt_size, (*strides, n)), dev.num_sms * per_sm),
+            fused_bwd_stages(block, elt_size, (*strides, n), dev.name), dev.num_sms * per_sm),
             columns_direct=direct)
     rows = LayerNormBackward("rows", rows=_dx_rows_config(m, n, elt_size, vec, dev),
                              columns=column_splits(m, n, dev.num_sms,

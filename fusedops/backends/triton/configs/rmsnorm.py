@@ -78,9 +78,12 @@ COLUMN_PER_SM = 2
 
 # 16-bit rows (N a multiple of 16): (ROWS, num_warps, programs per SM, ACC_1D) by padded row,
 # measured (H200, TB/s against LayerNorm's rule): 1K 3.46 vs 3.35, 2K 3.46
-# vs 3.35, 8K 3.57 vs 3.48 (bf16; fp16 alike).
+# vs 3.35, 8K 3.57 vs 3.48 (bf16; fp16 alike); fraction of copy, bf16
+# (benchmarks/results/h200/norm-backward.json): 512 0.83 vs 0.79, 16K 0.78 vs 0.62 (one
+# 16-warp program per SM had too few rows in flight).
 BWD_RULES_16BIT: dict[int, tuple[int, int, int, bool]] = {
-    1024: (2, 4, 4, False), 2048: (1, 4, 4, True), 8192: (2, 32, 1, True),
+    512: (4, 4, 4, False), 1024: (2, 4, 4, False), 2048: (1, 4, 4, True),
+    8192: (2, 32, 1, True), 16384: (1, 8, 2, True),
 }
 
 
@@ -203,12 +206,28 @@ CLUSTER_BWD: dict[int, tuple[tuple[int, tuple[int, int, int, int | None]], ...]]
     2: ((32768, (2048, 4, 1, 128)), (65536, (4096, 8, 1, 128))),
     4: ((65536, (8192, 8, 1, None)),),
 }
+# ... replaced on GPUs whose name contains the key. H200, bf16, fraction of copy against the
+# rules above (norm-backward.json): 32K on 4096 x 8 0.67 vs 0.63; 128K in clusters 0.54 vs
+# 0.53 cooperative (LayerNorm 0.51 vs 0.48), where the H100 measured both the other way.
+CLUSTER_BWD_GPU: dict[str, dict[int, tuple[tuple[int, tuple[int, int, int, int | None]], ...]]] = {
+    "H200": {2: ((65536, (4096, 8, 1, 128)), (131072, (8192, 16, 1, None)))},
+}
+
+
+def cluster_bwd_table(name: str, elt_size: int) -> tuple:
+    """CLUSTER_BWD's rules for ``elt_size`` on the GPU called ``name`` ("": the CPU): a
+    matching GPU's CLUSTER_BWD_GPU entry where it has one (read per call: tests change them)."""
+    for part, rules in CLUSTER_BWD_GPU.items():
+        if part in name and elt_size in rules:
+            return rules[elt_size]
+    return CLUSTER_BWD.get(elt_size, ())
 # ... unaligned rows as aligned-body pieces plus edges (VEC > 0): element size -> config.
 # float32: LayerNorm's VEC_SPLIT_BWD (H200, vs scalar pieces: 65537 2.51 vs 1.89, 131073
 # 2.51 vs 1.80); 16-bit: the best LayerNorm measured on such pieces (bf16 65537, 2048 x 8:
-# 1.10 TB/s, level with PyTorch's kernel, which RMSNorm lacks; scalar pieces slower).
+# 1.10 TB/s, level with PyTorch's kernel, which RMSNorm lacks; scalar pieces slower), capped
+# at 128 registers (H200, bf16 65537: 0.33 of copy vs 0.27 uncapped, norm-backward.json).
 VEC_SPLIT_BWD: dict[int, tuple[int, int, int, int | None]] = {
-    4: (4096, 4, 2, None), 2: (2048, 8, 1, None),
+    4: (4096, 4, 2, None), 2: (2048, 8, 1, 128),
 }
 # ... unaligned rows on scalar accesses (strides that rule out the body/edge split):
 # LayerNorm's, 16-bit (8192 x 8 up to 32K, 8192 x 16 above); float32 as aligned rows.
@@ -342,7 +361,7 @@ def backward_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
         elif elt_size == 2 and not rows_aligned:
             cfg = _first(SCALAR_SPLIT_BWD_16BIT, n)
         else:
-            cfg = _first(CLUSTER_BWD.get(elt_size, ()), n) if rows_aligned else None
+            cfg = _first(cluster_bwd_table(dev.name, elt_size), n) if rows_aligned else None
             cluster = cfg is not None
             cfg = cfg or _first(SPLIT_BWD.get(elt_size, ()), n)
     if cfg is not None and split_fits(dev, n, cfg[0]):
