@@ -435,6 +435,16 @@ def test_backward_rules_per_gpu():
                 cfg = rms_rules.backward_config(longest, elt, 0, True, dev)
                 assert (cfg.kernel, cfg.chunk, cfg.warps, cfg.prefetch, cfg.maxnreg,
                         cfg.cluster) == ("split", piece, warps, prefetch, cap, True)
+    for part, tables in ln_rules.SPLIT_BWD_GPU.items():
+        dev = DeviceFacts(True, 132, f"NVIDIA {part}", True, True)
+        other = DeviceFacts(True, 132, "NVIDIA A100-SXM4-80GB", True, True)
+        for elt, rules in tables.items():
+            for shortest, longest, cfg in rules:
+                for n in (shortest, longest):
+                    assert ln_rules.split_plan(n, elt, 0, True, dev) == (cfg, 0)
+                    assert ln_rules.split_plan(n, elt, 0, True, other) == (
+                        ln_rules.split_config("bwd", n, elt, True), 0)
+                    assert ln_rules.split_plan(n, elt, 0, False, dev)[0] != cfg  # strides
     with tconfigs.override("rmsnorm", CLUSTER_BWD_GPU={}):
         assert rms_rules.cluster_bwd_table("NVIDIA H200", 2) == rms_rules.CLUSTER_BWD[2]
 

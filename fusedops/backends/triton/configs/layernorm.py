@@ -418,8 +418,28 @@ def split_plan(n: int, elt_size: int, vec: int, aligned: bool,
         return None
     cfg = split_config("bwd", n, elt_size, aligned, vec) if vec else None
     if cfg is None:  # no rule for aligned-body pieces here: scalar pieces
-        vec, cfg = 0, split_config("bwd", n, elt_size, aligned)
+        vec, cfg = 0, (aligned and CLUSTER_BWD and gpu_split_bwd(dev.name, n, elt_size)
+                       or split_config("bwd", n, elt_size, aligned))
     return (cfg, vec) if cfg and split_fits(dev, n, cfg[0]) else None
+
+
+# split_config's backward for aligned rows, replaced on GPUs whose name contains the key:
+# element size -> ((shortest row, longest row, config), ...). H200, bf16, fraction of copy
+# (benchmarks/results/h200/norm-backward.json, norm-backward-after.json): 128K in clusters
+# 0.51 / 0.51 vs 0.48 / 0.48 cooperative, where the H100 measured level (see split_config).
+SPLIT_BWD_GPU: dict[str, dict[int, tuple[tuple[int, int, tuple], ...]]] = {
+    "H200": {2: ((65537, 131072, (8192, 16, 1, None, True)),)},
+}
+
+
+def gpu_split_bwd(name: str, n: int, elt_size: int) -> tuple | None:
+    """SPLIT_BWD_GPU's config for aligned rows of ``n`` on the GPU called ``name``, or None."""
+    for part, tables in SPLIT_BWD_GPU.items():
+        if part in name:
+            for shortest, longest, cfg in tables.get(elt_size, ()):
+                if shortest <= n <= longest:
+                    return cfg
+    return None
 
 
 def column_splits(m: int, n: int, sms: int,

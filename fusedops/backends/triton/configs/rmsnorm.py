@@ -79,11 +79,11 @@ COLUMN_PER_SM = 2
 # 16-bit rows (N a multiple of 16): (ROWS, num_warps, programs per SM, ACC_1D) by padded row,
 # measured (H200, TB/s against LayerNorm's rule): 1K 3.46 vs 3.35, 2K 3.46
 # vs 3.35, 8K 3.57 vs 3.48 (bf16; fp16 alike); fraction of copy, bf16
-# (benchmarks/results/h200/norm-backward.json): 512 0.83 vs 0.79, 16K 0.78 vs 0.62 (one
-# 16-warp program per SM had too few rows in flight).
+# (benchmarks/results/h200/norm-backward.json, norm-backward-after.json): 512 0.83 vs 0.79,
+# 16K on 8 warps 0.78-0.79 vs 0.62 on 16 (one program per SM 0.785 vs two 0.760).
 BWD_RULES_16BIT: dict[int, tuple[int, int, int, bool]] = {
     512: (4, 4, 4, False), 1024: (2, 4, 4, False), 2048: (1, 4, 4, True),
-    8192: (2, 32, 1, True), 16384: (1, 8, 2, True),
+    8192: (2, 32, 1, True), 16384: (1, 8, 1, True),
 }
 
 
