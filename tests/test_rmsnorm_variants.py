@@ -50,7 +50,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 GRAD = 4.0  # dx and dweight are sums over a row / over rows
 # The VEC constexpr's place in each kernel's arguments (the launch's last or next-to-last).
 VEC_AT = {"rms_fwd_single": -1, "rms_fwd_reload_vec": -1, "rms_bwd_vec": -1,
-          "rms_fwd_split": -1, "rms_bwd_split": -2}
+          "rms_fwd_split": -2, "rms_bwd_split": -2}
 
 
 def _dev() -> torch.device:
@@ -385,16 +385,16 @@ def test_rules_pick_the_unrolled_kernel(launch_rules):
     fwd = rms_rules.forward_config
     for dev in (DeviceFacts(True, 132, "NVIDIA H200", True, True), device_facts(-1)):
         assert fwd(16384, 2, 0, True, dev, True)[:1] + fwd(16384, 2, 0, True, dev, True)[3:] \
-            == ("unrolled", 16, False, 0, 8192, 0, False)
+            == ("unrolled", 16, False, 0, 8192, 0, False, False)
         assert fwd(16384, 2, 0, True, dev, False).kernel == "unrolled"
-        assert fwd(12288, 2, 0, True, dev, True)[3::3] == (16, 4096)
-        assert fwd(8192, 2, 0, True, dev, True)[3::3] == (16, 4096)
-        assert fwd(6144, 2, 0, True, dev, True)[3::3] == (8, 2048)
-        assert fwd(8192, 4, 0, True, dev, True)[3::3] == (32, 4096)
-        assert fwd(16384, 4, 0, True, dev, True)[3::3] == (32, 4096)
-        assert fwd(32768, 2, 0, True, dev, True)[3::3] == (32, 8192)
-        assert fwd(65536, 2, 0, True, dev, True)[3::3] == (32, 8192)
-        assert fwd(4096, 2, 0, True, dev, True)[3::3] == (8, 2048)
+        assert fwd(12288, 2, 0, True, dev, True)[3:7:3] == (16, 4096)
+        assert fwd(8192, 2, 0, True, dev, True)[3:7:3] == (16, 4096)
+        assert fwd(6144, 2, 0, True, dev, True)[3:7:3] == (8, 2048)
+        assert fwd(8192, 4, 0, True, dev, True)[3:7:3] == (32, 4096)
+        assert fwd(16384, 4, 0, True, dev, True)[3:7:3] == (32, 4096)
+        assert fwd(32768, 2, 0, True, dev, True)[3:7:3] == (32, 8192)
+        assert fwd(65536, 2, 0, True, dev, True)[3:7:3] == (32, 8192)
+        assert fwd(4096, 2, 0, True, dev, True)[3:7:3] == (8, 2048)
         assert fwd(16385, 2, 8, False, dev, True).kernel != "unrolled"
         assert fwd(16385, 2, 0, False, dev, True).kernel != "unrolled"  # scalar accesses
         assert fwd(16384, 2, 0, False, dev, True).kernel == "single"  # a misaligned stride
@@ -524,6 +524,58 @@ def test_split_backward_launch_paths(monkeypatch, path):
     assert calls[-1].shape == (1, 2, 256) and calls[-1].dtype == FP32  # 8 programs / 4 pieces
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+@pytest.mark.parametrize("refused", [False, True])
+def test_cluster_forward_launch_path(monkeypatch, refused, launch_rules):
+    """A cluster forward config: the cluster launcher gets the rows' C pieces, rstd in place of
+    the statistics and counters it never reads and CLUSTER True; refused, the call runs the
+    rules without clusters (here the CPU's), with the right values."""
+    calls = []
+
+    def cluster(items, chunks, runtime, consts, num_warps, device, progs=None, vec=0):
+        calls.append((items, chunks, runtime, consts, num_warps))
+        return 0 if refused else 2 * chunks
+
+    cfg = rms_rules.FwdConfig("split", 0, 1, 4, False, 0, 64, 1, False, True)
+    monkeypatch.setattr(trms, "_launch_fwd_cluster", cluster)
+    monkeypatch.setattr(trms, "clusters_enabled", lambda *a: True)
+    monkeypatch.setattr(trms, "_fwd_config", lambda *a: cfg)
+    launch_rules("rmsnorm")  # (caches and plans dropped: the patched rule is asked)
+    x, w, dy = make(8, 256, BF16, "same")
+    with record_launches() as record:
+        y, rstd = tb.rmsnorm_forward(x, w, EPS, BF16)
+    (items, chunks, runtime, consts, warps), = calls
+    assert (items, chunks, warps) == (8 * 4, 4, 4) and consts[-1] is True
+    assert consts[:3] == (64, 4, 4) and runtime[4] is rstd and runtime[5] is rstd
+    assert bool(launched(record)) == refused  # nothing else ran unless refused
+    if refused:
+        y64, rstd64, _, _ = oracle(x, w, dy)
+        assert_close_to_ref(y, y64, BF16)
+
+
+def test_cluster_forward_rules(launch_rules):
+    """CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size take the
+    cluster split forward on a GPU that runs clusters, ahead of the unrolled kernel; rows
+    outside it, unaligned rows, other piece counts and GPUs without clusters do not."""
+    hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
+    no_clusters = hopper._replace(clusters=False)
+    launch_rules("rmsnorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)})
+    fwd = rms_rules.forward_config
+    for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
+        cfg = fwd(n, 2, 0, True, hopper, True)
+        assert (cfg.kernel, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
+            "split", 16384, 16, 1, True), n
+        assert -(-n // cfg.chunk) == c
+        assert not fwd(n, 2, 0, True, no_clusters, True).cluster
+        assert not fwd(n, 4, 0, True, hopper, True).cluster  # no float32 rule
+        assert not fwd(n, 2, 0, False, hopper, True).cluster  # misaligned rows
+    assert not fwd(98304, 2, 0, True, hopper, True).cluster  # 6 pieces: no cluster size
+    assert fwd(16384, 2, 0, True, hopper, True).kernel == "unrolled"  # below the range
+    assert not fwd(65537, 2, 8, False, hopper, True).cluster
+    launch_rules("rmsnorm", CLUSTER_FWD={})
+    assert fwd(131072, 2, 0, True, hopper, True).kernel == "unrolled"
+
+
 # ------------------------------------------------------------------------------ the rules
 
 
@@ -535,13 +587,13 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     launch_rules("rmsnorm")  # (the caches dropped around the test)
     assert fwd(8193, 2, 8, False, cuda, True)[:2] == ("reload_vec", 8192)
     assert fwd(8193, 2, 8, False, cuda, False).kernel == "single"
-    assert fwd(8193, 4, 4, False, cuda, True)[:1] + fwd(8193, 4, 4, False, cuda, True)[5:] == (
+    assert fwd(8193, 4, 4, False, cuda, True)[:1] + fwd(8193, 4, 4, False, cuda, True)[5:9] == (
         "single", 4, 0, 0, True)
     assert fwd(65537, 2, 8, False, cuda, True)[:1] + fwd(65537, 2, 8, False, cuda, True)[5:8] \
         == ("split", 8, 8192, 3)
     assert fwd(65536, 4, 0, True, cuda, True)[5:8] == (0, 8192, 1)
     assert fwd(65536, 2, 0, True, cuda, True).kernel == "unrolled"  # (measured faster)
-    assert fwd(131072, 2, 0, True, cuda, True)[:1] + fwd(131072, 2, 0, True, cuda, True)[3::3] \
+    assert fwd(131072, 2, 0, True, cuda, True)[:1] + fwd(131072, 2, 0, True, cuda, True)[3:7:3] \
         == ("unrolled", 32, 16384)
     assert fwd(98304, 2, 0, True, cuda, True).kernel == "unrolled"  # (6 chunks of 16K)
     assert fwd(131072, 4, 0, True, cuda, True).kernel == "split"  # (no float32 rule)
@@ -609,7 +661,12 @@ _COMPILE = textwrap.dedent("""
         "fwd_unrolled": build(k.rms_fwd_unrolled, dict(N=16384, CHUNK=4096, HAS_W=True,
                                                        STATS=True), ("stride_x", "stride_y")),
         "fwd_split": build(ks.rms_fwd_split, dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True,
-                                                  STATS=True, PREFETCH=3, VEC=8), ("L",)),
+                                                  STATS=True, PREFETCH=3, VEC=8,
+                                                  CLUSTER=False), ("L",)),
+        "fwd_cluster": build(ks.rms_fwd_split, dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True,
+                                                    STATS=True, PREFETCH=1, VEC=0,
+                                                    CLUSTER=True),
+                             ("N", "L", "stride_x", "stride_y")),
         "bwd_vec": build(k.rms_bwd_vec, dict(BLOCK_N=4096, HAS_W=True, HOLD_W=True,
                                              NEED_DX=True, NEED_DW=True, VEC=8)),
     }
@@ -632,13 +689,18 @@ def sm90():
 
 def test_kernels_compile_for_sm90(sm90):
     """Every new kernel compiles for sm_90 (the interpreter checks no compile-time rules).
-    The cluster variant exchanges on chip (cluster barrier, stores into peers' shared memory,
-    no atomics), the cooperative one through counters; unaligned bodies (and the weight
-    copies), and the unrolled kernel's chunks, are read and written with 16-byte vectors."""
+    The cluster variants (backward and forward) exchange on chip (cluster barrier, stores into
+    peers' shared memory, no atomics), the cooperative ones through counters; unaligned bodies
+    (and the weight copies), and the unrolled kernel's chunks, are read and written with
+    16-byte vectors."""
     cluster, coop = sm90["cluster"], sm90["coop"]
     assert cluster["barrier.cluster.arrive.release"] == 2 and cluster["mapa.shared::cluster"]
     assert cluster["atom."] + cluster["red.global"] == 0
     assert coop["barrier.cluster.arrive.release"] == 0 and coop["atom."] + coop["red.global"]
+    fwd, fwd_coop = sm90["fwd_cluster"], sm90["fwd_split"]
+    assert fwd["barrier.cluster.arrive.release"] == 2 and fwd["mapa.shared::cluster"]
+    assert fwd["atom."] + fwd["red.global"] == 0
+    assert fwd_coop["barrier.cluster.arrive.release"] == 0
     for name, got in sm90.items():
         assert got["ld.v4"] >= 2 and got["st.v4"] >= 1, (name, got)
 
@@ -672,3 +734,22 @@ def test_gpu_variants(dtype, m, n, w_mode, launch_rules):
         assert vecs(runs, "rms_bwd_vec") == [vec]
     if vec and block > 16384:
         assert vecs(runs, "rms_bwd_split") == [vec]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,m,n,piece", [
+    (BF16, 48, 131072, 16384), (BF16, 200, 32768, 4096), (FP16, 7, 65536, 16384),
+    (BF16, 40, 262144, 16384), (FP32, 64, 65536, 8192), (BF16, 300, 16384, 8192)], ids=str)
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_gpu_cluster_forward(dtype, m, n, piece, prefetch, launch_rules):
+    """Forced CLUSTER_FWD rules (2-16 pieces, every load placement): values against float64,
+    and the forward launches rms_fwd_split with CLUSTER (Hopper; elsewhere the rules without
+    clusters)."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    elt = torch.empty((), dtype=dtype).element_size()
+    launch_rules("rmsnorm", CLUSTER_FWD={elt: ((n, n, (piece, 8, prefetch)),)})
+    for w_mode in ("same", "none"):
+        x, w, dy = (t if t is None else t.cuda() for t in make(m, n, dtype, w_mode, seed=n))
+        runs = check(x, w, dy, stats=False)
+        fwd = runs.get("rms_fwd_split", [])
+        assert (len(fwd) == 2 and all(a[-1] is True for a in fwd)) == hopper, runs.keys()

@@ -1,5 +1,6 @@
-"""16-bit forward kernels on short, non-power-of-two rows: the current launch rules against
-candidate launch configurations forced through ``configs.override``, in one run.
+"""16-bit forward kernels on short, non-power-of-two rows (and RMSNorm's long rows): the current
+launch rules against candidate launch configurations forced through ``configs.override``, in
+one run.
 
     PYTHONPATH=$PWD python benchmarks/dev/short_rows.py                  # writes short_rows.json
     PYTHONPATH=$PWD python benchmarks/dev/short_rows.py --ops layernorm --dtypes bf16 --sizes 768
@@ -29,6 +30,10 @@ rows, so every tensor is far larger than L2. For each (op, dtype, N) it times, w
   - the reload kernel (LayerNorm / softmax, padded rows of at most 2048): ``RELOAD_FWD`` with the
     padded row read whole on one warp per 1024 elements, written back in quarter-row chunks
     (``RELOAD_FWD_ABOVE`` lowered, unrolled rules emptied where they would take the row);
+  - RMSNorm's cluster split forward (``rms_fwd_split`` with CLUSTER, aligned rows of 16K and
+    more on a GPU that runs clusters): a one-entry ``CLUSTER_FWD`` table per
+    :func:`cluster_configs` (its launch checked for the kernel, C, PREFETCH and CLUSTER; its
+    grid, the clusters the GPU holds at once, is not);
   - the single-block kernel, where it is what the current rules run: 1, 2 and 4 rows per
     program on the warps that give a thread 32 elements of the padded row (RMSNorm through its
     ``FWD_RULES`` table; LayerNorm and softmax through ``configs.common.row_config`` pinned for
@@ -87,6 +92,7 @@ from fusedops.backends.triton.configs import common as common_rules
 from fusedops.backends.triton.configs import layernorm as ln_rules
 from fusedops.backends.triton.configs import rmsnorm as rms_rules
 from fusedops.backends.triton.configs import softmax as sm_rules
+from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
 from fusedops.backends.triton.runtime.device import cdiv, interpreting, next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts, device_facts
 from fusedops.backends.triton.runtime.recording import record_launches
@@ -108,6 +114,7 @@ KERNELS = {
     ("layernorm", "unrolled"): "ln_fwd_unrolled", ("layernorm", "reload"): "ln_fwd_reload",
     ("layernorm", "single"): "ln_fwd_single",
     ("rmsnorm", "unrolled"): "rms_fwd_unrolled", ("rmsnorm", "single"): "rms_fwd_single",
+    ("rmsnorm", "split"): "rms_fwd_split",
     ("softmax", "unrolled"): "softmax_fwd_unrolled", ("softmax", "reload"): "softmax_fwd_reload",
     ("softmax", "single"): "softmax_fwd_single",
 }
@@ -179,9 +186,12 @@ class Case:
 
 def config_facts(op: str, cfg: Any) -> dict[str, Any]:
     """The variant and launch parameters of a host config (any op's NamedTuple)."""
-    return {"variant": cfg.kernel if op == "rmsnorm" else cfg.variant, "warps": cfg.warps,
-            "block": cfg.block or getattr(cfg, "whole", 0), "rows": cfg.rows,
-            "chunk": cfg.chunk}
+    facts = {"variant": cfg.kernel if op == "rmsnorm" else cfg.variant, "warps": cfg.warps,
+             "block": cfg.block or getattr(cfg, "whole", 0), "rows": cfg.rows,
+             "chunk": cfg.chunk}
+    if op == "rmsnorm":  # (its split rows: PREFETCH and clusters)
+        facts.update(prefetch=cfg.prefetch, cluster=cfg.cluster)
+    return facts
 
 
 def rules_config(op: str, n: int, elt: int, m: int, dev: DeviceFacts) -> Any:
@@ -219,6 +229,9 @@ def label_of(facts: dict[str, Any]) -> str:
                 f"warp{'s' * (warps > 1)}")
     if v == "reload":
         return f"reload {facts['block']}, {facts['chunk']}x{facts['warps']}"
+    if v == "split":
+        kind = "cluster split" if facts.get("cluster") else "split"
+        return f"{kind} {facts['chunk']}x{facts['warps']} pf{facts.get('prefetch')}"
     return f"{v} block {facts['block']} chunk {facts['chunk']} x {facts['warps']}"
 
 
@@ -305,10 +318,32 @@ def single_candidates(kind: str, block: int, current: dict) -> list[Candidate]:
     return out
 
 
+def cluster_configs(n: int) -> list[tuple[int, int, int]]:
+    """(piece, warps, PREFETCH) of the cluster split forward for aligned rows of ``n``: pieces
+    of 4K-32K making 2-16 per row, on 16 and 8 warps (32K: 16, 4K: also 4), the next row
+    prefetched before (1) or after (3) the exchange."""
+    out = []
+    for piece in (32768, 16384, 8192, 4096):
+        if n % piece or n // piece not in CLUSTER_SIZES:
+            continue
+        for warps in {32768: (16,), 4096: (16, 8, 4)}.get(piece, (16, 8)):
+            for prefetch in (1, 3):
+                out.append((piece, warps, prefetch))
+    return out
+
+
 def rmsnorm_candidates(n: int, elt: int, current: dict, dev: DeviceFacts) -> list[Candidate]:
     block = next_pow2(n)
     key = (elt, block)
     out = []
+    if dev.clusters and n >= 16384 and n % 16 == 0:
+        for piece, warps, prefetch in cluster_configs(n):
+            facts = {"variant": "split", "chunk": piece, "warps": warps, "prefetch": prefetch,
+                     "cluster": True}
+            out.append(Candidate(
+                label_of(facts), facts,
+                [("rmsnorm", {"CLUSTER_FWD": {elt: ((n, n, (piece, warps, prefetch)),)}})],
+                f"rmsnorm CLUSTER_FWD[{elt}] = (({n}, {n}, ({piece}, {warps}, {prefetch})),)"))
     for chunk, warps in unrolled_configs(n, elt):
         out.append(Candidate(
             f"unrolled {chunk}x{warps}", {"variant": "unrolled", "chunk": chunk, "warps": warps},
@@ -416,9 +451,12 @@ def launch_expectation(op: str, n: int, m: int,
     """(kernel name, constexprs, warps, grid) of the launch a variant with ``facts`` makes;
     None for variants this script does not force (split rows, looped, unaligned rows)."""
     v = facts["variant"]
-    if (op, v) not in KERNELS:
+    if (op, v) not in KERNELS or v == "split" and not facts.get("cluster"):
         return None
-    if v == "unrolled":
+    if v == "split":  # (the grid: as many clusters as the GPU holds at once, not checked)
+        c = cdiv(n, facts["chunk"])
+        consts, grid = {"C": c, "PREFETCH": facts["prefetch"], "CLUSTER": True}, None
+    elif v == "unrolled":
         consts, grid = {"N": n, "CHUNK": facts["chunk"]}, (m,)
     elif v == "single":
         consts, grid = {"BLOCK_N": facts["block"], "ROWS": facts["rows"]}, (
@@ -468,7 +506,7 @@ def run_checked(op: str, n: int, m: int, index: int, facts: dict, check_grid: bo
         problems.append(f"launch constexprs (got, wanted): {bad}")
     if warps != want_warps:
         problems.append(f"launched on {warps} warps, expected {want_warps}")
-    if check_grid and tuple(grid) != want_grid:
+    if check_grid and want_grid is not None and tuple(grid) != want_grid:
         problems.append(f"grid {tuple(grid)}, expected {want_grid}")
     return y, launch, got, problems
 

@@ -79,6 +79,7 @@ from fusedops.backends.triton.kernels.rmsnorm import (
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
 from fusedops.backends.triton.rmsnorm_bwd import rmsnorm_backward
 from fusedops.backends.triton.runtime.caches import signature_cache
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
@@ -92,6 +93,7 @@ _launch_fwd_unrolled = Launcher(rms_fwd_unrolled)
 _launch_fwd_reload_vec = Launcher(rms_fwd_reload_vec)
 _launch_fwd_looped = Launcher(rms_fwd_looped)
 _launch_fwd_split = SplitLauncher(rms_fwd_split)
+_launch_fwd_cluster = ClusterLauncher(rms_fwd_split)
 _launch_shift_weight = Launcher(shift_weight)
 
 
@@ -182,6 +184,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if has_w and cfg.shifted_w:
         w, w_ld = shifted_weight(weight, cfg.vec, N)
     r = rstd if with_stats else y
+    if cfg.cluster:
+        if _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg):
+            return y, rstd
+        # Refused (a profiler's launch hooks, clusters turned off): the rules without clusters.
+        cfg = forward_config(N, elt, vec, True, device_facts(x.get_device())._replace(
+            clusters=False), M * N >= SHIFTED_W_MIN_ELEMS)
     if cfg.kernel == "single":
         tiles = num_row_tiles(M, cfg.rows, cfg.vec)
         progs = (grid_size(tiles, cfg.warps, "ln_fwd", x.device, cfg.block, cfg.vec, True)
@@ -224,12 +232,16 @@ def _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdCon
     """rms_fwd_split on C pieces of the rows; False where no grid fits or the launch was
     refused (nothing written then)."""
     C, L = split_pieces(N, cfg.chunk, cfg.vec)
+    consts = (next_pow2(L), C, next_pow2(C), has_w, with_stats, cfg.prefetch, cfg.vec)
+    if cfg.cluster:  # (no counters or statistics: the exchange stays on chip)
+        return (not cfg.vec and clusters_enabled(x.device, N, cfg.chunk, C) and bool(
+            _launch_fwd_cluster(M * C, C, (x, w, y, r, r, r, N, L, stride, N, eps, M * C),
+                                (*consts, True), cfg.warps, x.device)))
     stats = torch.empty((M * C,), dtype=torch.float32, device=x.device)
     count = torch.zeros((M,), dtype=torch.int32, device=x.device)
     return bool(_launch_fwd_split(
-        M * C, C, (x, w, y, r, stats, count, N, L, stride, N, eps, M * C),
-        (next_pow2(L), C, next_pow2(C), has_w, with_stats, cfg.prefetch, cfg.vec), cfg.warps,
-        x.device, vec=cfg.vec))
+        M * C, C, (x, w, y, r, stats, count, N, L, stride, N, eps, M * C), (*consts, False),
+        cfg.warps, x.device, vec=cfg.vec))
 
 
 def rmsnorm_forward(

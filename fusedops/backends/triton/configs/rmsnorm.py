@@ -28,6 +28,7 @@ from fusedops.backends.triton.configs.common import (
     unaligned_config,
     unrolled_config,
 )
+from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
 from fusedops.backends.triton.runtime.device import next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts
 
@@ -249,6 +250,7 @@ class FwdConfig(NamedTuple):
     chunk: int  # unrolled: CHUNK; reload_vec: write-pass chunk; split: largest piece
     prefetch: int  # split: PREFETCH
     shifted_w: bool  # the weight from per-misalignment shifted copies
+    cluster: bool = False  # split: a row's pieces as one thread-block cluster (CLUSTER_FWD)
 
 
 class BwdConfig(NamedTuple):
@@ -283,13 +285,17 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``dev``. ``vec``:
     ``unaligned_vec``'s VEC for the call (0: rows start 16-byte aligned, or scalar accesses);
     ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
-    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with an UNROLLED_FWD
-    config rms_fwd_unrolled; rows no program holds (padded body above the single-block limit)
-    split rows where they run, else looped; unaligned 16-bit rows of large calls
-    rms_fwd_reload_vec (RELOAD_VEC_FWD); the single-block kernel (FWD_RULES, else LayerNorm's
-    rules, kind "ln_fwd")."""
+    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with a CLUSTER_FWD rule
+    split in thread-block clusters; aligned rows with an UNROLLED_FWD config rms_fwd_unrolled;
+    rows no program holds (padded body above the single-block limit) split rows where they
+    run, else looped; unaligned 16-bit rows of large calls rms_fwd_reload_vec
+    (RELOAD_VEC_FWD); the single-block kernel (FWD_RULES, else LayerNorm's rules, kind
+    "ln_fwd")."""
     vec = vec if VEC_EDGES else 0
     # (every row length is looked up: the host memoizes this decision per call signature)
+    cluster = cluster_fwd_config(n, elt_size, dev) if rows_aligned and not vec else None
+    if cluster:
+        return cluster
     unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, 0, vec) if rows_aligned else None
     if unrolled:
         return FwdConfig("unrolled", 0, 1, unrolled[1], False, 0, unrolled[0], 0, False)
@@ -312,6 +318,26 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     else:
         persistent = PERSISTENT["ln_fwd"] or block > PERSISTENT_ABOVE.get("ln_fwd", 1 << 62)
     return FwdConfig("single", block, rows, warps, persistent, 0, 0, 0, False)
+
+
+# Split-row forward in thread-block clusters (aligned rows on a GPU that runs clusters): a row's
+# C pieces exchange their sums on chip, so x is read once from memory and y written once,
+# where the unrolled kernel reads a row twice (the second time from L2, which long rows
+# outgrow). Element size -> ((shortest row, longest row, (piece, warps, PREFETCH)), ...); C
+# must be a cluster size (CLUSTER_SIZES). {}: none.
+CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {}
+
+
+def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:
+    """The cluster split-row forward of aligned rows of ``n`` on ``dev`` (CLUSTER_FWD), or
+    None."""
+    if not dev.clusters or n < SPLIT_ROWS_MIN:
+        return None
+    for shortest, longest, (piece, warps, prefetch) in CLUSTER_FWD.get(elt_size, ()):
+        if shortest <= n <= longest and -(-n // piece) in CLUSTER_SIZES \
+                and split_fits(dev, n, piece):
+            return FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch, False, True)
+    return None
 
 
 def split_fwd_config(n: int, elt_size: int, vec: int, rows_aligned: bool,

@@ -1,6 +1,6 @@
 """The split-row RMSNorm kernels (``@triton.jit`` only): rows too long for one program in C
-cooperating pieces (``runtime/split.py``), the backward's pieces also exchanging through a
-thread-block cluster (``runtime/clusters.py``). The rules that pick them: ``configs/rmsnorm.py``.
+cooperating pieces (``runtime/split.py``), also exchanging through a thread-block cluster
+(``runtime/clusters.py``). The rules that pick them: ``configs/rmsnorm.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def rms_fwd_split(
     x_ptr, w_ptr, y_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x, stride_y, eps,
     num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    STATS: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
+    STATS: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr, CLUSTER: tl.constexpr,
 ):
     # Work item = (row, piece), row-major, on a grid that is a multiple of C: a program always
     # has the same piece (split_piece in kernels/common.py), of rows num_progs // C apart. Each
@@ -59,13 +59,18 @@ def rms_fwd_split(
     # VEC > 0: pieces of the aligned body, piece 0 also the edges, x and y share the row
     # stride; the grid is a multiple of C·VEC (or one item per program), so a program's rows
     # share one misalignment and its weight columns are fixed: the weight is loaded once.
-    # PREFETCH: see runtime/split.py.
+    # PREFETCH: see runtime/split.py. CLUSTER (aligned rows, VEC = 0, launched by
+    # runtime.clusters.ClusterLauncher): the C programs of a row are one thread-block cluster
+    # exchanging the sums on chip (stats and count unused).
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
     step = num_progs // C
+    parity = pid * 0
+    if CLUSTER:
+        parity = cluster_start(parity)
     if VEC > 0 and HAS_W:
         head, body = split_head(pid // C, N, stride_x, VEC)
         w = tl.load(w_ptr + head + chunk * L + lanes,
@@ -90,15 +95,23 @@ def rms_fwd_split(
             e_offs, e_mask, e_col = piece_edges(row, chunk, N, stride_x, VEC)
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=0.0).to(tl.float32)
             ss += sum_sq(xe, 0)
-        tl.store(stats_ptr + item, ss)
-        publish_row(count_ptr, row)
-        if PREFETCH == 3:
-            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-        await_row(count_ptr, row, C)
-        if PREFETCH == 2:
-            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-        total = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
-                               cache_modifier=".cg"), axis=0)
+        if CLUSTER:
+            token = cluster_publish(ss, ss, chunk, parity, C)
+            sums, sums2 = cluster_peer_sums(peers, parity, token, C)
+            parity = 1 - parity
+            if PREFETCH >= 2:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+            total = tl.sum(sums, axis=0)
+        else:
+            tl.store(stats_ptr + item, ss)
+            publish_row(count_ptr, row)
+            if PREFETCH == 3:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+            await_row(count_ptr, row, C)
+            if PREFETCH == 2:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+            total = tl.sum(tl.load(stats_ptr + row * C + peers, mask=peers < C, other=0.0,
+                                   cache_modifier=".cg"), axis=0)
         rstd = rstd_of(total, N, eps, EXACT)
         y = x * rstd
         if HAS_W:
