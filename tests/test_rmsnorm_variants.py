@@ -559,8 +559,14 @@ def test_cluster_forward_rules(launch_rules):
     outside it, unaligned rows, other piece counts and GPUs without clusters do not."""
     hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
     no_clusters = hopper._replace(clusters=False)
-    launch_rules("rmsnorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)})
     fwd = rms_rules.forward_config
+    for shortest, longest, (piece, warps, prefetch) in rms_rules.CLUSTER_FWD[2]:  # shipped
+        cfg = fwd(longest, 2, 0, True, hopper, True)
+        assert cfg == rms_rules.FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch, False,
+                                          True)
+        assert fwd(longest, 2, 0, True, no_clusters, True).kernel == "unrolled"
+        assert not fwd(shortest // 2, 2, 0, True, hopper, True).cluster
+    launch_rules("rmsnorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)})
     for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
         cfg = fwd(n, 2, 0, True, hopper, True)
         assert (cfg.kernel, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
@@ -739,7 +745,8 @@ def test_gpu_variants(dtype, m, n, w_mode, launch_rules):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,m,n,piece", [
     (BF16, 48, 131072, 16384), (BF16, 200, 32768, 4096), (FP16, 7, 65536, 16384),
-    (BF16, 40, 262144, 16384), (FP32, 64, 65536, 8192), (BF16, 300, 16384, 8192)], ids=str)
+    (BF16, 40, 262144, 16384), (FP32, 64, 65536, 8192), (BF16, 300, 16384, 8192),
+    (BF16, 24, 262144, 32768)], ids=str)
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 def test_gpu_cluster_forward(dtype, m, n, piece, prefetch, launch_rules):
     """Forced CLUSTER_FWD rules (2-16 pieces, every load placement): values against float64,
@@ -747,7 +754,8 @@ def test_gpu_cluster_forward(dtype, m, n, piece, prefetch, launch_rules):
     clusters)."""
     hopper = torch.cuda.get_device_capability()[0] >= 9
     elt = torch.empty((), dtype=dtype).element_size()
-    launch_rules("rmsnorm", CLUSTER_FWD={elt: ((n, n, (piece, 8, prefetch)),)})
+    warps = 16 if piece > 16384 else 8  # (the shipped 32K pieces run on 16)
+    launch_rules("rmsnorm", CLUSTER_FWD={elt: ((n, n, (piece, warps, prefetch)),)})
     for w_mode in ("same", "none"):
         x, w, dy = (t if t is None else t.cuda() for t in make(m, n, dtype, w_mode, seed=n))
         runs = check(x, w, dy, stats=False)

@@ -336,6 +336,10 @@ def rmsnorm_candidates(n: int, elt: int, current: dict, dev: DeviceFacts) -> lis
     block = next_pow2(n)
     key = (elt, block)
     out = []
+    if current.get("cluster"):  # the rules without clusters (the unrolled kernel, mostly)
+        out.append(Candidate(
+            "rules without clusters", {"cluster": False},
+            [("rmsnorm", {"CLUSTER_FWD": {}})], "rmsnorm CLUSTER_FWD = {}"))
     if dev.clusters and n >= 16384 and n % 16 == 0:
         for piece, warps, prefetch in cluster_configs(n):
             facts = {"variant": "split", "chunk": piece, "warps": warps, "prefetch": prefetch,

@@ -324,8 +324,15 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
 # C pieces exchange their sums on chip, so x is read once from memory and y written once,
 # where the unrolled kernel reads a row twice (the second time from L2, which long rows
 # outgrow). Element size -> ((shortest row, longest row, (piece, warps, PREFETCH)), ...); C
-# must be a cluster size (CLUSTER_SIZES). {}: none.
-CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {}
+# must be a cluster size (CLUSTER_SIZES). H200, bf16, fraction of copy against the unrolled
+# kernel (benchmarks/results/h200/rmsnorm-cluster-forward.json, 4-16 pieces of 4K-32K on 4-16
+# warps): 256K on 32768 x 16 prefetching before the exchange 0.70 vs 0.67 (bf16 and fp16, three
+# alternations: rmsnorm-cluster-forward-interleaved.txt); shorter rows slower
+# (128K 0.72 vs 0.76, 64K 0.76 vs 0.91, 32K 0.81 vs 0.99): a row's pieces wait for each other
+# once per row, which the unrolled kernel never does.
+CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
+    2: ((262144, 262144, (32768, 16, 1)),),
+}
 
 
 def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:
