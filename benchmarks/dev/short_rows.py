@@ -807,7 +807,8 @@ def main() -> None:
                    help="bf16 / fp16 (default both)")
     p.add_argument("--sizes", nargs="+", type=int, default=list(SIZES),
                    help=f"row lengths N (default {' '.join(map(str, SIZES))})")
-    p.add_argument("--max-candidates", type=int, help="timed candidates per case at most")
+    p.add_argument("--max-candidates", type=int,
+                   help="timed candidates per case at most (default and 0: no limit)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--no-repeat", action="store_true",
                    help="time the current rules once (not again after the candidates)")
@@ -822,7 +823,7 @@ def main() -> None:
     dev = device_facts(index)
 
     cases = [plan_case(op, dt, n, SMOKE_ROWS if args.smoke else TOTAL_ELEMENTS // n, dev,
-                       args.max_candidates)
+                       args.max_candidates or None)
              for op in args.ops for dt in args.dtypes for n in args.sizes]
     n_live, n_kernels, secs = estimate(cases, args)
     if args.list:
