@@ -118,8 +118,7 @@ def _forward(x, mask, scale, causal, out_dtype):
 def _register_replay(backend, x, mask, x4, mask4, scale, causal) -> None:
     """Enter this call's signature in ``fusedops._replay.SOFTMAX_MASKED`` once: the backend's
     runner replaying the plan it made for the call, or False where it will have none."""
-    key = (x.shape, x.dtype, x.get_device(), scale, causal,
-           None if mask is None else (mask.shape, mask.stride(), mask.dtype))
+    key = replay_key(x, mask, scale, causal)
     if key in _replay.SOFTMAX_MASKED:
         return
     make = getattr(backend, "softmax_masked_ops_runner", None)
@@ -203,14 +202,19 @@ _grad_enabled = torch.is_grad_enabled
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
+def replay_key(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> tuple:
+    """A call's signature in ``fusedops._replay.SOFTMAX_MASKED`` (its docstring says what it
+    fixes)."""
+    return (x.shape, x.dtype, x.get_device(), scale, causal,
+            None if mask is None else (mask.shape, mask.stride(), mask.dtype))
+
+
 def replay_runner(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool):
     """The ``fusedops._replay.SOFTMAX_MASKED`` runner of a call of this signature seen before
     (``run(x, mask) -> y or None``), or None/False. The caller has checked what the signature
     assumes: plain tensors, ``dim=-1``, no ``dtype``, a float ``scale``, a mask that needs no
     gradient, and :func:`fusedops._dispatch.plain_eager` (or the same facts otherwise)."""
-    return _replay.SOFTMAX_MASKED.get((
-        x.shape, x.dtype, x.get_device(), scale, causal,
-        None if mask is None else (mask.shape, mask.stride(), mask.dtype)))
+    return _replay.SOFTMAX_MASKED.get(replay_key(x, mask, scale, causal))
 
 
 def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: float | None,

@@ -158,6 +158,12 @@ def grid_programs(num_tiles: int, num_warps: int, kind: str, sms: int, block: in
     return progs
 
 
+def for_gpu(table: dict, name: str) -> list:
+    """The entries of a per-GPU rule table (GPU name part -> rules) whose key is part of the
+    GPU name ``name`` ("": the CPU, none), in the table's order."""
+    return [rules for part, rules in table.items() if part in name] if name else []
+
+
 def split_fits(dev: DeviceFacts, n: int, chunk: int) -> bool:
     """Whether the split-row kernels run rows of ``n`` on ``dev`` in equal pieces of at most
     ``chunk`` elements: they may run there, and all pieces of a row are resident at once."""

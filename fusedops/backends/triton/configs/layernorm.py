@@ -22,6 +22,7 @@ from typing import NamedTuple
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
+    for_gpu,
     grid_programs,
     num_row_tiles,
     row_config,
@@ -256,8 +257,7 @@ def fused_bwd_stages(block: int, elt_size: int, strides: tuple[int, ...], name: 
         return 1
     if block in PIPELINED_BWD_BLOCKS:
         return 3
-    return 3 if any(part in name and block in blocks
-                    for part, blocks in PIPELINED_BWD_BLOCKS_GPU.items()) else 1
+    return 3 if any(block in blocks for blocks in for_gpu(PIPELINED_BWD_BLOCKS_GPU, name)) else 1
 
 
 # The split-row backward's two piece sums in one paired reduction. H200, TB/s, separate ->
@@ -368,11 +368,8 @@ def unrolled_fwd_table(name: str, key: tuple[int, int]) -> dict:
     ``name`` ("": the CPU): a matching GPU's UNROLLED_FWD_GPU rules where they hold ``key``,
     else UNROLLED_FWD. No table is built per call; both are read per call, so tests and tuning
     can change either."""
-    if name and UNROLLED_FWD_GPU:
-        for part, rules in UNROLLED_FWD_GPU.items():
-            if key in rules and part in name:
-                return rules
-    return UNROLLED_FWD
+    return next((rules for rules in for_gpu(UNROLLED_FWD_GPU, name) if key in rules),
+                UNROLLED_FWD)
 
 
 # Unaligned rows (VEC > 0) on ln_fwd_reload_vec: (element size, padded body) -> (chunk, warps).
@@ -434,12 +431,9 @@ SPLIT_BWD_GPU: dict[str, dict[int, tuple[tuple[int, int, tuple], ...]]] = {
 
 def gpu_split_bwd(name: str, n: int, elt_size: int) -> tuple | None:
     """SPLIT_BWD_GPU's config for aligned rows of ``n`` on the GPU called ``name``, or None."""
-    for part, tables in SPLIT_BWD_GPU.items():
-        if part in name:
-            for shortest, longest, cfg in tables.get(elt_size, ()):
-                if shortest <= n <= longest:
-                    return cfg
-    return None
+    return next((cfg for tables in for_gpu(SPLIT_BWD_GPU, name)
+                 for shortest, longest, cfg in tables.get(elt_size, ())
+                 if shortest <= n <= longest), None)
 
 
 def column_splits(m: int, n: int, sms: int,

@@ -22,6 +22,7 @@ from fusedops.backends.triton.configs.common import (
     PERSISTENT,
     PERSISTENT_ABOVE,
     body_len,
+    for_gpu,
     row_config,
     single_block_limit,
     split_fits,
@@ -29,7 +30,7 @@ from fusedops.backends.triton.configs.common import (
     unrolled_config,
 )
 from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
-from fusedops.backends.triton.runtime.device import next_pow2
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts
 
 # The weight stays in registers across a program's row tiles while each thread holds at most
@@ -218,10 +219,8 @@ CLUSTER_BWD_GPU: dict[str, dict[int, tuple[tuple[int, tuple[int, int, int, int |
 def cluster_bwd_table(name: str, elt_size: int) -> tuple:
     """CLUSTER_BWD's rules for ``elt_size`` on the GPU called ``name`` ("": the CPU): a
     matching GPU's CLUSTER_BWD_GPU entry where it has one (read per call: tests change them)."""
-    for part, rules in CLUSTER_BWD_GPU.items():
-        if part in name and elt_size in rules:
-            return rules[elt_size]
-    return CLUSTER_BWD.get(elt_size, ())
+    return next((rules[elt_size] for rules in for_gpu(CLUSTER_BWD_GPU, name)
+                 if elt_size in rules), CLUSTER_BWD.get(elt_size, ()))
 # ... unaligned rows as aligned-body pieces plus edges (VEC > 0): element size -> config.
 # float32: LayerNorm's VEC_SPLIT_BWD (H200, vs scalar pieces: 65537 2.51 vs 1.89, 131073
 # 2.51 vs 1.80); 16-bit: the best LayerNorm measured on such pieces (bf16 65537, 2048 x 8:
@@ -341,7 +340,7 @@ def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | N
     if not dev.clusters or n < SPLIT_ROWS_MIN:
         return None
     for shortest, longest, (piece, warps, prefetch) in CLUSTER_FWD.get(elt_size, ()):
-        if shortest <= n <= longest and -(-n // piece) in CLUSTER_SIZES \
+        if shortest <= n <= longest and cdiv(n, piece) in CLUSTER_SIZES \
                 and split_fits(dev, n, piece):
             return FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch, False, True)
     return None
