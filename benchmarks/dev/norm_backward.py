@@ -1008,28 +1008,13 @@ def compare(grads: tuple, ref: tuple, tol: dict[str, float]) -> tuple[float, lis
 # ------------------------------------------------------------------------------ running
 
 
-def eager_fn(op: str) -> Callable[..., torch.Tensor]:
+def norm_fn(op: str, fused: bool) -> Callable[..., torch.Tensor]:
+    """``f(x, w, b)``: the op over x's last dim, fusedops' (``fused``) or torch's."""
     if op == "layernorm":
-        def layer_norm(x: torch.Tensor, w: torch.Tensor,
-                       b: torch.Tensor | None) -> torch.Tensor:
-            return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
-        return layer_norm
-
-    def rms_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), w, EPS)
-    return rms_norm
-
-
-def fused_fn(op: str) -> Callable[..., torch.Tensor]:
-    if op == "layernorm":
-        def layer_norm(x: torch.Tensor, w: torch.Tensor,
-                       b: torch.Tensor | None) -> torch.Tensor:
-            return fusedops.fused_layernorm(x, (x.shape[-1],), w, b, EPS)
-        return layer_norm
-
-    def rms_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return fusedops.fused_rmsnorm(x, (x.shape[-1],), w, EPS)
-    return rms_norm
+        layer_norm = fusedops.fused_layernorm if fused else F.layer_norm
+        return lambda x, w, b: layer_norm(x, (x.shape[-1],), w, b, EPS)
+    rms_norm = fusedops.fused_rmsnorm if fused else F.rms_norm
+    return lambda x, w, b: rms_norm(x, (x.shape[-1],), w, EPS)
 
 
 def bytes_moved(op: str, m: int, n: int, elt: int) -> int:
@@ -1087,7 +1072,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
         del y
         return ms, grads, first
 
-    ms, eager_grads, _ = autograd_timing(eager_fn(op))
+    ms, eager_grads, _ = autograd_timing(norm_fn(op, False))
     record("torch", "eager autograd.grad", ms=ms)
 
     # The current rules: checked like a candidate (the memo, the launches); their gradients
@@ -1110,7 +1095,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
                error=short_error(e), config=case.current)
     del eager_grads
     try:
-        ms, grads, first = autograd_timing(fused_fn(op))
+        ms, grads, first = autograd_timing(norm_fn(op, True))
         phases["first calls"] += first
         diff, problems = compare(grads, ref, tol) if ref is not None else (None, [])
         del grads
@@ -1123,7 +1108,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, index: 
 
     if args.compile:
         torch._dynamo.reset()  # a fresh compile per shape: no shared cache, no dynamic shapes
-        compiled = torch.compile(eager_fn(op), dynamic=False,
+        compiled = torch.compile(norm_fn(op, False), dynamic=False,
                                  backend="eager" if args.smoke else "inductor")
         try:
             ms, grads, first = autograd_timing(compiled)
