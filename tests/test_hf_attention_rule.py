@@ -189,3 +189,22 @@ def test_no_replay_while_torch_compile_traces_with_a_forced_backend(monkeypatch)
         run(model, inputs)  # eager: the runner is asked
     assert len(asked) == LAYERS
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 4, 8), (1, 1, 1, 8)])
+def test_replay_lookup_and_registration_share_the_signature(monkeypatch, mask_shape):
+    """replay_runner (the attention function's lookup, its key written out) finds exactly the
+    entry registered under replay_key, and not one of another scale, causal flag or mask."""
+    from fusedops import _replay
+    from fusedops.ops import softmax_masked as sm
+
+    monkeypatch.setattr(_replay, "SOFTMAX_MASKED", {})
+    x = torch.randn(2, 3, 4, 8)
+    mask = None if mask_shape is None else torch.zeros(mask_shape)
+    sentinel = object()
+    _replay.SOFTMAX_MASKED[sm.replay_key(x, mask, 0.125, False)] = sentinel
+    assert sm.replay_runner(x, mask, 0.125, False) is sentinel
+    assert sm.replay_runner(x, mask, 0.25, False) is None
+    assert sm.replay_runner(x, mask, 0.125, True) is None
+    other = torch.zeros(2, 3, 4, 8) if mask is None else None
+    assert sm.replay_runner(x, other, 0.125, False) is None
