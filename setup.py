@@ -5,8 +5,13 @@ Everything declarative lives in pyproject.toml. This file exists for two jobs th
 * copy the Metal shader sources (``metal/*.metal``, the single source of truth) into the package
   as ``fusedops/_shaders`` so the ``torch.mps.compile_shader`` fallback and the CPU emulation can
   find them in an installed wheel;
-* build the Objective-C++ Metal extension (``csrc/``) on macOS only. On Linux and Windows nothing
-  is compiled, so ``pip install .`` needs no compiler and no GPU.
+* build the Objective-C++ Metal extension (``csrc/*.mm``) on macOS;
+* build the C++ host extension (``csrc/host/``, ``fusedops._host_ext``: replayed Triton launches
+  behind C++ autograd nodes) on Linux where torch is importable at build time
+  (``pip install --no-build-isolation .``) and a C++ compiler exists; with the CUDA toolkit
+  (``CUDA_HOME``) it launches kernels, without it only its tests' dry run works. It is optional:
+  without it (``pip install .`` in pip's isolated build, ``FUSEDOPS_NO_HOST_EXT=1``, or a failed
+  compile) fusedops takes its Python paths.
 """
 
 from __future__ import annotations
@@ -63,7 +68,28 @@ def metal_extension_kwargs() -> dict:
     return {"ext_modules": [ext], "cmdclass_ext": BuildExtWithShaders}
 
 
-kwargs = metal_extension_kwargs()
+def host_extension_kwargs() -> dict:
+    """The Linux host extension; an empty dict where torch is not importable (pip's isolated
+    build) or FUSEDOPS_NO_HOST_EXT=1."""
+    if not sys.platform.startswith("linux") or os.environ.get("FUSEDOPS_NO_HOST_EXT") == "1":
+        return {}
+    try:
+        from torch.utils import cpp_extension
+    except ImportError:
+        return {}
+    sources = ["csrc/host/replay.cpp"]
+    if cpp_extension.CUDA_HOME is not None:
+        ext = cpp_extension.CUDAExtension(
+            name="fusedops._host_ext", sources=sources,
+            define_macros=[("FUSEDOPS_WITH_CUDA", None)], extra_compile_args={"cxx": ["-O2"]})
+    else:
+        ext = cpp_extension.CppExtension(name="fusedops._host_ext", sources=sources,
+                                         extra_compile_args=["-O2"])
+    ext.optional = True  # a failed compile leaves the Python paths, never a failed install
+    return {"ext_modules": [ext], "cmdclass_ext": cpp_extension.BuildExtension}
+
+
+kwargs = metal_extension_kwargs() or host_extension_kwargs()
 cmdclass: dict = {"build_py": BuildPyWithShaders}
 if "cmdclass_ext" in kwargs:
     cmdclass["build_ext"] = kwargs.pop("cmdclass_ext")

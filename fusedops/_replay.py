@@ -22,7 +22,11 @@ hundred nanoseconds. The next call with that signature goes straight to the runn
   ``run(x, mask) -> y or None``: ``softmax(x * scale + mask)`` over the last dim of a 4-d ``x``
   (attention scores), ``scale`` a float (None resolved to 1.0), ``causal`` a bool, the mask
   signature None or ``(mask.shape, mask.stride(), mask.dtype)``; ``y`` in ``x.dtype``. A value
-  of False marks a signature the backend cannot replay (not looked up again).
+  of False marks a signature the backend cannot replay (not looked up again). A runner also
+  carries ``native``, its training calls' C++ path: False (none), a callable ``(x, mask) -> y
+  or None`` whose result has a C++ autograd node, or None while undecided, when
+  ``make_native(y, dy)`` (called by the first replayed backward, returning its gradient or None)
+  may make one.
 
 The ops consult a table only for plain eager inference calls (``fusedops._dispatch.plain_eager``,
 no gradient needed, arguments of the exact types the signature assumes). A runner re-checks what

@@ -229,6 +229,7 @@ def test_ops_layer_replays_training_masked_softmax(monkeypatch):
     def checks(*args):
         raise LookupError("the call ran the checks")
 
+    run.native = False  # (no C++ path: the Python Function's replay)
     key = (x.shape, x.dtype, -1, 0.25, False, (m.shape, m.stride(), m.dtype))
     monkeypatch.setitem(_replay.SOFTMAX_MASKED, key, run)
     monkeypatch.setattr(fusedops.ops.softmax_masked, "check_mask_args", checks)

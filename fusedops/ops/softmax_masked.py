@@ -195,7 +195,18 @@ class ReplayedMaskedSoftmax(MaskedSoftmaxFunction):
         ctx.scale = scale
         ctx.in_dtype = x.dtype
         ctx.mask_meta = None
+        ctx.run = run
         return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.run.native is None:
+            # The runner's first training backward: it may make its C++ autograd path
+            # (fusedops._host_ext) from this call, whose gradient it returns.
+            dx = ctx.run.make_native(ctx.saved_tensors[0], dy)
+            if dx is not None:
+                return dx, None, None, None, None
+        return MaskedSoftmaxFunction.backward(ctx, dy)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -237,6 +248,11 @@ def masked_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None, scale: 
                 if y is not None:
                     return y
             elif not _functorch_active():
+                node = run.native
+                if node:  # forward and backward launched from C++ (fusedops._host_ext)
+                    y = node(x, mask)
+                    if y is not None:
+                        return y
                 return ReplayedMaskedSoftmax.apply(x, mask, 1.0 if scale is None else scale,
                                                    causal, run)
     check_float_tensor(x, "x")

@@ -64,10 +64,13 @@ if AVAILABLE:
     softmax_masked_backward = _on_tensor_device(_softmax_masked.softmax_masked_backward)
     # (Makes the ops layer's fusedops._replay.SOFTMAX_MASKED runners; launches nothing.)
     softmax_masked_ops_runner = _softmax_masked.softmax_masked_ops_runner
+    # Replayed attention softmax training calls run from C++ autograd nodes (host_ext.py).
+    NATIVE_AUTOGRAD = _softmax_masked.host_ext.AVAILABLE
 
 __all__ = [
     "AVAILABLE",
     "NAME",
+    "NATIVE_AUTOGRAD",
     "layernorm_backward",
     "layernorm_epilogue_backward",
     "layernorm_epilogue_forward",

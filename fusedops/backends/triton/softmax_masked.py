@@ -34,6 +34,8 @@ diagonal. All math is float32; row and mask offsets are 64-bit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusedops import _replay
@@ -49,6 +51,7 @@ from fusedops.backends.triton.kernels.softmax_masked import (
     smm_fwd_looped,
     smm_fwd_single,
 )
+from fusedops.backends.triton.runtime import host_ext
 from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
@@ -152,7 +155,7 @@ def softmax_masked_ops_runner(x: torch.Tensor, mask: torch.Tensor | None, x4: to
             if (x.data_ptr() & 15) != x_align or not x.is_contiguous() or hooks_registered():
                 return None
             return plan(x, None)[0]
-        return run
+        return _with_native(run, plan, scale, x_align, 0)
     m_align = mask.data_ptr() & 15
 
     def run_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -160,7 +163,39 @@ def softmax_masked_ops_runner(x: torch.Tensor, mask: torch.Tensor | None, x4: to
                 or not x.is_contiguous() or mask.get_device() != device or hooks_registered()):
             return None
         return plan(x, mask)[0]
-    return run_masked
+    return _with_native(run_masked, plan, scale, x_align, m_align)
+
+
+def _with_native(run, plan, scale: float, x_align: int, m_align: int):
+    """Give runner ``run`` its C++ autograd path: ``run.native`` is None until
+    ``run.make_native(y, dy)`` has run a training call's backward (the call's gradient, None
+    where it did not), then ``native(x, mask) -> y or None`` (``fusedops._host_ext``: forward
+    and backward launched from C++, no Python in the backward) or False where the plans do not
+    convert (host_ext.py) or the extension is not built."""
+    run.native = None if host_ext.AVAILABLE else False
+
+    def make_native(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor | None:
+        if (torch.is_grad_enabled() or not y.is_contiguous() or not dy.is_contiguous()
+                or dy.dtype != y.dtype or (y.data_ptr() | dy.data_ptr()) & 15
+                or hooks_registered()):
+            return None  # (not this call: asked again at the next)
+        run.native = False
+        n = y.shape[-1]
+        y2, dy2 = y.view(-1, n), dy.view(-1, n)
+        dx2 = softmax_masked_backward(y2, dy2, scale, y.dtype)  # (replayed, or its plan made)
+        backward = _bwd_plans.get(_bwd_key(y2, dy2, scale, y.dtype))
+        fwd = host_ext.host_plan(plan.steps)
+        bwd = host_ext.host_plan(backward.steps) if backward and fwd is not None else None
+        if bwd is not None:
+            apply = functools.partial(host_ext.ext.masked_softmax, fwd, bwd, x_align, m_align)
+
+            def native(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+                return None if hooks_registered() else apply(x, mask)
+            run.native = native
+        return dx2.view(y.shape)
+
+    run.make_native = make_native
+    return run
 
 
 def _forward(x, mask, scale, causal, out_dtype):
@@ -205,9 +240,13 @@ def softmax_masked_backward(y: torch.Tensor, dy: torch.Tensor, scale: float,
     """dx = scale · y · (dy - Σ dy·y) per row. y: (M, N) contiguous; dy: (M, N) unit column
     stride, any row stride (0 for expanded gradients). Returns contiguous (M, N) of
     ``out_dtype``. A call whose signature ran before is replayed (see ``_planned``)."""
-    key = (y.shape, y.stride(), y.dtype, y.data_ptr() & 15, tensor_key(dy), scale, out_dtype,
-           y.get_device()) if PLANS else None
+    key = _bwd_key(y, dy, scale, out_dtype) if PLANS else None
     return _planned(_bwd_plans, key, (y, dy), lambda: _backward(y, dy, scale, out_dtype))
+
+
+def _bwd_key(y, dy, scale, out_dtype) -> tuple:
+    return (y.shape, y.stride(), y.dtype, y.data_ptr() & 15, tensor_key(dy), scale, out_dtype,
+            y.get_device())
 
 
 def _backward(y, dy, scale, out_dtype):

@@ -228,6 +228,7 @@ def direct_entry(compiled, metadata: tuple | None = None):
         go.raw_pointers = True
         # For replay runners, which call the entry themselves (one Python frame less).
         go.c_entry = (launch, function, coop, pdl, metadata)
+        go.compiled = compiled  # its signature and PTX, for the C++ host plans (host_ext.py)
         return go
 
     def go(grid, stream, args):

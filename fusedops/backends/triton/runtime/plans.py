@@ -166,6 +166,7 @@ def replay_runner(record: LaunchRecord, inputs: tuple, out: tuple, scratch: tupl
                 go(grid, stream, (*p, *head[:-2], *words, *rest))
         return tuple(new[:n_out])
 
+    run.steps = tuple(split)  # (go, grid, slots, tail, seeded tail): for host_ext.host_plan
     return run
 
 

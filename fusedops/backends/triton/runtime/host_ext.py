@@ -1,0 +1,97 @@
+"""Replay plans handed to the C++ host extension, ``fusedops._host_ext`` (``csrc/host/``).
+
+A replay runner's steps (``plans.replay_runner``) become a plan the extension launches itself
+through the CUDA driver, behind C++ autograd nodes: no Python in a replayed call's backward. A
+step converts where its kernel's launch is a plain one (no cooperative grid, programmatic
+launch or cluster), every argument's type is one the extension packs, and the compiled
+kernel's parameter count (read from its PTX) is the runtime arguments plus Triton's trailing
+scratch pointers. Anything else keeps the Python path.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+try:
+    from fusedops import _host_ext as ext
+except ImportError:  # not built (pip's isolated build, no compiler): the Python paths
+    ext = None
+
+# Launches kernels (a CUDA build) and not switched off (FUSEDOPS_HOST_EXT=0).
+AVAILABLE = ext is not None and ext.WITH_CUDA and os.environ.get("FUSEDOPS_HOST_EXT") != "0"
+
+_INT_BYTES = {"i1": 1, "u1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4,
+              "i64": 8, "u64": 8}
+_U64 = (1 << 64) - 1
+
+
+def scalar_bits(ty: str, value: object) -> int | None:
+    """A scalar kernel argument of Triton type ``ty`` as the 64-bit word whose low bytes are
+    the parameter (little-endian), or None for a type the extension does not pack."""
+    if ty in _INT_BYTES:
+        return int(value) & _U64
+    if ty in ("fp32", "f32"):
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+    if ty == "fp64":
+        return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+    return None
+
+
+def ptx_param_count(ptx: str, name: str) -> int | None:
+    """The number of parameters of kernel ``name``'s ``.entry`` in ``ptx`` (None: not found)."""
+    start = ptx.find(f".entry {name}(")
+    if start < 0:
+        return None
+    return ptx.count(".param", start, ptx.find(")", start))
+
+
+def kernel_args(compiled, slots: tuple, tail: tuple) -> list | None:
+    """The extension's argument list ``[(slot, bits), ...]`` of one launch of ``compiled``
+    with pointer ``slots`` ``(tensor index, byte offset)`` then ``tail`` (scalars and
+    constexprs, in signature order), or None where it cannot be packed."""
+    try:
+        types = list(compiled.src.signature.values())
+        count = ptx_param_count(compiled.asm["ptx"], compiled.name)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if count is None or len(types) != len(slots) + len(tail):
+        return None
+    args = []
+    for i, ty in enumerate(types):
+        if ty == "constexpr":
+            continue
+        if i < len(slots):
+            if not ty.startswith("*"):
+                return None
+            args.append(slots[i])
+            continue
+        bits = None if ty.startswith("*") else scalar_bits(ty, tail[i - len(slots)])
+        if bits is None:
+            return None
+        args.append((-1, bits))
+    scratch = count - len(args)  # Triton's global and profile scratch pointers, passed null
+    if not 0 <= scratch <= 2:
+        return None
+    return args + [(-1, 0)] * scratch
+
+
+def host_plan(steps: tuple) -> int | None:
+    """The extension's handle for replay ``steps`` (a runner's ``steps``), or None where a
+    step cannot be converted (see the module docstring) or the extension is unavailable."""
+    if not AVAILABLE or not steps:
+        return None
+    plan = []
+    for go, grid, slots, tail, seeded in steps:
+        entry, compiled = getattr(go, "c_entry", None), getattr(go, "compiled", None)
+        if seeded is not None or entry is None or compiled is None:
+            return None
+        _, function, coop, pdl, (num_warps, num_ctas, shared) = entry
+        if coop or pdl or num_ctas != 1:
+            return None
+        args = kernel_args(compiled, slots, tail)
+        if args is None:
+            return None
+        plan.append((function, list((*grid, 1, 1)[:3]), 32 * num_warps, shared, args))
+    handle = ext.make_plan(plan)
+    return None if handle < 0 else handle
