@@ -80,6 +80,7 @@ def set_backend(name: str | None) -> None:
     _cache.clear()
     for table in SIZE_RULES.values():
         table.clear()
+    NATIVE_AUTOGRAD.clear()
     _replay.clear()  # runners were registered by the backends chosen before
     # ... when their plans were made: drop those too, so the next calls make both again.
     triton_configs = sys.modules.get("fusedops.backends.triton.configs")
@@ -217,6 +218,11 @@ _functorch_active = torch._C._are_functorch_transforms_active
 # first sight of a key, emptied (in place: the ops hold them) when the choice of backend
 # changes. The ops read them inline: one lookup and one size test per call.
 SIZE_RULES: dict[str, dict[tuple, float]] = {op: {} for op, _ in NATIVE_BELOW}
+# Per (device type or True, dtype), filled beside SIZE_RULES: whether the backend runs a
+# replayed training call of the attention softmax from C++ autograd nodes
+# (``NATIVE_AUTOGRAD``: fusedops._host_ext), which makes that call cost the host less than
+# the native ops it replaces (patch_model's attention function reads it).
+NATIVE_AUTOGRAD: dict[tuple, bool] = {}
 
 
 def size_rule(op: str, key: tuple) -> float:
@@ -229,6 +235,8 @@ def size_rule(op: str, key: tuple) -> float:
         else _below[op, key[2]]
     if not _is_compiling():  # (a table filled while Dynamo traces would make it recompile)
         SIZE_RULES[op][key] = below
+        NATIVE_AUTOGRAD[key[:2]] = below != math.inf and getattr(
+            backend, "NATIVE_AUTOGRAD", False)
     return below
 
 
@@ -316,6 +324,12 @@ def plain_eager_checked() -> bool:
     is not tracing unless a backend is forced: two fewer Python calls on a path taken once per
     attention layer."""
     return _counts is None and not _any_autocast() and (_forced is None or not _is_compiling())
+
+
+def replay_checked() -> bool:
+    """:func:`plain_eager_checked` for a caller whose replay runner's output dtype does not
+    depend on autocast (patch_model's attention function, which makes the model's dtype)."""
+    return _counts is None and (_forced is None or not _is_compiling())
 
 
 @contextlib.contextmanager

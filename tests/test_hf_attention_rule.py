@@ -121,7 +121,16 @@ def test_fused_inference_calls_replay_from_the_attention_function(rule_above_eve
         def run(x2, mask2):
             ran["run"] += 1
             return masked_softmax(x2, -1, None, scale, mask2, causal)
-        return run if not ran["decline"] else (lambda x2, mask2: None)
+
+        def native(x2, mask2):
+            ran["native"] += 1
+            return masked_softmax(x2, -1, None, scale, mask2, causal)
+        run.native = native if ran["with_native"] else False
+        if ran["decline"]:
+            declined = lambda x2, mask2: None  # noqa: E731
+            declined.native = lambda x2, mask2: None
+            return declined
+        return run
 
     monkeypatch.setattr(hf_attention, "replay_runner", runner)
     model, ref, inputs = patched_gpt2()
@@ -138,7 +147,17 @@ def test_fused_inference_calls_replay_from_the_attention_function(rule_above_eve
     out = run(model, inputs)
     out = out if isinstance(out, torch.Tensor) else out[0]
     out.float().sum().backward()
-    assert ran["run"] == LAYERS
+    assert ran["run"] == LAYERS and ran["native"] == 0
+    # A runner with a C++ node (``native``) takes the training calls, under autocast too.
+    ran["with_native"] = 1
+    out = run(model, inputs)
+    (out if isinstance(out, torch.Tensor) else out[0]).float().sum().backward()
+    assert ran["run"] == LAYERS and ran["native"] == LAYERS
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(model, inputs)
+    (out if isinstance(out, torch.Tensor) else out[0]).float().sum().backward()
+    assert ran["native"] == 2 * LAYERS
+    ran["with_native"] = 0
     # Under count_fused_calls (plain_eager is False) the runner is not used either.
     with _dispatch.count_fused_calls(), torch.no_grad():
         run(model, inputs)

@@ -97,13 +97,17 @@ def _eager(module: nn.Module) -> tuple[Any, bool]:
 
 
 _ATTENTION_RULES = _dispatch.SIZE_RULES["attention"]
+_NATIVE_AUTOGRAD = _dispatch.NATIVE_AUTOGRAD
 _grad_enabled = torch.is_grad_enabled
 _native_now = _dispatch.native_now
 _plain_eager_checked = _dispatch.plain_eager_checked
+_replay_checked = _dispatch.replay_checked
+_any_autocast = _dispatch._any_autocast
 _stack_depth = torch._C._len_torch_function_stack
 _INF = float("inf")
-# Inference calls below the size rule that carry a mask, by (id of the attention module, query
-# shape, key length): present once that module has run a call of that shape. Its second such
+# Calls below the size rule that may run fused (inference calls with a mask; training calls
+# where _dispatch.NATIVE_AUTOGRAD), by (id of the attention module, query shape, key length):
+# present once that module has run a call of that shape. Its second such
 # call runs fused, and the fused op replays its launch from then on (fusedops._replay, one plan
 # per shape for every layer); a shape a module meets once (each decoding step's new key length
 # in a single generate) stays on the model's own function, whose host cost is lower than the
@@ -140,10 +144,13 @@ def fused_eager_attention(
         fused = False
     elif shape[0] * shape[1] * shape[2] * key.shape[-2] >= below:
         fused = not _native_now()
-    elif grad or attention_mask is None or below == _INF or _native_now():
+    elif (not _NATIVE_AUTOGRAD.get(rule[:2]) if grad else attention_mask is None) \
+            or below == _INF or _native_now():
         # (Below the rule, a maskless inference call saves one native multiply, less than the
-        # fused call's host cost: benchmarks/results/h200/attention-calls.json. Nothing is
-        # entered in SEEN while torch.compile traces: a guard on it would recompile.)
+        # fused call's host cost: benchmarks/results/h200/attention-calls.json; a training
+        # call pays less than the native ops only where its forward and backward replay from
+        # C++ (_dispatch.NATIVE_AUTOGRAD). Nothing is entered in SEEN while torch.compile
+        # traces: a guard on it would recompile.)
         fused = False
     else:
         seen = (id(module), shape, key.shape[-2])
@@ -187,16 +194,28 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, cont
         mask = mask[:, :, :, : key.shape[-2]]
     scale = scaling if scaling.__class__ is float else float(scaling)
     weights = None
-    if inference and scores.__class__ is torch.Tensor and (
-            mask is None or mask.__class__ is torch.Tensor and not mask.requires_grad) \
-            and _plain_eager_checked():
+    if scores.__class__ is torch.Tensor and (
+            mask is None or mask.__class__ is torch.Tensor and not mask.requires_grad):
         # A replayed launch straight from here: masked_softmax's own checks would repeat what
-        # this call has established (host cost per attention layer).
-        run = replay_runner(scores, mask, scale, False)
-        if run:
-            weights = run(scores, mask)
+        # this call has established (host cost per attention layer). A training call replays
+        # through its C++ autograd node, under autocast too: its weights come out in the
+        # scores' dtype, as the model's own function makes them.
+        if inference:
+            run = replay_runner(scores, mask, scale, False) if _plain_eager_checked() else None
+            if run:
+                weights = run(scores, mask)
+        elif _replay_checked():
+            run = replay_runner(scores, mask, scale, False)
+            node = run.native if run else None
+            if node:
+                weights = node(scores, mask)
     if weights is None:
-        weights = masked_softmax(scores, -1, None, scale, mask, False)
+        if inference or not _any_autocast():
+            weights = masked_softmax(scores, -1, None, scale, mask, False)
+        else:
+            # (Without autocast the call can register its replay and make its C++ node.)
+            with torch.autocast(scores.device.type, enabled=False):
+                weights = masked_softmax(scores, -1, None, scale, mask, False)
     # Freed before the second matmul (the model's own function rebinds its one name): held,
     # the scores would stay alive beside the weights and the output, raising the peak.
     del scores
