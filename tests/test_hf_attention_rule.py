@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tol
 from test_patching_utils import assert_outputs_close, hf_bert, hf_gpt2, run, twins
 
 import fusedops
@@ -62,10 +63,36 @@ def test_a_masked_shape_runs_fused_from_its_second_call(rule_above_every_call):
 
 
 def test_calls_that_need_autograd_wait_for_the_rule(rule_above_every_call):
+    # Without a C++ autograd node (_dispatch.NATIVE_AUTOGRAD) a training call's Python
+    # backward costs more than the model's own ops.
     model, _, inputs = patched_gpt2()
     for _ in range(3):
         assert calls(model, inputs, grad=True) == {"hf_attention:unfused": LAYERS}
     assert hf_attention.SEEN == {}
+
+
+@pytest.mark.parametrize("make", [patched_gpt2, lambda: twins(hf_bert)])
+def test_training_calls_run_fused_from_their_second_call_with_a_cpp_node(
+        rule_above_every_call, monkeypatch, make):
+    """Where the backend has the C++ node, a training call below the rule follows the seen-shape
+    rule, with a mask (GPT-2) or without (BERT, no padding), and its gradients are the model's."""
+    from fusedops.backends import reference
+
+    # (As a backend with the node says it; the size rules of other ops refill the table.)
+    monkeypatch.setattr(reference, "NATIVE_AUTOGRAD", True, raising=False)
+    monkeypatch.setitem(_dispatch.NATIVE_AUTOGRAD, ("cpu", torch.float32), True)
+    model, ref, inputs = make()
+    fusedops.patch_model(model, force=True)
+    model.eval()
+    ref.eval()
+    assert calls(model, inputs, grad=True) == {"hf_attention:unfused": LAYERS}
+    assert calls(model, inputs, grad=True) == {"hf_attention": LAYERS}
+    for m in (model, ref):
+        out = run(m, inputs)
+        (out if isinstance(out, torch.Tensor) else out[0]).float().square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        # (float32 sums over every position: the shared tolerance, widened as for row sums)
+        torch.testing.assert_close(p.grad, q.grad, **tol(torch.float32, 10.0))
 
 
 def test_calls_without_a_mask_wait_for_the_rule(rule_above_every_call):
