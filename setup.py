@@ -77,7 +77,7 @@ def host_extension_kwargs() -> dict:
         from torch.utils import cpp_extension
     except ImportError:
         return {}
-    sources = ["csrc/host/replay.cpp"]
+    sources = ["csrc/host/replay.cpp", "csrc/host/node.cpp"]
     if cpp_extension.CUDA_HOME is not None:
         ext = cpp_extension.CUDAExtension(
             name="fusedops._host_ext", sources=sources,

@@ -201,10 +201,14 @@ def backend_for(x: torch.Tensor) -> Backend:
 # below that, only inference calls with a mask that its attention module made before
 # (fusedops.patching.hf_attention.SEEN, attention-calls.json: a replayed fused call costs the
 # host less than the model's own, a first call more).
-# Calls with dropout always run fused (the mask's generator is part of the op).
+# Calls with dropout always run fused (the mask's generator is part of the op). A LayerNorm
+# training call runs as a C++ autograd node (fusedops._host_ext) from 2^22 elements where the
+# backend has nodes ("node"): its kernels' GPU time is 0.3-0.7x torch's from 3M elements, its
+# host cost per forward + backward a few µs above torch's (layernorm-node.json).
+
 NATIVE_BELOW: dict[tuple[str, bool], int] = {
     ("softmax", False): 1 << 22, ("softmax", True): 1 << 24,
-    ("layernorm", False): 1 << 22, ("layernorm", True): 1 << 26,
+    ("layernorm", False): 1 << 22, ("layernorm", True): 1 << 26, ("layernorm", "node"): 1 << 22,
     ("rmsnorm", False): 1 << 22, ("rmsnorm", True): 1 << 26,
     ("layernorm_epilogue", False): 1 << 23, ("layernorm_epilogue", True): 1 << 26,
     ("softmax_masked", False): 0, ("softmax_masked", True): 0,
@@ -231,13 +235,23 @@ def size_rule(op: str, key: tuple) -> float:
     device_type = "cuda" if key[0] is True else key[0]
     backend = _select(device_type, key[1])
     # (A forced "reference" backend runs fusedops' own paths on its pure-PyTorch row code.)
-    below = math.inf if backend.NAME == "reference" and _forced != "reference" \
-        else _below[op, key[2]]
+    native_autograd = getattr(backend, "NATIVE_AUTOGRAD", False)
+    if backend.NAME == "reference" and _forced != "reference":
+        below = math.inf
+    elif key[2] and native_autograd and (op, "node") in _below:
+        below = _below[op, "node"]  # (the ops route calls without a node by python_rule)
+    else:
+        below = _below[op, key[2]]
     if not _is_compiling():  # (a table filled while Dynamo traces would make it recompile)
         SIZE_RULES[op][key] = below
-        NATIVE_AUTOGRAD[key[:2]] = below != math.inf and getattr(
-            backend, "NATIVE_AUTOGRAD", False)
+        NATIVE_AUTOGRAD[key[:2]] = below != math.inf and native_autograd
     return below
+
+
+def python_rule(op: str) -> float:
+    """The size below which a training call of ``op`` that has no C++ node runs PyTorch's op
+    (the rule of its Python autograd Function)."""
+    return _below[op, True]
 
 
 def native_now() -> bool:
@@ -317,6 +331,14 @@ def plain_eager() -> bool:
     the output dtype), fused-call counting off (``count_fused_calls`` counts on the normal path).
     Whether the call needs gradients is the caller's check."""
     return _counts is None and not _is_compiling() and not _any_autocast()
+
+
+def node_eager(x: torch.Tensor) -> bool:
+    """Whether a training call on ``x`` may take (or make) a C++ node
+    (``fusedops._replay.LAYERNORM_NODE``): as :func:`plain_eager`, except that autocast does
+    not change the output dtype of a float32 ``x``."""
+    return _counts is None and not _is_compiling() and (
+        x.dtype is torch.float32 or not _any_autocast())
 
 
 def plain_eager_checked() -> bool:

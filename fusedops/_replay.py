@@ -28,12 +28,20 @@ hundred nanoseconds. The next call with that signature goes straight to the runn
   ``make_native(y, dy)`` (called by the first replayed backward, returning its gradient or None)
   may make one.
 
-The ops consult a table only for plain eager inference calls (``fusedops._dispatch.plain_eager``,
-no gradient needed, arguments of the exact types the signature assumes). A runner re-checks what
-its signature does not fix (``x`` contiguous at a 16-byte aligned CUDA address, the parameters'
-types, dtypes, shapes, devices and layouts, Triton launch hooks) and returns None when it cannot
-run the call as the registering call ran, which then takes the normal path: a replay never
-changes a result, and never turns an error into a result.
+* ``LAYERNORM_NODE``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``node(x, weight, bias)
+  -> y or None`` for *training* calls: LayerNorm over the last dim of a contiguous ``x`` as a
+  C++ autograd node (``fusedops._host_ext``: forward and backward launched from C++), or False
+  where the backend made none (or is making one: the first call's backward decides). A node
+  checks in C++ that the tensors are those it was recorded for (dtypes, shapes, alignment,
+  requires_grad) and returns None otherwise.
+
+The ops consult the inference tables only for plain eager inference calls
+(``fusedops._dispatch.plain_eager``, no gradient needed; the node tables for training calls
+under ``fusedops._dispatch.node_eager``), arguments of the exact types the signature assumes.
+A runner re-checks what its signature does not fix (``x`` contiguous at a 16-byte aligned
+CUDA address, the parameters' types, dtypes, shapes, devices and layouts, Triton launch hooks)
+and returns None when it cannot run the call as the registering call ran, which then takes the
+normal path: a replay never changes a result, and never turns an error into a result.
 
 Tables are cleared whenever the choice of backend or the launch rules change
 (``fusedops.set_backend``, ``fusedops.backends.triton.configs.override``) and when a backend
@@ -47,6 +55,7 @@ LAYERNORM: dict = {}
 RMSNORM: dict = {}
 LAYERNORM_RESIDUAL: dict = {}
 SOFTMAX_MASKED: dict = {}
+LAYERNORM_NODE: dict = {}
 
 
 def clear() -> None:
@@ -56,3 +65,4 @@ def clear() -> None:
     RMSNORM.clear()
     LAYERNORM_RESIDUAL.clear()
     SOFTMAX_MASKED.clear()
+    LAYERNORM_NODE.clear()

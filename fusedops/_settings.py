@@ -9,6 +9,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from fusedops import _replay
+
 LAYERNORM_BACKWARD_MODES = ("fast", "low_memory")
 _state = {"layernorm_backward": "low_memory"}
 
@@ -36,6 +38,8 @@ def set_layernorm_backward(mode: str) -> None:
     """
     if mode not in LAYERNORM_BACKWARD_MODES:
         raise ValueError(f"mode must be one of {LAYERNORM_BACKWARD_MODES}, got {mode!r}")
+    if _state["layernorm_backward"] != mode:
+        _replay.LAYERNORM_NODE.clear()  # (nodes replay the backward of the mode they saw)
     _state["layernorm_backward"] = mode
 
 

@@ -8,7 +8,7 @@
 // torch::autograd::Function, so a training step's backward never calls into Python.
 // Which plans reach it, and the measurements behind it: docs/design.md, "Host path".
 
-#include <torch/extension.h>
+#include "plans.h"
 
 #include <dlfcn.h>
 
@@ -80,7 +80,14 @@ void* current_stream(const Tensor& t) {
 #endif
 }
 
-// Launch plan `handle` with the addresses `ptrs` (a slot's tensor, 0 where absent).
+}  // namespace
+
+namespace fusedops_host {
+
+bool plan_exists(int64_t handle) {
+  return handle >= 0 && handle < static_cast<int64_t>(plans.size());
+}
+
 void run_plan(int64_t handle, const uint64_t* ptrs, const Tensor& on) {
   const Plan& plan = plans[handle];
   // The kernels were loaded in the tensor's device's context: make it current.
@@ -110,9 +117,12 @@ void run_plan(int64_t handle, const uint64_t* ptrs, const Tensor& on) {
   }
 }
 
-inline uint64_t address(const Tensor& t) {
-  return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
-}
+}  // namespace fusedops_host
+
+namespace {
+
+using fusedops_host::address;
+using fusedops_host::run_plan;
 
 // softmax(x * scale + mask) through recorded plans: the forward plan takes slots
 // (x, mask, y), the backward plan (y, dy, dx); scale and the rest are in the plans.
@@ -180,8 +190,7 @@ int64_t make_plan(const std::vector<std::tuple<uint64_t, std::vector<int64_t>, i
 
 // Launch a plan with these tensors in its slots (None: address 0); for tests and tools.
 void run(int64_t handle, const std::vector<std::optional<Tensor>>& tensors) {
-  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(plans.size()),
-              "fusedops._host_ext: no plan ", handle);
+  TORCH_CHECK(fusedops_host::plan_exists(handle), "fusedops._host_ext: no plan ", handle);
   TORCH_CHECK(!tensors.empty() && tensors[0].has_value(), "the first slot must hold a tensor");
   std::vector<uint64_t> ptrs;
   for (const auto& t : tensors) ptrs.push_back(t.has_value() ? address(*t) : 0);
@@ -207,6 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "Launch a plan with the given tensors in its slots");
   m.def("masked_softmax", &masked_softmax,
         "softmax(x * scale + mask) from its forward and backward plans (None: not applicable)");
+  fusedops_host::register_nodes(m);
   m.def("set_dry_run", &set_dry_run, "Tests: record launches instead of making them");
   m.def("take_dry_log", &take_dry_log, "Tests: the launches recorded since set_dry_run");
 #ifdef FUSEDOPS_WITH_CUDA

@@ -16,10 +16,12 @@ from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
 
 _RULES = _dispatch.SIZE_RULES["layernorm"]
+_NODES = _replay.LAYERNORM_NODE
 _EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
+_node_eager = _dispatch.node_eager
 
 
 def _forward_rows(x2, w, b, eps, out_dtype):
@@ -45,16 +47,19 @@ def _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db, grad_dtype
 class LayerNormFunction(torch.autograd.Function):
     """Autograd Function behind :func:`fused_layernorm`.
 
-    ``LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)`` normalises over the trailing
-    ``n`` elements of ``x`` (the product of ``normalized_shape``); ``weight``/``bias`` are None or
-    tensors with ``n`` elements. Saves x, weight, and float32 mean/rstd (8 bytes per row).
+    ``LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype, node_sig)`` normalises over
+    the trailing ``n`` elements of ``x`` (the product of ``normalized_shape``); ``weight``/``bias``
+    are None or tensors with ``n`` elements. Saves x, weight, and float32 mean/rstd (8 bytes per
+    row). ``node_sig``: None, or the ``fusedops._replay.LAYERNORM_NODE`` signature whose C++ node
+    the backward makes once the call's plans exist.
     """
 
     @staticmethod
-    def forward(ctx, x, n, weight, bias, eps, out_dtype):
+    def forward(ctx, x, n, weight, bias, eps, out_dtype, node_sig=None):
         x2 = as_rows(x, n)
         w, b = _flat(weight), _flat(bias)
         y2, mean, rstd = _forward_rows(x2, w, b, eps, out_dtype)
+        ctx.node = None if node_sig is None else (node_sig, bias, out_dtype)
         # The inputs themselves are saved (not the row views made here) so that a double
         # backward can differentiate through them.
         ctx.save_for_backward(x, weight, mean, rstd)
@@ -75,7 +80,7 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         x2, w = as_rows(x, ctx.n), _flat(weight)
-        need_dx, _, need_dw, need_db, _, _ = ctx.needs_input_grad
+        need_dx, _, need_dw, need_db = ctx.needs_input_grad[:4]
         need_dw = bool(need_dw and w is not None)
         need_db = bool(need_db and ctx.has_bias)
         dy2 = as_rows(dy, ctx.n)
@@ -89,14 +94,28 @@ class LayerNormFunction(torch.autograd.Function):
                 dy2, x2, w, mean, rstd, need_dx, need_dw, need_db
             )
         else:
+            if ctx.node is not None and (not dy2.is_contiguous() or dy2.data_ptr() & 15):
+                dy2 = dy2.clone(memory_format=torch.contiguous_format)  # (the node's dy layout)
             dx2, dw, db = _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db,
                                          ctx.param_dtypes)
+            if ctx.node is not None:
+                _make_node(ctx.node, x, weight, ctx.eps, dy2, mean, rstd)
+                ctx.node = None
         dx = dx2.view(dy.shape) if dx2 is not None else None
         w_dtype, b_dtype = ctx.param_dtypes
         w_shape, b_shape = ctx.param_shapes
         dweight = dw.to(w_dtype).view(w_shape) if dw is not None else None
         dbias = db.to(b_dtype).view(b_shape) if db is not None else None
-        return dx, None, dweight, dbias, None, None
+        return dx, None, dweight, dbias, None, None, None
+
+
+def _make_node(node, x, weight, eps, dy2, mean, rstd) -> None:
+    """Register the C++ node of signature ``node[0]`` (False where the backend makes none),
+    from the plans this call's forward and backward left (fusedops._replay.LAYERNORM_NODE)."""
+    sig, bias, out_dtype = node
+    maker = getattr(_dispatch.backend_for(x), "layernorm_node", None)
+    made = None if maker is None else maker(x, weight, bias, eps, out_dtype, dy2, mean, rstd)
+    _NODES[sig] = made or False
 
 
 def fused_layernorm(
@@ -175,8 +194,26 @@ def fused_layernorm(
 
 def _fused(x, normalized_shape, weight, bias, eps, grad: bool):
     """:func:`fused_layernorm` above the size rule: a replay, or the checks and the kernels."""
-    if not grad and eps.__class__ is float and x.__class__ is torch.Tensor \
-            and _dispatch.plain_eager():
+    node_sig = None
+    if grad:
+        # Training calls: a C++ node where the backend made one for the signature (its size
+        # rule is lower where it can), else the Python Function from its own size rule.
+        if eps.__class__ is float and x.__class__ is _Tensor and _node_eager(x) \
+                and is_last_dim(normalized_shape, x.shape[-1]):
+            sig = (x.shape, x.dtype, x.get_device(), eps)
+            node = _NODES.get(sig)
+            if node:
+                y = node(x, weight, bias)
+                if y is not None:
+                    return y
+            elif node is None and x.is_contiguous():  # first sight: the Function makes it
+                _NODES[sig] = False  # (until its backward has made the node)
+                node_sig = sig
+        if node_sig is None and x.numel() < _dispatch.python_rule("layernorm"):
+            if eps.__class__ is not float or not eps >= 0.0:
+                check_eps(eps)
+            return _native.layer_norm(x, normalized_shape, weight, bias, eps)
+    elif eps.__class__ is float and x.__class__ is torch.Tensor and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         run = _replay.LAYERNORM.get((x.shape, x.dtype, x.get_device(), eps))
         if run is not None and is_last_dim(normalized_shape, x.shape[-1]):
@@ -192,7 +229,7 @@ def _fused(x, normalized_shape, weight, bias, eps, grad: bool):
         return torch.nn.functional.layer_norm(x, shape, weight, bias, eps).to(out_dtype)
     eps = float(eps)
     if grad:
-        return LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype)
+        return LayerNormFunction.apply(x, n, weight, bias, eps, out_dtype, node_sig)
     return _forward_inference(x, len(shape), n, weight, bias, eps, out_dtype)
 
 

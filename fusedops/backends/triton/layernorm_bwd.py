@@ -133,11 +133,7 @@ def layernorm_backward(
     """
     if not BWD_PLANS or grad_dtypes is None:
         return _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
-    key = (*x.shape, x.stride(0), dy.stride(0), x.dtype, dy.dtype, x.data_ptr() & 15,
-           dy.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15,
-           None if weight is None else (weight.dtype, weight.data_ptr() & 15),
-           need_dx, need_dw, need_db, grad_dtypes, get_layernorm_backward(), x.get_device(),
-           torch.are_deterministic_algorithms_enabled(), ROW_BODY["enabled"])
+    key = bwd_key(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
     plan = _bwd_plans.get(key)
     if plan and not hooks_registered():
         return plan(dy, x, weight, mean, rstd)
@@ -147,6 +143,15 @@ def layernorm_backward(
         out = _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
     _bwd_plans.put(key, _backward_runner(record, (dy, x, weight, mean, rstd), out) or False)
     return out
+
+
+def bwd_key(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes) -> tuple:
+    """The plan key of a backward call (``_bwd_plans``)."""
+    return (*x.shape, x.stride(0), dy.stride(0), x.dtype, dy.dtype, x.data_ptr() & 15,
+            dy.data_ptr() & 15, mean.data_ptr() & 15, rstd.data_ptr() & 15,
+            None if weight is None else (weight.dtype, weight.data_ptr() & 15),
+            need_dx, need_dw, need_db, grad_dtypes, get_layernorm_backward(), x.get_device(),
+            torch.are_deterministic_algorithms_enabled(), ROW_BODY["enabled"])
 
 
 def _backward_runner(record, inputs: tuple, out: tuple):
@@ -176,6 +181,10 @@ def _backward_runner(record, inputs: tuple, out: tuple):
         ), current_stream(index))
         return dx, dw, db
 
+    # For host_ext.host_node: the steps (slots: dy, x, weight, mean, rstd, dx, dw, db; no
+    # seeded arguments) and the outputs' (shape, dtype).
+    run.steps = tuple((*step, None) for step in steps)
+    run.metas = metas
     return run
 
 

@@ -10,8 +10,13 @@ scratch pointers. Anything else keeps the Python path.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
+
+import torch
+
+from fusedops.backends.triton.runtime.launcher import hooks_registered
 
 try:
     from fusedops import _host_ext as ext
@@ -95,3 +100,55 @@ def host_plan(steps: tuple) -> int | None:
         plan.append((function, list((*grid, 1, 1)[:3]), 32 * num_warps, shared, args))
     handle = ext.make_plan(plan)
     return None if handle < 0 else handle
+
+
+# c10::ScalarType codes of the dtypes a node's tensors may have.
+_DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+                torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11,
+                torch.bfloat16: 15}
+
+
+def node_input(t: torch.Tensor | None) -> tuple:
+    """What a node records of one input: (present, shape, dtype code, 16-byte alignment,
+    requires_grad)."""
+    if t is None:
+        return (False, [], 6, 0, False)
+    return (True, list(t.shape), _DTYPE_CODES[t.dtype], t.data_ptr() & 15, t.requires_grad)
+
+
+def node_made(meta: tuple | None) -> tuple:
+    """A new tensor of a node, from ``(shape, dtype)`` or None (absent: address 0)."""
+    if meta is None:
+        return (False, [], 6)
+    return (True, list(meta[0]), _DTYPE_CODES[meta[1]])
+
+
+def host_node(fwd_steps: tuple, bwd_steps: tuple, inputs: tuple, fwd_made: tuple, kept: tuple,
+              bwd_made: tuple, grads: tuple):
+    """``node(x, a=None, b=None) -> y or None``: one call signature of an op as a C++ autograd
+    node (``csrc/host/node.cpp``), or None where a plan does not convert or a dtype is not
+    packed. ``inputs``: the recorded call's inputs (x first; None where absent); ``fwd_made``
+    / ``bwd_made``: ``(shape, dtype)`` or None per new tensor of the forward (the output first)
+    and the backward; ``kept``: forward slots (inputs, then the forward's new tensors) the
+    backward reads after dy; ``grads``: per input, ``(index into bwd_made or -1, dtype,
+    shape)``. The node refuses (None) calls whose tensors differ from ``inputs``, and Triton
+    launch hooks (a profiler's) send every call to the Python path."""
+    try:
+        spec = ([node_input(t) for t in inputs], [node_made(m) for m in fwd_made], list(kept),
+                [node_made(m) for m in bwd_made],
+                [(g[0], _DTYPE_CODES[g[1]], list(g[2])) for g in grads])
+    except KeyError:
+        return None
+    fwd = host_plan(fwd_steps)
+    bwd = host_plan(bwd_steps) if fwd is not None else None
+    if bwd is None:
+        return None
+    handle = ext.make_node(fwd, bwd, *spec)
+    if handle < 0:
+        return None
+    apply = functools.partial(ext.node, handle)
+
+    def node(x: torch.Tensor, a: torch.Tensor | None = None, b: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        return None if hooks_registered() else apply(x, a, b)
+    return node
