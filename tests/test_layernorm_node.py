@@ -249,6 +249,7 @@ def test_set_layernorm_backward_drops_nodes(routed):
 
 
 @pytest.mark.gpu
+@pytest.mark.auto_backend
 @needs_cuda_ext
 def test_gpu_small_training_calls_stay_native():
     """Below the node rule a training call runs torch's op, node or not."""

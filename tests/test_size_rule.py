@@ -69,7 +69,10 @@ def test_size_rule_table_for_cuda_keys():
         pytest.skip("a backend is forced for CPU tensors here")
     if _dispatch._load("triton") is None:
         pytest.skip("Triton is not installed")
+    nodes = getattr(_dispatch._load("triton"), "NATIVE_AUTOGRAD", False)
     for (op, grad), below in _dispatch.NATIVE_BELOW.items():
+        if grad is True and nodes and (op, "node") in _dispatch.NATIVE_BELOW:
+            below = _dispatch.NATIVE_BELOW[op, "node"]  # (training calls with C++ nodes)
         assert _dispatch.size_rule(op, (True, torch.bfloat16, grad)) == below
         assert _dispatch.size_rule(op, (True, torch.float64, grad)) == math.inf
         assert _dispatch.size_rule(op, ("cpu", torch.float32, grad)) == math.inf
