@@ -205,8 +205,7 @@ def backend_for(x: torch.Tensor) -> Backend:
 # training call runs as a C++ autograd node (fusedops._host_ext) from 2^22 elements where the
 # backend has nodes ("node"): its kernels' GPU time is 0.3-0.7x torch's from 3M elements, its
 # host cost per forward + backward a few µs above torch's (layernorm-node.json).
-
-NATIVE_BELOW: dict[tuple[str, bool], int] = {
+NATIVE_BELOW: dict[tuple[str, bool | str], int] = {
     ("softmax", False): 1 << 22, ("softmax", True): 1 << 24,
     ("layernorm", False): 1 << 22, ("layernorm", True): 1 << 26, ("layernorm", "node"): 1 << 22,
     ("rmsnorm", False): 1 << 22, ("rmsnorm", True): 1 << 26,

@@ -151,7 +151,7 @@ def test_masked_softmax_node_wiring(masked):
     mask = torch.zeros(1, 1, 1, 16) if masked else None
     ext.set_dry_run(True)
     try:
-        y = ext.masked_softmax(fwd, bwd, 0, 0, x, mask)
+        y = ext.masked_softmax(fwd, bwd, 0, 0, 1.0, x, mask)
         assert y.shape == x.shape and y.dtype == x.dtype and y.requires_grad
         dy = torch.randn(1, 2, 16, 4).transpose(-1, -2)  # not contiguous
         y.backward(dy)
@@ -167,16 +167,39 @@ def test_masked_softmax_node_wiring(masked):
 
 
 @needs_ext
+def test_masked_softmax_node_backward_with_create_graph():
+    """Under create_graph=True the node's backward is scale * y * (dy - sum(dy * y)) in ATen
+    ops on the saved output, which launches nothing and keeps the graph (second derivatives
+    see y, whose own backward is the node again)."""
+    fwd = ext.make_plan([(1, [1, 1, 1], 32, 0, [(0, 0), (1, 0), (2, 0)])])
+    bwd = ext.make_plan([(2, [1, 1, 1], 32, 0, [(0, 0), (1, 0), (2, 0)])])
+    x = torch.randn(1, 1, 2, 8, requires_grad=True)
+    ext.set_dry_run(True)
+    try:
+        y = ext.masked_softmax(fwd, bwd, 0, 0, 0.5, x, None)
+        dy = torch.randn_like(y, requires_grad=True)
+        dx, = torch.autograd.grad(y, x, dy, create_graph=True)
+        assert len(ext.take_dry_log()) == 1  # (the forward only)
+        assert dx.requires_grad and dx.shape == x.shape
+        ddy, = torch.autograd.grad(dx.sum(), dy, retain_graph=True)
+        yd = y.detach()
+        want = 0.5 * (yd - yd * yd.sum(-1, keepdim=True))  # d(sum dx)/d dy
+        torch.testing.assert_close(ddy, want, equal_nan=True)
+    finally:
+        ext.set_dry_run(False)
+
+
+@needs_ext
 def test_masked_softmax_declines_other_tensors():
     """None (the caller's Python path) for a non-contiguous x, another alignment than the
     plans', or a mask on another device."""
     fwd = ext.make_plan([(1, [1, 1, 1], 32, 0, [(0, 0)])])
     x = torch.randn(1, 2, 4, 16)
-    assert ext.masked_softmax(fwd, fwd, 0, 0, x.transpose(-1, -2), None) is None
-    assert ext.masked_softmax(fwd, fwd, 4, 0, x, None) is None
-    assert ext.masked_softmax(fwd, fwd, 0, 8, x, torch.zeros(16)) is None
+    assert ext.masked_softmax(fwd, fwd, 0, 0, 1.0, x.transpose(-1, -2), None) is None
+    assert ext.masked_softmax(fwd, fwd, 4, 0, 1.0, x, None) is None
+    assert ext.masked_softmax(fwd, fwd, 0, 8, 1.0, x, torch.zeros(16)) is None
     if HAS_CUDA:
-        assert ext.masked_softmax(fwd, fwd, 0, 0, x, torch.zeros(16, device="cuda")) is None
+        assert ext.masked_softmax(fwd, fwd, 0, 0, 1.0, x, torch.zeros(16, device="cuda")) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,3 +284,29 @@ def test_gpu_native_takes_any_gradient_layout():
     want, = torch.autograd.grad(fusedops.fused_softmax(x, -1, scale=0.5, mask=mask), x,
                                 wide[..., ::2].contiguous())
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_native_second_derivatives():
+    """The C++ node's backward under create_graph=True gives torch's second derivatives."""
+    import fusedops
+
+    shape = (1, 2, 16, 32)
+    mask = torch.zeros(1, 1, 1, 32, device="cuda")
+    mask[..., 24:] = -1e4
+    x0 = torch.randn(shape, device="cuda")
+    for _ in range(3):
+        x = x0.clone().requires_grad_()
+        y = fusedops.fused_softmax(x, -1, scale=0.5, mask=mask)
+        torch.autograd.grad(y.square().sum(), x)
+    x = x0.clone().requires_grad_()
+    y = fusedops.fused_softmax(x, -1, scale=0.5, mask=mask)
+    assert "MaskedSoftmax" in y.grad_fn.name() and "Replayed" not in y.grad_fn.name()
+    gx, = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    got, = torch.autograd.grad(gx.square().sum(), x)
+    xr = x0.double().requires_grad_()
+    yr = torch.softmax(xr * 0.5 + mask.double(), -1)
+    rx, = torch.autograd.grad(yr.square().sum(), xr, create_graph=True)
+    want, = torch.autograd.grad(rx.square().sum(), xr)
+    assert_close_to_ref(got, want, torch.float32, scale=16.0)

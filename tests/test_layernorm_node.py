@@ -30,7 +30,7 @@ FWD_ARGS = [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (-1, 9)]
 BWD_ARGS = [(i, 0) for i in range(8)]
 
 
-def _node(x, w, b, *, dw_dtype=torch.float32, needs_dx=True):
+def _node(x, w, b, *, dw_dtype=torch.float32, needs_dx=True, differentiable=None):
     """A dry-run node of LayerNorm's layout for these tensors (its dweight/dbias in
     ``dw_dtype``)."""
     fwd = ext.make_plan([(11, [2, 1, 1], 128, 0, FWD_ARGS)])
@@ -46,7 +46,7 @@ def _node(x, w, b, *, dw_dtype=torch.float32, needs_dx=True):
         [host_ext.node_made(m) for m in metas],
         [(i if m is not None else -1, codes[(t if t is not None else x).dtype],
           list((t if t is not None else x).shape))
-         for i, (m, t) in enumerate(zip(metas, (x, w, b), strict=True))])
+         for i, (m, t) in enumerate(zip(metas, (x, w, b), strict=True))], differentiable)
     assert handle >= 0
     return handle
 
@@ -108,6 +108,40 @@ def test_node_gradients_only_where_needed():
 
 
 @needs_ext
+def test_node_backward_with_create_graph_is_differentiable():
+    """Under create_graph=True the node's backward is its differentiable callable, given dy,
+    the kept tensors (absent ones None) and which inputs need a gradient; second derivatives
+    flow through what it returns. Without one, such a backward raises."""
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    seen = []
+
+    def differentiable(dy, kept, needs):
+        seen.append(([t is None for t in kept], list(needs)))
+        return [dy * x.sin(), None, dy.sum(0)]
+
+    handle = _node(x, None, b, differentiable=differentiable)
+    plain = _node(x, None, b)
+    dy = torch.randn(4, 8, dtype=torch.float64)
+    ext.set_dry_run(True)
+    try:
+        y = ext.node(handle, x, None, b)
+        gx, gb = torch.autograd.grad(y, (x, b), dy, create_graph=True)
+        assert seen == [([False, True, False, False], [True, False, True])]
+        torch.testing.assert_close(gx, dy * x.sin())
+        hx, = torch.autograd.grad(gx.sum(), x)
+        torch.testing.assert_close(hx, dy * x.cos())
+        y = ext.node(plain, x, None, b)
+        with pytest.raises(RuntimeError, match="not differentiable"):
+            torch.autograd.grad(y, x, dy, create_graph=True)
+        y = ext.node(plain, x, None, b)
+        assert not torch.autograd.grad(y, x, dy)[0].requires_grad  # (first order: the plans)
+        ext.take_dry_log()
+    finally:
+        ext.set_dry_run(False)
+
+
+@needs_ext
 def test_node_refuses_other_tensors():
     """None for anything the plans were not recorded for: another dtype, shape, alignment,
     layout or requires_grad of any input, an absent or extra parameter, and autograd off."""
@@ -141,11 +175,12 @@ def test_make_node_checks_its_spec():
     inputs = [host_ext.node_input(x)]
     made = [host_ext.node_made((x.shape, x.dtype))]
     with pytest.raises(RuntimeError, match="two registered plans"):
-        ext.make_node(fwd, 1 << 20, inputs, made, [], made, [(-1, 6, [])])
+        ext.make_node(fwd, 1 << 20, inputs, made, [], made, [(-1, 6, [])], None)
     with pytest.raises(RuntimeError, match="does not make"):
-        ext.make_node(fwd, fwd, inputs, made, [], [host_ext.node_made(None)], [(0, 6, [4, 8])])
+        ext.make_node(fwd, fwd, inputs, made, [], [host_ext.node_made(None)], [(0, 6, [4, 8])],
+                      None)
     with pytest.raises(RuntimeError, match="kept slot"):
-        ext.make_node(fwd, fwd, inputs, made, [5], made, [(0, 6, [4, 8])])
+        ext.make_node(fwd, fwd, inputs, made, [5], made, [(0, 6, [4, 8])], None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +192,7 @@ class _Maker:
     def __init__(self, refuse: bool = False):
         self.made, self.calls, self.refuse = 0, 0, refuse
 
-    def __call__(self, x, weight, bias, eps, out_dtype, dy, mean, rstd):
+    def __call__(self, x, weight, bias, eps, out_dtype, dy, mean, rstd, differentiable):
         assert dy.is_contiguous() and mean.dtype == rstd.dtype == torch.float32
         self.made += 1
 
@@ -349,3 +384,31 @@ def test_gpu_layernorm_node_takes_any_gradient_and_refuses_other_inputs(every_si
     assert "ReplayNode" not in y.grad_fn.name()
     gx, = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(gx, want[0], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gpu_layernorm_node_second_derivatives(dtype, every_size):
+    """A training call run by the node and differentiated twice (create_graph=True) gives
+    torch's second derivatives (float32 and float64 with gradcheck's tolerance)."""
+    n = 64
+    x0 = torch.randn(6, n, device="cuda", dtype=torch.float64)
+    w0 = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.float64)
+    b0 = 0.1 * torch.randn(n, device="cuda", dtype=torch.float64)
+    for _ in range(2):
+        x, w, b = (t.to(dtype).requires_grad_() for t in (x0, w0, b0))
+        y = fusedops.fused_layernorm(x, n, w, b)
+        y.square().sum().backward()
+    x, w, b = (t.to(dtype).requires_grad_() for t in (x0, w0, b0))
+    y = fusedops.fused_layernorm(x, n, w, b)
+    if dtype == torch.float32:
+        assert "ReplayNode" in y.grad_fn.name()
+    gx, gw = torch.autograd.grad(y.square().sum(), (x, w), create_graph=True)
+    got = torch.autograd.grad((gx.square().sum() + gw.sum()), (x, w, b))
+    xr, wr, br = (t.clone().requires_grad_() for t in (x0, w0, b0))
+    yr = torch.nn.functional.layer_norm(xr, (n,), wr, br)
+    rx, rw = torch.autograd.grad(yr.square().sum(), (xr, wr), create_graph=True)
+    want = torch.autograd.grad((rx.square().sum() + rw.sum()), (xr, wr, br))
+    for g, r in zip(got, want, strict=True):
+        assert_close_to_ref(g, r, dtype, scale=16.0)

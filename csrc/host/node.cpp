@@ -53,15 +53,13 @@ struct Spec {
   std::vector<int64_t> kept;   // forward slots the backward reads
   std::vector<Made> bwd_made;
   std::vector<Grad> grads;     // one per input
+  // create_graph=True: a Python callable (dy, kept, needs) -> gradients per input, in
+  // differentiable torch ops; never released (specs live as long as the process).
+  PyObject* differentiable;
 };
 
-// Handles are indices into a table that never reallocates (as the plans' table).
 constexpr size_t kMaxSpecs = 1 << 16;
-std::vector<Spec> specs = [] {
-  std::vector<Spec> v;
-  v.reserve(kMaxSpecs);
-  return v;
-}();
+std::vector<Spec> specs = fusedops_host::reserved_table<Spec>(kMaxSpecs);
 std::mutex specs_mutex;
 
 std::vector<Tensor> allocate(const std::vector<Made>& made, const Tensor& like,
@@ -72,6 +70,26 @@ std::vector<Tensor> allocate(const std::vector<Made>& made, const Tensor& like,
     const Made& m = made[j];
     out.push_back(m.present ? at::empty(m.shape, like.options().dtype(m.dtype)) : Tensor());
     ptrs[j] = fusedops_host::address(out.back());
+  }
+  return out;
+}
+
+// The backward under create_graph=True: the spec's Python callable, given dy, the kept tensors
+// and which inputs need a gradient (absent ones: False), returns each input's gradient.
+variable_list differentiable_backward(AutogradContext* ctx, const Spec& s,
+                                      const std::vector<Tensor>& kept, const Tensor& dy) {
+  TORCH_CHECK(s.differentiable != nullptr,
+              "fusedops._host_ext: this op's backward is not differentiable (create_graph=True)");
+  std::vector<bool> needs;
+  size_t edge = 0;
+  for (const Input& in : s.inputs) needs.push_back(in.present && ctx->needs_input_grad(edge++));
+  pybind11::gil_scoped_acquire gil;
+  const auto fn = pybind11::reinterpret_borrow<pybind11::object>(s.differentiable);
+  const auto got = fn(dy, kept, needs).cast<std::vector<std::optional<Tensor>>>();
+  TORCH_CHECK(got.size() == s.inputs.size(), "fusedops._host_ext: one gradient per input");
+  variable_list out(kMaxInputs + 1);
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (needs[i] && got[i].has_value()) out[i] = *got[i];
   }
   return out;
 }
@@ -100,6 +118,7 @@ struct ReplayNode : public torch::autograd::Function<ReplayNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Spec& s = specs[ctx->saved_data["h"].toInt()];
     const std::vector<Tensor> kept = ctx->get_saved_variables();
+    if (at::GradMode::is_enabled()) return differentiable_backward(ctx, s, kept, grads[0]);
     const Made& y = s.fwd_made[0];
     Tensor dy = grads[0];
     // The plan was recorded for a contiguous, 16-byte aligned dy of y's dtype and shape.
@@ -168,13 +187,16 @@ std::vector<Made> made_list(const std::vector<MadeArg>& args) {
 
 // inputs: [(present, shape, dtype, align, requires_grad)]; fwd_made, bwd_made:
 // [(present, shape, dtype)]; kept: forward slots; grads: [(from, dtype, shape)] per input.
-// Dtypes are c10::ScalarType codes. Returns the handle, -1 where the table is full.
+// Dtypes are c10::ScalarType codes. differentiable: None, or the backward under
+// create_graph=True (see differentiable_backward). Returns the handle, -1 where the table is
+// full.
 int64_t make_node(
     int64_t fwd, int64_t bwd,
     const std::vector<std::tuple<bool, std::vector<int64_t>, int64_t, int64_t, bool>>& inputs,
     const std::vector<MadeArg>& fwd_made, const std::vector<int64_t>& kept,
     const std::vector<MadeArg>& bwd_made,
-    const std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>>& grads) {
+    const std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>>& grads,
+    const pybind11::object& differentiable) {
   TORCH_CHECK(fusedops_host::plan_exists(fwd) && fusedops_host::plan_exists(bwd),
               "fusedops._host_ext: a node needs two registered plans");
   TORCH_CHECK(!inputs.empty() && inputs.size() <= kMaxInputs && grads.size() == inputs.size(),
@@ -184,7 +206,7 @@ int64_t make_node(
   TORCH_CHECK(inputs.size() + fwd_made.size() <= kMaxSlots &&
                   1 + kept.size() + bwd_made.size() <= kMaxSlots,
               "fusedops._host_ext: more than 16 slots");
-  Spec s{fwd, bwd, {}, made_list(fwd_made), kept, made_list(bwd_made), {}};
+  Spec s{fwd, bwd, {}, made_list(fwd_made), kept, made_list(bwd_made), {}, nullptr};
   for (const auto& [present, shape, dtype, align, rg] : inputs) {
     s.inputs.push_back({present, shape, scalar_type(dtype), align, rg});
   }
@@ -200,6 +222,7 @@ int64_t make_node(
   }
   std::lock_guard<std::mutex> lock(specs_mutex);
   if (specs.size() >= kMaxSpecs) return -1;
+  if (!differentiable.is_none()) s.differentiable = differentiable.inc_ref().ptr();
   specs.push_back(std::move(s));
   return static_cast<int64_t>(specs.size() - 1);
 }

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace fusedops_host {
 
@@ -13,6 +14,15 @@ void run_plan(int64_t handle, const uint64_t* ptrs, const torch::Tensor& on);
 
 // Whether `handle` names a registered plan.
 bool plan_exists(int64_t handle);
+
+// A table for `n` entries that never reallocates: handles are indices, so a backward reading an
+// entry on autograd's device thread needs no lock while another thread appends.
+template <class T>
+std::vector<T> reserved_table(size_t n) {
+  std::vector<T> v;
+  v.reserve(n);
+  return v;
+}
 
 inline uint64_t address(const torch::Tensor& t) {
   return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;

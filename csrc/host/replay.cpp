@@ -46,14 +46,9 @@ struct Step {
 
 using Plan = std::vector<Step>;
 
-// Handles are indices. Plans live as long as the process; the table never reallocates, so a
-// backward reading a plan on autograd's device thread needs no lock.
+// Plans live as long as the process.
 constexpr size_t kMaxPlans = 1 << 16;
-std::vector<Plan> plans = [] {
-  std::vector<Plan> v;
-  v.reserve(kMaxPlans);
-  return v;
-}();
+std::vector<Plan> plans = fusedops_host::reserved_table<Plan>(kMaxPlans);
 std::mutex plans_mutex;
 
 bool dry_run = false;  // tests: record launches instead of making them
@@ -129,18 +124,29 @@ using fusedops_host::run_plan;
 struct MaskedSoftmax : public torch::autograd::Function<MaskedSoftmax> {
   // (The mask as an optional: never a differentiable input, and it may be absent.)
   static Tensor forward(AutogradContext* ctx, const Tensor& x,
-                        const std::optional<Tensor>& mask, int64_t fwd, int64_t bwd) {
+                        const std::optional<Tensor>& mask, int64_t fwd, int64_t bwd,
+                        double scale) {
     Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
     const uint64_t ptrs[3] = {address(x), mask.has_value() ? address(*mask) : 0, address(y)};
     run_plan(fwd, ptrs, x);
     ctx->save_for_backward({y});
     ctx->saved_data["bwd"] = bwd;
+    ctx->saved_data["scale"] = scale;
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     Tensor y = ctx->get_saved_variables()[0];
     Tensor dy = grads[0];
+    if (at::GradMode::is_enabled()) {
+      // create_graph=True: dx = scale * y * (dy - sum(dy * y)) in ATen ops on the saved
+      // output, so second derivatives see y (as the Python Function's backward does).
+      const auto acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+      const Tensor yf = y.to(acc), dyf = dy.to(acc);
+      const Tensor dz = yf * (dyf - (dyf * yf).sum(-1, /*keepdim=*/true));
+      return {(dz * ctx->saved_data["scale"].toDouble()).to(y.scalar_type()), Tensor(),
+              Tensor(), Tensor(), Tensor()};
+    }
     // The plan was recorded for a contiguous, 16-byte aligned dy of y's dtype.
     if (!dy.is_contiguous() || (address(dy) & 15) != 0 || dy.scalar_type() != y.scalar_type()) {
       dy = at::empty_like(y, at::MemoryFormat::Contiguous).copy_(dy);
@@ -148,22 +154,23 @@ struct MaskedSoftmax : public torch::autograd::Function<MaskedSoftmax> {
     Tensor dx = at::empty_like(y, at::MemoryFormat::Contiguous);
     const uint64_t ptrs[3] = {address(y), address(dy), address(dx)};
     run_plan(ctx->saved_data["bwd"].toInt(), ptrs, y);
-    return {dx, Tensor(), Tensor(), Tensor()};
+    return {dx, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 // The autograd entry: None (an undefined tensor) where the tensors are not what the plans
 // were recorded for (x not contiguous, an address at another 16-byte alignment, the mask on
 // another device), and the caller takes its general path.
-// (Plan arguments first: Python binds them once with functools.partial.)
+// (Plan arguments first: Python binds them once with functools.partial. `scale` is the one
+// the plans were recorded with, for a backward that must be differentiable.)
 Tensor masked_softmax(int64_t fwd, int64_t bwd, int64_t x_align, int64_t mask_align,
-                      const Tensor& x, const std::optional<Tensor>& mask) {
+                      double scale, const Tensor& x, const std::optional<Tensor>& mask) {
   if (!x.is_contiguous() || static_cast<int64_t>(address(x) & 15) != x_align) return Tensor();
   if (mask.has_value() && (static_cast<int64_t>(address(*mask) & 15) != mask_align ||
                           mask->device() != x.device())) {
     return Tensor();
   }
-  return MaskedSoftmax::apply(x, mask, fwd, bwd);
+  return MaskedSoftmax::apply(x, mask, fwd, bwd, scale);
 }
 
 // steps: [(function, (gx, gy, gz), block, shared, [(slot, bits), ...]), ...]

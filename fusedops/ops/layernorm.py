@@ -85,36 +85,53 @@ class LayerNormFunction(torch.autograd.Function):
         need_db = bool(need_db and ctx.has_bias)
         dy2 = as_rows(dy, ctx.n)
         if torch.is_grad_enabled():
-            # create_graph=True: recompute the statistics from x in differentiable torch ops so
-            # second derivatives see mean and rstd as the functions of x they are.
-            xf = x2.float() if x2.dtype != torch.float64 else x2
-            mean = xf.mean(dim=-1)
-            rstd = torch.rsqrt((xf - mean[:, None]).square().mean(dim=-1) + ctx.eps)
-            dx2, dw, db = reference.layernorm_backward(
-                dy2, x2, w, mean, rstd, need_dx, need_dw, need_db
-            )
+            dx2, dw, db = _differentiable_backward(dy2, x2, w, ctx.eps, need_dx, need_dw, need_db)
         else:
             if ctx.node is not None and (not dy2.is_contiguous() or dy2.data_ptr() & 15):
                 dy2 = dy2.clone(memory_format=torch.contiguous_format)  # (the node's dy layout)
             dx2, dw, db = _backward_rows(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db,
                                          ctx.param_dtypes)
             if ctx.node is not None:
-                _make_node(ctx.node, x, weight, ctx.eps, dy2, mean, rstd)
+                _make_node(ctx.node, x, weight, ctx.eps, dy2, mean, rstd, ctx.param_dtypes,
+                           ctx.param_shapes)
                 ctx.node = None
-        dx = dx2.view(dy.shape) if dx2 is not None else None
-        w_dtype, b_dtype = ctx.param_dtypes
-        w_shape, b_shape = ctx.param_shapes
-        dweight = dw.to(w_dtype).view(w_shape) if dw is not None else None
-        dbias = db.to(b_dtype).view(b_shape) if db is not None else None
+        dx, dweight, dbias = _shaped(dy, dx2, dw, db, ctx.param_dtypes, ctx.param_shapes)
         return dx, None, dweight, dbias, None, None, None
 
 
-def _make_node(node, x, weight, eps, dy2, mean, rstd) -> None:
+def _shaped(dy, dx2, dw, db, dtypes, shapes):
+    """The gradients of x (``dy``'s shape), weight and bias (their dtypes and shapes)."""
+    dx = dx2.view(dy.shape) if dx2 is not None else None
+    dweight = dw.to(dtypes[0]).view(shapes[0]) if dw is not None else None
+    dbias = db.to(dtypes[1]).view(shapes[1]) if db is not None else None
+    return dx, dweight, dbias
+
+
+def _differentiable_backward(dy2, x2, w, eps, need_dx, need_dw, need_db):
+    """The row backward for create_graph=True: the statistics recomputed from x in
+    differentiable torch ops, so second derivatives see mean and rstd as the functions of x
+    they are."""
+    xf = x2.float() if x2.dtype != torch.float64 else x2
+    mean = xf.mean(dim=-1)
+    rstd = torch.rsqrt((xf - mean[:, None]).square().mean(dim=-1) + eps)
+    return reference.layernorm_backward(dy2, x2, w, mean, rstd, need_dx, need_dw, need_db)
+
+
+def _make_node(node, x, weight, eps, dy2, mean, rstd, dtypes, shapes) -> None:
     """Register the C++ node of signature ``node[0]`` (False where the backend makes none),
     from the plans this call's forward and backward left (fusedops._replay.LAYERNORM_NODE)."""
     sig, bias, out_dtype = node
+    n = x.shape[-1]
+
+    def differentiable(dy, kept, needs):  # the node's backward under create_graph=True
+        x, weight = kept[0], kept[1]
+        grads = _differentiable_backward(as_rows(dy, n), as_rows(x, n), _flat(weight), eps,
+                                         *needs)
+        return _shaped(dy, *grads, dtypes, shapes)
+
     maker = getattr(_dispatch.backend_for(x), "layernorm_node", None)
-    made = None if maker is None else maker(x, weight, bias, eps, out_dtype, dy2, mean, rstd)
+    made = None if maker is None else maker(x, weight, bias, eps, out_dtype, dy2, mean, rstd,
+                                             differentiable)
     _NODES[sig] = made or False
 
 

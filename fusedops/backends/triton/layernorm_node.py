@@ -21,14 +21,16 @@ _X, _W, _B, _Y, _MEAN, _RSTD = range(6)
 
 def layernorm_node(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    eps: float, out_dtype: torch.dtype, dy: torch.Tensor, mean: torch.Tensor,
-                   rstd: torch.Tensor):
+                   rstd: torch.Tensor, differentiable=None):
     """``node(x, weight, bias) -> y or None`` for calls like this one, or None.
 
     x: the call's input (contiguous, normalised over its last dim ``n``); weight, bias: (n,)
     or None, as the call passed them; dy: the gradient its backward just took (x's shape,
     ``out_dtype``, contiguous, 16-byte aligned); mean, rstd: (M,) float32 from its forward.
     The call's forward and backward must have run through the backend already (their plans
-    are looked up, not made); None where either has no plan or a plan does not convert."""
+    are looked up, not made); None where either has no plan or a plan does not convert.
+    ``differentiable``: the node's backward under ``create_graph=True``, ``(dy, (x, weight,
+    mean, rstd), needs) -> [dx, dweight, dbias]`` (``host_ext.host_node``)."""
     if not host_ext.AVAILABLE or not x.is_contiguous():
         return None
     n = x.shape[-1]
@@ -51,4 +53,4 @@ def layernorm_node(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
                   for i, (meta, t) in enumerate(zip(bwd.metas, (x, weight, bias), strict=True)))
     return host_ext.host_node(((go, grid, slots, tail, None),), bwd.steps, (x, weight, bias),
                               ((x.shape, out_dtype), stats, stats), (_X, _W, _MEAN, _RSTD),
-                              bwd.metas, grads)
+                              bwd.metas, grads, differentiable)

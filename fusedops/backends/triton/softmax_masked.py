@@ -187,7 +187,8 @@ def _with_native(run, plan, scale: float, x_align: int, m_align: int):
         fwd = host_ext.host_plan(plan.steps)
         bwd = host_ext.host_plan(backward.steps) if backward and fwd is not None else None
         if bwd is not None:
-            apply = functools.partial(host_ext.ext.masked_softmax, fwd, bwd, x_align, m_align)
+            apply = functools.partial(host_ext.ext.masked_softmax, fwd, bwd, x_align, m_align,
+                                      float(scale))
 
             def native(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
                 return None if hooks_registered() else apply(x, mask)

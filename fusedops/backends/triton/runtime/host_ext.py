@@ -124,14 +124,16 @@ def node_made(meta: tuple | None) -> tuple:
 
 
 def host_node(fwd_steps: tuple, bwd_steps: tuple, inputs: tuple, fwd_made: tuple, kept: tuple,
-              bwd_made: tuple, grads: tuple):
+              bwd_made: tuple, grads: tuple, differentiable=None):
     """``node(x, a=None, b=None) -> y or None``: one call signature of an op as a C++ autograd
     node (``csrc/host/node.cpp``), or None where a plan does not convert or a dtype is not
     packed. ``inputs``: the recorded call's inputs (x first; None where absent); ``fwd_made``
     / ``bwd_made``: ``(shape, dtype)`` or None per new tensor of the forward (the output first)
     and the backward; ``kept``: forward slots (inputs, then the forward's new tensors) the
     backward reads after dy; ``grads``: per input, ``(index into bwd_made or -1, dtype,
-    shape)``. The node refuses (None) calls whose tensors differ from ``inputs``, and Triton
+    shape)``; ``differentiable``: the backward under ``create_graph=True``, ``(dy, kept, needs)
+    -> [gradient or None per input]`` in differentiable torch ops (None: such a backward
+    raises). The node refuses (None) calls whose tensors differ from ``inputs``, and Triton
     launch hooks (a profiler's) send every call to the Python path."""
     try:
         spec = ([node_input(t) for t in inputs], [node_made(m) for m in fwd_made], list(kept),
@@ -143,7 +145,7 @@ def host_node(fwd_steps: tuple, bwd_steps: tuple, inputs: tuple, fwd_made: tuple
     bwd = host_plan(bwd_steps) if fwd is not None else None
     if bwd is None:
         return None
-    handle = ext.make_node(fwd, bwd, *spec)
+    handle = ext.make_node(fwd, bwd, *spec, differentiable)
     if handle < 0:
         return None
     apply = functools.partial(ext.node, handle)
