@@ -202,13 +202,14 @@ def backend_for(x: torch.Tensor) -> Backend:
 # (fusedops.patching.hf_attention.SEEN, attention-calls.json: a replayed fused call costs the
 # host less than the model's own, a first call more).
 # Calls with dropout always run fused (the mask's generator is part of the op). A LayerNorm
-# training call runs as a C++ autograd node (fusedops._host_ext) from 2^22 elements where the
-# backend has nodes ("node"): its kernels' GPU time is 0.3-0.7x torch's from 3M elements, its
-# host cost per forward + backward a few µs above torch's (layernorm-node.json).
+# or RMSNorm training call runs as a C++ autograd node (fusedops._host_ext) from 2^22 elements
+# where the backend has nodes ("node"): LayerNorm's kernels' GPU time is 0.3-0.7x torch's from
+# 3M elements, its host cost per forward + backward a few µs above torch's
+# (layernorm-node.json; RMSNorm: rmsnorm-node.json).
 NATIVE_BELOW: dict[tuple[str, bool | str], int] = {
     ("softmax", False): 1 << 22, ("softmax", True): 1 << 24,
     ("layernorm", False): 1 << 22, ("layernorm", True): 1 << 26, ("layernorm", "node"): 1 << 22,
-    ("rmsnorm", False): 1 << 22, ("rmsnorm", True): 1 << 26,
+    ("rmsnorm", False): 1 << 22, ("rmsnorm", True): 1 << 26, ("rmsnorm", "node"): 1 << 22,
     ("layernorm_epilogue", False): 1 << 23, ("layernorm_epilogue", True): 1 << 26,
     ("softmax_masked", False): 0, ("softmax_masked", True): 0,
     ("attention", False): 1 << 25, ("attention", True): 1 << 25,
@@ -334,8 +335,8 @@ def plain_eager() -> bool:
 
 def node_eager(x: torch.Tensor) -> bool:
     """Whether a training call on ``x`` may take (or make) a C++ node
-    (``fusedops._replay.LAYERNORM_NODE``): as :func:`plain_eager`, except that autocast does
-    not change the output dtype of a float32 ``x``."""
+    (``fusedops._replay.LAYERNORM_NODE``, ``RMSNORM_NODE``): as :func:`plain_eager`, except
+    that autocast does not change the output dtype of a float32 ``x``."""
     return _counts is None and not _is_compiling() and (
         x.dtype is torch.float32 or not _any_autocast())
 

@@ -34,6 +34,8 @@ hundred nanoseconds. The next call with that signature goes straight to the runn
   where the backend made none (or is making one: the first call's backward decides). A node
   checks in C++ that the tensors are those it was recorded for (dtypes, shapes, alignment,
   requires_grad) and returns None otherwise.
+* ``RMSNORM_NODE``: ``(x.shape, x.dtype, x.get_device(), eps)`` -> ``node(x, weight) -> y or
+  None``: the same for RMSNorm (``eps`` the float the op resolved ``None`` to).
 
 The ops consult the inference tables only for plain eager inference calls
 (``fusedops._dispatch.plain_eager``, no gradient needed; the node tables for training calls
@@ -56,6 +58,7 @@ RMSNORM: dict = {}
 LAYERNORM_RESIDUAL: dict = {}
 SOFTMAX_MASKED: dict = {}
 LAYERNORM_NODE: dict = {}
+RMSNORM_NODE: dict = {}
 
 
 def clear() -> None:
@@ -66,3 +69,4 @@ def clear() -> None:
     LAYERNORM_RESIDUAL.clear()
     SOFTMAX_MASKED.clear()
     LAYERNORM_NODE.clear()
+    RMSNORM_NODE.clear()

@@ -10,7 +10,7 @@ import torch
 from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_layernorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
-from fusedops.ops import _dtensor, _library, _native
+from fusedops.ops import _dtensor, _library, _native, _nodes
 from fusedops.ops._rows import as_rows, autocast_fp32, is_last_dim
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
@@ -21,7 +21,6 @@ _EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
-_node_eager = _dispatch.node_eager
 
 
 def _forward_rows(x2, w, b, eps, out_dtype):
@@ -118,8 +117,8 @@ def _differentiable_backward(dy2, x2, w, eps, need_dx, need_dw, need_db):
 
 
 def _make_node(node, x, weight, eps, dy2, mean, rstd, dtypes, shapes) -> None:
-    """Register the C++ node of signature ``node[0]`` (False where the backend makes none),
-    from the plans this call's forward and backward left (fusedops._replay.LAYERNORM_NODE)."""
+    """Register the C++ node of signature ``node[0]`` from the plans this call's forward and
+    backward left (fusedops._replay.LAYERNORM_NODE)."""
     sig, bias, out_dtype = node
     n = x.shape[-1]
 
@@ -129,10 +128,8 @@ def _make_node(node, x, weight, eps, dy2, mean, rstd, dtypes, shapes) -> None:
                                          *needs)
         return _shaped(dy, *grads, dtypes, shapes)
 
-    maker = getattr(_dispatch.backend_for(x), "layernorm_node", None)
-    made = None if maker is None else maker(x, weight, bias, eps, out_dtype, dy2, mean, rstd,
-                                             differentiable)
-    _NODES[sig] = made or False
+    _nodes.make(_NODES, sig, "layernorm_node", x, weight, bias, eps, out_dtype, dy2, mean, rstd,
+                differentiable)
 
 
 def fused_layernorm(
@@ -215,17 +212,9 @@ def _fused(x, normalized_shape, weight, bias, eps, grad: bool):
     if grad:
         # Training calls: a C++ node where the backend made one for the signature (its size
         # rule is lower where it can), else the Python Function from its own size rule.
-        if eps.__class__ is float and x.__class__ is _Tensor and _node_eager(x) \
-                and is_last_dim(normalized_shape, x.shape[-1]):
-            sig = (x.shape, x.dtype, x.get_device(), eps)
-            node = _NODES.get(sig)
-            if node:
-                y = node(x, weight, bias)
-                if y is not None:
-                    return y
-            elif node is None and x.is_contiguous():  # first sight: the Function makes it
-                _NODES[sig] = False  # (until its backward has made the node)
-                node_sig = sig
+        y, node_sig = _nodes.take(_NODES, x, normalized_shape, eps, (weight, bias))
+        if y is not None:
+            return y
         if node_sig is None and x.numel() < _dispatch.python_rule("layernorm"):
             if eps.__class__ is not float or not eps >= 0.0:
                 check_eps(eps)

@@ -10,7 +10,7 @@ import torch
 from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_rmsnorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
-from fusedops.ops import _dtensor, _library, _native
+from fusedops.ops import _dtensor, _library, _native, _nodes
 from fusedops.ops._rows import as_rows, autocast_fp32, is_last_dim
 from fusedops.ops._rows import flat_param as _flat
 
@@ -21,6 +21,7 @@ _EPS_FLOAT64 = torch.finfo(torch.float64).eps
 
 
 _RULES = _dispatch.SIZE_RULES["rmsnorm"]
+_NODES = _replay.RMSNORM_NODE
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
@@ -46,15 +47,17 @@ def _backward_rows(dy2, x2, w, rstd, need_dx, need_dw, grad_dtypes):
 class RMSNormFunction(torch.autograd.Function):
     """Autograd Function behind :func:`fused_rmsnorm`.
 
-    ``RMSNormFunction.apply(x, n, weight, eps, out_dtype)`` normalises over the trailing ``n``
-    elements of ``x``; ``weight`` is None or a tensor with ``n`` elements. Saves x, weight and
-    the float32 rstd (4 bytes per row).
+    ``RMSNormFunction.apply(x, n, weight, eps, out_dtype, node_sig)`` normalises over the
+    trailing ``n`` elements of ``x``; ``weight`` is None or a tensor with ``n`` elements. Saves
+    x, weight and the float32 rstd (4 bytes per row). ``node_sig``: None, or the
+    ``fusedops._replay.RMSNORM_NODE`` signature whose C++ node the backward makes.
     """
 
     @staticmethod
-    def forward(ctx, x, n, weight, eps, out_dtype):
+    def forward(ctx, x, n, weight, eps, out_dtype, node_sig=None):
         x2 = as_rows(x, n)
         y2, rstd = _forward_rows(x2, _flat(weight), eps, out_dtype)
+        ctx.node = None if node_sig is None else (node_sig, out_dtype)
         # The inputs themselves are saved (not the row views) so that a double backward can
         # differentiate through them.
         ctx.save_for_backward(x, weight, rstd)
@@ -68,20 +71,50 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         x2, w = as_rows(x, ctx.n), _flat(weight)
-        need_dx, _, need_dw, _, _ = ctx.needs_input_grad
+        need_dx, _, need_dw = ctx.needs_input_grad[:3]
         need_dw = bool(need_dw and w is not None)
         dy2 = as_rows(dy, ctx.n)
         if torch.is_grad_enabled():
-            # create_graph=True: rstd recomputed from x in differentiable torch ops, so second
-            # derivatives see it as the function of x it is.
-            xf = x2.float() if x2.dtype != torch.float64 else x2
-            rstd = torch.rsqrt(xf.square().mean(dim=-1) + ctx.eps)
-            dx2, dw = reference.rmsnorm_backward(dy2, x2, w, rstd, need_dx, need_dw)
+            dx2, dw = _differentiable_backward(dy2, x2, w, ctx.eps, need_dx, need_dw)
         else:
+            if ctx.node is not None and (not dy2.is_contiguous() or dy2.data_ptr() & 15):
+                dy2 = dy2.clone(memory_format=torch.contiguous_format)  # (the node's dy layout)
             dx2, dw = _backward_rows(dy2, x2, w, rstd, need_dx, need_dw, (ctx.w_dtype,))
-        dx = dx2.view(dy.shape) if dx2 is not None else None
-        dweight = dw.to(ctx.w_dtype).view(ctx.w_shape) if dw is not None else None
-        return dx, None, dweight, None, None
+            if ctx.node is not None:
+                _make_node(ctx.node, x, weight, ctx.eps, dy2, rstd, ctx.w_dtype, ctx.w_shape)
+                ctx.node = None
+        dx, dweight = _shaped(dy, dx2, dw, ctx.w_dtype, ctx.w_shape)
+        return dx, None, dweight, None, None, None
+
+
+def _shaped(dy, dx2, dw, w_dtype, w_shape):
+    """The gradients of x (``dy``'s shape) and weight (its dtype and shape)."""
+    return (dx2.view(dy.shape) if dx2 is not None else None,
+            dw.to(w_dtype).view(w_shape) if dw is not None else None)
+
+
+def _differentiable_backward(dy2, x2, w, eps, need_dx, need_dw):
+    """The row backward for create_graph=True: rstd recomputed from x in differentiable torch
+    ops, so second derivatives see it as the function of x it is."""
+    xf = x2.float() if x2.dtype != torch.float64 else x2
+    rstd = torch.rsqrt(xf.square().mean(dim=-1) + eps)
+    return reference.rmsnorm_backward(dy2, x2, w, rstd, need_dx, need_dw)
+
+
+def _make_node(node, x, weight, eps, dy2, rstd, w_dtype, w_shape) -> None:
+    """Register the C++ node of signature ``node[0]`` from the plans this call's forward and
+    backward left (fusedops._replay.RMSNORM_NODE)."""
+    sig, out_dtype = node
+    n = x.shape[-1]
+
+    def differentiable(dy, kept, needs):  # the node's backward under create_graph=True
+        x, weight = kept[0], kept[1]
+        grads = _differentiable_backward(as_rows(dy, n), as_rows(x, n), _flat(weight), eps,
+                                         *needs)
+        return _shaped(dy, *grads, w_dtype, w_shape)
+
+    _nodes.make(_NODES, sig, "rmsnorm_node", x, weight, eps, out_dtype, dy2, rstd,
+                differentiable)
 
 
 def fused_rmsnorm(
@@ -135,7 +168,25 @@ def fused_rmsnorm(
             except _native.ERRORS:
                 pass  # (the call below raises fusedops' error, naming the argument)
         return _native.rms_norm(x, normalized_shape, weight, eps)
-    if not grad and (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
+    return _fused(x, normalized_shape, weight, eps, grad)
+
+
+def _fused(x, normalized_shape, weight, eps, grad: bool):
+    """:func:`fused_rmsnorm` above the size rule: a node or replay, or the checks and the
+    kernels."""
+    node_sig = None
+    if grad:
+        # Training calls: a C++ node where the backend made one for the signature (its size
+        # rule is lower where it can), else the Python Function from its own size rule.
+        y, node_sig = _nodes.take(_NODES, x, normalized_shape,
+                                  _EPS_FLOAT32 if eps is None else eps, (weight,))
+        if y is not None:
+            return y
+        if node_sig is None and x.numel() < _dispatch.python_rule("rmsnorm"):
+            if eps is not None and (eps.__class__ is not float or not eps >= 0.0):
+                check_eps(eps)
+            return _native.rms_norm(x, normalized_shape, weight, eps)
+    elif (eps is None or eps.__class__ is float) and x.__class__ is torch.Tensor \
             and _dispatch.plain_eager():
         # A call seen before, replayed (fusedops._replay): no checks, dispatch or launch rules.
         run = _replay.RMSNORM.get((x.shape, x.dtype, x.get_device(),
@@ -155,7 +206,7 @@ def fused_rmsnorm(
         # Nothing to compute, but keep autograd's graph (and torch's result) intact.
         return torch.nn.functional.rms_norm(x, shape, weight, eps).to(out_dtype)
     if grad:
-        return RMSNormFunction.apply(x, n, weight, eps, out_dtype)
+        return RMSNormFunction.apply(x, n, weight, eps, out_dtype, node_sig)
     return _forward_inference(x, len(shape), n, weight, eps, out_dtype)
 
 

@@ -30,6 +30,7 @@ if AVAILABLE:
     from fusedops.backends.triton import layernorm_epilogue as _layernorm_epilogue
     from fusedops.backends.triton import layernorm_node as _layernorm_node
     from fusedops.backends.triton import rmsnorm as _rmsnorm
+    from fusedops.backends.triton import rmsnorm_node as _rmsnorm_node
     from fusedops.backends.triton import softmax as _softmax
     from fusedops.backends.triton import softmax_masked as _softmax_masked
 
@@ -65,10 +66,11 @@ if AVAILABLE:
     softmax_masked_backward = _on_tensor_device(_softmax_masked.softmax_masked_backward)
     # (Makes the ops layer's fusedops._replay.SOFTMAX_MASKED runners; launches nothing.)
     softmax_masked_ops_runner = _softmax_masked.softmax_masked_ops_runner
-    # Replayed attention softmax and LayerNorm training calls run from C++ autograd nodes
-    # (host_ext.py); the ops layer asks for a LayerNorm node once a call's plans exist.
+    # Replayed attention softmax, LayerNorm and RMSNorm training calls run from C++ autograd
+    # nodes (host_ext.py); the ops layer asks for a norm's node once a call's plans exist.
     NATIVE_AUTOGRAD = _softmax_masked.host_ext.AVAILABLE
     layernorm_node = _layernorm_node.layernorm_node
+    rmsnorm_node = _rmsnorm_node.rmsnorm_node
 
 __all__ = [
     "AVAILABLE",
@@ -83,6 +85,7 @@ __all__ = [
     "rmsnorm_backward",
     "rmsnorm_forward",
     "rmsnorm_forward_y",
+    "rmsnorm_node",
     "softmax_backward",
     "softmax_forward",
     "softmax_masked_backward",

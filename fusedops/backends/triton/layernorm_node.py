@@ -48,9 +48,8 @@ def layernorm_node(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     slots = ((_X, 0), (_W if weight is not None else _Y, 0), (_B if bias is not None else _Y, 0),
              (_Y, 0), (_MEAN, 0), (_RSTD, 0))
     stats = ((rows,), torch.float32)
-    grads = tuple((i if meta is not None else -1, t.dtype if t is not None else x.dtype,
-                   t.shape if t is not None else ())
-                  for i, (meta, t) in enumerate(zip(bwd.metas, (x, weight, bias), strict=True)))
-    return host_ext.host_node(((go, grid, slots, tail, None),), bwd.steps, (x, weight, bias),
+    inputs = (x, weight, bias)
+    return host_ext.host_node(((go, grid, slots, tail, None),), bwd.steps, inputs,
                               ((x.shape, out_dtype), stats, stats), (_X, _W, _MEAN, _RSTD),
-                              bwd.metas, grads, differentiable)
+                              bwd.metas, host_ext.input_grads(bwd.metas, inputs),
+                              differentiable)

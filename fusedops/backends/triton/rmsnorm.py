@@ -158,14 +158,19 @@ def shifted_weight(weight: torch.Tensor, vec: int, n: int) -> tuple[torch.Tensor
     return copies, ld
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-             out_dtype: torch.dtype, with_stats: bool):
+def fwd_key(x, weight, eps, out_dtype, with_stats: bool) -> tuple | None:
+    """The plan key of a forward call (``_fwd_plans``), None where it may not have a plan."""
     # Contiguous x and weight at 16-byte aligned addresses: the launch is fixed by shapes,
     # dtypes, device, eps and with_stats, so a call seen before replays its plan (PlanCache).
-    key = ((x.shape, x.dtype, out_dtype, x.get_device(), eps, with_stats,
-            None if weight is None else weight.dtype)
-           if x.is_contiguous() and not x.data_ptr() & 15
-           and (weight is None or not weight.data_ptr() & 15) else None)
+    return ((x.shape, x.dtype, out_dtype, x.get_device(), eps, with_stats,
+             None if weight is None else weight.dtype)
+            if x.is_contiguous() and not x.data_ptr() & 15
+            and (weight is None or not weight.data_ptr() & 15) else None)
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             out_dtype: torch.dtype, with_stats: bool):
+    key = fwd_key(x, weight, eps, out_dtype, with_stats)
     plan = _fwd_plans.get(key)
     if plan is not None and not hooks_registered():
         return _replay_forward(plan, x, weight, out_dtype, with_stats)

@@ -20,8 +20,10 @@ from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
 from fusedops.backends.triton.runtime.facts import device_facts
-from fusedops.backends.triton.runtime.launcher import Launcher
+from fusedops.backends.triton.runtime.launcher import Launcher, hooks_registered
 from fusedops.backends.triton.runtime.partials import reduce_partials
+from fusedops.backends.triton.runtime.plans import SequencePlans, replay_runner
+from fusedops.backends.triton.runtime.recording import mark_replayable, record_launches
 from fusedops.backends.triton.runtime.split import SplitLauncher, split_pieces
 
 _launch_bwd_single = Launcher(rms_bwd_single)
@@ -73,7 +75,44 @@ def rmsnorm_backward(
     (not None), else float32. Each is None where not needed. Bitwise reproducible: the grid
     and the summation order depend on the shapes (and, for rows that do not start 16-byte
     aligned, on their alignment) only.
+
+    A call whose signature ran before through launches alone (the persistent row kernels and
+    the column kernel, with their partials' sum) is replayed from them, as LayerNorm's
+    backward is; only calls that give ``grad_dtypes`` (the eager autograd path) make and use
+    plans.
     """
+    if grad_dtypes is None:
+        return _backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes)[:2]
+    key = bwd_key(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes)
+    plan = _bwd_plans.get(key)
+    if plan and not hooks_registered():
+        return plan(dy, x, weight, rstd)
+    if plan is False:
+        return _backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes)[:2]
+    with record_launches() as record:
+        dx, dw, scratch = _backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes)
+    _bwd_plans.put(key, replay_runner(record, (dy, x, weight, rstd), (dx, dw), scratch)
+                   or False)
+    return dx, dw
+
+
+# Backward replay plans (see runtime/recording.py) per call signature: what the launch rules
+# read (shapes, row strides, dtypes, 16-byte alignment of every pointer, the gradients needed,
+# the device).
+_bwd_plans = SequencePlans()
+
+
+def bwd_key(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes) -> tuple:
+    """The plan key of a backward call (``_bwd_plans``)."""
+    return (*x.shape, x.stride(0), dy.stride(0), x.dtype, dy.dtype, x.data_ptr() & 15,
+            dy.data_ptr() & 15, rstd.data_ptr() & 15, rstd.is_contiguous(),
+            None if weight is None else (weight.dtype, weight.data_ptr() & 15),
+            need_dx, need_dw, grad_dtypes, x.get_device())
+
+
+def _backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes):
+    """:func:`rmsnorm_backward` through the launch rules: ``(dx, dw, scratch)``, scratch the
+    temporaries its launches wrote (for ``replay_runner``)."""
     M, N = x.shape
     dev = x.device
     dw_dtype = grad_dtypes[0] if grad_dtypes and grad_dtypes[0] is not None else torch.float32
@@ -82,7 +121,7 @@ def rmsnorm_backward(
     if M == 0 or N == 0 or not (need_dx or need_dw):
         if dw is not None:
             dw.zero_()
-        return dx, dw
+        return dx, dw, ()
     w = weight if weight is not None else x  # a placeholder, never read
     if not rstd.is_contiguous():
         rstd = rstd.contiguous()
@@ -92,43 +131,49 @@ def rmsnorm_backward(
     aligned = all(s % (16 // elt) == 0 for s in strides)
     cfg = _bwd_config(N, elt, vec, aligned, x.get_device())
     call = (dy, x, w, weight is not None, rstd, dx, dw)
-    if cfg.kernel == "fused" and cfg.vec and _fused_vec(*call, cfg):
-        return dx, dw
+    if cfg.kernel == "fused" and cfg.vec:
+        scratch = _fused_vec(*call, cfg)
+        if scratch is not None:
+            mark_replayable()
+            return dx, dw, scratch
     if cfg.kernel == "split" and _split(*call, cfg):
-        return dx, dw
+        return dx, dw, ()  # (cooperative or clustered, counters zeroed by torch: no plan)
     if cfg.vec:  # no grid of a multiple of VEC programs fits: scalar accesses
         cfg = _bwd_config(N, elt, 0, aligned, x.get_device())
         if cfg.kernel == "split" and _split(*call, cfg):
-            return dx, dw
+            return dx, dw, ()
     if cfg.kernel == "fused":
-        _fused(*call, cfg)
-        return dx, dw
+        scratch = _fused(*call, cfg)
+        mark_replayable()
+        return dx, dw, scratch
     if need_dx:
         chunk, warps = rules.looped_config()
         _launch_dx_looped((M,), (
             dy, x, w, rstd, dx, N, dy.stride(0), x.stride(0), N, chunk, weight is not None,
         ), warps)
-    if need_dw:
-        _dw_columns(dy, x, rstd, dw)
-    return dx, dw
+    scratch = _dw_columns(dy, x, rstd, dw) if need_dw else ()
+    mark_replayable()
+    return dx, dw, scratch
 
 
-def _partials(progs: int, dw: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """Where a kernel with ``progs`` programs writes its dweight partial rows: float32
-    scratch, dweight itself for one program, ``x`` as a placeholder without dweight."""
-    if dw is None:
-        return x
-    return dw if progs == 1 else torch.empty((progs, x.shape[1]), dtype=torch.float32,
-                                             device=x.device)
+def _partials(progs: int, dw: torch.Tensor | None, x: torch.Tensor) -> tuple:
+    """``(where, scratch)``: where a kernel with ``progs`` programs writes its dweight
+    partial rows (float32 scratch, dweight itself for one program, ``x`` as a placeholder
+    without dweight), and the scratch made for it (a tuple, empty or of that tensor)."""
+    if dw is None or progs == 1:
+        return (x if dw is None else dw), ()
+    part = torch.empty((progs, x.shape[1]), dtype=torch.float32, device=x.device)
+    return part, (part,)
 
 
-def _fused(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> None:
+def _fused(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> tuple:
     """rms_bwd_single: a persistent grid over row tiles, one partial dweight row per program
-    (summed in a fixed order: deterministic, no atomics)."""
+    (summed in a fixed order: deterministic, no atomics). Returns its scratch (see
+    :func:`_partials`)."""
     M, N = x.shape
     tiles = cdiv(M, cfg.rows)
     progs = min(tiles, num_sms(x.device) * cfg.per_sm)
-    part = _partials(progs, dw, x)
+    part, scratch = _partials(progs, dw, x)
     _launch_bwd_single((progs,), (
         dy, x, w, rstd, x if dx is None else dx, part, M, N, dy.stride(0), x.stride(0), N,
         tiles, progs,
@@ -137,18 +182,20 @@ def _fused(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> None:
     ), cfg.warps)
     if dw is not None and progs > 1:
         reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
+    return scratch
 
 
-def _fused_vec(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
+def _fused_vec(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> tuple | None:
     """rms_bwd_vec (unaligned rows, one per iteration) on a grid that is a multiple of VEC or
-    has one row per program; False where neither fits (nothing launched)."""
+    has one row per program: its scratch (see :func:`_partials`); None where neither fits
+    (nothing launched)."""
     M, N = x.shape
     progs = min(M, num_sms(x.device) * cfg.per_sm)
     if progs < M:
         progs = progs // cfg.vec * cfg.vec
         if not progs:
-            return False
-    part = _partials(progs, dw, x)
+            return None
+    part, scratch = _partials(progs, dw, x)
     _launch_bwd_vec((progs,), (
         dy, x, w, rstd, x if dx is None else dx, part, M, N, x.stride(0), progs,
         cfg.block, has_w, rules.hold_w(cfg.block, cfg.warps), dx is not None, dw is not None,
@@ -156,7 +203,7 @@ def _fused_vec(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
     ), cfg.warps)
     if dw is not None and progs > 1:
         reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))
-    return True
+    return scratch
 
 
 def _split(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
@@ -196,10 +243,11 @@ def _split(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
     return True
 
 
-def _dw_columns(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dw: torch.Tensor) -> None:
+def _dw_columns(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dw: torch.Tensor
+                ) -> tuple:
     """dweight from the column kernel: the fewest row splits giving COLUMN_PER_SM programs per
     SM, each a (row split, column block) tile; more than one split writes float32 partials,
-    summed in a fixed order."""
+    summed in a fixed order (returned as the scratch, for ``replay_runner``)."""
     M, N = x.shape
     block_c, block_r = rules.COLUMN_TILE
     col_blocks = cdiv(N, block_c)
@@ -213,3 +261,5 @@ def _dw_columns(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, dw: torch
     ), rules.COLUMN_WARPS)
     if splits > 1:
         reduce_partials(out.view(1, splits, N), True, False, out=(dw, None))
+        return (out,)
+    return ()

@@ -154,3 +154,13 @@ def host_node(fwd_steps: tuple, bwd_steps: tuple, inputs: tuple, fwd_made: tuple
              ) -> torch.Tensor | None:
         return None if hooks_registered() else apply(x, a, b)
     return node
+
+
+def input_grads(metas: tuple, inputs: tuple) -> tuple:
+    """``host_node``'s ``grads`` where the backward's new tensors begin with the inputs'
+    gradients in input order (``metas``: their ``(shape, dtype)`` or None, then any scratch):
+    per input, that tensor (-1 where the backward makes none) in the input's dtype and shape."""
+    like = inputs[0]
+    return tuple((i if meta is not None else -1, (like if t is None else t).dtype,
+                  () if t is None else t.shape)
+                 for i, (meta, t) in enumerate(zip(metas[:len(inputs)], inputs, strict=True)))

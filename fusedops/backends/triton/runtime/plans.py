@@ -167,6 +167,7 @@ def replay_runner(record: LaunchRecord, inputs: tuple, out: tuple, scratch: tupl
         return tuple(new[:n_out])
 
     run.steps = tuple(split)  # (go, grid, slots, tail, seeded tail): for host_ext.host_plan
+    run.metas = metas  # ((shape, dtype) or None per output, then per scratch): host_ext.host_node
     return run
 
 

@@ -1,12 +1,13 @@
-"""LayerNorm training calls: torch's op against fusedops' C++ node, host and kernel time.
+"""LayerNorm or RMSNorm training calls: torch's op against fusedops' C++ node, host and kernel
+time.
 
-Every training call runs its node from the signature's second call (the node rule set to 0 for
-this run). Per shape and dtype: host µs per grad-enabled forward and per forward + backward
+Every training call runs its node from the signature's second call (the op's node rule set to
+0 for this run). Per shape and dtype: host µs per grad-enabled forward and per forward + backward
 (200 back-to-back calls then a synchronisation, 11 rounds alternating torch and fusedops; the
 median of each and of the paired differences) and kernel µs per forward + backward from the
-profiler (10 iterations). Writes ``layernorm-node.json`` to ``$OUT`` (or the current folder).
+profiler (10 iterations). Writes ``<op>-node.json`` to ``$OUT`` (or the current folder).
 
-    python benchmarks/dev/layernorm_node_host.py        # on a CUDA machine
+    python benchmarks/dev/norm_node_host.py [layernorm|rmsnorm]     # on a CUDA machine
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -61,8 +63,8 @@ def kernels(fn, it: int = 10) -> tuple[float, dict[str, float]]:
     return total / it, names
 
 
-def main() -> None:
-    _dispatch.NATIVE_BELOW["layernorm", "node"] = 0
+def main(op: str) -> None:
+    _dispatch.NATIVE_BELOW[op, "node"] = 0
     _dispatch.set_backend(None)  # (the size rules' tables refilled with it)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -74,10 +76,17 @@ def main() -> None:
             dy = torch.randn(shape, device="cuda", dtype=dtype)
             ins = [x, w, b]
 
+            if op == "rmsnorm":
+                ins = [x, w]
+
             def tg(x=x, w=w, b=b, n=n):
+                if op == "rmsnorm":
+                    return F.rms_norm(x, (n,), w, 1e-5)
                 return F.layer_norm(x, (n,), w, b, 1e-5)
 
             def fg(x=x, w=w, b=b, n=n):
+                if op == "rmsnorm":
+                    return fusedops.fused_rmsnorm(x, n, w, 1e-5)
                 return fusedops.fused_layernorm(x, n, w, b, 1e-5)
 
             def tf(tg=tg, ins=ins, dy=dy):
@@ -96,9 +105,9 @@ def main() -> None:
                   f"{r['grad_host'][1]:6.1f} | fwd+bwd host {r['fb_host'][0]:6.1f}/"
                   f"{r['fb_host'][1]:6.1f} | fwd+bwd kernels {r['fb_kernels_torch'][0]:7.1f}/"
                   f"{r['fb_kernels_fused'][0]:7.1f} us", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "layernorm-node.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), f"{op}-node.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "layernorm")
