@@ -288,6 +288,18 @@ def test_no_node_under_autocast_for_16_bit_or_counting(routed):
     assert not table
 
 
+def test_nodes_go_with_the_launch_rules():
+    """Nodes replay plans made by the launch rules: when those change (the backend's caches
+    cleared), the nodes go too."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import configs
+
+    _replay.LAYERNORM_NODE[("sig",)] = False
+    _replay.RMSNORM_NODE[("sig",)] = False
+    configs.clear_caches()
+    assert not _replay.LAYERNORM_NODE and not _replay.RMSNORM_NODE
+
+
 def test_set_layernorm_backward_drops_nodes(routed):
     _, table, call, _, op = routed
     if op != "layernorm":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedops import _replay
 from fusedops._settings import get_layernorm_backward
 from fusedops.backends.triton.configs import layernorm as rules
 from fusedops.backends.triton.configs.common import ROW_BODY, unaligned_vec
@@ -100,7 +101,7 @@ def _bwd_cluster_launcher(maxnreg: int | None) -> ClusterLauncher:
 # needed, the mode, the device, torch's deterministic-algorithms flag, the row-body switch).
 # Paths whose results come from launches alone into dx, dweight and dbias (scratch parked in
 # dx: the low_memory mode) replay: the outputs allocated, then the recorded launches.
-_bwd_plans = SequencePlans()
+_bwd_plans = SequencePlans(_replay.LAYERNORM_NODE)  # (nodes made from these plans go with them)
 
 
 def layernorm_backward(

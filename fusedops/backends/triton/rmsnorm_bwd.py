@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedops import _replay
 from fusedops.backends.triton.configs import rmsnorm as rules
 from fusedops.backends.triton.configs.common import unaligned_vec
 from fusedops.backends.triton.kernels.rmsnorm import (
@@ -99,7 +100,7 @@ def rmsnorm_backward(
 # Backward replay plans (see runtime/recording.py) per call signature: what the launch rules
 # read (shapes, row strides, dtypes, 16-byte alignment of every pointer, the gradients needed,
 # the device).
-_bwd_plans = SequencePlans()
+_bwd_plans = SequencePlans(_replay.RMSNORM_NODE)  # (nodes made from these plans go with them)
 
 
 def bwd_key(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes) -> tuple:
