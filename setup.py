@@ -7,9 +7,10 @@ Everything declarative lives in pyproject.toml. This file exists for two jobs th
   find them in an installed wheel;
 * build the Objective-C++ Metal extension (``csrc/*.mm``) on macOS;
 * build the C++ host extension (``csrc/host/``, ``fusedops._host_ext``: replayed Triton launches
-  behind C++ autograd nodes) on Linux where torch is importable at build time
-  (``pip install --no-build-isolation .``) and a C++ compiler exists; with the CUDA toolkit
-  (``CUDA_HOME``) it launches kernels, without it only its tests' dry run works. It is optional:
+  behind C++ autograd nodes, and small calls routed to torch's ops) on Linux where torch is
+  importable at build time (``pip install --no-build-isolation .``) and a C++ compiler exists;
+  with the CUDA toolkit (``CUDA_HOME``) it launches kernels, without it only its routing and its
+  tests' dry run work. It is optional:
   without it (``pip install .`` in pip's isolated build, ``FUSEDOPS_NO_HOST_EXT=1``, or a failed
   compile) fusedops takes its Python paths.
 """
@@ -77,7 +78,7 @@ def host_extension_kwargs() -> dict:
         from torch.utils import cpp_extension
     except ImportError:
         return {}
-    sources = ["csrc/host/replay.cpp", "csrc/host/node.cpp"]
+    sources = ["csrc/host/replay.cpp", "csrc/host/node.cpp", "csrc/host/route.cpp"]
     if cpp_extension.CUDA_HOME is not None:
         ext = cpp_extension.CUDAExtension(
             name="fusedops._host_ext", sources=sources,

@@ -35,4 +35,7 @@ namespace fusedops_host {
 // Adds the generic replay node's functions (node.cpp) to the module.
 void register_nodes(pybind11::module& m);
 
+// Adds the routed calls' entry points (route.cpp) to the module.
+void register_routes(pybind11::module& m);
+
 }  // namespace fusedops_host

@@ -224,6 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("masked_softmax", &masked_softmax,
         "softmax(x * scale + mask) from its forward and backward plans (None: not applicable)");
   fusedops_host::register_nodes(m);
+  fusedops_host::register_routes(m);
   m.def("set_dry_run", &set_dry_run, "Tests: record launches instead of making them");
   m.def("take_dry_log", &take_dry_log, "Tests: the launches recorded since set_dry_run");
 #ifdef FUSEDOPS_WITH_CUDA

@@ -10,7 +10,7 @@ import torch
 from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_layernorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
-from fusedops.ops import _dtensor, _library, _native, _nodes
+from fusedops.ops import _dtensor, _library, _native, _nodes, _route
 from fusedops.ops._rows import as_rows, autocast_fp32, is_last_dim
 from fusedops.ops._rows import flat_param as _flat
 from fusedops.ops.layernorm_epilogue import check_epilogue_args, layernorm_epilogue
@@ -21,6 +21,8 @@ _EPILOGUE_RULES = _dispatch.SIZE_RULES["layernorm_epilogue"]
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
+_route_layernorm = _route.layernorm
+_dynamo_compiling = _route.dynamo_compiling
 
 
 def _forward_rows(x2, w, b, eps, out_dtype):
@@ -172,6 +174,11 @@ def fused_layernorm(
         pair ``(out, x + residual)`` so the sum can feed the next residual connection. Mean and
         rstd are computed and saved in float32.
     """
+    if not _dynamo_compiling():  # below the size rule, torch's op from C++ (fusedops.ops._route)
+        y = _route_layernorm(x, normalized_shape, weight, bias, eps, residual, dropout_p,
+                             activation, training)
+        if y is not None:
+            return y
     if x.__class__ is not _Tensor and is_dtensor(x):  # (fusedops.ops._dtensor)
         return _dtensor.layernorm(x, normalized_shape, weight, bias, eps, residual,
                                   dropout_p, activation, training, fused_layernorm)

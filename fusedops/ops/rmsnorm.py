@@ -10,7 +10,7 @@ import torch
 from fusedops import _dispatch, _replay
 from fusedops._validate import check_eps, check_rmsnorm_args, is_dtensor, normalize_shape
 from fusedops.backends import reference
-from fusedops.ops import _dtensor, _library, _native, _nodes
+from fusedops.ops import _dtensor, _library, _native, _nodes, _route
 from fusedops.ops._rows import as_rows, autocast_fp32, is_last_dim
 from fusedops.ops._rows import flat_param as _flat
 
@@ -25,6 +25,8 @@ _NODES = _replay.RMSNORM_NODE
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
+_route_rmsnorm = _route.rmsnorm
+_dynamo_compiling = _route.dynamo_compiling
 
 
 def _forward_rows(x2, w, eps, out_dtype):
@@ -144,6 +146,10 @@ def fused_rmsnorm(
         Tensor like ``x`` in ``x``'s dtype (float32 under CUDA autocast). The mean square is
         accumulated in float32 and its reciprocal root saved in float32.
     """
+    if not _dynamo_compiling():  # below the size rule, torch's op from C++ (fusedops.ops._route)
+        y = _route_rmsnorm(x, normalized_shape, weight, eps)
+        if y is not None:
+            return y
     if x.__class__ is not _Tensor and is_dtensor(x):  # (fusedops.ops._dtensor)
         return _dtensor.rmsnorm(x, normalized_shape, weight, eps, fused_rmsnorm)
     try:  # (the size rule, inline: host cost per call)

@@ -7,7 +7,7 @@ import torch
 from fusedops import _dispatch, _replay
 from fusedops._validate import check_float_dtype, check_float_tensor, is_dtensor, normalize_dim
 from fusedops.backends import reference
-from fusedops.ops import _dtensor, _library
+from fusedops.ops import _dtensor, _library, _route
 from fusedops.ops._rows import as_rows, softmax_input
 from fusedops.ops.softmax_masked import masked_softmax
 
@@ -15,6 +15,8 @@ _RULES = _dispatch.SIZE_RULES["softmax"]
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _native_now = _dispatch.native_now
+_route_softmax = _route.softmax
+_dynamo_compiling = _route.dynamo_compiling
 
 
 def _forward_rows(x2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -127,6 +129,10 @@ def fused_softmax(
         Tensor of ``x``'s shape and dtype ``dtype or x.dtype`` (float32 under CUDA autocast);
         the mask's dtype does not promote it. Accumulation is float32 for every dtype.
     """
+    if not _dynamo_compiling():  # below the size rule, torch's op from C++ (fusedops.ops._route)
+        y = _route_softmax(x, dim, dtype, scale, mask, causal)
+        if y is not None:
+            return y
     if x.__class__ is not _Tensor and is_dtensor(x):  # (fusedops.ops._dtensor)
         return _dtensor.softmax(x, dim, dtype, scale, mask, causal, fused_softmax)
     if scale is not None or mask is not None or causal is not False:
