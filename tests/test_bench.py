@@ -217,6 +217,33 @@ def test_host_cost_cases_compute_the_same():
         torch.testing.assert_close(fused(), native(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("order", ["rotating", "paired"])
+def test_host_cost_run_orders(order):
+    """Which provider each of torch and fusedops follows, over runs: ``paired`` makes it the
+    same for both (the forced kernel, then each other, equally often); ``rotating`` does not
+    with three providers."""
+    from collections import Counter
+
+    from fusedops.tools import bench_host
+
+    runs = [({"provider": p},) for p in ("torch", "fusedops", "fusedops-kernel")]
+    after: Counter = Counter()
+    previous = None
+    for r in range(12):
+        for run in bench_host._run_order(runs, r, order):
+            name = run[0]["provider"]
+            if previous is not None:
+                after[name, previous] += 1
+            previous = name
+        assert sorted(run[0]["provider"] for run in bench_host._run_order(runs, r, order)) == \
+            sorted(run[0]["provider"] for run in runs)
+    symmetric = (after["torch", "fusedops-kernel"] == after["fusedops", "fusedops-kernel"]
+                 and after["torch", "fusedops"] == after["fusedops", "torch"])
+    assert symmetric == (order == "paired"), after
+    with pytest.raises(ValueError, match="order"):
+        bench_host.measure_host_costs("cpu", order="random")
+
+
 def test_write_outputs(tiny_result, tmp_path):
     paths = bench_report.write_outputs(tiny_result, tmp_path, stem="tiny")
     names = sorted(p.name for p in paths)

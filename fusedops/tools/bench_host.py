@@ -27,6 +27,7 @@ from fusedops import _dispatch
 from fusedops.tools.bench_harness import DTYPES, short_error, synchronize
 
 MODES = ("nograd", "grad", "fwd+bwd")
+ORDERS = ("rotating", "paired")  # how providers take turns run by run (_run_order)
 TARGET_US = 1.0  # fusedops' host cost may exceed the native op's by this much per call
 
 # (case, shape): norms and softmax over rows of a small model's width; the attention softmax
@@ -98,13 +99,15 @@ def _kernel_backend(device: str) -> str | None:
 
 def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 500, repeats: int = 15,
                        warmup: int = 100, cases: Sequence[tuple[str, Sequence[int]]] = CASES,
-                       modes: Sequence[str] = MODES) -> list[dict]:
+                       modes: Sequence[str] = MODES, order: str = "rotating") -> list[dict]:
     """Wall time per call (µs) of each case, mode and provider: ``calls`` back-to-back calls
     after a warm-up, one synchronisation at the end, the median of ``repeats`` runs (providers
-    take turns run by run, in rotating order; ``delta_vs_torch_us`` is the median of the
-    runs' paired differences, see :func:`_time_runs`). Returns one record per
+    take turns run by run in ``order``; ``delta_vs_torch_us`` is the median of the runs'
+    paired differences, see :func:`_time_runs`). Returns one record per
     (case, shape, mode, provider) with ``us_per_call``, ``us_min``, ``delta_vs_torch_us`` and
     ``within_target`` (fusedops only)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     tdtype = DTYPES[dtype]
     kernel = _kernel_backend(device)
     out: list[dict] = []
@@ -134,16 +137,30 @@ def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 500, repea
                     runs.append((rec, step, forced, []))
                 except Exception as exc:
                     rec["error"] = short_error(exc)
-            _time_runs(runs, repeats, calls, device)
+            _time_runs(runs, repeats, calls, device, order)
     return out
 
 
-def _time_runs(runs: list, repeats: int, calls: int, device: str) -> None:
-    """Time each provider's ``calls`` back-to-back calls ``repeats`` times, the providers' order
-    rotating run by run; the delta against torch is the median of the runs' paired differences
-    (a host whose speed drifts between runs moves both sides of a pair alike)."""
+def _run_order(runs: list, r: int, order: str) -> list:
+    """The providers' order in run ``r``. ``rotating``: each starts in turn (with three
+    providers, torch follows the forced kernel in two runs of three, fusedops in one).
+    ``paired``: the other providers first, then torch and fusedops back to back, which of the
+    two goes first alternating, so each follows the same providers equally often."""
+    if order == "rotating":
+        return runs[r % len(runs):] + runs[:r % len(runs)]
+    pair = [run for run in runs if run[0]["provider"] in ("torch", "fusedops")]
+    rest = [run for run in runs if run[0]["provider"] not in ("torch", "fusedops")]
+    return rest + (pair if r % 2 == 0 else pair[::-1])
+
+
+def _time_runs(runs: list, repeats: int, calls: int, device: str, order: str = "rotating"
+               ) -> None:
+    """Time each provider's ``calls`` back-to-back calls ``repeats`` times, in the order
+    :func:`_run_order` gives run by run; the delta against torch is the median of the runs'
+    paired differences (a host whose speed drifts between runs moves both sides of a pair
+    alike)."""
     for r in range(repeats):
-        for _rec, step, forced, times in runs[r % len(runs):] + runs[:r % len(runs)]:
+        for _rec, step, forced, times in _run_order(runs, r, order):
             with _dispatch.use_backend(forced) if forced else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 for _ in range(calls):
