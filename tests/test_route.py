@@ -268,3 +268,26 @@ def test_switched_off_without_losing_the_ops():
             "assert torch.equal(fusedops.fused_rmsnorm(x, 8), torch.rms_norm(x, (8,)))\n")
     env = dict(os.environ, FUSEDOPS_HOST_EXT="0")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+@needs_ext
+def test_autocast_inference_mode_and_layouts_as_torch():
+    """What the dispatcher decides (autocast's casts, inference tensors, strided and 0-d or
+    empty inputs) comes out as from torch's own calls."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N, generator=g)
+    x = torch.randn(6, 2 * N, generator=g)[:, ::2]  # (non-contiguous rows)
+    fusedops.fused_layernorm(x, N, w), fusedops.fused_rmsnorm(x, N, w), fusedops.fused_softmax(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pairs = [(fusedops.fused_layernorm(x, N, w), F.layer_norm(x, (N,), w)),
+                 (fusedops.fused_rmsnorm(x, N, w), F.rms_norm(x, (N,), w)),
+                 (fusedops.fused_softmax(x, 0), torch.softmax(x, 0))]
+    with torch.inference_mode():
+        pairs += [(fusedops.fused_layernorm(x, N, w), F.layer_norm(x, (N,), w)),
+                  (fusedops.fused_softmax(x), torch.softmax(x, -1))]
+    for t in (torch.randn(()), torch.randn(0, N)):
+        pairs.append((fusedops.fused_softmax(t), torch.softmax(t, -1)))
+    for got, want in pairs:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.stride() == want.stride() and torch.equal(got, want)
+    assert _route.softmax(x, -1, None, None, None, False) is not None  # (these were routed)
