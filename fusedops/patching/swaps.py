@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedops.modules import FusedLayerNorm, FusedRMSNorm, FusedSoftmax
+from fusedops import _dispatch
+from fusedops.modules import MISSING, FusedLayerNorm, FusedRMSNorm, FusedSoftmax
 from fusedops.ops.layernorm import fused_layernorm
 from fusedops.ops.rmsnorm import fused_rmsnorm
 
 FUSED_CLASSES = (FusedLayerNorm, FusedRMSNorm, FusedSoftmax)
 NORM_ATTR = "_fusedops_norm"  # a recognised norm's NormSpec, in the instance's __dict__
+_any_autocast = _dispatch._any_autocast
 
 
 class _PatchedFusedLayerNorm(FusedLayerNorm):
@@ -107,14 +109,19 @@ class _RecognisedNorm:
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         spec = self.__dict__[NORM_ATTR]
-        weight = self.weight
+        weight = self._parameters.get("weight", MISSING)  # (fusedops.modules.MISSING)
+        if weight is MISSING or weight is None:
+            weight = self.weight
         n = weight.shape[0]
         if args or kwargs or hidden_states.dim() == 0 or hidden_states.shape[-1] != n:
             # Whatever the original does with that (the probe covered one tensor argument).
             return super().forward(hidden_states, *args, **kwargs)
-        device = "cuda" if hidden_states.is_cuda else hidden_states.device.type
-        key = (hidden_states.dtype, weight.dtype,
-               torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        cast = None
+        if _any_autocast():
+            device = "cuda" if hidden_states.is_cuda else hidden_states.device.type
+            if torch.is_autocast_enabled(device):
+                cast = torch.get_autocast_dtype(device)
+        key = (hidden_states.dtype, weight.dtype, cast)
         out_dtype = spec.out_dtypes.get(key)
         if out_dtype is None:
             # A dtype combination (or autocast state) the probe did not see: the original's
@@ -124,7 +131,9 @@ class _RecognisedNorm:
             with torch.no_grad():
                 row = super().forward(hidden_states.detach().reshape(-1, n)[:1])
             out_dtype = spec.out_dtypes[key] = row.dtype
-        eps = spec.eps_of(self)
+        eps = spec.eps
+        if eps is None:
+            eps = getattr(self, spec.eps_attr)
         if spec.offset:
             weight = weight.float() + 1.0
         if spec.op == "rmsnorm":
