@@ -99,7 +99,7 @@ def _kernel_backend(device: str) -> str | None:
 
 def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 500, repeats: int = 15,
                        warmup: int = 100, cases: Sequence[tuple[str, Sequence[int]]] = CASES,
-                       modes: Sequence[str] = MODES, order: str = "rotating") -> list[dict]:
+                       modes: Sequence[str] = MODES, order: str = "paired") -> list[dict]:
     """Wall time per call (µs) of each case, mode and provider: ``calls`` back-to-back calls
     after a warm-up, one synchronisation at the end, the median of ``repeats`` runs (providers
     take turns run by run in ``order``; ``delta_vs_torch_us`` is the median of the runs'
@@ -153,7 +153,7 @@ def _run_order(runs: list, r: int, order: str) -> list:
     return rest + (pair if r % 2 == 0 else pair[::-1])
 
 
-def _time_runs(runs: list, repeats: int, calls: int, device: str, order: str = "rotating"
+def _time_runs(runs: list, repeats: int, calls: int, device: str, order: str = "paired"
                ) -> None:
     """Time each provider's ``calls`` back-to-back calls ``repeats`` times, in the order
     :func:`_run_order` gives run by run; the delta against torch is the median of the runs'

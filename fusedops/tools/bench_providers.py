@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fusedops import fused_layernorm, fused_rmsnorm, fused_softmax
+
 EPS = 1e-5
 FAMILIES = ("softmax", "layernorm", "rmsnorm")
 
@@ -68,20 +70,14 @@ def naive_rmsnorm(x, w, b=None):
 
 
 def fusedops_softmax(x, w=None, b=None):
-    from fusedops import fused_softmax
-
     return fused_softmax(x, -1)
 
 
 def fusedops_layernorm(x, w, b):
-    from fusedops import fused_layernorm
-
     return fused_layernorm(x, (x.shape[-1],), w, b, EPS)
 
 
 def fusedops_rmsnorm(x, w, b=None):
-    from fusedops import fused_rmsnorm
-
     return fused_rmsnorm(x, (x.shape[-1],), w, EPS)
 
 
