@@ -29,6 +29,9 @@ from fusedops.tools.bench_harness import DTYPES, short_error, synchronize
 MODES = ("nograd", "grad", "fwd+bwd")
 ORDERS = ("rotating", "paired")  # how providers take turns run by run (_run_order)
 TARGET_US = 1.0  # fusedops' host cost may exceed the native op's by this much per call
+# A forward + backward call costs ~100 µs whose run medians scatter by 20 (H200 host), so it
+# takes three times the runs to read a 1 µs difference (benchmarks/results/h200/host-orders.json).
+MODE_REPEATS = {"fwd+bwd": 3}
 
 # (case, shape): norms and softmax over rows of a small model's width; the attention softmax
 # (scale + mask + softmax) at one BERT-base head block of 128 tokens.
@@ -101,7 +104,8 @@ def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 500, repea
                        warmup: int = 100, cases: Sequence[tuple[str, Sequence[int]]] = CASES,
                        modes: Sequence[str] = MODES, order: str = "paired") -> list[dict]:
     """Wall time per call (µs) of each case, mode and provider: ``calls`` back-to-back calls
-    after a warm-up, one synchronisation at the end, the median of ``repeats`` runs (providers
+    after a warm-up, one synchronisation at the end, the median of ``repeats`` runs (times
+    :data:`MODE_REPEATS` of the mode; providers
     take turns run by run in ``order``; ``delta_vs_torch_us`` is the median of the runs'
     paired differences, see :func:`_time_runs`). Returns one record per
     (case, shape, mode, provider) with ``us_per_call``, ``us_min``, ``delta_vs_torch_us`` and
@@ -137,7 +141,7 @@ def measure_host_costs(device: str, dtype: str = "fp16", calls: int = 500, repea
                     runs.append((rec, step, forced, []))
                 except Exception as exc:
                     rec["error"] = short_error(exc)
-            _time_runs(runs, repeats, calls, device, order)
+            _time_runs(runs, repeats * MODE_REPEATS.get(mode, 1), calls, device, order)
     return out
 
 
