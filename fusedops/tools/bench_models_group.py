@@ -164,8 +164,7 @@ def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: 
 def device_extras(steps: dict[str, Callable[[], Any]], records: dict[str, dict],
                   generate: bool, device: torch.device) -> None:
     """CUDA: GPU time (not for ``generate``, whose stopping check waits for the GPU after
-    every token), the GPU's busy time and peak memory of every variant, after its timed
-    rounds."""
+    every token) and peak memory of every variant, after its timed rounds."""
     note = None
     if generate:
         note = "generate waits for the GPU after every token: no GPU-only time"
@@ -181,12 +180,6 @@ def device_extras(steps: dict[str, Callable[[], Any]], records: dict[str, dict],
     for name, step in steps.items():
         if note:
             records[name]["gpu_note"] = note
-        try:
-            records[name]["gpu_busy_ms"] = timing.kernel_ms(step, 1 if generate else
-                                                            timing.KERNEL_STEPS)
-        except Exception as exc:
-            records[name]["gpu_busy_ms"] = None
-            records[name]["gpu_busy_note"] = f"failed: {short_error(exc)}"
         try:
             peak, total = timing.peak_memory(step, device)
             records[name]["peak_mb"], records[name]["peak_total_mb"] = peak, total
