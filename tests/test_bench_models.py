@@ -97,6 +97,7 @@ def test_every_variant_and_mode_has_numbers(tiny_run):
         assert 0 < r["host_ms"]["median"] <= r["wall_ms"]["median"] * 1.01
         assert r["first_call_s"] > 0
         assert r["gpu_ms"] is None and r.get("peak_mb") is None  # CUDA only
+        assert "gpu_busy_ms" not in r  # CUDA only, after the timed rounds
         if r["mode"] == "generate":
             assert r["shape"] == "1x8+4"
             expected = 1 * 4 / (r["wall_ms"]["median"] / 1e3)
@@ -404,3 +405,106 @@ def test_train_groups_start_from_the_same_weights(one_thread):
                                    cpu, proto)
     assert row["weights_identical"] is True
     assert records[1]["check"]["grad_rel"] < 1e-5
+
+
+def test_busy_time_counts_overlapping_spans_once():
+    assert timing.busy_ms([]) == 0.0
+    # µs spans: two overlapping kernels (10-30, 20-40), one nested (22-25), one apart (50-60)
+    assert timing.busy_ms([(50, 60), (20, 40), (10, 30), (22, 25)]) == pytest.approx(0.040)
+    assert timing.busy_ms([(0, 5), (5, 9)]) == pytest.approx(0.009)  # touching spans
+
+
+def test_kernel_ms_reads_the_profilers_gpu_records(monkeypatch):
+    # The profiler faked: each step leaves one GPU kernel of 100 µs; a CPU event must not
+    # count, and a profile with no GPU record raises instead of reading 0.
+    import torch.profiler
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ran: list[int] = []
+
+    def event(start, end, device_type):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=start, end=end),
+                                     device_type=device_type)
+
+    class FakeProfile:
+        def __init__(self, activities):
+            assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [event(0, 1000, cpu)] + [event(100 + 300 * i, 200 + 300 * i, cuda)
+                                            for i in range(len(ran))]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert timing.kernel_ms(lambda: ran.append(1), steps=2) == pytest.approx(0.1)
+    assert ran == [1, 1]
+    ran.clear()
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        timing.kernel_ms(lambda: None, steps=2)
+
+
+def test_busy_pass_fills_every_record_after_all_timed_rounds(monkeypatch, tiny_run):
+    # The CUDA-only pass run on CPU with the profiler's measurement faked: it comes after every
+    # model's timed rounds, builds each model again, warms each variant up, profiles 3 steps
+    # (generate: 1) and writes the result (or why it failed) into the matching record.
+    _, _, timed, _ = tiny_run
+    result = {"records": [dict(r) for r in timed["records"]], "summary": []}
+    profiled: list[tuple[str, int]] = []
+
+    def fake_kernel_ms(step, steps):
+        out = step()
+        profiled.append((type(out).__name__, steps))
+        return 1.25
+
+    monkeypatch.setattr(timing, "kernel_ms", fake_kernel_ms)
+    opts = bm.resolve(bm.build_parser().parse_args(TINY_ARGS), TINY_ARGS)
+    checkpoints: list[int] = []
+    for name in opts.models:
+        bm._busy_model(name, opts, torch.device("cpu"), result,
+                       lambda r: checkpoints.append(len(r["records"])))
+    assert len(checkpoints) == len(GROUPS)  # one checkpoint per group
+    assert all(r["gpu_busy_ms"] == 1.25 and r["gpu_busy_note"] is None
+               for r in result["records"])
+    steps = [n for _, n in profiled]
+    assert steps.count(1) == 4 and steps.count(timing.KERNEL_STEPS) == len(profiled) - 4
+
+    def broken(step, steps):
+        raise RuntimeError("the profiler recorded no GPU activity")
+
+    monkeypatch.setattr(timing, "kernel_ms", broken)
+    bm._busy_model("gpt2", opts, torch.device("cpu"), result, None)
+    gpt2 = [r for r in result["records"] if r["model"] == "gpt2"]
+    assert all(r["gpu_busy_ms"] is None and "no GPU activity" in r["gpu_busy_note"]
+               for r in gpt2)
+
+
+def test_run_measures_busy_times_last_and_only_on_cuda(monkeypatch):
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(bm, "metadata", lambda opts, device: {})
+    monkeypatch.setattr(bm, "_run_model", lambda name, *a: calls.append(("timed", name)))
+    monkeypatch.setattr(bm, "_busy_model", lambda name, *a: calls.append(("busy", name)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    bm.run(Options(models=("bert", "gpt2"), device="cuda"))
+    assert calls == [("timed", "bert"), ("timed", "gpt2"), ("busy", "bert"), ("busy", "gpt2")]
+    calls.clear()
+    bm.run(Options(models=("bert",), device="cuda", busy=False))
+    bm.run(Options(models=("bert",), device="cpu"))
+    assert calls == [("timed", "bert"), ("timed", "bert")]
+    assert bm.resolve(bm.build_parser().parse_args([*TINY_ARGS, "--no-busy"])).busy is False
+
+
+def test_busy_column_in_the_details_table():
+    from fusedops.tools.bench_models_report import format_details
+
+    rec = {"model": "gpt2", "shape": "1x8", "mode": "infer", "variant": "eager", "status": "ok",
+           "wall_ms": {"median": 2.0, "p20": 1.9, "p80": 2.1}, "host_ms": {"median": 1.5},
+           "gpu_ms": None, "gpu_busy_ms": 0.625, "peak_mb": 3.0}
+    lines = format_details({"records": [rec]}).splitlines()
+    assert "busy ms" in lines[0] and lines[0].index("busy ms") > lines[0].index("GPU ms")
+    assert "0.625" in lines[-1]

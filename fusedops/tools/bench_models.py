@@ -31,6 +31,11 @@ Measured per (model, shape, mode, variant):
 * GPU (CUDA): the GPU's own time with the host far ahead: the stream is blocked by
   ``torch.cuda._sleep``, a CUDA event, the step, a second event; valid only if the host finished
   issuing before the sleep ended (else retried with a longer sleep, then reported as None);
+* GPU busy (CUDA): the time the GPU spends in the step's kernels, copies and memsets, from the
+  profiler's records of a few steps (overlapping spans once; gaps between kernels left out),
+  valid where the GPU time above is not (a step that waits for the GPU inside); measured after
+  every model's timed rounds, each model built and patched again, since the profiler slows the
+  process's later host work (``--no-busy`` skips it);
 * peak memory (CUDA): ``max_memory_allocated`` during one step, above what was allocated when
   it started (``peak_total_mb``: the absolute peak, every resident copy included);
 * first call: the first step's wall time (for compiled variants: compilation included), never
@@ -54,7 +59,7 @@ import datetime as _dt
 import inspect
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -72,7 +77,7 @@ from fusedops.tools.bench_models_common import (
     Options,
     free_memory,
 )
-from fusedops.tools.bench_models_group import Group, run_group
+from fusedops.tools.bench_models_group import Group, busy_times, run_group
 from fusedops.tools.bench_models_report import (
     fmt_num,
     format_patch_line,
@@ -122,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     p.add_argument("--force-patch", action="store_true",
                    help="patch_model(force=True) where patch_model accepts it")
+    p.add_argument("--no-busy", action="store_true",
+                   help="skip the GPU busy times (CUDA: measured with the profiler after every "
+                        "timed round, each model built again)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -183,7 +191,8 @@ def resolve(args: argparse.Namespace, argv: Sequence[str] = ()) -> Options:
         threads=args.threads, out=args.out, compile_backend=args.compile_backend,
         force_patch=args.force_patch,
         patch_accepts_force=_accepts_force(model_variants.patch_model_fn()),
-        seed=args.seed, quiet=args.quiet, plot=not args.no_plot, argv=list(argv))
+        seed=args.seed, quiet=args.quiet, plot=not args.no_plot, busy=not args.no_busy,
+        argv=list(argv))
 
 
 def _accepts_force(patch_model: Callable[..., Any]) -> bool:
@@ -237,6 +246,27 @@ def _say(opts: Options, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _mode_variants(name: str, base: torch.nn.Module, opts: Options, device: torch.device
+                   ) -> Iterator[tuple[str, torch.nn.Module, list, dict, list[Group]]]:
+    """Per mode of model ``name``: ``(mode, prototype, variants, patch info, groups)``; the
+    variants' patched copies are unpatched (``info["unpatched_ok"]``) and freed once the caller
+    asks for the next mode (drop your references first)."""
+    for mode in opts.modes:
+        if mode == "generate" and name not in zoo.DECODERS:
+            continue
+        proto = copy.deepcopy(base)
+        if mode != "train":
+            proto.to(DTYPES[opts.dtype])
+        variants, info = model_variants.make_variants(proto, mode, opts)
+        shapes = opts.gen_shapes if mode == "generate" else opts.shapes
+        groups = [Group(name, mode, batch, tokens, opts.new_tokens if mode == "generate" else None)
+                  for batch, tokens in shapes]
+        yield mode, proto, variants, info, groups
+        info["unpatched_ok"] = model_variants.unpatch_variants(variants)
+        del variants, proto
+        free_memory(device)
+
+
 def _run_model(name: str, opts: Options, device: torch.device, result: dict,
                on_group: Callable[[dict], None] | None) -> None:
     t0 = time.perf_counter()
@@ -248,20 +278,11 @@ def _run_model(name: str, opts: Options, device: torch.device, result: dict,
         "modes": {}}
     _say(opts, f"{name}: {entry['class']}, {entry['params'] / 1e6:.1f}M parameters "
                f"({opts.preset}), built in {time.perf_counter() - t0:.1f}s")
-    for mode in opts.modes:
-        if mode == "generate" and name not in zoo.DECODERS:
-            continue
-        proto = copy.deepcopy(base)
-        if mode != "train":
-            proto.to(DTYPES[opts.dtype])
-        variants, info = model_variants.make_variants(proto, mode, opts)
+    for mode, proto, variants, info, groups in _mode_variants(name, base, opts, device):
         entry["modes"][mode] = info
         if info["patch"]:
             _say(opts, format_patch_line(name, mode, info["patch"]))
-        shapes = opts.gen_shapes if mode == "generate" else opts.shapes
-        for batch, tokens in shapes:
-            group = Group(name, mode, batch, tokens,
-                          opts.new_tokens if mode == "generate" else None)
+        for group in groups:
             t1 = time.perf_counter()
             records, row = run_group(variants, group, opts, device, proto)
             result["records"] += records
@@ -271,16 +292,37 @@ def _run_model(name: str, opts: Options, device: torch.device, result: dict,
                        f"({time.perf_counter() - t1:.1f}s)")
             if on_group is not None:
                 on_group(result)
-        info["unpatched_ok"] = model_variants.unpatch_variants(variants)
-        del variants, proto
-        free_memory(device)
+        del proto, variants  # (freed when the next mode is made)
+    del base
+    free_memory(device)
+
+
+def _busy_model(name: str, opts: Options, device: torch.device, result: dict,
+                on_group: Callable[[dict], None] | None) -> None:
+    """The GPU busy time of every variant of model ``name`` (``busy_times``), into the run's
+    records: the model built and patched again, after every timed round of the run."""
+    base = zoo.build(name, opts.preset, device, seed=opts.seed)
+    records = {(r["model"], r["mode"], r["shape"], r["variant"]): r for r in result["records"]}
+    for mode, proto, variants, _info, groups in _mode_variants(name, base, opts, device):
+        for group in groups:
+            t1 = time.perf_counter()
+            for variant, got in busy_times(variants, group, opts, device, proto).items():
+                rec = records.get((name, mode, group.shape, variant))
+                if rec is not None:
+                    rec.update(got)
+            _say(opts, f"  {name} {group.shape} {mode}: GPU busy time "
+                       f"({time.perf_counter() - t1:.1f}s)")
+            if on_group is not None:
+                on_group(result)
+        del proto, variants
     del base
     free_memory(device)
 
 
 def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
     """The whole benchmark. Returns ``{"meta", "models", "records", "summary"}``: one record
-    per (model, mode, shape, variant), one summary row per (model, mode, shape)."""
+    per (model, mode, shape, variant), one summary row per (model, mode, shape). On CUDA (unless
+    ``opts.busy`` is off) the GPU busy times come last, after every model's timed rounds."""
     device = torch.device(opts.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the synchronizes and memory statistics use it
@@ -292,6 +334,9 @@ def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
         try:
             for name in opts.models:
                 _run_model(name, opts, device, result, on_group)
+            if device.type == "cuda" and opts.busy:
+                for name in opts.models:
+                    _busy_model(name, opts, device, result, on_group)
         finally:
             _restore_recompile_limit(saved)
     return result

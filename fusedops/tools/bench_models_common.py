@@ -45,6 +45,7 @@ class Options:
     seed: int = 0
     quiet: bool = False
     plot: bool = True
+    busy: bool = True  # CUDA: the GPU busy times after the timed rounds
     argv: list[str] = field(default_factory=list)
 
 

@@ -1,6 +1,7 @@
 """One group of ``python -m fusedops bench-models``: a model, a mode and a shape with every variant:
 first calls and the correctness check, the interleaved timed rounds, the CUDA extras (GPU time,
-peak memory) and the group's summary row (ratios and their verdicts)."""
+peak memory), the group's summary row (ratios and their verdicts), and the GPU busy time the
+run measures after all of them."""
 
 from __future__ import annotations
 
@@ -159,6 +160,38 @@ def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: 
     row["steps_per_round"] = repeats
     row["graphs_compiled_while_timing"] = recompiled
     return list(records.values()), row
+
+
+def busy_times(variants: Sequence[Variant], group: Group, opts: Options, device: torch.device,
+               proto: nn.Module | None = None) -> dict[str, dict]:
+    """CUDA: each variant's GPU busy time per step at one (model, mode, shape)
+    (:func:`~fusedops.tools.bench_models_timing.kernel_ms`), after its first step and warm-up,
+    from ``proto``'s weights when given: ``{variant: {"gpu_busy_ms", "gpu_busy_note"}}``, the
+    time None and the note saying why where it failed. Called once every timed round of the
+    run is over (the profiler slows later host work)."""
+    if proto is not None:
+        reset_weights(variants, proto)
+    if any(v.name.startswith("compiled") for v in variants):
+        torch._dynamo.reset()
+    vocab = zoo.vocab_size(variants[0].model)
+    inputs = zoo.make_inputs(group.name, vocab, group.batch, group.tokens, device,
+                             seed=opts.seed, labels=group.mode == "train")
+    generate = group.mode == "generate"
+    warmup = min(opts.warmup, 1) if generate else opts.warmup
+    out: dict[str, dict] = {}
+    for v in variants:
+        try:
+            if v.error:
+                raise RuntimeError(v.error)
+            step, _ = _steps_for(v, group, inputs, opts, device)
+            for _ in range(1 + warmup):
+                step()
+            ms = timing.kernel_ms(step, 1 if generate else timing.KERNEL_STEPS)
+            out[v.name] = {"gpu_busy_ms": ms, "gpu_busy_note": None}
+        except Exception as exc:
+            out[v.name] = {"gpu_busy_ms": None, "gpu_busy_note": f"failed: {short_error(exc)}"}
+            free_memory(device)
+    return out
 
 
 def device_extras(steps: dict[str, Callable[[], Any]], records: dict[str, dict],

@@ -41,17 +41,18 @@ def format_details(result: dict) -> str:
     for r in result["records"]:
         head = [r["model"], r["shape"], r["mode"], r["variant"]]
         if r["status"] != "ok" and not r.get("wall_ms", {}).get("median"):
-            rows.append(head + ["error"] + [""] * 7 + [str(r["error"])[:60]])
+            rows.append(head + ["error"] + [""] * 8 + [str(r["error"])[:60]])
             continue
         w = r["wall_ms"]
         rows.append(head + [
             fmt_num(w["median"]), f"{fmt_num(w['p20'])}-{fmt_num(w['p80'])}",
-            fmt_num(r["host_ms"]["median"]), fmt_num(r.get("gpu_ms")), fmt_num(r.get("peak_mb")),
+            fmt_num(r["host_ms"]["median"]), fmt_num(r.get("gpu_ms")),
+            fmt_num(r.get("gpu_busy_ms")), fmt_num(r.get("peak_mb")),
             fmt_num(r.get("first_call_s")), fmt_num(r.get("tokens_per_s")),
             _check_text(r.get("check")) if r["status"] == "ok" else "error: " + r["error"][:50]])
     headers = ["model", "shape", "mode", "variant", "wall ms", "p20-p80", "host ms", "GPU ms",
-               "peak MB", "1st call s", "tok/s", "diff"]
-    return _report.table(rows, headers, align="llll" + "r" * 8)
+               "busy ms", "peak MB", "1st call s", "tok/s", "diff"]
+    return _report.table(rows, headers, align="llll" + "r" * 9)
 
 
 def _ratio_text(ratio: dict | None) -> str:
@@ -120,6 +121,11 @@ def format_notes(result: dict) -> str:
                 if p["applied"] is False:
                     lines.append(f"{name} {mode} {variant}: patch_model applied nothing here")
     lines += _compile_notes(result)
+    if dev["type"] == "cuda":
+        lines.append(
+            "GPU ms: the step's GPU time with the host kept ahead behind a GPU sleep ('-' where "
+            "the step waits for the GPU inside); busy ms: the GPU's busy time per step, from "
+            "the profiler's kernel records (gaps between kernels left out)")
     lines.append(
         "ratios: median wall time of the first over the second (< 1: faster); 'slower' / "
         f"'faster' beyond {NOISE:.0%} with the paired per-round ratios' p20/p80 agreeing, "
@@ -161,7 +167,8 @@ def format_patch_line(name: str, mode: str, patch: dict) -> str:
 
 CSV_FIELDS = ("model", "mode", "batch", "tokens", "new_tokens", "variant", "status",
               "wall_ms", "wall_p20_ms", "wall_p80_ms", "host_ms", "host_p20_ms", "host_p80_ms",
-              "gpu_ms", "peak_mb", "peak_total_mb", "first_call_s", "check_s", "tokens_per_s",
+              "gpu_ms", "gpu_busy_ms", "peak_mb", "peak_total_mb", "first_call_s", "check_s",
+              "tokens_per_s",
               "ratio", "ratio_vs", "check_max_rel", "check_token_match", "check_ok", "error")
 
 

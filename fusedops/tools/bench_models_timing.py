@@ -1,6 +1,7 @@
 """Timing of ``python -m fusedops bench-models``: wall and host time of interleaved rounds, the
-GPU's own time behind a ``torch.cuda._sleep`` (CUDA), the peak memory of one step (CUDA), and
-the median and 20%/80% quantiles every time is reported with."""
+GPU's own time behind a ``torch.cuda._sleep`` (CUDA), the GPU's busy time from the profiler's
+kernel records (CUDA), the peak memory of one step (CUDA), and the median and 20%/80%
+quantiles every time is reported with."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fusedops.tools.bench_models_common import short_error
 GPU_SAMPLES = 5
 SLEEP_MIN_MS = 20.0
 SLEEP_MAX_MS = 5000.0
+KERNEL_STEPS = 3  # profiled steps per variant for the GPU's busy time (generate: 1)
 
 
 def quantiles(values: Sequence[float]) -> dict[str, float | None]:
@@ -171,6 +173,44 @@ def gpu_times(steps: dict[str, Callable[[], Any]], host_ms: dict[str, float],
                                f"({issued:.0f} ms): the step waits for the GPU")
     return {n: {"gpu_ms": None if n in notes else quantiles(got[n])["median"],
                 "gpu_note": notes.get(n), "gpu_samples": len(got[n])} for n in steps}
+
+
+def busy_ms(spans: Sequence[tuple[float, float]]) -> float:
+    """Milliseconds covered by the union of ``(start, end)`` spans in µs (kernels that overlap,
+    on two streams, count once)."""
+    total, start, end = 0.0, None, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            if end is not None:
+                total += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    if end is not None:
+        total += end - start
+    return total / 1e3
+
+
+def kernel_ms(step: Callable[[], Any], steps: int = KERNEL_STEPS) -> float:
+    """CUDA: the GPU's busy time per step (ms), from the kernels, copies and memsets the
+    profiler records over ``steps`` steps. Unlike :func:`gpu_once` it holds for steps that wait
+    for the GPU inside (Hugging Face models do); it leaves out the gaps between kernels. The
+    profiler slows the process's later host work (host-bound BERT-base 8x512 inference 5.4 ->
+    15.4 ms: benchmarks/results/h200/models-profiled-inline.json), so bench-models calls this
+    only after every timed round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == cuda]
+    if not spans:
+        raise RuntimeError("the profiler recorded no GPU activity")
+    return busy_ms(spans) / steps
 
 
 def peak_memory(step: Callable[[], Any], device: torch.device) -> tuple[float | None, float | None]:
