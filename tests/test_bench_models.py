@@ -493,10 +493,30 @@ def test_run_measures_busy_times_last_and_only_on_cuda(monkeypatch):
     bm.run(Options(models=("bert", "gpt2"), device="cuda"))
     assert calls == [("timed", "bert"), ("timed", "gpt2"), ("busy", "bert"), ("busy", "gpt2")]
     calls.clear()
+
+    def broken(name, *a):
+        calls.append(("busy", name))
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bm, "_busy_model", broken)
+    got = bm.run(Options(models=("bert", "gpt2"), device="cuda"))
+    assert calls[-2:] == [("busy", "bert"), ("busy", "gpt2")]  # one model's failure, not all
+    assert got["meta"]["busy_errors"] == {"bert": "RuntimeError: out of memory",
+                                          "gpt2": "RuntimeError: out of memory"}
+    calls.clear()
     bm.run(Options(models=("bert",), device="cuda", busy=False))
     bm.run(Options(models=("bert",), device="cpu"))
     assert calls == [("timed", "bert"), ("timed", "bert")]
     assert bm.resolve(bm.build_parser().parse_args([*TINY_ARGS, "--no-busy"])).busy is False
+
+
+def test_busy_errors_are_reported(tiny_run):
+    from fusedops.tools.bench_models_report import format_notes
+
+    _, _, result, _ = tiny_run
+    meta = {**result["meta"], "busy_errors": {"llama": "RuntimeError: out of memory"}}
+    notes = format_notes({**result, "meta": meta})
+    assert "llama: GPU busy time not measured (RuntimeError: out of memory)" in notes
 
 
 def test_busy_column_in_the_details_table():

@@ -76,6 +76,7 @@ from fusedops.tools.bench_models_common import (
     VARIANTS,
     Options,
     free_memory,
+    short_error,
 )
 from fusedops.tools.bench_models_group import Group, busy_times, run_group
 from fusedops.tools.bench_models_report import (
@@ -336,7 +337,11 @@ def run(opts: Options, on_group: Callable[[dict], None] | None = None) -> dict:
                 _run_model(name, opts, device, result, on_group)
             if device.type == "cuda" and opts.busy:
                 for name in opts.models:
-                    _busy_model(name, opts, device, result, on_group)
+                    try:
+                        _busy_model(name, opts, device, result, on_group)
+                    except Exception as exc:  # the timings stand; say why busy times are missing
+                        result["meta"].setdefault("busy_errors", {})[name] = short_error(exc)
+                        free_memory(device)
         finally:
             _restore_recompile_limit(saved)
     return result

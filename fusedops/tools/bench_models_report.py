@@ -121,6 +121,8 @@ def format_notes(result: dict) -> str:
                 if p["applied"] is False:
                     lines.append(f"{name} {mode} {variant}: patch_model applied nothing here")
     lines += _compile_notes(result)
+    for name, err in meta.get("busy_errors", {}).items():
+        lines.append(f"{name}: GPU busy time not measured ({err})")
     if dev["type"] == "cuda":
         lines.append(
             "GPU ms: the step's GPU time with the host kept ahead behind a GPU sleep ('-' where "
