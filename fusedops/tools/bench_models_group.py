@@ -111,17 +111,25 @@ def first_call(v: Variant, group: Group, inputs: dict, opts: Options, device: to
     return step, outputs if outputs is not None else [out]
 
 
-def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: torch.device,
-              proto: nn.Module | None = None) -> tuple[list[dict], dict]:
-    """Correctness check, first calls, interleaved timing, GPU time and peak memory of every
-    variant at one (model, mode, shape), all starting from ``proto``'s weights when given.
-    Returns (one record per variant, the summary row)."""
+def _start_group(variants: Sequence[Variant], group: Group, opts: Options, device: torch.device,
+                 proto: nn.Module | None) -> tuple[bool | None, dict]:
+    """Every variant back to ``proto``'s weights (whether they came out identical; None without
+    ``proto``), fresh compiled graphs, and the group's inputs."""
     same = reset_weights(variants, proto) if proto is not None else None
     if any(v.name.startswith("compiled") for v in variants):
         torch._dynamo.reset()  # fresh, shape-specialised graphs for this group
     vocab = zoo.vocab_size(variants[0].model)
     inputs = zoo.make_inputs(group.name, vocab, group.batch, group.tokens, device,
                              seed=opts.seed, labels=group.mode == "train")
+    return same, inputs
+
+
+def run_group(variants: Sequence[Variant], group: Group, opts: Options, device: torch.device,
+              proto: nn.Module | None = None) -> tuple[list[dict], dict]:
+    """Correctness check, first calls, interleaved timing, GPU time and peak memory of every
+    variant at one (model, mode, shape), all starting from ``proto``'s weights when given.
+    Returns (one record per variant, the summary row)."""
+    same, inputs = _start_group(variants, group, opts, device, proto)
     records = {v.name: group.record(v.name) for v in variants}
     steps: dict[str, Callable[[], Any]] = {}
     ref: tuple[str, list[torch.Tensor]] | None = None
@@ -169,13 +177,7 @@ def busy_times(variants: Sequence[Variant], group: Group, opts: Options, device:
     from ``proto``'s weights when given: ``{variant: {"gpu_busy_ms", "gpu_busy_note"}}``, the
     time None and the note saying why where it failed. Called once every timed round of the
     run is over (the profiler slows later host work)."""
-    if proto is not None:
-        reset_weights(variants, proto)
-    if any(v.name.startswith("compiled") for v in variants):
-        torch._dynamo.reset()
-    vocab = zoo.vocab_size(variants[0].model)
-    inputs = zoo.make_inputs(group.name, vocab, group.batch, group.tokens, device,
-                             seed=opts.seed, labels=group.mode == "train")
+    _, inputs = _start_group(variants, group, opts, device, proto)
     generate = group.mode == "generate"
     warmup = min(opts.warmup, 1) if generate else opts.warmup
     out: dict[str, dict] = {}
