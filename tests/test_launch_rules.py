@@ -656,6 +656,30 @@ def test_softmax_forward_reload_takes_its_rows(monkeypatch, dtype, n, launch_rul
     assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
 
 
+@pytest.mark.parametrize(("dtype", "m", "n"), [
+    (torch.float32, 7, 64), (torch.bfloat16, 13, 64), (torch.bfloat16, 5, 50),
+    (torch.float16, 1, 128), (torch.float32, 9, 33),  # 33 fp32: unaligned, no prefetch
+], ids=str)
+def test_softmax_forward_next_tile_prefetch(monkeypatch, dtype, m, n, launch_rules):
+    """Aligned rows whose padded length has a NEXT_FWD rule run softmax_fwd_single on a
+    persistent grid of (SMs x programs per SM) programs with the next tile prefetched (NEXT =
+    1), one row per tile, so a program loops over several tiles and prefetches past the last
+    row; unaligned rows keep the other rules. Results against float64."""
+    calls = []
+    recording(monkeypatch, tsm, "_launch_fwd_single", calls, lambda g, a, w: (g, a[-1], w))
+    block = rt_device.next_pow2(n)
+    launch_rules("softmax", NEXT_FWD={(_elt(dtype), block): (2, 1)})
+    monkeypatch.setattr(tsm, "device_facts", lambda index: device_facts(index)._replace(num_sms=2))
+    x = torch.randn(m, n, device=_dev(), dtype=dtype)
+    y = tsm.softmax_forward(x, dtype)
+    assert_close_to_ref(y, torch.softmax(x.double(), -1), dtype)
+    aligned = n % (16 // _elt(dtype)) == 0
+    if aligned:
+        assert calls == [((min(m, 2),), 1, 2)]
+    else:
+        assert all(nxt == 0 for _, nxt, _ in calls)
+
+
 @NEEDS_KERNELS
 @pytest.mark.parametrize("n", [4097, 8193])
 def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n, launch_rules):

@@ -191,6 +191,8 @@ def config_facts(op: str, cfg: Any) -> dict[str, Any]:
              "chunk": cfg.chunk}
     if op == "rmsnorm":  # (its split rows: PREFETCH and clusters)
         facts.update(prefetch=cfg.prefetch, cluster=cfg.cluster)
+    if op == "softmax" and cfg.next:  # (the next tile prefetched, on a persistent grid)
+        facts.update(next=cfg.next, programs=cfg.grid)
     return facts
 
 
@@ -225,8 +227,9 @@ def label_of(facts: dict[str, Any]) -> str:
         return f"unrolled {facts['chunk']}x{facts['warps']}"
     if v == "single":
         rows, warps = facts["rows"], facts["warps"]
+        nxt = f", next tile prefetched, {facts['programs']} programs" if facts.get("next") else ""
         return (f"single {facts['block']}: {rows} row{'s' * (rows > 1)} x {warps} "
-                f"warp{'s' * (warps > 1)}")
+                f"warp{'s' * (warps > 1)}{nxt}")
     if v == "reload":
         return f"reload {facts['block']}, {facts['chunk']}x{facts['warps']}"
     if v == "split":
@@ -387,6 +390,30 @@ def softmax_candidates(n: int, elt: int, current: dict, dev: DeviceFacts) -> lis
     unset = {"UNROLLED_FWD": {}} if current["variant"] == "unrolled" else {}
     out += reload_candidates("softmax", n, elt, block, sm_rules.RELOAD_FWD_ABOVE, unset)
     out += single_candidates("softmax_fwd", block, current)
+    out += next_candidates(n, elt, dev)
+    return out
+
+
+# (warps, programs per SM) of the single-block forward with the next tile prefetched
+# (NEXT_FWD), for aligned rows of 4K to the single-block cap; at most 64 elements a thread.
+NEXT_CONFIGS = ((32, 1), (16, 1), (16, 2), (8, 2), (8, 4))
+
+
+def next_candidates(n: int, elt: int, dev: DeviceFacts) -> list[Candidate]:
+    block = next_pow2(n)
+    if not 4096 <= n <= common_rules.KIND_CAPS["softmax_fwd"] or n % (16 // elt):
+        return []
+    out = []
+    for warps, per_sm in NEXT_CONFIGS:
+        if block // (32 * warps) > 64:
+            continue
+        out.append(Candidate(
+            f"single+next {warps}x{per_sm}",
+            {"variant": "single", "warps": warps, "rows": 1, "block": block, "next": 1},
+            [("softmax", {"NEXT_FWD": {(elt, block): (warps, per_sm)}})],
+            f"softmax NEXT_FWD[{(elt, block)}]: ({warps}, {per_sm}): one row per tile, "
+            f"{per_sm} program(s) per SM looping over tiles, the next tile's loads issued "
+            "before this tile's reductions"))
     return out
 
 
@@ -462,6 +489,9 @@ def launch_expectation(op: str, n: int, m: int,
         consts, grid = {"C": c, "PREFETCH": facts["prefetch"], "CLUSTER": True}, None
     elif v == "unrolled":
         consts, grid = {"N": n, "CHUNK": facts["chunk"]}, (m,)
+    elif v == "single" and facts.get("next"):
+        consts = {"BLOCK_N": facts["block"], "ROWS": 1, "NEXT": 1}
+        grid = (facts["programs"],)
     elif v == "single":
         consts, grid = {"BLOCK_N": facts["block"], "ROWS": facts["rows"]}, (
             cdiv(m, facts["rows"]),)

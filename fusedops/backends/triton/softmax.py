@@ -139,7 +139,8 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y))
     cfg = _fwd_config(N, x.element_size(), vec, M, x.get_device())
     if cfg.variant == "single":
-        args = (x, y, M, N, stride, N, cfg.tiles, cfg.grid, cfg.block, cfg.rows, cfg.vec)
+        args = (x, y, M, N, stride, N, cfg.tiles, cfg.grid, cfg.block, cfg.rows, cfg.vec,
+                cfg.next)
         _launch_fwd_single((cfg.grid,), args, cfg.warps)
     elif cfg.variant == "unrolled":
         args = (x, y, M, stride, N, N, cfg.chunk)

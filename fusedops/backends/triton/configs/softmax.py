@@ -107,6 +107,12 @@ UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
 }
 UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 
+# Aligned rows on the single-block forward with the next tile prefetched (NEXT): (element size,
+# padded row) -> (warps, programs per SM) of a persistent grid. Candidates for rows whose one
+# program per SM otherwise waits on its own loads (16-bit 32K: one 32-warp program per SM,
+# 0.78 of copy, h200/sweep.json); not yet measured against the shipped rules, so empty.
+NEXT_FWD: dict[tuple[int, int], tuple[int, int]] = {}
+
 # Unaligned rows (VEC > 0) on softmax_fwd_unrolled_vec: (element size, padded body) ->
 # (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, TB/s
 # against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
@@ -164,6 +170,7 @@ class SoftmaxConfig(NamedTuple):
     pieces: int = 0  # split: C pieces per row
     piece: int = 0  # split: L elements per piece
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
+    next: int = 0  # single: NEXT (the next tile prefetched; a persistent grid)
     fallback: SoftmaxConfig | None = None
 
 
@@ -188,6 +195,13 @@ def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: 
 def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) -> SoftmaxConfig:
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes (``vec``: see
     ``configs.common.unaligned_vec``) on ``dev``."""
+    nxt = NEXT_FWD.get((elt_size, next_pow2(n))) if NEXT_FWD and not vec else None
+    if nxt and n <= single_block_limit():
+        warps, per_sm = nxt
+        block = next_pow2(n)
+        tiles = num_row_tiles(m, 1, 0)
+        return SoftmaxConfig("single", max(1, min(tiles, dev.num_sms * per_sm)), warps, block,
+                             1, tiles, plan=True, next=1)
     unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, UNROLLED_FWD_ABOVE, vec)
     if unrolled:
         return SoftmaxConfig("unrolled", m, unrolled[1], chunk=unrolled[0], plan=True)

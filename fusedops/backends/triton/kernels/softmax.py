@@ -23,16 +23,28 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def softmax_fwd_single(
     x_ptr, y_ptr, M, N, stride_x, stride_y, num_tiles, num_progs,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NEXT: tl.constexpr = 0,
 ):
     # VEC > 0: unaligned rows as an aligned body plus edges (see row_body in kernels/common.py); the
     # launcher then guarantees stride_x == stride_y, so one split serves x and y.
+    # NEXT (aligned rows, a persistent grid): the program's next tile is loaded, in x's dtype,
+    # before this tile's reductions, so its loads are in flight while this tile computes.
     pid = tl.program_id(0)
+    if NEXT:
+        rows, head = tile_rows(pid, stride_x, ROWS, VEC)
+        offs, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
+        x_next = tl.load(x_ptr + offs, mask=mask, other=-float("inf"))
     for tile in range(pid, num_tiles, num_progs):
         rows, head = tile_rows(tile, stride_x, ROWS, VEC)
         offs, mask = row_body(rows, head, M, N, stride_x, BLOCK_N, VEC)
         offs_y, _ = row_body(rows, head, M, N, stride_y, BLOCK_N, VEC)
-        x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        if NEXT:
+            x = x_next.to(tl.float32)
+            rows_n, head_n = tile_rows(tile + num_progs, stride_x, ROWS, VEC)
+            offs_n, mask_n = row_body(rows_n, head_n, M, N, stride_x, BLOCK_N, VEC)
+            x_next = tl.load(x_ptr + offs_n, mask=mask_n, other=-float("inf"))
+        else:
+            x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
         if VEC > 0:  # issued before any reduction, so both loads are in flight together
             e_offs, e_mask, _ = row_edges(rows, head, M, N, stride_x, VEC)
             xe = tl.load(x_ptr + e_offs, mask=e_mask, other=-float("inf")).to(tl.float32)
