@@ -1,6 +1,6 @@
-"""float32 accuracy of LayerNorm and RMSNorm on long rows, against torch's own: every kernel
-variant a float32 row can take (single-block, unrolled, reload, looped, split-row), single rows
-and small batches, data of several scales and far from zero.
+"""float32 accuracy of LayerNorm, RMSNorm and the softmax forward on long rows, against torch's
+own: every kernel variant a float32 row can take (single-block, unrolled, reload, looped,
+split-row), single rows and small batches, data of several scales and far from zero.
 
 The measure: the largest absolute error against the float64 result of the same float32 inputs
 must stay within twice torch's own float32 error (same inputs, same reference), plus half an
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import INTERPRETING
 
-from fusedops import fused_layernorm, fused_rmsnorm
+from fusedops import fused_layernorm, fused_rmsnorm, fused_softmax
 
 FLOOR_ULPS = 0.5
 # (scale, shift) of the inputs: randn * scale + shift.
@@ -131,6 +131,40 @@ def test_layernorm_float32_unaligned_unrolled(triton_backend, device, launch_rul
         x, _ = _rows(n, data, 2, device)
         assert_within_torch(fused_layernorm(x, n, w, b), F.layer_norm(x, (n,), w, b),
                             F.layer_norm(x.double(), (n,), w.double(), b.double()), data)
+
+
+# The softmax's float32 forward before its exact argument reduction, correctly rounded division
+# and compensated sums failed two of these on the interpreter (32768 x100, two rows; the
+# reload kernel); other draws read up to 200x torch's error (x100 rows of 8193: exp2 of the
+# rounded product t·log2 e) and 4.4x (three x10 rows of 8193: a float32 tree sum an ulp off).
+SOFTMAX_DEFAULT = {(1024, "x100", 1), (8193, "x10", 2), (8193, "x100", 1), (16384, "x10", 1),
+                   (17866, "randn", 1), (32768, "x100", 2), (65537, "shifted", 1)}
+
+
+@pytest.mark.parametrize("n,data,rows", _cases(SOFTMAX_DEFAULT))
+def test_softmax_float32(triton_backend, device, n, data, rows):
+    x, _ = _rows(n, data, rows, device)
+    assert_within_torch(fused_softmax(x, -1), torch.softmax(x, -1),
+                        torch.softmax(x.double(), -1), "softmax")
+
+
+@pytest.mark.parametrize("table,n", [("UNROLLED_FWD", 16384), ("RELOAD_FWD", 32768)])
+def test_softmax_float32_two_pass_kernels(triton_backend, device, launch_rules, table, n):
+    """The two-pass forwards float32 rows take by rule on a GPU (softmax_fwd_unrolled,
+    softmax_fwd_reload), forced here: their sums and division as the single-block kernel's."""
+    from fusedops.backends.triton.configs import softmax as sm_rules
+    from fusedops.backends.triton.runtime.recording import record_launches
+
+    rule = {"UNROLLED_FWD": {(4, n): ((4096, 16),)}, "RELOAD_FWD": {(4, n): (8192, 32)}}[table]
+    launch_rules("softmax", **{"UNROLLED_FWD": {}, "RELOAD_FWD": {}, table: rule},
+                 RELOAD_FWD_ABOVE=min(sm_rules.RELOAD_FWD_ABOVE, n // 2))
+    kernel = {"UNROLLED_FWD": "softmax_fwd_unrolled", "RELOAD_FWD": "softmax_fwd_reload"}[table]
+    for data, rows in (("randn", 1), ("x100", 2), ("x10", 3)):  # (one call per signature)
+        x, _ = _rows(n, data, rows, device)
+        with record_launches() as record:
+            y = fused_softmax(x, -1)
+        assert [launcher.kernel.__name__ for launcher, *_ in record] == [kernel]
+        assert_within_torch(y, torch.softmax(x, -1), torch.softmax(x.double(), -1), data)
 
 
 # --- the split-row kernels on the interpreter -------------------------------------------------
