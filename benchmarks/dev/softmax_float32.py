@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 
 import torch
+import triton
 
 import fusedops
 from fusedops.backends.triton.runtime.recording import record_launches
+from fusedops.tools.bench_harness import source_sha
 
 LENGTHS = (1024, 8193, 16384, 17866, 32768, 65536, 65537, 131072, 262144)
 SMOKE_LENGTHS = (1024, 8193)
@@ -91,8 +94,10 @@ def main() -> None:
                     records.append(accuracy(n, data, rows, device))
         if not args.no_speed:
             speeds = [speed(n, device, args.smoke) for n in lengths]
-    meta = {"torch": torch.__version__, "python": platform.python_version(),
+    meta = {"torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "source_sha": source_sha(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "floor_ulps": FLOOR_ULPS}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "accuracy": records, "speed": speeds}, f, indent=1)

@@ -18,31 +18,22 @@ from fusedops.backends.triton.kernels.common import (
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
-# log2(e) less its float32 value: the low part of t·log2(e) in _exp.
-LOG2E_LO = tl.constexpr(1.925962989091e-08)
 
-# EXACT (a constexpr of the helpers below, set where the output is float32): float32 results
-# as accurate as torch's own: exp with an exact argument reduction and 1/sum refined by a
-# Newton step, where exp2 of a rounded product and a plain reciprocal are not (single long
-# rows came out at up to 2.4x torch's error, h200/accuracy-float32.json). Sums stay float32
-# tree reductions (float64 sums doubled the registers a row needs: up to 2.1x slower,
-# h200/softmax-exact-float32.json). 16-bit outputs round far coarser and keep the cheaper
-# arithmetic.
+# EXACT (a constexpr of the helpers below; float32 outputs of aligned rows): compensated row
+# sums, and y = e / sum rounded as a division would (a correctly rounded reciprocal and one
+# Newton step), where a plain tree sum and an approximate reciprocal put long rows dominated by
+# a few elements at up to 4.8x torch's error. H200, one run (h200/softmax-float32.json against
+# softmax-float32-before.json): 72 of 72 cases within twice torch's error plus half an ulp, not
+# 69; forwards 0-4% slower. Unaligned rows keep the cheap arithmetic: their kernels run one
+# program per SM and lost up to 43% with it (65537, h200/softmax-float32-variants.json); a
+# single row is never unaligned (triton/softmax.py). 16-bit outputs round far coarser.
 
 
 @triton.jit
-def _exp(t, EXACT: tl.constexpr):
-    # exp(t) = 2^(t·log2 e). EXACT: as CUDA's expf, 2^j · 2^f with j the nearest integer and f
-    # = t·log2(e) - j taken exactly (two FMAs): exp2 of the rounded product is off by up to
-    # |t|·2^-24 relative (40 ulp at t = -80). t < -127 (and -inf) gives 0, NaN stays NaN.
-    if EXACT:
-        t = tl.where(t < -127.0, -127.0, t)
-        j = tl.floor(t * LOG2E + 0.5)
-        f = tl.fma(t, LOG2E_LO, tl.fma(t, LOG2E, -j))
-        e = tl.exp2(f) * tl.exp2(j)
-    else:
-        e = tl.exp2(t * LOG2E)
-    return e
+def _exp(t):
+    # exp(t) as 2^(t·log2 e): exp2 of a rounded product, off by about |t|·2^-24 relative, which
+    # is far below an ulp of the largest outputs (those with t near 0).
+    return tl.exp2(t * LOG2E)
 
 
 @triton.jit
@@ -55,8 +46,7 @@ def _two_sum(a, ca, b, cb):
 
 @triton.jit
 def _sum(v, axis: tl.constexpr, EXACT: tl.constexpr):
-    # tl.sum(v, axis). EXACT: a compensated tree sum, each add's rounding error carried along
-    # (float32 registers only; float64 sums doubled the registers of a row).
+    # tl.sum(v, axis). EXACT: a compensated tree sum, each add's rounding error carried along.
     if EXACT:
         s, c = tl.reduce((v, tl.zeros_like(v)), axis, _two_sum)
         out = s + c
@@ -67,23 +57,22 @@ def _sum(v, axis: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def _inverse(s, EXACT: tl.constexpr):
-    # What _times takes for a positive float32 row sum ``s``: 1 / s, or EXACT, s itself.
+    # 1 / s for a positive float32 row sum ``s``; EXACT: correctly rounded (once per row; the
+    # GPU's plain float32 reciprocal is approximate).
     if EXACT:
-        inv = s
+        inv = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
     else:
         inv = 1.0 / s
     return inv
 
 
 @triton.jit
-def _times(e, inv, EXACT: tl.constexpr):
-    # e / s from _inverse(s): a multiply by 1 / s, or EXACT, a correctly rounded division (one
-    # rounding where the multiply by a rounded reciprocal takes two; GPUs' plain float32
-    # division is approximate).
+def _times(e, inv, s, EXACT: tl.constexpr):
+    # e / s given inv = _inverse(s): a multiply; EXACT, refined by one Newton step on the
+    # residual e - y·s (two FMAs), as good as a correctly rounded division but for rare ties.
+    y = e * inv
     if EXACT:
-        y = tl.math.div_rn(e, inv)
-    else:
-        y = e * inv
+        y = tl.fma(tl.fma(-y, s, e), inv, y)
     return y
 
 
@@ -96,7 +85,7 @@ def softmax_fwd_single(
     # launcher then guarantees stride_x == stride_y, so one split serves x and y.
     # NEXT (aligned rows, a persistent grid): the program's next tile is loaded, in x's dtype,
     # before this tile's reductions, so its loads are in flight while this tile computes.
-    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
+    EXACT: tl.constexpr = (y_ptr.dtype.element_ty == tl.float32) and VEC == 0
     pid = tl.program_id(0)
     if NEXT:
         rows, head = tile_rows(pid, stride_x, ROWS, VEC)
@@ -119,15 +108,18 @@ def softmax_fwd_single(
         row_max = tl.max(x, axis=1)
         if VEC > 0:
             row_max = tl.maximum(row_max, tl.max(xe, axis=1))
-        e = _exp(x - row_max[:, None], EXACT)
+        e = _exp(x - row_max[:, None])
         denom = _sum(e, 1, EXACT)
         if VEC > 0:
-            ee = _exp(xe - row_max[:, None], EXACT)
+            ee = _exp(xe - row_max[:, None])
             denom += _sum(ee, 1, EXACT)
         inv = _inverse(denom, EXACT)[:, None]
-        tl.store(y_ptr + offs_y, _times(e, inv, EXACT).to(y_ptr.dtype.element_ty), mask=mask)
+        denom = denom[:, None]
+        tl.store(y_ptr + offs_y, _times(e, inv, denom, EXACT).to(y_ptr.dtype.element_ty),
+                 mask=mask)
         if VEC > 0:
-            tl.store(y_ptr + e_offs, _times(ee, inv, EXACT).to(y_ptr.dtype.element_ty), mask=e_mask)
+            tl.store(y_ptr + e_offs, _times(ee, inv, denom, EXACT).to(y_ptr.dtype.element_ty),
+                     mask=e_mask)
 
 
 @triton.jit
@@ -148,19 +140,20 @@ def softmax_fwd_looped(x_ptr, y_ptr, N, stride_x, stride_y, CHUNK: tl.constexpr)
         # tl.maximum drops NaN; keep a lane's NaN sticky so the row comes out NaN, as in torch.
         m_new = tl.where((x != x) | (m != m), float("nan"), tl.maximum(m, x))
         # A lane that has only seen -inf keeps s = 0 (avoids -inf - -inf = NaN).
-        scale = tl.where(m_new == -float("inf"), 0.0, _exp(m - m_new, EXACT))
-        e = tl.where(m_new == -float("inf"), 0.0, _exp(x - m_new, EXACT))
+        scale = tl.where(m_new == -float("inf"), 0.0, _exp(m - m_new))
+        e = tl.where(m_new == -float("inf"), 0.0, _exp(x - m_new))
         s = s * scale + e
         m = m_new
     row_max = tl.max(m, axis=0)
-    lane_scale = tl.where(m == -float("inf"), 0.0, _exp(m - row_max, EXACT))
-    inv = _inverse(_sum(s * lane_scale, 0, EXACT), EXACT)
+    lane_scale = tl.where(m == -float("inf"), 0.0, _exp(m - row_max))
+    denom = _sum(s * lane_scale, 0, EXACT)
+    inv = _inverse(denom, EXACT)
     for start in range(0, N, CHUNK):
         cols = start + lanes
         mask = cols < N
         x = tl.load(x_row + cols, mask=mask, other=-float("inf"),
                     eviction_policy="evict_first").to(tl.float32)
-        y = _times(_exp(x - row_max, EXACT), inv, EXACT)
+        y = _times(_exp(x - row_max), inv, denom, EXACT)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -216,12 +209,13 @@ def softmax_fwd_reload(
     y_row = y_ptr + row * stride_y
     x = _piece(x_row, tl.arange(0, WHOLE), N, EVEN, "evict_last", -float("inf"))
     row_max = tl.max(x, axis=0).to(tl.float32)
-    inv = _inverse(_sum(_exp(x.to(tl.float32) - row_max, EXACT), 0, EXACT), EXACT)
+    denom = _sum(_exp(x.to(tl.float32) - row_max), 0, EXACT)
+    inv = _inverse(denom, EXACT)
     lanes = tl.arange(0, CHUNK)
     for start in tl.static_range(0, WHOLE, CHUNK):
         cols = start + lanes
         xc = _piece(x_row, cols, N, EVEN, "evict_first", -float("inf")).to(tl.float32)
-        y = _times(_exp(xc - row_max, EXACT), inv, EXACT).to(y_ptr.dtype.element_ty)
+        y = _times(_exp(xc - row_max), inv, denom, EXACT).to(y_ptr.dtype.element_ty)
         if EVEN > 0:
             tl.store(y_row + cols, y)
         else:
@@ -251,12 +245,13 @@ def softmax_fwd_unrolled(
     acc = tl.zeros([CHUNK], tl.float32)
     for start in tl.static_range(0, N, CHUNK):
         xc = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32)
-        acc += _exp(xc - row_max, EXACT)
-    inv = _inverse(_sum(acc, 0, EXACT), EXACT)
+        acc += _exp(xc - row_max)
+    denom = _sum(acc, 0, EXACT)
+    inv = _inverse(denom, EXACT)
     for start in tl.static_range(0, N, CHUNK):
         cols = start + lanes
         xc = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
-        y = _times(_exp(xc - row_max, EXACT), inv, EXACT)
+        y = _times(_exp(xc - row_max), inv, denom, EXACT)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty))
 
 
@@ -271,7 +266,7 @@ def softmax_fwd_unrolled_vec(
     # vectors (the same count for every misalignment, so only a last partial chunk is
     # masked); the head before the boundary (< VEC) and the tail after the body (< 2·VEC) are
     # one 4·VEC-lane edge tile, loaded once and kept.
-    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
+    EXACT: tl.constexpr = False  # unaligned rows (see EXACT above)
     row = tl.program_id(0)
     start = row.to(tl.int64) * stride
     first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
@@ -297,21 +292,22 @@ def softmax_fwd_unrolled_vec(
         else:
             v = tl.load(x_body + c, mask=c < BODY, other=float("-inf"),
                         eviction_policy="evict_last")
-        acc += _exp(v.to(tl.float32) - row_max, EXACT)
-    ee = _exp(xe - row_max, EXACT)
-    inv = _inverse(_sum(acc, 0, EXACT) + _sum(tl.where(emask, ee, 0.0), 0, EXACT),
-                   EXACT)
-    tl.store(y_ptr + start + ecol, _times(ee, inv, EXACT).to(y_ptr.dtype.element_ty), mask=emask)
+        acc += _exp(v.to(tl.float32) - row_max)
+    ee = _exp(xe - row_max)
+    denom = _sum(acc, 0, EXACT) + _sum(tl.where(emask, ee, 0.0), 0, EXACT)
+    inv = _inverse(denom, EXACT)
+    tl.store(y_ptr + start + ecol, _times(ee, inv, denom, EXACT).to(y_ptr.dtype.element_ty),
+             mask=emask)
     for c0 in tl.static_range(0, BODY, CHUNK):
         c = c0 + lanes
         if c0 + CHUNK <= BODY:
             v = tl.load(x_body + c, eviction_policy="evict_first").to(tl.float32)
-            tl.store(y_body + c, _times(_exp(v - row_max, EXACT), inv, EXACT).to(
+            tl.store(y_body + c, _times(_exp(v - row_max), inv, denom, EXACT).to(
                 y_ptr.dtype.element_ty))
         else:
             v = tl.load(x_body + c, mask=c < BODY, other=float("-inf"),
                         eviction_policy="evict_first").to(tl.float32)
-            tl.store(y_body + c, _times(_exp(v - row_max, EXACT), inv, EXACT).to(
+            tl.store(y_body + c, _times(_exp(v - row_max), inv, denom, EXACT).to(
                 y_ptr.dtype.element_ty), mask=c < BODY)
 
 
@@ -435,7 +431,7 @@ def softmax_fwd_split(
     # then also has the edges; x and y then share the row stride). PREFETCH: see runtime/split.py.
     # FULL: pieces fill their BLOCK lanes (L == BLOCK), which saves the per-lane piece mask
     # (bf16 at 8192 x 8: 64 registers instead of 79).
-    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
+    EXACT: tl.constexpr = (y_ptr.dtype.element_ty == tl.float32) and VEC == 0
     pid = tl.program_id(0)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
@@ -469,10 +465,10 @@ def softmax_fwd_split(
         # element, not two). An all -inf piece takes its exponentials about 0 (-inf - -inf would
         # be NaN): e = 0, and its scale is exp(-inf) = 0 (NaN if the whole row is -inf, as torch).
         m_safe = tl.where(m == -float("inf"), 0.0, m)
-        e = _exp(x - m_safe, EXACT)
+        e = _exp(x - m_safe)
         s = _sum(e, 0, EXACT)
         if VEC > 0:
-            ee = _exp(xe - m_safe, EXACT)
+            ee = _exp(xe - m_safe)
             s += _sum(ee, 0, EXACT)
         tl.store(stats_ptr + item * 2, m)
         tl.store(stats_ptr + item * 2 + 1, s)
@@ -486,13 +482,9 @@ def softmax_fwd_split(
         ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"), cache_modifier=".cg")
         ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
         row_max = tl.max(ms, axis=0)
-        denom = _sum(tl.where(ms == -float("inf"), 0.0, ss * _exp(ms - row_max, EXACT)), 0,
-                     EXACT)
+        denom = _sum(tl.where(ms == -float("inf"), 0.0, ss * _exp(ms - row_max)), 0, EXACT)
         # m <= row max: no overflow (and 1 exactly in the piece that holds it).
-        if EXACT:
-            scale = _times(_exp(m - row_max, EXACT), denom, EXACT)
-        else:
-            scale = tl.exp2((m - row_max) * LOG2E) / denom
+        scale = _times(_exp(m - row_max), _inverse(denom, EXACT), denom, EXACT)
         offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC, FULL)
         tl.store(y_ptr + offs_y, (e * scale).to(y_ptr.dtype.element_ty), mask=mask)
         if VEC > 0:
