@@ -390,6 +390,9 @@ def softmax_candidates(n: int, elt: int, current: dict, dev: DeviceFacts) -> lis
     unset = {"UNROLLED_FWD": {}} if current["variant"] == "unrolled" else {}
     out += reload_candidates("softmax", n, elt, block, sm_rules.RELOAD_FWD_ABOVE, unset)
     out += single_candidates("softmax_fwd", block, current)
+    if current.get("next"):  # (NEXT_FWD takes a row before the rules these candidates set)
+        for cand in out:
+            cand.rules.append(("softmax", {"NEXT_FWD": {}}))
     out += next_candidates(n, elt, dev)
     return out
 
