@@ -49,7 +49,8 @@ EPS = 1e-5
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 GRAD = 4.0  # dx and dweight are sums over a row / over rows
 # The VEC constexpr's place in each kernel's arguments (the launch's last or next-to-last).
-VEC_AT = {"rms_fwd_single": -1, "rms_fwd_reload_vec": -1, "rms_bwd_vec": -1,
+VEC_AT = {"rms_fwd_single": -1, "rms_fwd_reload_vec": -1, "rms_fwd_unrolled_vec": -1,
+          "rms_bwd_vec": -1,
           "rms_fwd_split": -2, "rms_bwd_split": -2}
 
 
@@ -192,6 +193,27 @@ def test_forward_reload_vec(w_mode, launch_rules):
     x, w, dy = make(5, 259, FP16, w_mode, seed=6)
     runs = check(x, w, dy, need=(False, False), stats=False)
     assert vecs(runs, "rms_fwd_reload_vec") == [8, 8] and "rms_fwd_single" not in runs
+    assert ("shift_weight" in runs) == (w is not None)
+
+
+@pytest.mark.parametrize("dtype,n,w_mode", [(FP16, 259, "none"), (FP16, 259, "same"),
+                                            (BF16, 275, "fp32"), (FP32, 259, "same")], ids=str)
+def test_forward_unrolled_vec(dtype, n, w_mode, launch_rules):
+    """Unaligned rows of large calls with an UNROLLED_VEC_FWD config: rms_fwd_unrolled_vec (the
+    aligned body in unrolled vector chunks, its last one partial, the edges in one tile) on
+    rows of every misalignment, the weight from the shifted copies."""
+    from fusedops.backends.triton.configs.common import body_len
+    from fusedops.backends.triton.runtime.device import next_pow2
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    vec = 16 // elt
+    launch_rules("rmsnorm", SHIFTED_W_MIN_ELEMS=0, RELOAD_VEC_FWD={},
+                 UNROLLED_VEC_FWD={(elt, next_pow2(body_len(n, vec))): (64, 2)})
+    x, w, dy = make(vec + 1, n, dtype, w_mode, seed=7)
+    runs = check(x, w, dy, need=(False, False), stats=False)
+    assert vecs(runs, "rms_fwd_unrolled_vec") == [vec, vec] and "rms_fwd_single" not in runs
+    body = (n // vec - 1) * vec
+    assert body % 64 and all(args[9:11] == (body, 64) for args in runs["rms_fwd_unrolled_vec"])
     assert ("shift_weight" in runs) == (w is not None)
 
 
@@ -595,6 +617,10 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     assert fwd(8193, 2, 8, False, cuda, False).kernel == "single"
     assert fwd(8193, 4, 4, False, cuda, True)[:1] + fwd(8193, 4, 4, False, cuda, True)[5:9] == (
         "single", 4, 0, 0, True)
+    assert fwd(65537, 2, 8, False, cuda, True)[:1] + fwd(65537, 2, 8, False, cuda, True)[5:9] \
+        == ("unrolled_vec", 8, 8192, 0, True)
+    assert fwd(65537, 2, 8, False, cuda, False).kernel == "split"  # (a small call)
+    launch_rules("rmsnorm", UNROLLED_VEC_FWD={})
     assert fwd(65537, 2, 8, False, cuda, True)[:1] + fwd(65537, 2, 8, False, cuda, True)[5:8] \
         == ("split", 8, 8192, 3)
     assert fwd(65536, 4, 0, True, cuda, True)[5:8] == (0, 8192, 1)
@@ -621,7 +647,8 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
 
 def test_rules_off_cuda_never_split():
     cpu = device_facts(-1)
-    assert rms_rules.forward_config(65537, 2, 8, False, cpu, True).kernel == "looped"
+    assert rms_rules.forward_config(65537, 2, 8, False, cpu, True).kernel == "unrolled_vec"
+    assert rms_rules.forward_config(65537, 2, 8, False, cpu, False).kernel == "looped"
     assert rms_rules.backward_config(65537, 2, 8, False, cpu).kernel == "looped"
 
 
@@ -664,6 +691,9 @@ _COMPILE = textwrap.dedent("""
                                                 HOLD_W=True, STATS=True, VEC=8), ("w_ld",)),
         "fwd_reload": build(k.rms_fwd_reload_vec, dict(BLOCK_N=4096, CHUNK=1024, HAS_W=True,
                                                        STATS=True, VEC=8), ("w_ld",)),
+        "fwd_unrolled_vec": build(k.rms_fwd_unrolled_vec, dict(N=16385, BODY=16376, CHUNK=4096,
+                                                               HAS_W=True, STATS=True, VEC=8),
+                                  ("w_ld",)),
         "fwd_unrolled": build(k.rms_fwd_unrolled, dict(N=16384, CHUNK=4096, HAS_W=True,
                                                        STATS=True), ("stride_x", "stride_y")),
         "fwd_split": build(ks.rms_fwd_split, dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True,
@@ -715,7 +745,7 @@ def test_kernels_compile_for_sm90(sm90):
 
 GPU_ROWS = [(BF16, 512, 8193), (FP32, 512, 8193), (FP16, 300, 4097), (BF16, 64, 65537),
             (FP32, 64, 65537), (BF16, 48, 131072), (FP32, 40, 262144), (BF16, 200, 32768),
-            (FP32, 100, 16385), (BF16, 128, 32769)]
+            (FP32, 100, 16385), (BF16, 128, 32769), (FP16, 16, 262145), (FP32, 16, 131073)]
 
 
 @pytest.mark.gpu
@@ -731,10 +761,12 @@ def test_gpu_variants(dtype, m, n, w_mode, launch_rules):
     runs = check(x, w, dy)
     vec = _vec_expected(n, dtype)
     block = 1 << ((n // vec * vec if vec else n) - 1).bit_length()
-    fwd_split = block > 32768 and (dtype == FP32 or vec > 0)
+    fwd_unrolled_vec = vec > 0 and (x.element_size(), block) in rms_rules.UNROLLED_VEC_FWD
+    fwd_split = block > 32768 and (dtype == FP32 or vec > 0) and not fwd_unrolled_vec
     assert ("rms_fwd_split" in runs) == fwd_split
+    assert vecs(runs, "rms_fwd_unrolled_vec") == ([vec] if fwd_unrolled_vec else [])
     assert ("rms_bwd_split" in runs) == (block > 16384)
-    if vec and not fwd_split:
+    if vec and not fwd_unrolled_vec:
         assert vecs(runs, "rms_fwd_single") + vecs(runs, "rms_fwd_reload_vec") == [vec]
     if vec and block <= 16384:
         assert vecs(runs, "rms_bwd_vec") == [vec]

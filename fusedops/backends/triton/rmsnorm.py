@@ -28,6 +28,10 @@ scalar accesses), the kernels configured for the body (8192 at N = 8193).
 * Forward, reload (unaligned 16-bit bodies of 4K-32K in large calls, ``RELOAD_VEC_FWD``): one
   row per program, the body read whole for the sum of squares, then again from L2 in chunks
   to write y, the weight from the shifted copies.
+* Forward, unrolled over the aligned body (unaligned rows of large calls, ``UNROLLED_VEC_FWD``:
+  bodies of 64K-256K): rms_fwd_unrolled's two passes over the body in vector chunks (the body
+  length compile-time), the edges in one small tile kept in registers, the weight from the
+  shifted copies.
 * Forward, split rows (rows no program holds, CUDA, ``SPLIT_FWD``: float32 and unaligned rows):
   C equal pieces in cooperating programs (``runtime/split.py``) each publish their sum of
   squares and wait for their row's: one read, one write; unaligned rows in pieces of their
@@ -74,6 +78,7 @@ from fusedops.backends.triton.kernels.rmsnorm import (
     rms_fwd_reload_vec,
     rms_fwd_single,
     rms_fwd_unrolled,
+    rms_fwd_unrolled_vec,
     shift_weight,
 )
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
@@ -90,6 +95,7 @@ __all__ = ["rmsnorm_backward", "rmsnorm_forward", "rmsnorm_forward_y"]
 
 _launch_fwd_single = Launcher(rms_fwd_single)
 _launch_fwd_unrolled = Launcher(rms_fwd_unrolled)
+_launch_fwd_unrolled_vec = Launcher(rms_fwd_unrolled_vec)
 _launch_fwd_reload_vec = Launcher(rms_fwd_reload_vec)
 _launch_fwd_looped = Launcher(rms_fwd_looped)
 _launch_fwd_split = SplitLauncher(rms_fwd_split)
@@ -209,6 +215,10 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         _launch_fwd_unrolled((M,), args, cfg.warps)
         if key is not None:
             _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, cfg.warps, 4, M)
+    elif cfg.kernel == "unrolled_vec":
+        body = (N // cfg.vec - 1) * cfg.vec
+        _launch_fwd_unrolled_vec((M,), (x, w, y, r, M, stride, eps, w_ld, N, body, cfg.chunk,
+                                        has_w, with_stats, cfg.vec), cfg.warps)
     elif cfg.kernel == "reload_vec":
         _launch_fwd_reload_vec((M,), (x, w, y, r, N, stride, eps, w_ld, cfg.block, cfg.chunk,
                                       has_w, with_stats, cfg.vec), cfg.warps)

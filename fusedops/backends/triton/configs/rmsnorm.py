@@ -178,6 +178,19 @@ RELOAD_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
     (2, 4096): (1024, 4), (2, 8192): (1024, 8), (2, 16384): (4096, 16), (2, 32768): (8192, 32),
 }
 
+# Unaligned rows of large calls with longer bodies on rms_fwd_unrolled_vec (N compile-time, the
+# body in unrolled vector chunks, the weight from the shifted copies): (element size, padded
+# body) -> (chunk, warps), rows whose body holds a chunk; checked ahead of the split rows.
+# H200, fraction of copy against split rows on aligned-body pieces (h200/rmsnorm-unaligned.json,
+# bf16 / fp16): 65537 0.75 / 0.77 vs 0.53 / 0.53, 131073 0.71 / 0.71 vs 0.39 / 0.39, 262145
+# 0.61 / 0.61 vs 0.58 / 0.58; float32 65537 0.74 vs 0.71. Slower: float32 131073 / 262145
+# (0.57-0.63 vs 0.68 / 0.72), which stay on split rows.
+UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 65536): (8192, 32), (2, 131072): (16384, 32), (2, 262144): (16384, 32),
+    (4, 65536): (16384, 32),
+}
+
+
 # Split-row forward: (element size, rows start aligned) -> (largest piece, warps, PREFETCH);
 # rows without a rule stream looped. LayerNorm's split_config("fwd") configurations: aligned
 # float32 8192 on 4 warps prefetching before publishing, unaligned rows (aligned-body pieces)
@@ -239,14 +252,14 @@ SCALAR_SPLIT_BWD_16BIT: tuple[tuple[int, tuple[int, int, int, int | None]], ...]
 class FwdConfig(NamedTuple):
     """The forward's kernel and launch parameters (:func:`forward_config`)."""
 
-    kernel: str  # "single" | "unrolled" | "reload_vec" | "split" | "looped"
+    kernel: str  # "single" | "unrolled" | "unrolled_vec" | "reload_vec" | "split" | "looped"
     block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped), 0 (split,
-    # unrolled: N is its constexpr)
+    # unrolled, unrolled_vec: N is their constexpr)
     rows: int  # rows per tile (single)
     warps: int
     persistent: bool  # single: a persistent grid (grid_size) rather than one program per tile
     vec: int  # VEC: > 0 for unaligned rows as an aligned body plus edges
-    chunk: int  # unrolled: CHUNK; reload_vec: write-pass chunk; split: largest piece
+    chunk: int  # unrolled(_vec): CHUNK; reload_vec: write-pass chunk; split: largest piece
     prefetch: int  # split: PREFETCH
     shifted_w: bool  # the weight from per-misalignment shifted copies
     cluster: bool = False  # split: a row's pieces as one thread-block cluster (CLUSTER_FWD)
@@ -286,7 +299,8 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
     has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with a CLUSTER_FWD rule
     split in thread-block clusters; aligned rows with an UNROLLED_FWD config rms_fwd_unrolled;
-    rows no program holds (padded body above the single-block limit) split rows where they
+    unaligned rows of large calls with an UNROLLED_VEC_FWD config rms_fwd_unrolled_vec; rows
+    no program holds (padded body above the single-block limit) split rows where they
     run, else looped; unaligned 16-bit rows of large calls rms_fwd_reload_vec
     (RELOAD_VEC_FWD); the single-block kernel (FWD_RULES, else LayerNorm's rules, kind
     "ln_fwd")."""
@@ -298,6 +312,10 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, 0, vec) if rows_aligned else None
     if unrolled:
         return FwdConfig("unrolled", 0, 1, unrolled[1], False, 0, unrolled[0], 0, False)
+    unrolled = (UNROLLED_VEC_FWD.get((elt_size, next_pow2(body_len(n, vec))))
+                if vec and large and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
+    if unrolled and (n // vec - 1) * vec >= unrolled[0]:
+        return FwdConfig("unrolled_vec", 0, 1, unrolled[1], False, vec, unrolled[0], 0, True)
     single, block, rows, warps = row_config(body_len(n, vec), "ln_fwd", elt_size)
     if not single:
         return split_fwd_config(n, elt_size, vec, rows_aligned, dev) or _looped_fwd()

@@ -6,7 +6,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedops.backends.triton.kernels.common import row_body, row_edges, split_head, tile_rows
+from fusedops.backends.triton.kernels.common import (
+    row_body,
+    row_edges,
+    split_head,
+    tile_rows,
+    unrolled_edges,
+)
 
 
 @triton.jit
@@ -206,6 +212,60 @@ def rms_fwd_unrolled(
         if HAS_W:
             y = y * tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
         tl.store(y_row + cols, y.to(y_row.dtype.element_ty))
+
+
+@triton.jit
+def rms_fwd_unrolled_vec(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride, eps, w_ld,
+    N: tl.constexpr, BODY: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr,
+    STATS: tl.constexpr, VEC: tl.constexpr,
+):
+    # rms_fwd_unrolled for rows that start unaligned (LayerNorm's ln_fwd_unrolled_vec; M
+    # unused): every row's first BODY = (N // VEC - 1)·VEC elements from its first 16-byte
+    # boundary in unrolled vector chunks (the same count whatever the misalignment, so only a
+    # last partial chunk is masked), the head and tail in one 4·VEC-lane edge tile, loaded
+    # once and kept. x and y share the row stride; the weight from the shifted copies (w_ld >
+    # 1, whose row 0 is the weight itself) or the weight (w_ld == 1).
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
+    row = tl.program_id(0)
+    start = row.to(tl.int64) * stride
+    first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
+    x_body = x_ptr + first
+    y_body = y_ptr + first
+    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+    lanes = tl.arange(0, CHUNK)
+    acc = tl.zeros([CHUNK], tl.float32)
+    for c0 in tl.static_range(0, BODY, CHUNK):
+        c = c0 + lanes
+        if c0 + CHUNK <= BODY:
+            x = tl.load(x_body + c, eviction_policy="evict_last").to(tl.float32)
+        else:
+            x = tl.load(x_body + c, mask=c < BODY, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+        acc = tl.fma(x, x, acc)  # (as in rms_fwd_unrolled)
+    rstd = rstd_of(tl.sum(acc, axis=0) + sum_sq(xe, 0), N, eps, EXACT)
+    if STATS:
+        tl.store(rstd_ptr + row, rstd)
+    ye = xe * rstd
+    if HAS_W:
+        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    w_at = head * w_ld
+    for c0 in tl.static_range(0, BODY, CHUNK):
+        c = c0 + lanes
+        m = c < BODY
+        if c0 + CHUNK <= BODY:
+            y = tl.load(x_body + c, eviction_policy="evict_first").to(tl.float32) * rstd
+            if HAS_W:
+                y = y * tl.load(w_ptr + w_at + c, eviction_policy="evict_last").to(tl.float32)
+            tl.store(y_body + c, y.to(y_ptr.dtype.element_ty))
+        else:
+            y = tl.load(x_body + c, mask=m, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32) * rstd
+            if HAS_W:
+                y = y * tl.load(w_ptr + w_at + c, mask=m, other=0.0,
+                                eviction_policy="evict_last").to(tl.float32)
+            tl.store(y_body + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
