@@ -142,6 +142,17 @@ def unrolled_edges(start, N, BODY: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def unrolled_row(x_ptr, stride, N, BODY: tl.constexpr, VEC: tl.constexpr):
+    """The unaligned row of this program (row stride ``stride``) for the unrolled kernels:
+    ``(start, first, head, ecol, emask, xe)``, :func:`unrolled_edges`' values and ``xe`` the
+    row's edge tile of x as float32 (0 off the edges)."""
+    start = tl.program_id(0).to(tl.int64) * stride
+    first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
+    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
+    return start, first, head, ecol, emask, xe
+
+
+@triton.jit
 def row_edges(rows, head, M, N, stride, VEC: tl.constexpr):
     """The elements of rows ``rows`` outside their aligned bodies (see :func:`row_body`):
     ``(offs, mask, col)``, offsets and mask of a [ROWS, 2·VEC] tile (lanes < VEC: the head,

@@ -15,7 +15,7 @@ from fusedops.backends.triton.kernels.common import (
     split_head,
     split_piece,
     tile_rows,
-    unrolled_edges,
+    unrolled_row,
 )
 
 
@@ -315,11 +315,9 @@ def ln_fwd_unrolled_vec(
     # ``head``), so those loads are vectors too.
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
-    start = row.to(tl.int64) * stride
-    first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
+    start, first, head, ecol, emask, xe = unrolled_row(x_ptr, stride, N, BODY, VEC)
     x_body = x_ptr + first
     y_body = y_ptr + first
-    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
     x0 = tl.load(x_ptr + start).to(tl.float32)
     lanes = tl.arange(0, CHUNK)
     # Per-lane sums about the lane's first element k, merged with Chan's formula (as in

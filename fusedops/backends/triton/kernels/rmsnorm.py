@@ -11,7 +11,7 @@ from fusedops.backends.triton.kernels.common import (
     row_edges,
     split_head,
     tile_rows,
-    unrolled_edges,
+    unrolled_row,
 )
 
 
@@ -49,6 +49,21 @@ def rstd_of(ss, N, eps, EXACT: tl.constexpr):
         # (an inf, NaN or overflowing start, v = 0, inf or tiny, is kept)
         r = tl.where(tl.abs(e) < 0.5, tl.fma(0.5 * e, r, r), r)
     return r
+
+
+@triton.jit
+def finish_edges(ss, xe, w_ptr, y_ptr, rstd_ptr, row, start, ecol, emask, N, eps,
+                 HAS_W: tl.constexpr, STATS: tl.constexpr, EXACT: tl.constexpr):
+    """rstd of an unaligned row from its sum of squares ``ss`` (stored with STATS), and y of its
+    edge tile ``xe`` (columns ``ecol`` from ``start``, lanes ``emask``) written; returns rstd."""
+    rstd = rstd_of(ss, N, eps, EXACT)
+    if STATS:
+        tl.store(rstd_ptr + row, rstd)
+    ye = xe * rstd
+    if HAS_W:
+        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    return rstd
 
 
 @triton.jit
@@ -131,14 +146,8 @@ def rms_fwd_reload_vec(
     ecol = tl.where(j < VEC, j, head + body + (j - VEC))
     emask = tl.where(j < VEC, j < head, ecol < N)
     xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
-    ss = sum_sq(x, 0) + sum_sq(xe, 0)
-    rstd = rstd_of(ss, N, eps, EXACT)
-    if STATS:
-        tl.store(rstd_ptr + row, rstd)
-    ye = xe * rstd
-    if HAS_W:
-        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    rstd = finish_edges(sum_sq(x, 0) + sum_sq(xe, 0), xe, w_ptr, y_ptr, rstd_ptr, row, start,
+                        ecol, emask, N, eps, HAS_W, STATS, EXACT)
     lanes = tl.arange(0, CHUNK)
     w_at = head * w_ld
     for c0 in tl.static_range(0, BLOCK_N, CHUNK):
@@ -228,11 +237,9 @@ def rms_fwd_unrolled_vec(
     # 1, whose row 0 is the weight itself) or the weight (w_ld == 1).
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     row = tl.program_id(0)
-    start = row.to(tl.int64) * stride
-    first, head, ecol, emask = unrolled_edges(start, N, BODY, VEC)
+    start, first, head, ecol, emask, xe = unrolled_row(x_ptr, stride, N, BODY, VEC)
     x_body = x_ptr + first
     y_body = y_ptr + first
-    xe = tl.load(x_ptr + start + ecol, mask=emask, other=0.0).to(tl.float32)
     lanes = tl.arange(0, CHUNK)
     acc = tl.zeros([CHUNK], tl.float32)
     for c0 in tl.static_range(0, BODY, CHUNK):
@@ -243,13 +250,8 @@ def rms_fwd_unrolled_vec(
             x = tl.load(x_body + c, mask=c < BODY, other=0.0,
                         eviction_policy="evict_last").to(tl.float32)
         acc = tl.fma(x, x, acc)  # (as in rms_fwd_unrolled)
-    rstd = rstd_of(tl.sum(acc, axis=0) + sum_sq(xe, 0), N, eps, EXACT)
-    if STATS:
-        tl.store(rstd_ptr + row, rstd)
-    ye = xe * rstd
-    if HAS_W:
-        ye = ye * tl.load(w_ptr + ecol, mask=emask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
+    rstd = finish_edges(tl.sum(acc, axis=0) + sum_sq(xe, 0), xe, w_ptr, y_ptr, rstd_ptr, row,
+                        start, ecol, emask, N, eps, HAS_W, STATS, EXACT)
     w_at = head * w_ld
     for c0 in tl.static_range(0, BODY, CHUNK):
         c = c0 + lanes
