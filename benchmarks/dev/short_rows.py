@@ -38,7 +38,11 @@ rows, so every tensor is far larger than L2. For each (op, dtype, N) it times, w
     program on the warps that give a thread 32 elements of the padded row (RMSNorm through its
     ``FWD_RULES`` table; LayerNorm and softmax through ``configs.common.row_config`` pinned for
     that kind and padded row by :class:`PinRowConfig`, whose table counterpart is
-    ``_SHORT_16BIT`` for padded rows up to 1024, ``_tile_elems`` / ``_warps_for`` above).
+    ``_SHORT_16BIT`` for padded rows up to 1024, ``_tile_elems`` / ``_warps_for`` above);
+  - softmax's single-block forward with the next row prefetched (aligned rows of 4K up to the
+    single-block cap): a one-entry ``NEXT_FWD`` table per (warps, programs per SM) of
+    ``NEXT_CONFIGS``, on a persistent grid; where the rules hold a ``NEXT_FWD`` entry for the
+    row, the other candidates clear it.
 
   A candidate whose rules give the current configuration is listed as ``same as current`` and
   not timed. Before a candidate is timed, its first call runs with its launches recorded
