@@ -310,7 +310,8 @@ def test_rmsnorm_configs():
                     assert fwd.chunk % (32 * fwd.warps) == 0
                 elif fwd.kernel == "unrolled_vec":
                     assert fwd.vec and large and fwd.shifted_w
-                    assert (n // vec - 1) * vec >= fwd.chunk and fwd.chunk % (32 * fwd.warps) == 0
+                    assert fwd.block == (n // vec - 1) * vec >= fwd.chunk
+                    assert fwd.chunk % (32 * fwd.warps) == 0
                 elif fwd.kernel == "split":
                     assert common.split_fits(dev, n, fwd.chunk)
                 else:

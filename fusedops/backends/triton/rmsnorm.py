@@ -216,9 +216,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         if key is not None:
             _fwd_plans.add(key, _launch_fwd_unrolled, (M,), args, cfg.warps, 4, M)
     elif cfg.kernel == "unrolled_vec":
-        body = (N // cfg.vec - 1) * cfg.vec
-        _launch_fwd_unrolled_vec((M,), (x, w, y, r, M, stride, eps, w_ld, N, body, cfg.chunk,
-                                        has_w, with_stats, cfg.vec), cfg.warps)
+        _launch_fwd_unrolled_vec((M,), (x, w, y, r, M, stride, eps, w_ld, N, cfg.block,
+                                        cfg.chunk, has_w, with_stats, cfg.vec), cfg.warps)
     elif cfg.kernel == "reload_vec":
         _launch_fwd_reload_vec((M,), (x, w, y, r, N, stride, eps, w_ld, cfg.block, cfg.chunk,
                                       has_w, with_stats, cfg.vec), cfg.warps)

@@ -253,8 +253,8 @@ class FwdConfig(NamedTuple):
     """The forward's kernel and launch parameters (:func:`forward_config`)."""
 
     kernel: str  # "single" | "unrolled" | "unrolled_vec" | "reload_vec" | "split" | "looped"
-    block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped), 0 (split,
-    # unrolled, unrolled_vec: N is their constexpr)
+    block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped); unrolled_vec:
+    # BODY, the body elements every row streams; 0 (split, unrolled: N is its constexpr)
     rows: int  # rows per tile (single)
     warps: int
     persistent: bool  # single: a persistent grid (grid_size) rather than one program per tile
@@ -314,8 +314,9 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
         return FwdConfig("unrolled", 0, 1, unrolled[1], False, 0, unrolled[0], 0, False)
     unrolled = (UNROLLED_VEC_FWD.get((elt_size, next_pow2(body_len(n, vec))))
                 if vec and large and single_block_limit() == DEFAULT_SINGLE_BLOCK_LIMIT else None)
-    if unrolled and (n // vec - 1) * vec >= unrolled[0]:
-        return FwdConfig("unrolled_vec", 0, 1, unrolled[1], False, vec, unrolled[0], 0, True)
+    body = (n // vec - 1) * vec if unrolled else 0
+    if unrolled and body >= unrolled[0]:
+        return FwdConfig("unrolled_vec", body, 1, unrolled[1], False, vec, unrolled[0], 0, True)
     single, block, rows, warps = row_config(body_len(n, vec), "ln_fwd", elt_size)
     if not single:
         return split_fwd_config(n, elt_size, vec, rows_aligned, dev) or _looped_fwd()
