@@ -22,6 +22,7 @@ from conftest import assert_close_to_ref, forced_split_config, ln_backward_vec
 from fusedops.backends.triton import configs as tconfigs
 from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton import layernorm_bwd as tlnb
+from fusedops.backends.triton import rmsnorm_bwd as trmsb
 from fusedops.backends.triton import softmax as tsm
 from fusedops.backends.triton.configs import common as tcfg
 from fusedops.backends.triton.configs import layernorm as ln_rules
@@ -678,6 +679,57 @@ def test_softmax_forward_next_tile_prefetch(monkeypatch, dtype, m, n, launch_rul
         assert calls == [((min(m, 2),), 1, 2)]
     else:
         assert all(nxt == 0 for _, nxt, _ in calls)
+
+
+def test_softmax_cluster_forward_rules(launch_rules):
+    """CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size take the
+    split forward in thread-block clusters on a GPU that runs them, ahead of every other rule
+    (one cluster per row: PREFETCH 0), with the rules without clusters as the fallback; rows
+    outside the range, unaligned rows, other piece counts and GPUs without clusters do not."""
+    hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
+    no_clusters = hopper._replace(clusters=False)
+    fwd = sm_rules.forward_config
+    launch_rules("softmax", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1, False)),),
+                                         4: ((65536, 65536, (8192, 8, 2, True)),)})
+    for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
+        cfg = fwd(n, 2, 0, 64, hopper)
+        assert (cfg.variant, cfg.pieces, cfg.piece, cfg.block, cfg.warps, cfg.prefetch,
+                cfg.cluster) == ("split", c, 16384, 16384, 16, 1, 1), n
+        assert cfg.fallback == fwd(n, 2, 0, 64, no_clusters) and not cfg.fallback.cluster
+        assert not fwd(n, 2, 8, 64, hopper).cluster  # unaligned rows
+    cfg = fwd(65536, 4, 0, 64, hopper)
+    assert (cfg.pieces, cfg.warps, cfg.prefetch, cfg.cluster) == (8, 8, 0, 2)
+    assert not fwd(131072, 4, 0, 64, hopper).cluster  # outside the float32 range
+    assert not fwd(98304, 2, 0, 64, hopper).cluster  # 6 pieces: no cluster size
+    assert not fwd(16384, 2, 0, 64, hopper).cluster  # below the range
+    launch_rules("softmax", CLUSTER_FWD={})
+    assert not fwd(131072, 2, 0, 64, hopper).cluster
+
+
+def test_rmsnorm_fused_backward_stages_rule(monkeypatch, device):
+    """The RMSNorm fused backward's tile loop is pipelined (STAGES 3) only for 16-bit rows of
+    the blocks PIPELINED_BWD_BLOCKS lists whose row strides and length are 16-byte multiples;
+    the launch passes the rule's value (STAGES, the kernel's last argument)."""
+    stages = rms_rules.fused_bwd_stages
+    for k in range(4, 15):
+        block = 1 << k
+        assert (stages(block, 2, True) > 1) == (block in rms_rules.PIPELINED_BWD_BLOCKS)
+        assert stages(block, 4, True) == 1 and stages(block, 2, False) == 1
+    seen = []
+    real = trmsb._launch_bwd_single
+    monkeypatch.setattr(trmsb, "_launch_bwd_single", lambda grid, args, warps: seen.append(
+        args[-1]) or real(grid, args, warps))
+    piped = min(rms_rules.PIPELINED_BWD_BLOCKS)
+    for n, stride in ((piped * 3 // 4, 0), (piped // 2, 0), (piped * 3 // 4, 4)):
+        x = torch.randn(8, n + stride, dtype=torch.bfloat16, device=device)[:, :n]
+        w = torch.randn(n, dtype=torch.bfloat16, device=device)
+        rstd = torch.rand(8, device=device) + 0.5
+        seen.clear()
+        trmsb.rmsnorm_backward(torch.randn(8, n, dtype=x.dtype, device=device), x, w, rstd,
+                               True, True)
+        want = 3 if stride == 0 and rt_device.next_pow2(n) in rms_rules.PIPELINED_BWD_BLOCKS \
+            else 1
+        assert seen == [want], (n, stride)
 
 
 @NEEDS_KERNELS

@@ -171,3 +171,45 @@ def test_unaligned_layernorm_backward_deterministic_mode_is_scalar(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert seen == [1]
+
+
+@pytest.mark.parametrize(("dtype", "m", "n", "piece", "warps", "prefetch", "per_row"), [
+    (torch.bfloat16, 40, 65536, 4096, 4, 1, False),
+    (torch.bfloat16, 33, 131072, 16384, 16, 0, True),
+    (torch.float16, 7, 65536, 8192, 8, 2, False),
+    (torch.bfloat16, 24, 262144, 16384, 16, 0, False),
+    (torch.float32, 64, 65536, 8192, 8, 1, False),
+    (torch.float32, 9, 32768, 16384, 16, 0, True),
+    (torch.bfloat16, 300, 16384, 4096, 4, 3, False)], ids=str)
+def test_softmax_cluster_forward(dtype, m, n, piece, warps, prefetch, per_row, launch_rules):
+    """Forced CLUSTER_FWD rules (2-16 pieces, both grids, every load placement), with special
+    rows (one all -inf, one with a NaN in its last piece, one whose maximum sits alone in its
+    last piece): values against float64, and the forward launches softmax_fwd_split with
+    CLUSTER on Hopper (elsewhere the rules without clusters)."""
+    from fusedops.backends.triton import softmax as tsm
+    from fusedops.backends.triton.runtime.recording import record_launches
+
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    elt = torch.empty((), dtype=dtype).element_size()
+    launch_rules("softmax", CLUSTER_FWD={elt: ((n, n, (piece, warps, prefetch, per_row)),)})
+    g = torch.Generator().manual_seed(n + m)
+    x = torch.randn(m, n, generator=g) * 3
+    x[1] = -float("inf")
+    x[2, -5] = float("nan")
+    x[3, -1] = 80.0
+    x = x.to(dtype).cuda()
+    with record_launches() as record:
+        y = tsm.softmax_forward(x, dtype)
+    ref = torch.softmax(x.double(), -1)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    keep = torch.ones(m, dtype=torch.bool)
+    keep[1:3] = False
+    assert_close_to_ref(y[keep.cuda()], ref[keep.cuda()], dtype)
+    clustered = [args for launcher, _, args, _ in record
+                 if launcher is tsm._launch_fwd_cluster]
+    assert bool(clustered) == hopper, record
+    if hopper:
+        (args,) = clustered
+        assert (args[10], args[11], args[13], args[16]) == (piece, n // piece,
+                                                             0 if per_row else prefetch, True)
+        assert args[9] == (m * (n // piece) if per_row else args[9])

@@ -41,8 +41,9 @@ plans included), without the autograd engine. Per (op, dtype, N):
   - fused kernel (LayerNorm rows up to 8K and 8193's aligned body, RMSNorm rows up to 16K):
     (ROWS, warps, programs per SM, ACC_1D) neighbours of the current configuration, pinned by
     :class:`PinFusedBwd` (LayerNorm's ``fused_bwd_config``) or a one-entry RMSNorm
-    ``BWD_RULES_16BIT``; LayerNorm also the pipelined tile loop (``PIPELINED_BWD_BLOCKS``)
-    and the paired row sums (``PAIRED_SUMS``) switched; RMSNorm 8193 (``rms_bwd_vec``): warps
+    ``BWD_RULES_16BIT``; the pipelined tile loop switched (each op's
+    ``PIPELINED_BWD_BLOCKS``; RMSNorm's 16-bit rows up to 8K), LayerNorm's paired row sums
+    (``PAIRED_SUMS``) too; RMSNorm 8193 (``rms_bwd_vec``): warps
     and programs per SM pinned by :class:`PinVecBwd` (``vec_bwd_config``), and scalar
     accesses (``VEC_EDGES=False``);
   - split rows (aligned rows of 16K-256K, and forced at LayerNorm 8K / RMSNorm 16K): piece
@@ -61,9 +62,9 @@ plans included), without the autograd engine. Per (op, dtype, N):
   A candidate whose rules give the current configuration is listed as ``same as current`` and
   not timed; ``--max-candidates`` (default 10) keeps the first ones of each case (the list is
   in order of interest) and lists the rest as left out. Before a candidate is timed, its first
-  call runs with its launches recorded (``runtime.recording.record_launches``; LayerNorm's
-  replay plans switched off for that call with ``BWD_PLANS=False``, since the host records a
-  plan's launches itself): the host's memo of the decision for that very call signature
+  call runs with its launches recorded (``runtime.recording.record_launches``; the replay
+  plans switched off for that call, LayerNorm's with ``BWD_PLANS=False``, RMSNorm's by
+  :func:`rms_plans_off`, since the host records a plan's launches itself): the host's memo of the decision for that very call signature
   (``_bwd_config``, read back as a cache hit) must hold the candidate's path and parameters;
   the launches must include the path's kernels with the expected constexprs, warps and (where
   the rules fix it) grid, clusters and register cap as asked; no split-row or cluster switch
@@ -348,7 +349,7 @@ def label_of(op: str, f: dict[str, Any]) -> str:
         if f["vec"]:
             return f"fused vec {f['block']}: {f['warps']}w, {f['per_sm']}/SM"
         return (f"fused {f['block']}: {f['rows']}r x {f['warps']}w, {f['per_sm']}/SM, "
-                f"acc{'1d' if f['acc_1d'] else '2d'}")
+                f"acc{'1d' if f['acc_1d'] else '2d'}, st{f['stages']}")
     if v == "split":
         return (f"split {f['chunk']}x{f['warps']} pf{f['prefetch']}"
                 + (f" cap{f['maxnreg']}" if f["maxnreg"] else "")
@@ -629,6 +630,14 @@ def rmsnorm_candidates(n: int, elt: int, cur: dict[str, Any],
         block = cur["block"]
         aligned = n % (16 // elt) == 0
         rule = rms_rules.bwd_config(block, elt, aligned)
+        if aligned and elt == 2 and block <= 8192:
+            pipelined = set(rms_rules.PIPELINED_BWD_BLOCKS) ^ {block}
+            stages = 3 if block in pipelined else 1
+            out.append(BwdCandidate(
+                f"fused {block}: stages {stages}", {"variant": "fused", "stages": stages},
+                [("rmsnorm", {"PIPELINED_BWD_BLOCKS": frozenset(sorted(pipelined))})],
+                f"configs/rmsnorm.py PIPELINED_BWD_BLOCKS {'with' if stages > 1 else 'without'}"
+                f" {block}", kernels=1))
         if aligned and elt == 2:  # BWD_RULES_16BIT holds such rows
             for cfg in fused_neighbours(rule, False):
                 rows, warps, per_sm, acc_1d = cfg
@@ -828,7 +837,8 @@ def expected_launches(op: str, f: dict[str, Any], n: int, m: int,
                            f["warps"], (progs,))]
         progs = min(cdiv(m, f["rows"]), dev.num_sms * f["per_sm"])
         return [Expect("rms_bwd_single", {"BLOCK_N": f["block"], "ROWS": f["rows"],
-                                          "ACC_1D": f["acc_1d"]}, f["warps"], (progs,))]
+                                          "ACC_1D": f["acc_1d"], "STAGES": f["stages"]},
+                       f["warps"], (progs,))]
     if v == "split":
         c, length = split_pieces(n, f["chunk"], f["vec"])
         clusters = bool(f["cluster"] and not f["vec"] and dev.clusters and c in CLUSTER_SIZES)
@@ -940,10 +950,22 @@ def plan_state() -> str:
     return "not replayable" if plans else "none"
 
 
+@contextlib.contextmanager
+def rms_plans_off() -> Iterator[None]:
+    """RMSNorm's backward without its replay plans inside the block: a call that makes a
+    plan records its launches itself, which hides them from the checked call's recording."""
+    plans = rms_host._bwd_plans
+    plans.get = lambda key: False  # (False: no plan for this signature, run the rules)
+    try:
+        yield
+    finally:
+        del plans.get
+
+
 def run_checked(op: str, n: int, m: int, elt: int, index: int, want: dict[str, Any],
                 fn: Callable[[], tuple]
                 ) -> tuple[tuple, list[dict], dict[str, Any], list[str], str | None]:
-    """Run ``fn`` once with its launches recorded (LayerNorm's replay plans off for it): (the
+    """Run ``fn`` once with its launches recorded (replay plans off for it): (the
     gradients, the launches, the host config facts, problems, the replay plan's state after
     a second call with plans on, LayerNorm on a GPU only). Problems: every way the host memo
     of this call's decision or its launches differ from ``want``, and, where the second call
@@ -952,7 +974,8 @@ def run_checked(op: str, n: int, m: int, elt: int, index: int, want: dict[str, A
     problems: list[str] = []
     plans = op == "layernorm" and ln_plans_on()
     with watched_switches(problems):
-        off = configs.override("layernorm", BWD_PLANS=False) if plans else contextlib.nullcontext()
+        off = (configs.override("layernorm", BWD_PLANS=False) if plans
+               else rms_plans_off() if op == "rmsnorm" else contextlib.nullcontext())
         with off:
             with record_launches() as record:
                 grads = fn()

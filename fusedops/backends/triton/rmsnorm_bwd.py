@@ -179,7 +179,7 @@ def _fused(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> tuple:
         dy, x, w, rstd, x if dx is None else dx, part, M, N, dy.stride(0), x.stride(0), N,
         tiles, progs,
         cfg.block, cfg.rows, has_w, rules.hold_w(cfg.block, cfg.warps), dx is not None,
-        dw is not None, cfg.acc_1d,
+        dw is not None, cfg.acc_1d, cfg.stages,
     ), cfg.warps)
     if dw is not None and progs > 1:
         reduce_partials(part.view(1, progs, N), True, False, out=(dw, None))

@@ -51,6 +51,7 @@ from fusedops.backends.triton.kernels.softmax import (
     softmax_fwd_unrolled_vec,
 )
 from fusedops.backends.triton.runtime.caches import signature_cache
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
@@ -66,6 +67,7 @@ _launch_bwd_single = Launcher(softmax_bwd_single)
 _launch_bwd_looped = Launcher(softmax_bwd_looped)
 _launch_bwd_unrolled = Launcher(softmax_bwd_unrolled)
 _launch_fwd_split = SplitLauncher(softmax_fwd_split)
+_launch_fwd_cluster = ClusterLauncher(softmax_fwd_split)
 _launch_bwd_split = SplitLauncher(softmax_bwd_split)
 
 
@@ -117,6 +119,17 @@ def _launch_split(launcher, cfg: SoftmaxConfig, M: int, N: int, tensors: tuple,
         vec=cfg.vec))
 
 
+def _launch_cluster(cfg: SoftmaxConfig, M: int, N: int, x: torch.Tensor, y: torch.Tensor,
+                    stride: int) -> bool:
+    """softmax_fwd_split in thread-block clusters as ``cfg`` says (stats and count unused:
+    ``x`` stands in); False where clusters are off or the launch was refused."""
+    C, L = cfg.pieces, cfg.piece
+    return clusters_enabled(x.device, N, cfg.chunk, C) and bool(_launch_fwd_cluster(
+        M * C, C, (x, y, x, x, N, L, stride, N, M * C),
+        (cfg.block, C, next_pow2(C), cfg.prefetch, 0, L == cfg.block, True), cfg.warps,
+        x.device, progs=M * C if cfg.cluster == 2 else None))
+
+
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Row softmax. x: (M, N) float32/float16/bfloat16, unit column stride, any row stride, or a
     contiguous tensor of any rank >= 1 (rows along the last dim).
@@ -140,6 +153,12 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     # a float32 row then takes the exact arithmetic (EXACT in kernels/softmax.py).
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y)) if M > 1 else 0
     cfg = _fwd_config(N, x.element_size(), vec, M, x.get_device())
+    if cfg.cluster:
+        if _launch_cluster(cfg, M, N, x, y, stride):
+            return y
+        # Refused (a profiler's launch hooks, clusters turned off): the rules without
+        # clusters, kept out of the replay plans (the next call tries clusters again).
+        cfg, key = cfg.fallback, None
     if cfg.variant == "single":
         args = (x, y, M, N, stride, N, cfg.tiles, cfg.grid, cfg.block, cfg.rows, cfg.vec,
                 cfg.next)

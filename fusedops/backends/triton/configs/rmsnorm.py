@@ -110,6 +110,17 @@ def bwd_config(block: int, elt_size: int, aligned: bool = True) -> tuple[int, in
     return tile // block, max(4, min(16, tile // 512)), per_sm, acc_1d
 
 
+# The fused backward's tile loop pipelined by Triton (STAGES = 3) for these padded blocks of
+# 16-bit rows whose row strides and length are multiples of 16 bytes (LayerNorm's rule, whose
+# kernel reads the same tiles; see configs/layernorm.py PIPELINED_BWD_BLOCKS).
+PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({512, 1024, 2048, 4096})
+
+
+def fused_bwd_stages(block: int, elt_size: int, rows_aligned: bool) -> int:
+    """STAGES of rms_bwd_single for padded rows of ``block`` (PIPELINED_BWD_BLOCKS)."""
+    return 3 if elt_size == 2 and rows_aligned and block in PIPELINED_BWD_BLOCKS else 1
+
+
 def vec_bwd_config(block: int, elt_size: int) -> tuple[int, int]:
     """(num_warps, programs per SM) of rms_bwd_vec for aligned bodies padded to ``block``:
     LayerNorm's body-variant rule (fused_bwd_config(body=True): one row per tile, two programs
@@ -279,6 +290,7 @@ class BwdConfig(NamedTuple):
     prefetch: int  # split: PREFETCH
     maxnreg: int | None  # split: register cap
     cluster: bool  # split: pieces as thread-block clusters where the device allows
+    stages: int = 1  # fused (rms_bwd_single): STAGES (PIPELINED_BWD_BLOCKS)
 
 
 def looped_config() -> tuple[int, int]:
@@ -402,9 +414,10 @@ def backward_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
     if not aligned:
         limit = min(FUSED_BWD_MAX_BLOCK_UNALIGNED, single_block_limit())
     if not vec and next_pow2(n) <= limit:
-        rows, warps, per_sm, acc_1d = bwd_config(next_pow2(n), elt_size, aligned)
-        return BwdConfig("fused", next_pow2(n), rows, warps, per_sm, acc_1d, 0, 0, 0, None,
-                         False)
+        block = next_pow2(n)
+        rows, warps, per_sm, acc_1d = bwd_config(block, elt_size, aligned)
+        return BwdConfig("fused", block, rows, warps, per_sm, acc_1d, 0, 0, 0, None, False,
+                         fused_bwd_stages(block, elt_size, rows_aligned))
     cfg, cluster = None, False
     if n >= SPLIT_ROWS_MIN:
         if vec:

@@ -3,6 +3,7 @@
 :func:`forward_config` / :func:`backward_config` are the whole decision: a call's row length,
 element size, alignment (VEC), row count and :class:`DeviceFacts` in, a :class:`SoftmaxConfig`
 (the kernel variant and every launch parameter) out. They ask, in order: forward
+``CLUSTER_FWD`` (aligned rows on a GPU that runs thread-block clusters), ``NEXT_FWD``,
 ``UNROLLED_FWD`` (aligned rows, ``configs.common.unrolled_config``), ``UNROLLED_VEC_FWD``
 (unaligned), ``RELOAD_FWD``, then ``configs.common.unaligned_config`` (single-block, else split
 rows by :func:`split_config` where they fit, else looped); backward ``UNROLLED_BWD`` /
@@ -24,7 +25,8 @@ from fusedops.backends.triton.configs.common import (
     unaligned_config,
     unrolled_config,
 )
-from fusedops.backends.triton.runtime.device import next_pow2
+from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
+from fusedops.backends.triton.runtime.device import cdiv, next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts
 from fusedops.backends.triton.runtime.split import split_pieces
 
@@ -137,6 +139,27 @@ UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
 }
 
 
+# Split-row forward in thread-block clusters (aligned rows on a GPU that runs clusters): a row's
+# C pieces exchange (max, sum) on chip, so x is read once and y written once. Element size ->
+# ((shortest row, longest row, (piece, warps, PREFETCH, one cluster per row)), ...); C must be
+# a cluster size (CLUSTER_SIZES). One cluster per row: a grid of all rows' pieces, each
+# program one piece (PREFETCH 0), the hardware starting clusters as others finish; otherwise as
+# many clusters as the GPU holds at once, each looping over rows.
+CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] = {}
+
+
+def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> tuple | None:
+    """(piece, warps, PREFETCH, one cluster per row) of CLUSTER_FWD for aligned rows of ``n``
+    on ``dev``, or None."""
+    if not dev.clusters:
+        return None
+    for shortest, longest, cfg in CLUSTER_FWD.get(elt_size, ()):
+        if shortest <= n <= longest and cdiv(n, cfg[0]) in CLUSTER_SIZES \
+                and split_fits(dev, n, cfg[0]):
+            return cfg
+    return None
+
+
 def unrolled_bwd_config(N: int, vec: int, elt_size: int) -> tuple[int, int] | None:
     """(chunk, warps) of UNROLLED_BWD / UNROLLED_VEC_BWD for rows of N, or None."""
     if not vec:
@@ -173,6 +196,7 @@ class SoftmaxConfig(NamedTuple):
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
     next: int = 0  # single: NEXT (the next tile prefetched; a persistent grid)
     fallback: SoftmaxConfig | None = None
+    cluster: int = 0  # split: 1 thread-block clusters looping over rows, 2 one per row
 
 
 def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: int,
@@ -196,6 +220,15 @@ def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: 
 def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) -> SoftmaxConfig:
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes (``vec``: see
     ``configs.common.unaligned_vec``) on ``dev``."""
+    cluster = cluster_fwd_config(n, elt_size, dev) if CLUSTER_FWD and not vec else None
+    if cluster:
+        piece, warps, prefetch, per_row = cluster
+        pieces, length = split_pieces(n, piece, 0)
+        return SoftmaxConfig("split", 0, warps, next_pow2(length), chunk=piece,
+                             prefetch=0 if per_row else prefetch, pieces=pieces, piece=length,
+                             cluster=2 if per_row else 1,
+                             fallback=forward_config(n, elt_size, vec, m,
+                                                     dev._replace(clusters=False)))
     nxt = NEXT_FWD.get((elt_size, next_pow2(n))) if NEXT_FWD and not vec else None
     if nxt and n <= single_block_limit():
         warps, per_sm = nxt

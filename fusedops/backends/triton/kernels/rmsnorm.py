@@ -276,11 +276,14 @@ def rms_bwd_single(
     num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HOLD_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, ACC_1D: tl.constexpr,
+    STAGES: tl.constexpr = 1,
 ):
     # NEED_DW: part_ptr is (num_progs, N), float32 partials (or, with one program, dweight in
     # its own dtype). ACC_1D folds each tile's rows into a (BLOCK_N,) accumulator at once (fewer
     # registers, for long rows); otherwise a (ROWS, BLOCK_N) one is reduced over rows once at
-    # the end (no cross-warp reduction per tile, for short rows).
+    # the end (no cross-warp reduction per tile, for short rows). STAGES > 1: Triton
+    # software-pipelines the tile loop (the next tiles' loads copied into shared memory
+    # asynchronously while this one is reduced; configs/rmsnorm.py PIPELINED_BWD_BLOCKS).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -290,7 +293,7 @@ def rms_bwd_single(
         dw_acc = tl.zeros([BLOCK_N], tl.float32)
     else:
         dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for tile in range(pid, num_tiles, num_progs):
+    for tile in tl.range(pid, num_tiles, num_progs, num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]

@@ -6,6 +6,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusedops.backends.triton.kernels.clusters import (
+    cluster_peer_sums,
+    cluster_publish,
+    cluster_start,
+)
 from fusedops.backends.triton.kernels.common import (
     await_row,
     publish_row,
@@ -422,7 +427,7 @@ def softmax_bwd_unrolled(
 def softmax_fwd_split(
     x_ptr, y_ptr, stats_ptr, count_ptr, N, L, stride, stride_y, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
-    VEC: tl.constexpr, FULL: tl.constexpr,
+    VEC: tl.constexpr, FULL: tl.constexpr, CLUSTER: tl.constexpr = False,
 ):
     # Work item = (row, piece), row-major; see fusedops/backends/triton/runtime/split.py.
     # The grid
@@ -430,12 +435,17 @@ def softmax_fwd_split(
     # Pieces: split_piece (L elements of the row, or of its aligned body when VEC > 0; piece 0
     # then also has the edges; x and y then share the row stride). PREFETCH: see runtime/split.py.
     # FULL: pieces fill their BLOCK lanes (L == BLOCK), which saves the per-lane piece mask
-    # (bf16 at 8192 x 8: 64 registers instead of 79).
+    # (bf16 at 8192 x 8: 64 registers instead of 79). CLUSTER (aligned rows, VEC = 0, launched
+    # by runtime.clusters.ClusterLauncher): the C programs of a row are one thread-block cluster
+    # exchanging (max, sum) through shared memory (stats and count unused).
     EXACT: tl.constexpr = (y_ptr.dtype.element_ty == tl.float32) and VEC == 0
     pid = tl.program_id(0)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
     step = num_progs // C
+    parity = pid * 0
+    if CLUSTER:
+        parity = cluster_start(parity)
     if PREFETCH > 0:
         offs, mask, pos = split_piece(pid // C, chunk, L, N, stride, BLOCK, VEC, FULL)
         x_next = tl.load(x_ptr + offs, mask=mask, other=-float("inf"))
@@ -470,17 +480,26 @@ def softmax_fwd_split(
         if VEC > 0:
             ee = _exp(xe - m_safe)
             s += _sum(ee, 0, EXACT)
-        tl.store(stats_ptr + item * 2, m)
-        tl.store(stats_ptr + item * 2 + 1, s)
-        publish_row(count_ptr, row)
-        if PREFETCH == 3:
-            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
-        await_row(count_ptr, row, C)
-        if PREFETCH == 2:
-            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
-        base = (row * C + peers) * 2
-        ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"), cache_modifier=".cg")
-        ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
+        if CLUSTER:
+            token = cluster_publish(m, s, chunk, parity, C)
+            ms, ss = cluster_peer_sums(peers, parity, token, C)
+            ms = tl.where(peers < C, ms, -float("inf"))
+            parity = 1 - parity
+            if PREFETCH >= 2:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
+        else:
+            tl.store(stats_ptr + item * 2, m)
+            tl.store(stats_ptr + item * 2 + 1, s)
+            publish_row(count_ptr, row)
+            if PREFETCH == 3:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
+            await_row(count_ptr, row, C)
+            if PREFETCH == 2:
+                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
+            base = (row * C + peers) * 2
+            ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"),
+                         cache_modifier=".cg")
+            ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
         row_max = tl.max(ms, axis=0)
         denom = _sum(tl.where(ms == -float("inf"), 0.0, ss * _exp(ms - row_max)), 0, EXACT)
         # m <= row max: no overflow (and 1 exactly in the piece that holds it).
