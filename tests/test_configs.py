@@ -71,10 +71,15 @@ def _cases(ns=ROW_LENGTHS, ms=ROW_COUNTS, facts=FACTS):
 
 def _check_split(cfg, n: int, vec: int, dev: DeviceFacts) -> None:
     """A split launch: its device runs split rows, all C pieces of a row are resident at once,
-    the pieces cover the row, BLOCK holds a piece, and a refused launch has a looped fallback."""
+    the pieces cover the row, BLOCK holds a piece, and a refused launch has a looped fallback
+    (a cluster launch: the rules without clusters, for aligned rows of a cluster size)."""
     assert dev.split_rows and cfg.pieces <= dev.num_sms
     assert cfg.pieces * cfg.piece >= n and cfg.block == next_pow2(cfg.piece)
     assert cfg.piece <= cfg.chunk or (vec and cfg.piece <= cfg.chunk + 16)
+    if getattr(cfg, "cluster", 0):
+        assert dev.clusters and not vec and cfg.pieces in CLUSTER_SIZES
+        assert cfg.fallback is not None and not cfg.fallback.cluster
+        return
     assert cfg.fallback is not None and cfg.fallback.variant == "looped"
 
 

@@ -689,6 +689,13 @@ def test_softmax_cluster_forward_rules(launch_rules):
     hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
     no_clusters = hopper._replace(clusters=False)
     fwd = sm_rules.forward_config
+    for elt, rules in sm_rules.CLUSTER_FWD.items():  # shipped
+        for shortest, longest, (piece, warps, prefetch, per_row) in rules:
+            cfg = fwd(longest, elt, 0, 64, hopper)
+            assert (cfg.variant, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
+                "split", piece, warps, 0 if per_row else prefetch, 2 if per_row else 1)
+            assert not fwd(longest, elt, 0, 64, no_clusters).cluster
+            assert not fwd(shortest // 2, elt, 0, 64, hopper).cluster
     launch_rules("softmax", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1, False)),),
                                          4: ((65536, 65536, (8192, 8, 2, True)),)})
     for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):

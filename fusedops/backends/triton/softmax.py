@@ -107,16 +107,17 @@ def _bwd_config(n: int, elt_size: int, vec: int, m: int, index: int) -> SoftmaxC
 
 
 def _launch_split(launcher, cfg: SoftmaxConfig, M: int, N: int, tensors: tuple,
-                  strides: tuple, per_piece: int, device: torch.device) -> bool:
-    """Run the split-row kernel ``launcher`` over (M, N) rows as ``cfg`` says; False where the
-    launch was refused (the caller then runs ``cfg.fallback``)."""
+                  strides: tuple, per_piece: int, device: torch.device, tail: tuple = ()) -> bool:
+    """Run the split-row kernel ``launcher`` over (M, N) rows as ``cfg`` says (``tail``: its
+    constexprs after FULL); False where the launch was refused (the caller then runs
+    ``cfg.fallback``)."""
     C, L = cfg.pieces, cfg.piece
     stats = torch.empty((M * C * per_piece,), dtype=torch.float32, device=device)
     count = torch.zeros((M,), dtype=torch.int32, device=device)
     return bool(launcher(
         M * C, C, (*tensors, stats, count, N, L, *strides, M * C),
-        (cfg.block, C, next_pow2(C), cfg.prefetch, cfg.vec, L == cfg.block), cfg.warps, device,
-        vec=cfg.vec))
+        (cfg.block, C, next_pow2(C), cfg.prefetch, cfg.vec, L == cfg.block, *tail), cfg.warps,
+        device, vec=cfg.vec))
 
 
 def _launch_cluster(cfg: SoftmaxConfig, M: int, N: int, x: torch.Tensor, y: torch.Tensor,
@@ -173,7 +174,8 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
                            cfg.warps)
     else:
         if cfg.variant == "split":
-            if _launch_split(_launch_fwd_split, cfg, M, N, (x, y), (stride, N), 2, x.device):
+            if _launch_split(_launch_fwd_split, cfg, M, N, (x, y), (stride, N), 2, x.device,
+                             (False,)):
                 return y
             cfg = cfg.fallback
         _launch_fwd_looped((M,), (x, y, N, stride, N, cfg.block), cfg.warps)

@@ -111,9 +111,12 @@ def bwd_config(block: int, elt_size: int, aligned: bool = True) -> tuple[int, in
 
 
 # The fused backward's tile loop pipelined by Triton (STAGES = 3) for these padded blocks of
-# 16-bit rows whose row strides and length are multiples of 16 bytes (LayerNorm's rule, whose
-# kernel reads the same tiles; see configs/layernorm.py PIPELINED_BWD_BLOCKS).
-PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({512, 1024, 2048, 4096})
+# 16-bit rows whose row strides and length are multiples of 16 bytes. H200, fraction of copy,
+# pipelined vs not (benchmarks/results/h200/rmsnorm-backward-stages.json; bf16, fp16 alike):
+# 768 0.94 vs 0.75 and fp16 2K 0.91 vs 0.83 in the same run; 512 / 1K / 2K 0.91 / 0.92 /
+# 0.92 against 0.83 / 0.82 / 0.84 unpipelined in norm-backward-after.json. Slower: 4K (0.85
+# vs 0.89) and 8K (0.65 vs 0.85) in the same run.
+PIPELINED_BWD_BLOCKS: frozenset[int] = frozenset({512, 1024, 2048})
 
 
 def fused_bwd_stages(block: int, elt_size: int, rows_aligned: bool) -> int:

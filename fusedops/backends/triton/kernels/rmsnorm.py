@@ -276,7 +276,7 @@ def rms_bwd_single(
     num_tiles, num_progs,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_W: tl.constexpr, HOLD_W: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, ACC_1D: tl.constexpr,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr,
 ):
     # NEED_DW: part_ptr is (num_progs, N), float32 partials (or, with one program, dweight in
     # its own dtype). ACC_1D folds each tile's rows into a (BLOCK_N,) accumulator at once (fewer

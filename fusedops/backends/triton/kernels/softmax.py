@@ -427,7 +427,7 @@ def softmax_bwd_unrolled(
 def softmax_fwd_split(
     x_ptr, y_ptr, stats_ptr, count_ptr, N, L, stride, stride_y, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
-    VEC: tl.constexpr, FULL: tl.constexpr, CLUSTER: tl.constexpr = False,
+    VEC: tl.constexpr, FULL: tl.constexpr, CLUSTER: tl.constexpr,
 ):
     # Work item = (row, piece), row-major; see fusedops/backends/triton/runtime/split.py.
     # The grid
