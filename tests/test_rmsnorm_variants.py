@@ -582,12 +582,15 @@ def test_cluster_forward_rules(launch_rules):
     hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
     no_clusters = hopper._replace(clusters=False)
     fwd = rms_rules.forward_config
-    for shortest, longest, (piece, warps, prefetch) in rms_rules.CLUSTER_FWD[2]:  # shipped
-        cfg = fwd(longest, 2, 0, True, hopper, True)
-        assert cfg == rms_rules.FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch, False,
-                                          True)
-        assert fwd(longest, 2, 0, True, no_clusters, True).kernel == "unrolled"
-        assert not fwd(shortest // 2, 2, 0, True, hopper, True).cluster
+    for elt, rules in rms_rules.CLUSTER_FWD.items():  # shipped
+        for shortest, longest, (piece, warps, prefetch) in rules:
+            cfg = fwd(longest, elt, 0, True, hopper, True)
+            assert cfg == rms_rules.FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch,
+                                              False, True)
+            assert not fwd(longest, elt, 0, True, no_clusters, True).cluster
+            if not any(lo <= shortest // 2 <= hi for lo, hi, _ in rules):
+                assert not fwd(shortest // 2, elt, 0, True, hopper, True).cluster
+    assert fwd(262144, 2, 0, True, no_clusters, True).kernel == "unrolled"
     launch_rules("rmsnorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)})
     for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
         cfg = fwd(n, 2, 0, True, hopper, True)
@@ -623,18 +626,20 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     launch_rules("rmsnorm", UNROLLED_VEC_FWD={})
     assert fwd(65537, 2, 8, False, cuda, True)[:1] + fwd(65537, 2, 8, False, cuda, True)[5:8] \
         == ("split", 8, 8192, 3)
-    assert fwd(65536, 4, 0, True, cuda, True)[5:8] == (0, 8192, 1)
+    assert fwd(65536, 4, 0, True, cuda._replace(clusters=False), True)[5:8] == (0, 8192, 1)
+    cfg = fwd(65536, 4, 0, True, cuda, True)
+    assert (cfg.vec, cfg.chunk, cfg.cluster) == (0, 16384, True)  # (clusters)
     assert fwd(65536, 2, 0, True, cuda, True).kernel == "unrolled"  # (measured faster)
     assert fwd(131072, 2, 0, True, cuda, True)[:1] + fwd(131072, 2, 0, True, cuda, True)[3:7:3] \
         == ("unrolled", 32, 16384)
     assert fwd(98304, 2, 0, True, cuda, True).kernel == "unrolled"  # (6 chunks of 16K)
-    assert fwd(131072, 4, 0, True, cuda, True).kernel == "split"  # (no float32 rule)
+    assert fwd(131072, 4, 0, True, cuda, True).kernel == "split"
     assert fwd(262144, 4, 0, True, cuda, True).kernel == "split"
     assert bwd(8193, 2, 8, False, cuda)[:1] + bwd(8193, 2, 8, False, cuda)[6:7] == ("fused", 8)
     assert bwd(16385, 2, 8, False, cuda).kernel == "fused"  # a 16K body
     assert bwd(32769, 2, 8, False, cuda)[6:8] == (8, 2048)
-    assert bwd(32768, 2, 0, True, cuda)[7:] == (2048, 1, 128, True)
-    assert bwd(131072, 4, 0, True, cuda)[7:] == (8192, 2, None, False)
+    assert bwd(32768, 2, 0, True, cuda)[7:11] == (2048, 1, 128, True)
+    assert bwd(131072, 4, 0, True, cuda)[7:11] == (8192, 2, None, False)
     assert bwd(65537, 2, 0, False, cuda)[3::4] == (16, 8192)  # scalar pieces
     launch_rules("rmsnorm", VEC_EDGES=False, SPLIT_ROWS_MIN=1 << 62)
     assert fwd(8193, 2, 8, False, cuda, True)[5] == 0

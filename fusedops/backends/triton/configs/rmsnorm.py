@@ -362,9 +362,12 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
 # warps): 256K on 32768 x 16 prefetching before the exchange 0.70 vs 0.67 (bf16 and fp16, three
 # alternations: rmsnorm-cluster-forward-interleaved.txt); shorter rows slower
 # (128K 0.72 vs 0.76, 64K 0.76 vs 0.91, 32K 0.81 vs 0.99): a row's pieces wait for each other
-# once per row, which the unrolled kernel never does.
+# once per row, which the unrolled kernel never does. Float32 (cluster-forward.json, the same
+# run): 64K and 128K on 16384 x 16 prefetching 0.81 / 0.76 vs 0.78 / 0.74 without clusters,
+# 256K on 32768 x 16 without prefetch 0.71 vs 0.67.
 CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
     2: ((262144, 262144, (32768, 16, 1)),),
+    4: ((65536, 131072, (16384, 16, 1)), (262144, 262144, (32768, 16, 0))),
 }
 
 

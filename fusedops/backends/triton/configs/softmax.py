@@ -147,11 +147,12 @@ UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
 # many clusters as the GPU holds at once, each looping over rows. H200, fraction of copy
 # against the rules without clusters, the same run (benchmarks/results/h200/
 # softmax-cluster-forward.json): 8192 x 8 prefetching before the exchange, bf16 128K 0.75 vs
-# 0.70 (split rows), float32 64K 0.86 vs 0.77 (split rows), 128K 0.81 vs 0.75. Slower: bf16
-# 64K (0.79 vs 0.84 unrolled), 256K (0.59 vs 0.67) and float32 256K (0.69 vs 0.70), where a
-# piece count of 16 or more leaves one program per SM; one cluster per row, always (0.41-0.79).
+# 0.70 (split rows), float32 64K 0.86 vs 0.77 (split rows), 128K 0.81 vs 0.75; bf16 256K on
+# 32768 x 32 prefetching 0.71 vs 0.67 (cluster-forward.json, the same run). Slower: bf16 64K
+# (0.79 vs 0.84 unrolled), 16 pieces of 256K (0.59 vs 0.67) and float32 256K (0.69 vs 0.70),
+# where a piece count of 16 leaves one program per SM; one cluster per row, always (0.41-0.79).
 CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] = {
-    2: ((131072, 131072, (8192, 8, 1, False)),),
+    2: ((131072, 131072, (8192, 8, 1, False)), (262144, 262144, (32768, 32, 1, False))),
     4: ((65536, 131072, (8192, 8, 1, False)),),
 }
 
