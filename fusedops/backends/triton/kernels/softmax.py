@@ -32,6 +32,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # 69; forwards 0-4% slower. Unaligned rows keep the cheap arithmetic: their kernels run one
 # program per SM and lost up to 43% with it (65537, h200/softmax-float32-variants.json); a
 # single row is never unaligned (triton/softmax.py). 16-bit outputs round far coarser.
+# Rows padded to less than EXACT_MIN_BLOCK keep the cheap arithmetic: their many rows per
+# program made the exact one cost 8% at 256-768 (0.92 of copy, h200/sweep.json, against
+# 1.02 before it), and their short sums were within the bound without it
+# (softmax-float32-before.json, 1K).
+EXACT_MIN_BLOCK = tl.constexpr(2048)
 
 
 @triton.jit
@@ -90,7 +95,9 @@ def softmax_fwd_single(
     # launcher then guarantees stride_x == stride_y, so one split serves x and y.
     # NEXT (aligned rows, a persistent grid): the program's next tile is loaded, in x's dtype,
     # before this tile's reductions, so its loads are in flight while this tile computes.
-    EXACT: tl.constexpr = (y_ptr.dtype.element_ty == tl.float32) and VEC == 0
+    # EXACT from padded rows of EXACT_MIN_BLOCK: shorter ones keep the cheap arithmetic.
+    EXACT: tl.constexpr = ((y_ptr.dtype.element_ty == tl.float32) and VEC == 0
+                           and BLOCK_N >= EXACT_MIN_BLOCK)
     pid = tl.program_id(0)
     if NEXT:
         rows, head = tile_rows(pid, stride_x, ROWS, VEC)
