@@ -219,7 +219,7 @@ def test_split_rows_layernorm_float32(triton_backend, split_on_interpreter, n, d
     yl = torch.empty_like(x)
     mean, rstd = torch.empty(x.shape[0]), torch.empty(x.shape[0])
     _split_launch(ln_fwd_split, x, (x, w, b, yl, mean, rstd), (n, n, 1e-5),
-                  HAS_W=True, HAS_B=True, CLUSTER=False)
+                  HAS_W=True, HAS_B=True)
     assert_within_torch(yl, F.layer_norm(x, (n,), w, b),
                         F.layer_norm(x.double(), (n,), w.double(), b.double()), "layernorm")
 

@@ -3,11 +3,10 @@ _clusters.py``): a row's pieces exchange their sums through distributed shared m
 cluster barrier (inline PTX) instead of global memory and counters.
 
 CPU: the launch rules, that clusters stay off without a Hopper GPU, and that the kernel's
-cluster variant (and the split forward's, ``ln_fwd_split``) compiles for sm_90 (PTX through
-ptxas, no GPU needed; a subprocess, since the interpreter replaces ``triton.jit``). GPU
-(``gpu`` marker): every cluster size (2-16 pieces) and load placement against float64, dx bit
-for bit as the cooperative kernel writes it, the low_memory mode's parked rows, and the
-fallback when a cluster launch fails.
+cluster variant compiles for sm_90 (PTX through ptxas, no GPU needed; a subprocess, since the
+interpreter replaces ``triton.jit``). GPU (``gpu`` marker): every cluster size (2-16 pieces)
+and load placement against float64, dx bit for bit as the cooperative kernel writes it, the
+low_memory mode's parked rows, and the fallback when a cluster launch fails.
 """
 
 from __future__ import annotations
@@ -86,31 +85,25 @@ _COMPILE = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from fusedops.backends.triton import layernorm as tln
-    from fusedops.backends.triton.kernels import layernorm_bwd_split, layernorm_fwd
+    from fusedops.backends.triton.kernels import layernorm_bwd_split as k_layernorm_bwd_split
     from fusedops.backends.triton import layernorm_bwd as tlnb
 
-    # kernel -> (function, its constexprs but PREFETCH and CLUSTER, warps, register cap)
-    KERNELS = {
-        "bwd": (layernorm_bwd_split.ln_bwd_split,
-                dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True, NEED_DX=True, NEED_DW=True,
-                     NEED_DB=True, PARKED=True, VEC=0, PAIRED=True), 4, 128),
-        "fwd": (layernorm_fwd.ln_fwd_split,
-                dict(BLOCK=8192, C=8, C_P2=8, HAS_W=True, HAS_B=True, VEC=0), 8, None),
-    }
+    fn = k_layernorm_bwd_split.ln_bwd_split
+    names = fn.arg_names
     f32 = ("mean_ptr", "rstd_ptr", "part_ptr", "stats_ptr")
+    sig = {a: ("*fp32" if a in f32 else "*i32" if a == "count_ptr" else "*bf16")
+           if a.endswith("_ptr") else "i32" for a in names}
     out = {}
     for case in sys.argv[1:]:
-        kernel, prefetch, cluster = case.split(",")
-        fn, fixed, warps, cap = KERNELS[kernel]
-        names = fn.arg_names
-        sig = {a: ("*fp32" if a in f32 else "*i32" if a == "count_ptr" else "*bf16")
-               if a.endswith("_ptr") else "fp32" if a == "eps" else "i32" for a in names}
-        consts = dict(fixed, PREFETCH=int(prefetch), CLUSTER=cluster == "1")
+        prefetch, cluster = case.split(",")
+        consts = dict(BLOCK=2048, C=8, C_P2=8, HAS_W=True, NEED_DX=True, NEED_DW=True,
+                      NEED_DB=True, PREFETCH=int(prefetch), PARKED=True, VEC=0, PAIRED=True,
+                      CLUSTER=cluster == "1")
         case_sig = dict(sig, **{k: "constexpr" for k in consts})
         src = ASTSource(fn=fn, signature=case_sig, constexprs={(names.index(k),): v
                                                                for k, v in consts.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps} | ({"maxnreg": cap} if cap else {}))
+                           options={"num_warps": 4, "maxnreg": 128})
         ptx = k.asm["ptx"]
         out[case] = {t: ptx.count(t) for t in (
             "barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
@@ -123,24 +116,23 @@ PREFETCHES = [1, 2]
 
 @pytest.fixture(scope="module")
 def sm90_builds():
-    """``build(prefetch, kernel)``: LayerNorm's split backward ("bwd") or forward ("fwd")
-    compiled for sm_90 (PTX through ptxas, no GPU needed), cluster and cooperative variants, in
-    one subprocess per (kernel, PREFETCH) (the interpreter replaces ``triton.jit`` in this
-    one); cached for the module."""
+    """``build(prefetch)``: the split backward compiled for sm_90 (PTX through ptxas, no GPU
+    needed), cluster and cooperative variants, in one subprocess per PREFETCH (the interpreter
+    replaces ``triton.jit`` in this one); cached for the module."""
     import json
 
-    cache: dict[tuple[int, str], dict] = {}
+    cache: dict[int, dict] = {}
 
-    def build(prefetch: int, kernel: str = "bwd") -> dict:
-        if (prefetch, kernel) not in cache:
+    def build(prefetch: int) -> dict:
+        if prefetch not in cache:
             env = dict(os.environ, TRITON_INTERPRET="0")
-            cases = [f"{kernel},{prefetch},1", f"{kernel},{prefetch},0"]
-            out = subprocess.run([sys.executable, "-c", _COMPILE, *cases], capture_output=True,
-                                 text=True, env=env, timeout=600)
+            out = subprocess.run([sys.executable, "-c", _COMPILE, f"{prefetch},1",
+                                  f"{prefetch},0"], capture_output=True, text=True, env=env,
+                                 timeout=600)
             assert out.returncode == 0, out.stderr[-2000:]
             got = json.loads(out.stdout.strip().splitlines()[-1])
-            cache[prefetch, kernel] = {"cluster": got[cases[0]], "coop": got[cases[1]]}
-        return cache[prefetch, kernel]
+            cache[prefetch] = {"cluster": got[f"{prefetch},1"], "coop": got[f"{prefetch},0"]}
+        return cache[prefetch]
 
     return build
 
@@ -156,22 +148,6 @@ def test_cluster_kernel_compiles_for_sm90(sm90_builds, prefetch):
     assert got["barrier.cluster.arrive.release"] == got["barrier.cluster.wait.acquire"] == 2
     assert got["mapa.shared::cluster"] == got["st.shared::cluster"] == 1
     assert got["%dynamic_smem_size"] == 2  # the slots sit at the end of the launch's bytes
-    assert got["atom."] == got["red.global"] == 0
-    assert coop["barrier.cluster.arrive.release"] == 0
-    assert coop["atom."] + coop["red.global"] > 0
-
-
-@exhaustive_unless(lambda prefetch: prefetch == 1)
-@pytest.mark.parametrize("prefetch", PREFETCHES)
-def test_cluster_forward_kernel_compiles_for_sm90(sm90_builds, prefetch):
-    """LayerNorm's split forward (ln_fwd_split with CLUSTER): as the backward's, one publish
-    of (mean, M2) per row after the barrier at its start, no atomics; the cooperative variant
-    keeps its counters and no cluster barrier."""
-    got, coop = sm90_builds(prefetch, "fwd")["cluster"], sm90_builds(prefetch, "fwd")["coop"]
-    assert got["cubin"] > 0
-    assert got["barrier.cluster.arrive.release"] == got["barrier.cluster.wait.acquire"] == 2
-    assert got["mapa.shared::cluster"] == got["st.shared::cluster"] == 1
-    assert got["%dynamic_smem_size"] == 2
     assert got["atom."] == got["red.global"] == 0
     assert coop["barrier.cluster.arrive.release"] == 0
     assert coop["atom."] + coop["red.global"] > 0

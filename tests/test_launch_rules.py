@@ -234,7 +234,7 @@ def test_split_programs_are_a_multiple_of_the_chunks(monkeypatch):
     dev = torch.device("cpu")
     x = torch.empty(2, 8)
     runtime = (x, x, x, x, x, x, x, x, 8, 4, 8, 8, 1e-5, 6)
-    consts = (4, 3, 4, True, True, 1, 0, False)
+    consts = (4, 3, 4, True, True, 1, 0)
     first = launcher.programs(30, 3, runtime, consts, 4, dev)
     assert first % 3 == 0 and first >= 3
     # the same arguments always give the same grid (deterministic partial sums)
@@ -712,94 +712,6 @@ def test_softmax_cluster_forward_rules(launch_rules):
     assert not fwd(16384, 2, 0, 64, hopper).cluster  # below the range
     launch_rules("softmax", CLUSTER_FWD={})
     assert not fwd(131072, 2, 0, 64, hopper).cluster
-
-
-def test_layernorm_cluster_forward_rules(launch_rules):
-    """LayerNorm's CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size
-    take the split forward in thread-block clusters on a GPU that runs them, ahead of every
-    other rule, with the rule's piece, warps and PREFETCH and the rules without clusters as the
-    fallback; rows outside the range, unaligned rows, other piece counts, pieces that are not
-    all resident and GPUs without clusters do not."""
-    hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
-    no_clusters = hopper._replace(clusters=False)
-
-    def fwd(n, elt, vec=0, aligned=True, dev=hopper, with_stats=True):
-        return ln_rules.forward_config(n, elt, vec, 64, with_stats, aligned, dev)
-
-    for elt, rules in ln_rules.CLUSTER_FWD.items():  # shipped
-        for _, longest, (piece, warps, prefetch) in rules:
-            cfg = fwd(longest, elt)
-            assert (cfg.variant, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
-                "split", piece, warps, prefetch, True)
-            assert not fwd(longest, elt, dev=no_clusters).cluster
-    launch_rules("layernorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),),
-                                           4: ((65536, 65536, (8192, 8, 2)),)})
-    for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
-        for with_stats in (False, True):
-            cfg = fwd(n, 2, with_stats=with_stats)
-            assert (cfg.variant, cfg.pieces, cfg.piece, cfg.block, cfg.chunk, cfg.warps,
-                    cfg.prefetch, cfg.vec, cfg.stats, cfg.cluster) == (
-                "split", c, 16384, 16384, 16384, 16, 1, 0, True, True), n
-            assert cfg.fallback == fwd(n, 2, dev=no_clusters, with_stats=with_stats)
-            assert not cfg.fallback.cluster
-        assert not fwd(n, 2, dev=no_clusters).cluster
-        assert not fwd(n, 2, 8, aligned=False).cluster  # rows that start unaligned (VEC)
-        assert not fwd(n, 2, aligned=False).cluster  # a row stride no multiple of 8
-        assert not fwd(n, 2, dev=hopper._replace(split_rows=False, clusters=False)).cluster
-    cfg = fwd(65536, 4)
-    assert (cfg.pieces, cfg.piece, cfg.warps, cfg.prefetch, cfg.cluster) == (8, 8192, 8, 2, True)
-    assert not fwd(131072, 4).cluster  # outside the float32 range
-    assert not fwd(98304, 2).cluster  # 6 pieces: no cluster size
-    assert not fwd(32768 + 8, 2).cluster  # 3 pieces
-    assert not fwd(16384, 2).cluster  # below the range
-    assert not fwd(524288, 2).cluster  # above it
-    assert not fwd(262144, 2, dev=hopper._replace(num_sms=8)).cluster  # 16 pieces, 8 SMs
-    launch_rules("layernorm", CLUSTER_FWD={})
-    assert not fwd(131072, 2).cluster
-
-
-@NEEDS_KERNELS
-@pytest.mark.parametrize("refused", [False, True])
-def test_layernorm_cluster_forward_launch_path(monkeypatch, refused, launch_rules):
-    """A cluster forward config: the cluster launcher gets the rows' C pieces, mean in place of
-    the statistics and counters it never reads, VEC 0 and CLUSTER True, and the call returns
-    its mean and rstd; refused, the call runs the config's fallback (the rules without
-    clusters) with the right values and keeps no replay plan for it."""
-    m, n, dtype = 8, 256, torch.bfloat16
-    calls, plans = [], []
-
-    def cluster(items, chunks, runtime, consts, num_warps, device, progs=None, vec=0):
-        calls.append((items, chunks, runtime, consts, num_warps, progs, vec))
-        return 0 if refused else items
-
-    fallback = ln_rules.forward_config(n, 2, 0, m, True, True, device_facts(-1))
-    assert fallback.plan  # (what the fallback would keep, were the call not refused)
-    cfg = ln_rules.LayerNormForward("split", 0, 4, 64, chunk=64, prefetch=1, pieces=4, piece=64,
-                                    cluster=True, fallback=fallback)
-    monkeypatch.setattr(tln, "_launch_fwd_cluster", cluster)
-    monkeypatch.setattr(tln, "clusters_enabled", lambda *a: True)
-    monkeypatch.setattr(tln, "_fwd_config", lambda *a: cfg)
-    monkeypatch.setattr(tln._fwd_plans, "add", lambda key, *a, **k: plans.append(key))
-    launch_rules("layernorm")  # (caches and plans dropped: the patched rule is asked)
-    x = (torch.randn(m, n, device=_dev()) * 2 + 5).to(dtype)
-    w = (1 + 0.5 * torch.randn(n, device=_dev())).to(dtype)
-    b = (0.5 * torch.randn(n, device=_dev())).to(dtype)
-    y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
-    (items, chunks, runtime, consts, warps, progs, vec), = calls
-    assert (items, chunks, warps, progs, vec) == (m * 4, 4, 4, None, 0)
-    assert consts == (64, 4, 4, True, True, 1, 0, True)
-    assert all(a is t for a, t in zip(runtime[:4], (x, w, b, y), strict=True))
-    assert runtime[6] is runtime[4] and runtime[7] is runtime[4]
-    assert runtime[8:] == (n, 64, n, n, 1e-5, m * 4)
-    assert mean.shape == rstd.shape == (m,) and mean.dtype == rstd.dtype == torch.float32
-    assert (runtime[4] is mean and runtime[5] is rstd) == (not refused)
-    if refused:
-        x64 = x.double()
-        ref = torch.nn.functional.layer_norm(x64, (n,), w.double(), b.double())
-        assert_close_to_ref(y, ref, dtype)
-        torch.testing.assert_close(mean.double(), x64.mean(-1))
-        torch.testing.assert_close(rstd.double(), (x64.var(-1, unbiased=False) + 1e-5).rsqrt())
-        assert plans == []
 
 
 def test_rmsnorm_fused_backward_stages_rule(monkeypatch, device):

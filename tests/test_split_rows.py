@@ -113,7 +113,7 @@ def test_unaligned_grid_is_a_multiple_of_pieces_times_vec():
     C, L = rt_split.split_pieces(n, 8192, 8)
     assert L % 16 == 0 and (C - 1) * L < n - 16  # every piece has part of every row's body
     runtime = (x, x, x, x, stats, stats, stats, count, n, L, n, n, 1e-5, m * C)
-    consts = (8192, C, 16, True, True, 1, 8, False)
+    consts = (8192, C, 16, True, True, 1, 8)
     progs = tln._launch_fwd_split.programs(m * C, C, runtime, consts, 8, x.device, vec=8)
     assert 0 < progs < m * C and progs % (C * 8) == 0
     _layernorm_case(m, n, torch.bfloat16)
@@ -213,43 +213,3 @@ def test_softmax_cluster_forward(dtype, m, n, piece, warps, prefetch, per_row, l
         assert (args[10], args[11], args[13], args[16]) == (piece, n // piece,
                                                              0 if per_row else prefetch, True)
         assert args[9] == (m * (n // piece) if per_row else args[9])
-
-
-@pytest.mark.parametrize(("dtype", "m", "n", "piece", "warps", "prefetch"), [
-    (torch.bfloat16, 40, 65536, 8192, 8, 1),
-    (torch.float16, 7, 131072, 16384, 16, 0),
-    (torch.float32, 64, 65536, 8192, 8, 2),
-    (torch.bfloat16, 24, 262144, 32768, 16, 1),
-    (torch.bfloat16, 300, 16384, 4096, 4, 3)], ids=str)
-def test_layernorm_cluster_forward(dtype, m, n, piece, warps, prefetch, launch_rules):
-    """Forced CLUSTER_FWD rules (2-16 pieces, every load placement) on rows far from zero (a
-    merge that cancelled would show): y, mean and rstd against float64, and the forward
-    launches ln_fwd_split in clusters with the rule's piece, warps and PREFETCH and CLUSTER on
-    Hopper (elsewhere the rules without clusters)."""
-    from fusedops.backends.triton.runtime.recording import record_launches
-
-    hopper = torch.cuda.get_device_capability()[0] >= 9
-    elt = torch.empty((), dtype=dtype).element_size()
-    launch_rules("layernorm", CLUSTER_FWD={elt: ((n, n, (piece, warps, prefetch)),)})
-    g = torch.Generator().manual_seed(n + m)
-    x = (torch.randn(m, n, generator=g) * 2 + 5).to(dtype).cuda()
-    w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype).cuda()
-    b = (0.5 * torch.randn(n, generator=g)).to(dtype).cuda()
-    with record_launches() as record:
-        y, mean, rstd = tln.layernorm_forward(x, w, b, 1e-5, dtype)
-    x64 = x.double()
-    ref = torch.nn.functional.layer_norm(x64, (n,), w.double(), b.double(), 1e-5)
-    assert_close_to_ref(y, ref, dtype)
-    assert_close_to_ref(mean, x64.mean(-1), torch.float32)
-    assert_close_to_ref(rstd, (x64.var(-1, unbiased=False) + 1e-5).rsqrt(), torch.float32)
-    clustered = [(args, num_warps) for launcher, _, args, num_warps in record
-                 if launcher is tln._launch_fwd_cluster]
-    assert bool(clustered) == hopper, record
-    if hopper:
-        ((args, num_warps),) = clustered
-        c = n // piece
-        # (ln_fwd_split's arguments: num_progs at 14, then BLOCK, C, C_P2, HAS_W, HAS_B,
-        # PREFETCH, VEC, CLUSTER)
-        assert (args[15], args[16], args[20], args[21], args[22], num_warps) == (
-            piece, c, prefetch, 0, True, warps)
-        assert args[14] % c == 0 and 0 < args[14] <= m * c

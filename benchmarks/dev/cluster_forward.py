@@ -1,28 +1,27 @@
-"""Softmax, RMSNorm and LayerNorm forwards on long aligned rows in thread-block clusters: the
-launch rules against ``CLUSTER_FWD`` candidates forced through ``configs.override``, in one run
-(Hopper or newer).
+"""Softmax and RMSNorm forwards on long aligned rows in thread-block clusters: the launch rules
+against ``CLUSTER_FWD`` candidates forced through ``configs.override``, in one run (Hopper or
+newer).
 
     PYTHONPATH=$PWD python benchmarks/dev/cluster_forward.py --out cluster_forward.json
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/dev/cluster_forward.py --smoke
 
-For each op (``--ops``: softmax, rmsnorm, layernorm), dtype (bf16, fp16, float32) and row
-length (65536, 131072, 262144 by default; M = 2^27 // N rows, 2^26 // N for float32, so every
-tensor is far larger than L2), inference calls of ``fused_softmax`` / ``fused_rmsnorm`` (a
-weight in x's dtype) / ``fused_layernorm`` (weight and bias in x's dtype): ``rules`` (the
-shipped rules), ``no clusters`` (``CLUSTER_FWD`` emptied) and ``cluster PxW <mode>`` (the op's
-split-row kernel on pieces of P elements, W warps, as a one-entry ``CLUSTER_FWD``): ``held
-pfK`` (as many clusters as the GPU holds at once, looping over rows with PREFETCH K) and,
-softmax only, ``per row`` (a grid of every row's pieces, one piece per program). Pieces of
-4K-32K elements whose count C = N / P is a cluster size (2-16), on 32 and on 16 elements per
-thread (32K: 64 and 32). Each variant's first call runs with its launches recorded: a
+For each op (``--ops``: softmax, rmsnorm), dtype (bf16, fp16, float32) and row length (65536,
+131072, 262144 by default; M = 2^27 // N rows, 2^26 // N for float32, so every tensor is far
+larger than L2), inference calls of ``fused_softmax`` / ``fused_rmsnorm`` (a weight in x's
+dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FWD`` emptied) and
+``cluster PxW <mode>`` (the op's split-row kernel on pieces of P elements, W warps, as a
+one-entry ``CLUSTER_FWD``): ``held pfK`` (as many clusters as the GPU holds at once, looping
+over rows with PREFETCH K) and, softmax only, ``per row`` (a grid of every row's pieces, one
+piece per program). Pieces of 4K-32K elements whose count C = N / P is a cluster size (2-16),
+on 32 and on 16 elements per thread (32K: 64 and 32). Each variant's first call runs with its launches recorded: a
 candidate must launch the split-row kernel with CLUSTER, that BLOCK and C, and match the
 rules' output (bf16 rtol 1.6e-2, fp16 1e-3, float32 1e-5); one that does not is reported and
-not timed. ``torch`` (``torch.softmax`` / ``F.rms_norm`` / ``F.layer_norm``) and ``copy``
-(``y.copy_(x)``) are timed beside them. Times: ``triton.testing.do_bench`` medians (L2
-flushed), every variant timed twice in alternating order (the lower median kept); TB/s of
-2·M·N·elt bytes (RMSNorm: plus the weight; LayerNorm: plus the weight and the bias), and each
-as a fraction of the same case's copy. ``--smoke`` (the interpreter, which has no clusters)
-runs the rules once on tiny rows: it checks the script, not speed.
+not timed. ``torch`` (``torch.softmax`` / ``F.rms_norm``) and ``copy`` (``y.copy_(x)``) are
+timed beside them. Times:
+``triton.testing.do_bench`` medians (L2 flushed), every variant timed twice in alternating
+order (the lower median kept); TB/s of 2·M·N·elt bytes (RMSNorm: plus the weight), and each
+as a fraction of the same case's copy. ``--smoke`` (the interpreter, which has no clusters) runs the rules once on tiny
+rows: it checks the script, not speed.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ PIECES = {4096: (4, 8), 8192: (8, 16), 16384: (16, 32), 32768: (16, 32)}
 RTOL = {"bf16": 1.6e-2, "fp16": 1e-3, "fp32": 1e-5}
 EPS = 1e-6
 # op -> (split-row kernel, positions of BLOCK, C and CLUSTER in its launch arguments)
-KERNELS = {"softmax": ("softmax_fwd_split", 10, 11, 16), "rmsnorm": ("rms_fwd_split", 13, 14, 20),
-           "layernorm": ("ln_fwd_split", 15, 16, 22)}
+KERNELS = {"softmax": ("softmax_fwd_split", 10, 11, 16), "rmsnorm": ("rms_fwd_split", 13, 14, 20)}
 
 
 def variants(op: str, n: int, smoke: bool) -> dict[str, tuple[dict, tuple | None]]:
@@ -105,21 +103,16 @@ def run_case(op: str, dtype: str, n: int, smoke: bool, device: torch.device) -> 
     g = torch.Generator().manual_seed(n)
     x = (2 * torch.randn(m, n, generator=g)).to(device, dt)
     w = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dt)
-    b = (0.1 * torch.randn(n, generator=g)).to(device, dt) if op == "layernorm" else None
-    nbytes = 2 * m * n * elt + {"rmsnorm": n * elt, "layernorm": 2 * n * elt}.get(op, 0)
+    nbytes = 2 * m * n * elt + (n * elt if op == "rmsnorm" else 0)
     y = torch.empty_like(x)
     if op == "softmax":
         def call() -> torch.Tensor:
             return fusedops.fused_softmax(x, -1)
         peer = lambda: torch.softmax(x, -1)  # noqa: E731
-    elif op == "rmsnorm":
+    else:
         def call() -> torch.Tensor:
             return fusedops.fused_rmsnorm(x, (n,), w, eps=EPS)
         peer = lambda: torch.nn.functional.rms_norm(x, (n,), w, EPS)  # noqa: E731
-    else:
-        def call() -> torch.Tensor:
-            return fusedops.fused_layernorm(x, (n,), w, b, eps=EPS)
-        peer = lambda: torch.nn.functional.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
     fns: dict[str, tuple[Callable[[], torch.Tensor], dict]] = {
         "copy": (lambda: y.copy_(x), {}), "torch": (peer, {})}
     records: dict[str, dict] = {}
@@ -179,11 +172,11 @@ def main() -> None:
                 records += run_case(op, dtype, n, args.smoke, device)
             with open(args.out, "w") as f:  # (rewritten after every case)
                 json.dump({"meta": meta(device), "records": records}, f, indent=1)
-    print(f"{'op':9} {'dtype':5} {'N':>7}  {'variant':28} {'ms':>7} {'of copy':>7}  problems")
+    print(f"{'op':7} {'dtype':5} {'N':>7}  {'variant':28} {'ms':>7} {'of copy':>7}  problems")
     for r in records:
         ms = f"{r['ms']:.3f}" if r["ms"] is not None else "-"
         frac = f"{r['frac_copy']:.3f}" if r["frac_copy"] else "-"
-        print(f"{r['op']:9} {r['dtype']:5} {r['N']:>7}  {r['variant']:28} {ms:>7} {frac:>7}  "
+        print(f"{r['op']:7} {r['dtype']:5} {r['N']:>7}  {r['variant']:28} {ms:>7} {frac:>7}  "
               f"{'; '.join(r['problems'])}")
 
 

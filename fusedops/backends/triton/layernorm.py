@@ -7,8 +7,7 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
 * Forward, single-block: ``ROWS`` whole rows per program in registers; mean about the row's
   first element, variance from registers.
 * Forward, split-row (long rows, CUDA): equal pieces in cooperating programs publish (mean, M2),
-  merged with Chan's formula; one read, one write. Aligned rows with a ``CLUSTER_FWD`` rule on
-  Hopper: a row's pieces as one thread-block cluster, exchanging on chip (``_launch_cluster``).
+  merged with Chan's formula; one read, one write.
 * Forward, looped: pass 1 streams the row keeping per-lane shifted sums, merged across lanes
   with Chan's formula; pass 2 normalises and writes.
 * Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``): the row
@@ -65,7 +64,6 @@ from fusedops.backends.triton.kernels.layernorm_fwd import (
     shift_weights,
 )
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import (
     cdiv,
     next_pow2,
@@ -119,7 +117,6 @@ _launch_fwd_unrolled = Launcher(ln_fwd_unrolled)
 _launch_fwd_reload_vec = Launcher(ln_fwd_reload_vec)
 _launch_fwd_unrolled_vec = Launcher(ln_fwd_unrolled_vec)
 _launch_fwd_split = SplitLauncher(ln_fwd_split)
-_launch_fwd_cluster = ClusterLauncher(ln_fwd_split)
 
 
 def _shifted_weights(w: torch.Tensor | None, b: torch.Tensor | None, vec: int, n: int):
@@ -250,14 +247,6 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     elt = x.element_size()
     vec = unaligned_vec(N, (stride, N), elt, (x, y))
     cfg = _fwd_config(N, elt, vec, M, with_stats, stride % 8 == 0, x.get_device())
-    if cfg.cluster:
-        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
-        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
-        if _launch_cluster(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, cfg):
-            return y, mean, rstd
-        # Refused (a profiler's launch hooks, clusters turned off): the rules without
-        # clusters, kept out of the replay plans (the next call tries clusters again).
-        cfg, key = cfg.fallback, None
     if cfg.variant in ("unrolled", "reload"):
         return _forward_rows(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg, key)
     if cfg.variant in ("reload_vec", "unrolled_vec"):
@@ -282,18 +271,6 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     return y, mean, rstd
 
 
-def _launch_cluster(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b,
-                    cfg: LayerNormForward) -> bool:
-    """ln_fwd_split in thread-block clusters as ``cfg`` says (stats and count unused: ``mean``
-    stands in); False where there are no rows, clusters are off or the launch was refused
-    (nothing written then)."""
-    C, L = cfg.pieces, cfg.piece
-    return M > 0 and clusters_enabled(x.device, N, cfg.chunk, C) and bool(_launch_fwd_cluster(
-        M * C, C, (x, w, b, y, mean, rstd, mean, mean, N, L, stride, N, eps, M * C),
-        (cfg.block, C, next_pow2(C), has_w, has_b, cfg.prefetch, 0, True), cfg.warps,
-        x.device))
-
-
 def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b,
                   cfg: LayerNormForward):
     """Rows too long for one program: the split-row kernel where it runs, else looped."""
@@ -304,7 +281,7 @@ def _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b,
         if _launch_fwd_split(
             M * C, C,
             (x, w, b, y, mean, rstd, stats, count, N, L, stride, N, eps, M * C),
-            (cfg.block, C, next_pow2(C), has_w, has_b, cfg.prefetch, cfg.vec, False), cfg.warps,
+            (cfg.block, C, next_pow2(C), has_w, has_b, cfg.prefetch, cfg.vec), cfg.warps,
             x.device, vec=cfg.vec,
         ):
             return

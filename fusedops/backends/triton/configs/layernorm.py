@@ -3,7 +3,6 @@
 :func:`forward_config` / :func:`backward_config` (at the end) are the whole decision: the
 call's facts and :class:`DeviceFacts` in, a :class:`LayerNormForward` / :class:`LayerNormBackward`
 (the kernel variant or path and every launch parameter) out. Forward, in order:
-``CLUSTER_FWD`` (aligned rows on a GPU that runs thread-block clusters),
 ``unrolled_fwd_table`` + ``UNROLLED_FWD``, ``RELOAD_FWD``, ``RELOAD_VEC_FWD``,
 ``UNROLLED_VEC_FWD``, then ``configs.common.unaligned_config`` (single-block), else
 ``split_config("fwd", ...)`` where split rows fit, else looped; backward: ``fused_plan``,
@@ -405,27 +404,6 @@ UNROLLED_VEC_FWD: dict[tuple[int, int], tuple[int, int]] = {
 }
 
 
-# Split-row forward in thread-block clusters (aligned rows on a GPU that runs clusters): a row's
-# C pieces exchange (mean, M2) on chip instead of through global memory and a per-row counter.
-# Element size -> ((shortest row, longest row, (piece, warps, PREFETCH)), ...); C must be a
-# cluster size (CLUSTER_SIZES). Empty until measured; filled from the runs of
-# benchmarks/dev/cluster_forward.py --ops layernorm (the rules against cluster candidates).
-CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {}
-
-
-def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> tuple[int, int, int] | None:
-    """(piece, warps, PREFETCH) of CLUSTER_FWD for aligned rows of ``n`` elements of
-    ``elt_size`` bytes on ``dev``, or None (no rule, no clusters on ``dev``, a piece count that
-    is no cluster size, or pieces that are not all resident at once)."""
-    if not dev.clusters:
-        return None
-    for shortest, longest, cfg in CLUSTER_FWD.get(elt_size, ()):
-        if shortest <= n <= longest and cdiv(n, cfg[0]) in CLUSTER_SIZES \
-                and split_fits(dev, n, cfg[0]):
-            return cfg
-    return None
-
-
 def split_plan(n: int, elt_size: int, vec: int, aligned: bool,
                dev: DeviceFacts) -> tuple[tuple, int] | None:
     """(config, VEC) of the split-row backward for rows of ``n``, or None where it does not
@@ -483,8 +461,7 @@ class LayerNormForward(NamedTuple):
     (``ln_fwd_reload``), ``"reload_vec"`` / ``"unrolled_vec"`` (``ln_fwd_reload_vec`` /
     ``ln_fwd_unrolled_vec``, weights from shifted copies), ``"single"`` (``ln_fwd_single``),
     ``"split"`` (``ln_fwd_split``; ``fallback``: the looped launch where the split launch is
-    refused at run time; with ``cluster``, in thread-block clusters, ``fallback`` the rules
-    without clusters) and ``"looped"`` (``ln_fwd_looped``)."""
+    refused at run time) and ``"looped"`` (``ln_fwd_looped``)."""
 
     variant: str
     grid: int = 0  # programs (split: sized from the compiled kernel's occupancy at launch)
@@ -503,7 +480,6 @@ class LayerNormForward(NamedTuple):
     piece: int = 0  # split: L elements per piece
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
     fallback: LayerNormForward | None = None
-    cluster: bool = False  # split: a row's pieces as one thread-block cluster (CLUSTER_FWD)
 
 
 def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, aligned: bool,
@@ -511,19 +487,9 @@ def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, al
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes on ``dev``
     (``vec``: see ``configs.common.unaligned_vec``; ``with_stats``: the call returns mean and
     rstd; ``aligned``: x's row stride is a multiple of 8 elements). Rules in the order asked:
-    CLUSTER_FWD (aligned rows, cluster_fwd_config), UNROLLED_FWD (per GPU:
-    unrolled_fwd_table), RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD,
+    UNROLLED_FWD (per GPU: unrolled_fwd_table), RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD,
     then the single-block kernel (``configs.common.unaligned_config``), split rows
     (split_config) where they fit, the looped kernel."""
-    cluster = (cluster_fwd_config(n, elt_size, dev)
-               if CLUSTER_FWD and not vec and aligned and n % 8 == 0 else None)
-    if cluster:
-        piece, warps, prefetch = cluster
-        pieces, length = split_pieces(n, piece, 0)
-        return LayerNormForward("split", 0, warps, next_pow2(length), chunk=piece,
-                                prefetch=prefetch, pieces=pieces, piece=length, cluster=True,
-                                fallback=forward_config(n, elt_size, vec, m, with_stats, aligned,
-                                                        dev._replace(clusters=False)))
     whole = next_pow2(n)
     unrolled = unrolled_config(unrolled_fwd_table(dev.name, (elt_size, whole)), elt_size, n,
                                UNROLLED_FWD_ABOVE, vec)

@@ -6,11 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedops.backends.triton.kernels.clusters import (
-    cluster_peer_sums,
-    cluster_publish,
-    cluster_start,
-)
 from fusedops.backends.triton.kernels.common import (
     await_row,
     publish_row,
@@ -424,7 +419,7 @@ def ln_fwd_split(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, stats_ptr, count_ptr, N, L, stride_x,
     stride_y, eps, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr, CLUSTER: tl.constexpr,
+    HAS_B: tl.constexpr, PREFETCH: tl.constexpr, VEC: tl.constexpr,
 ):
     # Work item = (row, piece), row-major; see fusedops/backends/triton/runtime/split.py. Each piece
     # publishes its (mean, M2) about its own mean; the row's statistics are merged with Chan's
@@ -433,18 +428,13 @@ def ln_fwd_split(
     # edges, x and y share the row stride). The grid is a multiple of C: a program always has the
     # same piece, of rows num_progs // C apart; with VEC > 0 also a multiple of C·VEC (or one item
     # per program), so its rows share one misalignment and its weight columns are fixed: weight and
-    # bias are loaded once. PREFETCH: see runtime/split.py. CLUSTER (aligned rows, VEC = 0,
-    # launched by runtime.clusters.ClusterLauncher): the C programs of a row are one thread-block
-    # cluster exchanging (mean, M2) through shared memory (stats and count unused).
+    # bias are loaded once. PREFETCH: see runtime/split.py.
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
     step = num_progs // C
-    parity = pid * 0
-    if CLUSTER:
-        parity = cluster_start(parity)
     if VEC > 0:
         head, body = split_head(pid // C, N, stride_x, VEC)
         wcol = head + chunk * L + lanes
@@ -489,25 +479,18 @@ def ln_fwd_split(
         if VEC > 0:
             xce = tl.where(e_mask, xe - mean_c, 0.0)
             m2 += tl.sum(xce * xce, axis=0)
-        if CLUSTER:  # (peers >= C read as 0, as the masked loads below; their count is 0)
-            token = cluster_publish(mean_c, m2, chunk, parity, C)
-            means, m2s = cluster_peer_sums(peers, parity, token, C)
-            parity = 1 - parity
-            if PREFETCH >= 2:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-        else:
-            tl.store(stats_ptr + item * 2, mean_c)
-            tl.store(stats_ptr + item * 2 + 1, m2)
-            publish_row(count_ptr, row)
-            if PREFETCH == 3:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-            await_row(count_ptr, row, C)
-            if PREFETCH == 2:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
-            base = (row * C + peers) * 2
-            ok = peers < C
-            means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
-            m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(stats_ptr + item * 2, mean_c)
+        tl.store(stats_ptr + item * 2 + 1, m2)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        await_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=0.0)
+        base = (row * C + peers) * 2
+        ok = peers < C
+        means = tl.load(stats_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
+        m2s = tl.load(stats_ptr + base + 1, mask=ok, other=0.0, cache_modifier=".cg")
         ref = tl.sum(tl.where(peers == 0, means, 0.0), axis=0)
         mean = ref + tl.sum(counts * (means - ref), axis=0) / N
         dev = means - mean
