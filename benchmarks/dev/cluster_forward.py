@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from rmsnorm_unaligned import print_records, time_alternating
 
 import fusedops
 from fusedops.backends.triton import configs
@@ -135,20 +136,11 @@ def run_case(op: str, dtype: str, n: int, smoke: bool, device: torch.device) -> 
             records[name] = {"problems": problems, "overrides": repr(rules)}
             if not problems:
                 fns[name] = (call, rules)
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for order in (list(fns), list(reversed(fns))):
-            for name in order:
-                fn, rules = fns[name]
-                with configs.override(op, **rules):
-                    if smoke:
-                        fn()
-                        times[name].append(0.0)
-                    else:
-                        times[name].append(triton.testing.do_bench(fn, warmup=25, rep=100))
-    copy_ms = min(times["copy"])
+        times = time_alternating(fns, op, smoke)
+    copy_ms = times["copy"]
     out = []
     for name in [*fns, *(k for k in records if k not in fns)]:
-        ms = min(times[name]) if name in times else None
+        ms = times.get(name)
         out.append({"op": op, "dtype": dtype, "N": n, "M": m, "variant": name, "ms": ms,
                     "tbps": nbytes / ms / 1e9 if ms else None,
                     "frac_copy": copy_ms / ms if ms else None,
@@ -172,12 +164,7 @@ def main() -> None:
                 records += run_case(op, dtype, n, args.smoke, device)
             with open(args.out, "w") as f:  # (rewritten after every case)
                 json.dump({"meta": meta(device), "records": records}, f, indent=1)
-    print(f"{'op':7} {'dtype':5} {'N':>7}  {'variant':28} {'ms':>7} {'of copy':>7}  problems")
-    for r in records:
-        ms = f"{r['ms']:.3f}" if r["ms"] is not None else "-"
-        frac = f"{r['frac_copy']:.3f}" if r["frac_copy"] else "-"
-        print(f"{r['op']:7} {r['dtype']:5} {r['N']:>7}  {r['variant']:28} {ms:>7} {frac:>7}  "
-              f"{'; '.join(r['problems'])}")
+    print_records(records, 28)
 
 
 def meta(device: torch.device) -> dict:

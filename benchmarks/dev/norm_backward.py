@@ -467,6 +467,19 @@ def ln_split_candidate(n: int, elt: int, s: Split, extra: dict[str, Any] | None 
         gpu_only=SPLIT_REASON, kernels=KERNELS_PER_PATH["split"])
 
 
+def stages_candidate(op: str, pipelined_now: frozenset[int], block: int, key: str,
+                     kernels: int) -> BwdCandidate:
+    """The fused backward of padded rows of ``block`` with its tile loop's pipelining switched
+    (``block`` toggled in ``op``'s PIPELINED_BWD_BLOCKS); ``key``: the stages' fact name."""
+    pipelined = set(pipelined_now) ^ {block}
+    stages = 3 if block in pipelined else 1
+    return BwdCandidate(
+        f"fused {block}: stages {stages}", {"variant": "fused", key: stages},
+        [(op, {"PIPELINED_BWD_BLOCKS": frozenset(sorted(pipelined))})],
+        f"configs/{op}.py PIPELINED_BWD_BLOCKS {'with' if stages > 1 else 'without'} {block}",
+        kernels=kernels)
+
+
 def layernorm_candidates(n: int, elt: int, cur: dict[str, Any],
                          dev: DeviceFacts) -> list[BwdCandidate]:
     v = cur["variant"]
@@ -487,13 +500,8 @@ def layernorm_candidates(n: int, elt: int, cur: dict[str, Any],
                 f"{warps} warps, {per_sm} per SM, ACC_1D {acc_1d}",
                 kernels=KERNELS_PER_PATH["fused"]))
         if not vec and block <= 4096:
-            pipelined = set(ln_rules.PIPELINED_BWD_BLOCKS) ^ {block}
-            stages = 3 if block in pipelined else 1
-            out.append(BwdCandidate(
-                f"fused {block}: stages {stages}", {"variant": "fused", "fused.stages": stages},
-                [("layernorm", {"PIPELINED_BWD_BLOCKS": frozenset(sorted(pipelined))})],
-                f"configs/layernorm.py PIPELINED_BWD_BLOCKS {'with' if stages > 1 else 'without'}"
-                f" {block}", kernels=KERNELS_PER_PATH["fused"]))
+            out.append(stages_candidate("layernorm", ln_rules.PIPELINED_BWD_BLOCKS, block,
+                                        "fused.stages", KERNELS_PER_PATH["fused"]))
         if cur["fused.paired"]:
             out.append(BwdCandidate(
                 f"fused {block}{' body' if vec else ''}: separate sums",
@@ -631,13 +639,8 @@ def rmsnorm_candidates(n: int, elt: int, cur: dict[str, Any],
         aligned = n % (16 // elt) == 0
         rule = rms_rules.bwd_config(block, elt, aligned)
         if aligned and elt == 2 and block <= 8192:
-            pipelined = set(rms_rules.PIPELINED_BWD_BLOCKS) ^ {block}
-            stages = 3 if block in pipelined else 1
-            out.append(BwdCandidate(
-                f"fused {block}: stages {stages}", {"variant": "fused", "stages": stages},
-                [("rmsnorm", {"PIPELINED_BWD_BLOCKS": frozenset(sorted(pipelined))})],
-                f"configs/rmsnorm.py PIPELINED_BWD_BLOCKS {'with' if stages > 1 else 'without'}"
-                f" {block}", kernels=1))
+            out.append(stages_candidate("rmsnorm", rms_rules.PIPELINED_BWD_BLOCKS, block,
+                                        "stages", 1))
         if aligned and elt == 2:  # BWD_RULES_16BIT holds such rows
             for cfg in fused_neighbours(rule, False):
                 rows, warps, per_sm, acc_1d = cfg

@@ -71,6 +71,24 @@ def first_call(fn: Callable[[], torch.Tensor], kernel: str, chunk: int) -> tuple
     return y, problems
 
 
+def time_alternating(fns: dict[str, tuple[Callable[[], object], dict]], op: str,
+                     smoke: bool) -> dict[str, float]:
+    """The lower of two ``do_bench`` medians (ms) per variant, timed in alternating order
+    (listed, then reversed), each under its overrides of ``op``'s rules; ``smoke``: one call
+    each, 0.0."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for order in (list(fns), list(reversed(fns))):
+        for name in order:
+            fn, rules = fns[name]
+            with configs.override(op, **rules):
+                if smoke:
+                    fn()
+                    times[name].append(0.0)
+                else:
+                    times[name].append(triton.testing.do_bench(fn, warmup=25, rep=100))
+    return {name: min(t) for name, t in times.items()}
+
+
 def run_case(dtype: str, n: int, smoke: bool, device: torch.device) -> list[dict]:
     dt = DTYPES[dtype]
     elt = torch.empty((), dtype=dt).element_size()
@@ -99,20 +117,11 @@ def run_case(dtype: str, n: int, smoke: bool, device: torch.device) -> list[dict
             records[name] = {"problems": problems}
             if not problems:
                 fns[name] = (lambda: fusedops.fused_rmsnorm(x, (n,), w, eps=EPS), rules)
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for order in (list(fns), list(reversed(fns))):
-            for name in order:
-                fn, rules = fns[name]
-                with configs.override("rmsnorm", **rules):
-                    if smoke:
-                        fn()
-                        times[name].append(0.0)
-                    else:
-                        times[name].append(triton.testing.do_bench(fn, warmup=25, rep=100))
-    copy_ms = min(times["copy"])
+        times = time_alternating(fns, "rmsnorm", smoke)
+    copy_ms = times["copy"]
     out = []
     for name in [*fns, *(k for k in records if k not in fns)]:
-        ms = min(times[name]) if name in times else None
+        ms = times.get(name)
         tbps = nbytes / ms / 1e9 if ms else None
         out.append({"dtype": dtype, "N": n, "M": m, "variant": name, "ms": ms, "tbps": tbps,
                     "frac_copy": copy_ms / ms if ms else None,
@@ -141,12 +150,19 @@ def main() -> None:
             "source_sha": source_sha(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=1)
-    print(f"{'dtype':5} {'N':>7}  {'variant':22} {'ms':>7} {'of copy':>7}  problems")
+    print_records(records)
+
+
+def print_records(records: list[dict], width: int = 22) -> None:
+    """The records as a table: (op,) dtype, N, variant, ms, fraction of copy, problems."""
+    op = "op" in records[0] if records else False
+    print(("op        " if op else "") + f"{'dtype':5} {'N':>7}  {'variant':{width}} {'ms':>7} "
+          f"{'of copy':>7}  problems")
     for r in records:
         ms = f"{r['ms']:.3f}" if r["ms"] is not None else "-"
         frac = f"{r['frac_copy']:.3f}" if r["frac_copy"] else "-"
-        print(f"{r['dtype']:5} {r['N']:>7}  {r['variant']:22} {ms:>7} {frac:>7}  "
-              f"{'; '.join(r['problems'])}")
+        print((f"{r['op']:9} " if op else "") + f"{r['dtype']:5} {r['N']:>7}  "
+              f"{r['variant']:{width}} {ms:>7} {frac:>7}  {'; '.join(r['problems'])}")
 
 
 if __name__ == "__main__":
