@@ -681,6 +681,22 @@ def test_softmax_forward_next_tile_prefetch(monkeypatch, dtype, m, n, launch_rul
         assert all(nxt == 0 for _, nxt, _ in calls)
 
 
+def test_softmax_exact_rows_rule(monkeypatch, launch_rules):
+    """The single-block forward takes the exact float32 arithmetic (EXACT_ROWS, the argument
+    before NEXT) for rows of EXACT_MIN_N+ only; results against float64 either way."""
+    launch_rules("softmax")  # (the caches and replay plans dropped around the test)
+    calls = []
+    recording(monkeypatch, tsm, "_launch_fwd_single", calls, lambda g, a, w: a[-2])
+    for n in (256, 768, sm_rules.EXACT_MIN_N - 1, sm_rules.EXACT_MIN_N, 2048):
+        cfg = sm_rules.forward_config(n, 4, 0, 8, device_facts(-1))
+        assert cfg.variant != "single" or cfg.exact_rows == (n >= sm_rules.EXACT_MIN_N), n
+        calls.clear()
+        x = torch.randn(8, n, device=_dev()) * 10
+        y = tsm.softmax_forward(x, torch.float32)
+        assert calls == [n >= sm_rules.EXACT_MIN_N], n
+        assert_close_to_ref(y, torch.softmax(x.double(), -1), torch.float32)
+
+
 def test_softmax_cluster_forward_rules(launch_rules):
     """CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size take the
     split forward in thread-block clusters on a GPU that runs them, ahead of every other rule

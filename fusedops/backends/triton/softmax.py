@@ -162,7 +162,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         cfg, key = cfg.fallback, None
     if cfg.variant == "single":
         args = (x, y, M, N, stride, N, cfg.tiles, cfg.grid, cfg.block, cfg.rows, cfg.vec,
-                cfg.next)
+                cfg.exact_rows, cfg.next)
         _launch_fwd_single((cfg.grid,), args, cfg.warps)
     elif cfg.variant == "unrolled":
         args = (x, y, M, stride, N, N, cfg.chunk)

@@ -116,6 +116,12 @@ UNROLLED_FWD_ABOVE = 512  # shorter rows skip the lookup
 # 1.00 unrolled).
 NEXT_FWD: dict[tuple[int, int], tuple[int, int]] = {(2, 32768): (16, 1)}
 
+# The single-block forward's exact float32 arithmetic (EXACT in kernels/softmax.py) from rows
+# of this many elements: shorter rows, many to a program, keep the plain sum and reciprocal
+# multiply, which cost them 8% (H200 256-768: 0.92 of copy in h200/sweep.json, 1.02 in the
+# sweep before it), and their short sums were within the accuracy bound without it.
+EXACT_MIN_N = 1024
+
 # Unaligned rows (VEC > 0) on softmax_fwd_unrolled_vec: (element size, padded body) ->
 # (chunk, warps), rows longer than RELOAD_FWD_ABOVE whose body holds a chunk. H200, TB/s
 # against the split-row kernel on aligned-body pieces: bf16 / fp16 65537 2.79 / 3.01
@@ -204,6 +210,7 @@ class SoftmaxConfig(NamedTuple):
     piece: int = 0  # split: L elements per piece
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
     next: int = 0  # single: NEXT (the next tile prefetched; a persistent grid)
+    exact_rows: bool = False  # single forward: EXACT_ROWS (rows of EXACT_MIN_N+)
     fallback: SoftmaxConfig | None = None
     cluster: int = 0  # split: 1 thread-block clusters looping over rows, 2 one per row
 
@@ -244,7 +251,7 @@ def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) ->
         block = next_pow2(n)
         tiles = num_row_tiles(m, 1, 0)
         return SoftmaxConfig("single", max(1, min(tiles, dev.num_sms * per_sm)), warps, block,
-                             1, tiles, plan=True, next=1)
+                             1, tiles, plan=True, next=1, exact_rows=n >= EXACT_MIN_N)
     unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, UNROLLED_FWD_ABOVE, vec)
     if unrolled:
         return SoftmaxConfig("unrolled", m, unrolled[1], chunk=unrolled[0], plan=True)
@@ -260,7 +267,8 @@ def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) ->
         if reload:
             return SoftmaxConfig("reload", m, reload[1], chunk=reload[0], whole=whole,
                                  even=n if n == whole else 0)
-    return _rows_config("softmax_fwd", "fwd", n, elt_size, vec, m, dev, plan=True)
+    cfg = _rows_config("softmax_fwd", "fwd", n, elt_size, vec, m, dev, plan=True)
+    return cfg._replace(exact_rows=n >= EXACT_MIN_N) if cfg.variant == "single" else cfg
 
 
 def backward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) -> SoftmaxConfig:

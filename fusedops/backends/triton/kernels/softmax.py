@@ -32,11 +32,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # 69; forwards 0-4% slower. Unaligned rows keep the cheap arithmetic: their kernels run one
 # program per SM and lost up to 43% with it (65537, h200/softmax-float32-variants.json); a
 # single row is never unaligned (triton/softmax.py). 16-bit outputs round far coarser.
-# Rows padded to less than EXACT_MIN_BLOCK keep the cheap arithmetic: their many rows per
-# program made the exact one cost 8% at 256-768 (0.92 of copy, h200/sweep.json, against
-# 1.02 before it), and their short sums were within the bound without it
-# (softmax-float32-before.json, 1K).
-EXACT_MIN_BLOCK = tl.constexpr(2048)
+# softmax_fwd_single takes it only for rows of EXACT_MIN_N+ (its EXACT_ROWS; configs/softmax.py).
 
 
 @triton.jit
@@ -89,15 +85,15 @@ def _times(e, inv, s, EXACT: tl.constexpr):
 @triton.jit
 def softmax_fwd_single(
     x_ptr, y_ptr, M, N, stride_x, stride_y, num_tiles, num_progs,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, NEXT: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, EXACT_ROWS: tl.constexpr,
+    NEXT: tl.constexpr = 0,
 ):
     # VEC > 0: unaligned rows as an aligned body plus edges (see row_body in kernels/common.py); the
     # launcher then guarantees stride_x == stride_y, so one split serves x and y.
     # NEXT (aligned rows, a persistent grid): the program's next tile is loaded, in x's dtype,
     # before this tile's reductions, so its loads are in flight while this tile computes.
-    # EXACT from padded rows of EXACT_MIN_BLOCK: shorter ones keep the cheap arithmetic.
-    EXACT: tl.constexpr = ((y_ptr.dtype.element_ty == tl.float32) and VEC == 0
-                           and BLOCK_N >= EXACT_MIN_BLOCK)
+    # EXACT_ROWS: rows long enough for the exact arithmetic (shorter ones keep the cheap one).
+    EXACT: tl.constexpr = (y_ptr.dtype.element_ty == tl.float32) and VEC == 0 and EXACT_ROWS
     pid = tl.program_id(0)
     if NEXT:
         rows, head = tile_rows(pid, stride_x, ROWS, VEC)
