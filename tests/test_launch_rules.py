@@ -699,30 +699,30 @@ def test_softmax_exact_rows_rule(monkeypatch, launch_rules):
 
 def test_softmax_cluster_forward_rules(launch_rules):
     """CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size take the
-    split forward in thread-block clusters on a GPU that runs them, ahead of every other rule
-    (one cluster per row: PREFETCH 0), with the rules without clusters as the fallback; rows
+    split forward in thread-block clusters on a GPU that runs them, ahead of every other rule,
+    with the rules without clusters as the fallback; rows
     outside the range, unaligned rows, other piece counts and GPUs without clusters do not."""
     hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
     no_clusters = hopper._replace(clusters=False)
     fwd = sm_rules.forward_config
     for elt, rules in sm_rules.CLUSTER_FWD.items():  # shipped
-        for shortest, longest, (piece, warps, prefetch, per_row) in rules:
+        for shortest, longest, (piece, warps, prefetch) in rules:
             cfg = fwd(longest, elt, 0, 64, hopper)
             assert (cfg.variant, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
-                "split", piece, warps, 0 if per_row else prefetch, 2 if per_row else 1)
+                "split", piece, warps, prefetch, True)
             assert not fwd(longest, elt, 0, 64, no_clusters).cluster
             if not any(lo <= shortest // 2 <= hi for lo, hi, _ in rules):
                 assert not fwd(shortest // 2, elt, 0, 64, hopper).cluster
-    launch_rules("softmax", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1, False)),),
-                                         4: ((65536, 65536, (8192, 8, 2, True)),)})
+    launch_rules("softmax", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),),
+                                         4: ((65536, 65536, (8192, 8, 2)),)})
     for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
         cfg = fwd(n, 2, 0, 64, hopper)
         assert (cfg.variant, cfg.pieces, cfg.piece, cfg.block, cfg.warps, cfg.prefetch,
-                cfg.cluster) == ("split", c, 16384, 16384, 16, 1, 1), n
+                cfg.cluster) == ("split", c, 16384, 16384, 16, 1, True), n
         assert cfg.fallback == fwd(n, 2, 0, 64, no_clusters) and not cfg.fallback.cluster
         assert not fwd(n, 2, 8, 64, hopper).cluster  # unaligned rows
     cfg = fwd(65536, 4, 0, 64, hopper)
-    assert (cfg.pieces, cfg.warps, cfg.prefetch, cfg.cluster) == (8, 8, 0, 2)
+    assert (cfg.pieces, cfg.warps, cfg.prefetch, cfg.cluster) == (8, 8, 2, True)
     assert not fwd(131072, 4, 0, 64, hopper).cluster  # outside the float32 range
     assert not fwd(98304, 2, 0, 64, hopper).cluster  # 6 pieces: no cluster size
     assert not fwd(16384, 2, 0, 64, hopper).cluster  # below the range

@@ -9,10 +9,9 @@ For each op (``--ops``: softmax, rmsnorm), dtype (bf16, fp16, float32) and row l
 131072, 262144 by default; M = 2^27 // N rows, 2^26 // N for float32, so every tensor is far
 larger than L2), inference calls of ``fused_softmax`` / ``fused_rmsnorm`` (a weight in x's
 dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FWD`` emptied) and
-``cluster PxW <mode>`` (the op's split-row kernel on pieces of P elements, W warps, as a
-one-entry ``CLUSTER_FWD``): ``held pfK`` (as many clusters as the GPU holds at once, looping
-over rows with PREFETCH K) and, softmax only, ``per row`` (a grid of every row's pieces, one
-piece per program). Pieces of 4K-32K elements whose count C = N / P is a cluster size (2-16),
+``cluster PxW held pfK`` (the op's split-row kernel on pieces of P elements, W warps, as a
+one-entry ``CLUSTER_FWD``: as many clusters as the GPU holds at once, looping over rows with
+PREFETCH K). Pieces of 4K-32K elements whose count C = N / P is a cluster size (2-16),
 on 32 and on 16 elements per thread (32K: 64 and 32). Each variant's first call runs with its launches recorded: a
 candidate must launch the split-row kernel with CLUSTER, that BLOCK and C, and match the
 rules' output (bf16 rtol 1.6e-2, fp16 1e-3, float32 1e-5); one that does not is reported and
@@ -63,17 +62,11 @@ def variants(op: str, n: int, smoke: bool) -> dict[str, tuple[dict, tuple | None
         if c not in CLUSTER_SIZES:
             continue
         for warps in warp_counts:
-            modes = [("held pf0", 0, False), ("held pf1", 1, False)]
-            if op == "softmax":
-                modes.insert(0, ("per row", 0, True))
-            if warps == piece // 512:  # (16 elements per thread: the grid modes only)
-                modes = [mode for mode in modes if mode[1] == 0]
-            for mode, prefetch, per_row in modes:
-                cfg = (piece, warps, prefetch, per_row) if op == "softmax" else (
-                    piece, warps, prefetch)
-                table = {el: ((n, n, cfg),) for el in (2, 4)}
-                out[f"cluster {piece}x{warps} {mode}"] = ({"CLUSTER_FWD": table},
-                                                          (piece, c, warps))
+            # (16 elements per thread: without prefetch only)
+            for prefetch in (0,) if warps == piece // 512 else (0, 1):
+                table = {el: ((n, n, (piece, warps, prefetch)),) for el in (2, 4)}
+                out[f"cluster {piece}x{warps} held pf{prefetch}"] = (
+                    {"CLUSTER_FWD": table}, (piece, c, warps))
     return out
 
 

@@ -128,7 +128,7 @@ def _launch_cluster(cfg: SoftmaxConfig, M: int, N: int, x: torch.Tensor, y: torc
     return clusters_enabled(x.device, N, cfg.chunk, C) and bool(_launch_fwd_cluster(
         M * C, C, (x, y, x, x, N, L, stride, N, M * C),
         (cfg.block, C, next_pow2(C), cfg.prefetch, 0, L == cfg.block, True), cfg.warps,
-        x.device, progs=M * C if cfg.cluster == 2 else None))
+        x.device))
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from fusedops.backends.triton.runtime.caches import config_cache, config_caches
+from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
 from fusedops.backends.triton.runtime.facts import DeviceFacts
 
@@ -162,6 +163,19 @@ def for_gpu(table: dict, name: str) -> list:
     """The entries of a per-GPU rule table (GPU name part -> rules) whose key is part of the
     GPU name ``name`` ("": the CPU, none), in the table's order."""
     return [rules for part, rules in table.items() if part in name] if name else []
+
+
+def cluster_rule(rules: tuple, n: int, dev: DeviceFacts) -> tuple | None:
+    """The config of the first ``(shortest, longest, (piece, ...))`` rule whose range holds ``n``
+    and whose pieces of a row make a cluster size that fits ``dev`` (a CLUSTER_FWD table's
+    entries for one element size), or None; None on a device without clusters."""
+    if not dev.clusters:
+        return None
+    for shortest, longest, cfg in rules:
+        if shortest <= n <= longest and cdiv(n, cfg[0]) in CLUSTER_SIZES \
+                and split_fits(dev, n, cfg[0]):
+            return cfg
+    return None
 
 
 def split_fits(dev: DeviceFacts, n: int, chunk: int) -> bool:

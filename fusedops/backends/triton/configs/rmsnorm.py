@@ -22,6 +22,7 @@ from fusedops.backends.triton.configs.common import (
     PERSISTENT,
     PERSISTENT_ABOVE,
     body_len,
+    cluster_rule,
     for_gpu,
     row_config,
     single_block_limit,
@@ -29,8 +30,7 @@ from fusedops.backends.triton.configs.common import (
     unaligned_config,
     unrolled_config,
 )
-from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
-from fusedops.backends.triton.runtime.device import cdiv, next_pow2
+from fusedops.backends.triton.runtime.device import next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts
 
 # The weight stays in registers across a program's row tiles while each thread holds at most
@@ -374,13 +374,11 @@ CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
 def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:
     """The cluster split-row forward of aligned rows of ``n`` on ``dev`` (CLUSTER_FWD), or
     None."""
-    if not dev.clusters or n < SPLIT_ROWS_MIN:
+    rule = cluster_rule(CLUSTER_FWD.get(elt_size, ()), n, dev) if n >= SPLIT_ROWS_MIN else None
+    if rule is None:
         return None
-    for shortest, longest, (piece, warps, prefetch) in CLUSTER_FWD.get(elt_size, ()):
-        if shortest <= n <= longest and cdiv(n, piece) in CLUSTER_SIZES \
-                and split_fits(dev, n, piece):
-            return FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch, False, True)
-    return None
+    piece, warps, prefetch = rule
+    return FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch, False, True)
 
 
 def split_fwd_config(n: int, elt_size: int, vec: int, rows_aligned: bool,

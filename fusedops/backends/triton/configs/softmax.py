@@ -18,6 +18,7 @@ from typing import NamedTuple
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
+    cluster_rule,
     grid_programs,
     num_row_tiles,
     single_block_limit,
@@ -25,8 +26,7 @@ from fusedops.backends.triton.configs.common import (
     unaligned_config,
     unrolled_config,
 )
-from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
-from fusedops.backends.triton.runtime.device import cdiv, next_pow2
+from fusedops.backends.triton.runtime.device import next_pow2
 from fusedops.backends.triton.runtime.facts import DeviceFacts
 from fusedops.backends.triton.runtime.split import split_pieces
 
@@ -147,32 +147,19 @@ UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
 
 # Split-row forward in thread-block clusters (aligned rows on a GPU that runs clusters): a row's
 # C pieces exchange (max, sum) on chip, so x is read once and y written once. Element size ->
-# ((shortest row, longest row, (piece, warps, PREFETCH, one cluster per row)), ...); C must be
-# a cluster size (CLUSTER_SIZES). One cluster per row: a grid of all rows' pieces, each
-# program one piece (PREFETCH 0), the hardware starting clusters as others finish; otherwise as
-# many clusters as the GPU holds at once, each looping over rows. H200, fraction of copy
+# ((shortest row, longest row, (piece, warps, PREFETCH)), ...); C must be a cluster size
+# (CLUSTER_SIZES); as many clusters as the GPU holds at once, each looping over rows (a grid
+# of one cluster per row measured slower at every point). H200, fraction of copy
 # against the rules without clusters, the same run (benchmarks/results/h200/
 # softmax-cluster-forward.json): 8192 x 8 prefetching before the exchange, bf16 128K 0.75 vs
 # 0.70 (split rows), float32 64K 0.86 vs 0.77 (split rows), 128K 0.81 vs 0.75; bf16 256K on
 # 32768 x 32 prefetching 0.71 vs 0.67 (cluster-forward.json, the same run). Slower: bf16 64K
 # (0.79 vs 0.84 unrolled), 16 pieces of 256K (0.59 vs 0.67) and float32 256K (0.69 vs 0.70),
-# where a piece count of 16 leaves one program per SM; one cluster per row, always (0.41-0.79).
-CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] = {
-    2: ((131072, 131072, (8192, 8, 1, False)), (262144, 262144, (32768, 32, 1, False))),
-    4: ((65536, 131072, (8192, 8, 1, False)),),
+# where a piece count of 16 leaves one program per SM; one cluster per row 0.41-0.79.
+CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
+    2: ((131072, 131072, (8192, 8, 1)), (262144, 262144, (32768, 32, 1))),
+    4: ((65536, 131072, (8192, 8, 1)),),
 }
-
-
-def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> tuple | None:
-    """(piece, warps, PREFETCH, one cluster per row) of CLUSTER_FWD for aligned rows of ``n``
-    on ``dev``, or None."""
-    if not dev.clusters:
-        return None
-    for shortest, longest, cfg in CLUSTER_FWD.get(elt_size, ()):
-        if shortest <= n <= longest and cdiv(n, cfg[0]) in CLUSTER_SIZES \
-                and split_fits(dev, n, cfg[0]):
-            return cfg
-    return None
 
 
 def unrolled_bwd_config(N: int, vec: int, elt_size: int) -> tuple[int, int] | None:
@@ -212,7 +199,7 @@ class SoftmaxConfig(NamedTuple):
     next: int = 0  # single: NEXT (the next tile prefetched; a persistent grid)
     exact_rows: bool = False  # single forward: EXACT_ROWS (rows of EXACT_MIN_N+)
     fallback: SoftmaxConfig | None = None
-    cluster: int = 0  # split: 1 thread-block clusters looping over rows, 2 one per row
+    cluster: bool = False  # split: a row's pieces as one thread-block cluster (CLUSTER_FWD)
 
 
 def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: int,
@@ -236,13 +223,12 @@ def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: 
 def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) -> SoftmaxConfig:
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes (``vec``: see
     ``configs.common.unaligned_vec``) on ``dev``."""
-    cluster = cluster_fwd_config(n, elt_size, dev) if CLUSTER_FWD and not vec else None
+    cluster = cluster_rule(CLUSTER_FWD.get(elt_size, ()), n, dev) if not vec else None
     if cluster:
-        piece, warps, prefetch, per_row = cluster
+        piece, warps, prefetch = cluster
         pieces, length = split_pieces(n, piece, 0)
         return SoftmaxConfig("split", 0, warps, next_pow2(length), chunk=piece,
-                             prefetch=0 if per_row else prefetch, pieces=pieces, piece=length,
-                             cluster=2 if per_row else 1,
+                             prefetch=prefetch, pieces=pieces, piece=length, cluster=True,
                              fallback=forward_config(n, elt_size, vec, m,
                                                      dev._replace(clusters=False)))
     nxt = NEXT_FWD.get((elt_size, next_pow2(n))) if NEXT_FWD and not vec else None
