@@ -575,6 +575,38 @@ def test_cluster_forward_launch_path(monkeypatch, refused, launch_rules):
         assert_close_to_ref(y, y64, BF16)
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+@pytest.mark.parametrize("refused", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_pieces_forward_launch_path(monkeypatch, refused, persistent, launch_rules):
+    """A streamed-pieces config: the cluster launcher gets the rows' C pieces, one cluster per
+    row unless persistent (then the launcher sizes the grid), with the weight, y and rstd;
+    refused, the call runs the rules without clusters (here the CPU's), with the right
+    values."""
+    calls = []
+
+    def cluster(items, chunks, runtime, consts, num_warps, device, progs=None, vec=0):
+        calls.append((items, chunks, runtime, consts, num_warps, progs))
+        return 0 if refused else items
+
+    cfg = rms_rules.FwdConfig("pieces", 64, 1, 4, persistent, 0, 32, 0, False, True)
+    monkeypatch.setattr(trms, "_launch_fwd_pieces", cluster)
+    monkeypatch.setattr(trms, "clusters_enabled", lambda *a: True)
+    monkeypatch.setattr(trms, "_fwd_config", lambda *a: cfg)
+    launch_rules("rmsnorm")
+    x, w, dy = make(8, 256, BF16, "same")
+    with record_launches() as record:
+        y, rstd = tb.rmsnorm_forward(x, w, EPS, BF16)
+    (items, chunks, runtime, consts, warps, progs), = calls
+    assert (items, chunks, warps, progs) == (8 * 4, 4, 4, None if persistent else 8 * 4)
+    assert consts == (256, 64, 32, 4, 4, True, True)
+    assert runtime[:4] == (x, w, y, rstd) and runtime[4:7] == (8, 256, 256)
+    assert bool(launched(record)) == refused
+    if refused:
+        y64, rstd64, _, _ = oracle(x, w, dy)
+        assert_close_to_ref(y, y64, BF16)
+
+
 def test_cluster_forward_rules(launch_rules):
     """CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size take the
     cluster split forward on a GPU that runs clusters, ahead of the unrolled kernel; rows
@@ -591,7 +623,7 @@ def test_cluster_forward_rules(launch_rules):
             if not any(lo <= shortest // 2 <= hi for lo, hi, _ in rules):
                 assert not fwd(shortest // 2, elt, 0, True, hopper, True).cluster
     assert fwd(262144, 2, 0, True, no_clusters, True).kernel == "unrolled"
-    launch_rules("rmsnorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)})
+    launch_rules("rmsnorm", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)}, PIECES_FWD={})
     for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
         cfg = fwd(n, 2, 0, True, hopper, True)
         assert (cfg.kernel, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
@@ -603,8 +635,38 @@ def test_cluster_forward_rules(launch_rules):
     assert not fwd(98304, 2, 0, True, hopper, True).cluster  # 6 pieces: no cluster size
     assert fwd(16384, 2, 0, True, hopper, True).kernel == "unrolled"  # below the range
     assert not fwd(65537, 2, 8, False, hopper, True).cluster
-    launch_rules("rmsnorm", CLUSTER_FWD={})
+    launch_rules("rmsnorm", CLUSTER_FWD={}, PIECES_FWD={})
     assert fwd(131072, 2, 0, True, hopper, True).kernel == "unrolled"
+
+
+def test_pieces_forward_rules(launch_rules):
+    """PIECES_FWD: aligned rows in a rule's range that whole pieces of whole chunks fill, in a
+    cluster size, take the streamed-pieces kernel on a GPU that runs clusters, ahead of
+    CLUSTER_FWD; unaligned rows, rows no piece divides, other piece counts and GPUs without
+    clusters do not."""
+    hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
+    no_clusters = hopper._replace(clusters=False)
+    fwd = rms_rules.forward_config
+    assert rms_rules.PIECES_FWD  # shipped
+    for elt, rules in rms_rules.PIECES_FWD.items():
+        for shortest, longest, (piece, chunk, warps, persistent) in rules:
+            for n in {shortest, longest}:
+                assert fwd(n, elt, 0, True, hopper, True) == rms_rules.FwdConfig(
+                    "pieces", piece, 1, warps, persistent, 0, chunk, 0, False, True)
+                assert fwd(n, elt, 0, True, no_clusters, True).kernel != "pieces"
+                assert fwd(n, elt, 0, False, hopper, True).kernel != "pieces"
+    launch_rules("rmsnorm", PIECES_FWD={2: ((32768, 262144, (16384, 4096, 16, False)),)},
+                 CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),)})
+    for n in (32768, 65536, 131072, 262144):  # 2 to 16 pieces
+        cfg = fwd(n, 2, 0, True, hopper, True)
+        assert (cfg.kernel, cfg.block, cfg.chunk, cfg.warps, cfg.persistent, cfg.cluster) == (
+            "pieces", 16384, 4096, 16, False, True), n
+        assert fwd(n, 2, 0, True, no_clusters, True).kernel == "unrolled"
+    assert fwd(98304, 2, 0, True, hopper, True).kernel != "pieces"  # 6 pieces
+    assert fwd(65536 + 16, 2, 0, True, hopper, True).kernel != "pieces"  # no whole pieces
+    assert fwd(65536, 4, 0, True, hopper, True).kernel != "pieces"  # no float32 rule
+    launch_rules("rmsnorm", PIECES_FWD={2: ((65536, 65536, (16384, 3072, 16, True)),)})
+    assert fwd(65536, 2, 0, True, hopper, True).kernel == "split"  # no whole chunks
 
 
 # ------------------------------------------------------------------------------ the rules
@@ -631,10 +693,12 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     assert (cfg.vec, cfg.chunk, cfg.cluster) == (0, 16384, True)  # (clusters)
     assert fwd(65536, 2, 0, True, cuda, True).kernel == "unrolled"  # (measured faster)
     assert fwd(131072, 2, 0, True, cuda, True)[:1] + fwd(131072, 2, 0, True, cuda, True)[3:7:3] \
-        == ("unrolled", 32, 16384)
+        == ("pieces", 16, 4096)
+    assert fwd(131072, 2, 0, True, cuda._replace(clusters=False), True)[:1] + fwd(
+        131072, 2, 0, True, cuda._replace(clusters=False), True)[3:7:3] == ("unrolled", 32, 16384)
     assert fwd(98304, 2, 0, True, cuda, True).kernel == "unrolled"  # (6 chunks of 16K)
-    assert fwd(131072, 4, 0, True, cuda, True).kernel == "split"
-    assert fwd(262144, 4, 0, True, cuda, True).kernel == "split"
+    assert fwd(131072, 4, 0, True, cuda, True).kernel == "pieces"
+    assert fwd(262144, 4, 0, True, cuda._replace(clusters=False), True).kernel == "split"
     assert bwd(8193, 2, 8, False, cuda)[:1] + bwd(8193, 2, 8, False, cuda)[6:7] == ("fused", 8)
     assert bwd(16385, 2, 8, False, cuda).kernel == "fused"  # a 16K body
     assert bwd(32769, 2, 8, False, cuda)[6:8] == (8, 2048)
@@ -708,6 +772,9 @@ _COMPILE = textwrap.dedent("""
                                                     STATS=True, PREFETCH=1, VEC=0,
                                                     CLUSTER=True),
                              ("N", "L", "stride_x", "stride_y")),
+        "fwd_pieces": build(ks.rms_fwd_pieces, dict(N=16384, L=4096, CHUNK=1024, C=4, C_P2=4,
+                                                    HAS_W=True, STATS=True),
+                            ("stride_x", "stride_y")),
         "bwd_vec": build(k.rms_bwd_vec, dict(BLOCK_N=4096, HAS_W=True, HOLD_W=True,
                                              NEED_DX=True, NEED_DW=True, VEC=8)),
     }
@@ -730,8 +797,9 @@ def sm90():
 
 def test_kernels_compile_for_sm90(sm90):
     """Every new kernel compiles for sm_90 (the interpreter checks no compile-time rules).
-    The cluster variants (backward and forward) exchange on chip (cluster barrier, stores into
-    peers' shared memory, no atomics), the cooperative ones through counters; unaligned bodies
+    The cluster variants (backward, forward, streamed pieces) exchange on chip (cluster
+    barrier, stores into peers' shared memory, no atomics), the cooperative ones through
+    counters; unaligned bodies
     (and the weight copies), and the unrolled kernel's chunks, are read and written with
     16-byte vectors."""
     cluster, coop = sm90["cluster"], sm90["coop"]
@@ -742,6 +810,9 @@ def test_kernels_compile_for_sm90(sm90):
     assert fwd["barrier.cluster.arrive.release"] == 2 and fwd["mapa.shared::cluster"]
     assert fwd["atom."] + fwd["red.global"] == 0
     assert fwd_coop["barrier.cluster.arrive.release"] == 0
+    pieces = sm90["fwd_pieces"]  # the barrier at the start and one exchange per row
+    assert pieces["barrier.cluster.arrive.release"] == 2 and pieces["mapa.shared::cluster"]
+    assert pieces["atom."] + pieces["red.global"] == 0
     for name, got in sm90.items():
         assert got["ld.v4"] >= 2 and got["st.v4"] >= 1, (name, got)
 
@@ -767,8 +838,12 @@ def test_gpu_variants(dtype, m, n, w_mode, launch_rules):
     vec = _vec_expected(n, dtype)
     block = 1 << ((n // vec * vec if vec else n) - 1).bit_length()
     fwd_unrolled_vec = vec > 0 and (x.element_size(), block) in rms_rules.UNROLLED_VEC_FWD
-    fwd_split = block > 32768 and (dtype == FP32 or vec > 0) and not fwd_unrolled_vec
+    fwd_pieces = not vec and rms_rules.pieces_fwd_config(n, x.element_size(),
+                                                         device_facts(0)) is not None
+    fwd_split = (block > 32768 and (dtype == FP32 or vec > 0) and not fwd_unrolled_vec
+                 and not fwd_pieces)
     assert ("rms_fwd_split" in runs) == fwd_split
+    assert ("rms_fwd_pieces" in runs) == fwd_pieces
     assert vecs(runs, "rms_fwd_unrolled_vec") == ([vec] if fwd_unrolled_vec else [])
     assert ("rms_bwd_split" in runs) == (block > 16384)
     if vec and not fwd_unrolled_vec and not fwd_split:
@@ -792,9 +867,33 @@ def test_gpu_cluster_forward(dtype, m, n, piece, prefetch, launch_rules):
     hopper = torch.cuda.get_device_capability()[0] >= 9
     elt = torch.empty((), dtype=dtype).element_size()
     warps = 16 if piece > 16384 else 8  # (the shipped 32K pieces run on 16)
-    launch_rules("rmsnorm", CLUSTER_FWD={elt: ((n, n, (piece, warps, prefetch)),)})
+    launch_rules("rmsnorm", CLUSTER_FWD={elt: ((n, n, (piece, warps, prefetch)),)},
+                 PIECES_FWD={})
     for w_mode in ("same", "none"):
         x, w, dy = (t if t is None else t.cuda() for t in make(m, n, dtype, w_mode, seed=n))
         runs = check(x, w, dy, stats=False)
         fwd = runs.get("rms_fwd_split", [])
         assert (len(fwd) == 2 and all(a[-1] is True for a in fwd)) == hopper, runs.keys()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,m,n,piece,chunk,warps", [
+    (BF16, 48, 131072, 16384, 4096, 16), (BF16, 300, 32768, 16384, 2048, 8),
+    (FP16, 7, 65536, 16384, 4096, 16), (BF16, 40, 262144, 16384, 4096, 16),
+    (FP32, 64, 65536, 8192, 2048, 8), (FP32, 20, 262144, 16384, 4096, 16),
+    (BF16, 24, 262144, 32768, 8192, 16)], ids=str)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_pieces_forward(dtype, m, n, piece, chunk, warps, persistent, launch_rules):
+    """Forced PIECES_FWD rules (2-16 pieces, one cluster per row or a persistent grid, fewer
+    rows than clusters and more): values and rstd against float64, with and without a
+    weight, and the forward launches rms_fwd_pieces (Hopper; elsewhere the rules without
+    clusters)."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    elt = torch.empty((), dtype=dtype).element_size()
+    launch_rules("rmsnorm", PIECES_FWD={elt: ((n, n, (piece, chunk, warps, persistent)),)})
+    for w_mode in ("same", "none"):
+        x, w, dy = (t if t is None else t.cuda() for t in make(m, n, dtype, w_mode, seed=n))
+        runs = check(x, w, dy, stats=False)
+        fwd = runs.get("rms_fwd_pieces", [])
+        assert (len(fwd) == 2 and {a[11] for a in fwd} == {chunk}) == hopper, runs.keys()
+        assert "rms_fwd_split" not in runs and "rms_fwd_unrolled" not in runs or not hopper

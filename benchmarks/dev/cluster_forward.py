@@ -1,26 +1,35 @@
-"""Softmax and RMSNorm forwards on long aligned rows in thread-block clusters: the launch rules
-against ``CLUSTER_FWD`` candidates forced through ``configs.override``, in one run (Hopper or
-newer).
+"""Softmax, RMSNorm and LayerNorm forwards on long aligned rows in thread-block clusters: the
+launch rules against cluster candidates forced through ``configs.override``, in one run
+(Hopper or newer).
 
     PYTHONPATH=$PWD python benchmarks/dev/cluster_forward.py --out cluster_forward.json
+    PYTHONPATH=$PWD python benchmarks/dev/cluster_forward.py --ops rmsnorm --kinds pieces
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/dev/cluster_forward.py --smoke
 
-For each op (``--ops``: softmax, rmsnorm), dtype (bf16, fp16, float32) and row length (65536,
-131072, 262144 by default; M = 2^27 // N rows, 2^26 // N for float32, so every tensor is far
-larger than L2), inference calls of ``fused_softmax`` / ``fused_rmsnorm`` (a weight in x's
-dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FWD`` emptied) and
-``cluster PxW held pfK`` (the op's split-row kernel on pieces of P elements, W warps, as a
-one-entry ``CLUSTER_FWD``: as many clusters as the GPU holds at once, looping over rows with
-PREFETCH K). Pieces of 4K-32K elements whose count C = N / P is a cluster size (2-16),
-on 32 and on 16 elements per thread (32K: 64 and 32). Each variant's first call runs with its launches recorded: a
-candidate must launch the split-row kernel with CLUSTER, that BLOCK and C, and match the
-rules' output (bf16 rtol 1.6e-2, fp16 1e-3, float32 1e-5); one that does not is reported and
-not timed. ``torch`` (``torch.softmax`` / ``F.rms_norm``) and ``copy`` (``y.copy_(x)``) are
-timed beside them. Times:
-``triton.testing.do_bench`` medians (L2 flushed), every variant timed twice in alternating
-order (the lower median kept); TB/s of 2·M·N·elt bytes (RMSNorm: plus the weight), and each
-as a fraction of the same case's copy. ``--smoke`` (the interpreter, which has no clusters) runs the rules once on tiny
-rows: it checks the script, not speed.
+For each op (``--ops``), dtype (bf16, fp16, float32) and row length (65536, 131072, 262144 by
+default; M = 2^27 // N rows, 2^26 // N for float32, so every tensor is far larger than L2),
+inference calls of ``fused_softmax`` / ``fused_rmsnorm`` / ``fused_layernorm`` (weight and
+bias in x's dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FWD`` and
+``PIECES_FWD`` emptied), ``no pieces`` (``PIECES_FWD`` emptied: the rules before it) and the
+candidates of ``--kinds``:
+
+* ``held`` (softmax, RMSNorm): ``cluster PxW held pfK``, the op's split-row kernel holding
+  pieces of P elements in registers on W warps, as a one-entry ``CLUSTER_FWD`` (as many
+  clusters as the GPU holds at once, looping over rows with PREFETCH K); pieces of 4K-32K
+  whose count C = N / P is a cluster size (2-16), on 32 and on 16 elements per thread.
+* ``pieces`` (RMSNorm, LayerNorm): ``pieces PxKxW held|rows``, the streamed-pieces kernel
+  (``rms_fwd_pieces``, ``ln_fwd_pieces``) on pieces of P elements in chunks of K on W warps,
+  as a one-entry ``PIECES_FWD``: a persistent grid (``held``) or one cluster per row
+  (``rows``); pieces of 8K-32K (float32 4K-16K, or ``--pieces``).
+
+Each variant's first call runs with its launches recorded: a candidate must launch its kernel
+with those parameters, and match the rules' output (bf16 rtol 1.6e-2, fp16 1e-3, float32
+1e-5); one that does not is reported and not timed. The op in torch and ``copy``
+(``y.copy_(x)``) are timed beside them. Times: ``triton.testing.do_bench`` medians (L2
+flushed), every variant timed twice in alternating order (the lower median kept); TB/s of the
+op's bytes (2·M·N·elt plus the weight and bias), and each as a fraction of the same case's
+copy. ``--smoke`` (the interpreter, which has no clusters) runs the rules once on tiny rows:
+it checks the script, not speed.
 """
 
 from __future__ import annotations
@@ -45,19 +54,32 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SIZES = (65536, 131072, 262144)
 # piece -> warps (32 and 16 elements per thread; 32K pieces on 16 and 32 warps)
 PIECES = {4096: (4, 8), 8192: (8, 16), 16384: (16, 32), 32768: (16, 32)}
+# streamed pieces: (CHUNK, warps) per chunk of the two passes
+STREAM_CHUNKS = ((2048, 8), (4096, 16))
 RTOL = {"bf16": 1.6e-2, "fp16": 1e-3, "fp32": 1e-5}
 EPS = 1e-6
-# op -> (split-row kernel, positions of BLOCK, C and CLUSTER in its launch arguments)
+# op -> the split-row kernel and the positions of BLOCK, C and CLUSTER in its launch arguments
 KERNELS = {"softmax": ("softmax_fwd_split", 10, 11, 16), "rmsnorm": ("rms_fwd_split", 13, 14, 20)}
+# op -> the streamed-pieces kernel and the positions of L, CHUNK and C in its launch arguments
+STREAMED = {"rmsnorm": ("rms_fwd_pieces", 10, 11, 12),
+            "layernorm": ("ln_fwd_pieces", 11, 12, 13)}
+OPS = ("softmax", "rmsnorm", "layernorm")
 
 
-def variants(op: str, n: int, smoke: bool) -> dict[str, tuple[dict, tuple | None]]:
-    """name -> (the op's overrides, the (BLOCK, C, warps) a candidate must launch, or None)."""
-    out: dict[str, tuple[dict, tuple | None]] = {"rules": ({}, None),
-                                                 "no clusters": ({"CLUSTER_FWD": {}}, None)}
+def variants(op: str, n: int, elt: int, kinds: list[str], smoke: bool,
+             streamed_pieces: list[int] | None = None) -> dict[str, tuple[dict, tuple | None]]:
+    """name -> (the op's overrides, the launch a candidate must make: (kernel, {argument
+    position: value}, warps), or None)."""
+    streamed = STREAMED.get(op)
+    off = ({"CLUSTER_FWD": {}} if op in KERNELS else {}) | ({"PIECES_FWD": {}} if streamed
+                                                             else {})
+    out: dict[str, tuple[dict, tuple | None]] = {"rules": ({}, None), "no clusters": (off, None)}
+    if streamed:  # the rules before the streamed pieces
+        out["no pieces"] = ({"PIECES_FWD": {}}, None)
     if smoke:
         return out
-    for piece, warp_counts in PIECES.items():
+    kernel, i_block, i_c, i_cluster = KERNELS.get(op, ("", 0, 0, 0))
+    for piece, warp_counts in PIECES.items() if "held" in kinds and kernel else ():
         c = n // piece
         if c not in CLUSTER_SIZES:
             continue
@@ -66,43 +88,64 @@ def variants(op: str, n: int, smoke: bool) -> dict[str, tuple[dict, tuple | None
             for prefetch in (0,) if warps == piece // 512 else (0, 1):
                 table = {el: ((n, n, (piece, warps, prefetch)),) for el in (2, 4)}
                 out[f"cluster {piece}x{warps} held pf{prefetch}"] = (
-                    {"CLUSTER_FWD": table}, (piece, c, warps))
+                    {"CLUSTER_FWD": table, "PIECES_FWD": {}} if streamed else
+                    {"CLUSTER_FWD": table},
+                    (kernel, {i_block: piece, i_c: c, i_cluster: True}, warps))
+    if not streamed or "pieces" not in kinds:
+        return out
+    kernel, i_piece, i_chunk, i_c = streamed
+    for piece in streamed_pieces or ((8192, 16384, 32768) if elt == 2 else (4096, 8192, 16384)):
+        c = n // piece
+        for chunk, warps in STREAM_CHUNKS if c in CLUSTER_SIZES else ():
+            for persistent in (True, False):
+                if chunk > piece:
+                    continue
+                table = {el: ((n, n, (piece, chunk, warps, persistent)),) for el in (2, 4)}
+                out[f"pieces {piece}x{chunk}x{warps} {'held' if persistent else 'rows'}"] = (
+                    off | {"PIECES_FWD": table},
+                    (kernel, {i_piece: piece, i_chunk: chunk, i_c: c}, warps))
     return out
 
 
-def first_call(op: str, fn: Callable[[], torch.Tensor], expect: tuple | None
+def first_call(fn: Callable[[], torch.Tensor], expect: tuple | None
                ) -> tuple[torch.Tensor, list[str]]:
     """Run ``fn`` once with its launches recorded: (output, problems)."""
     with record_launches() as record:
         y = fn()
     if expect is None:
         return y, []
-    kernel, i_block, i_c, i_cluster = KERNELS[op]
-    block, c, warps = expect
+    kernel, values, warps = expect
     for launcher, _grid, args, num_warps in record:
         if getattr(launcher.kernel, "__name__", "") != kernel:
             continue
-        got = (args[i_block], args[i_c], num_warps, args[i_cluster])
-        if got != (block, c, warps, True):
-            return y, [f"launched BLOCK, C, warps, CLUSTER = {got}"]
+        got = {i: args[i] for i in values}
+        if got != values or num_warps != warps:
+            return y, [f"launched {got} on {num_warps} warps"]
         return y, []
     names = [getattr(launcher.kernel, "__name__", "?") for launcher, *_ in record]
-    return y, [f"launched {names}, not {kernel} in clusters"]
+    return y, [f"launched {names}, not {kernel}"]
 
 
-def run_case(op: str, dtype: str, n: int, smoke: bool, device: torch.device) -> list[dict]:
+def run_case(op: str, dtype: str, n: int, kinds: list[str], smoke: bool,
+             device: torch.device, streamed_pieces: list[int] | None = None) -> list[dict]:
     dt = DTYPES[dtype]
     elt = torch.empty((), dtype=dt).element_size()
     m = 3 if smoke else (1 << (27 if elt == 2 else 26)) // n
     g = torch.Generator().manual_seed(n)
     x = (2 * torch.randn(m, n, generator=g)).to(device, dt)
     w = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dt)
-    nbytes = 2 * m * n * elt + (n * elt if op == "rmsnorm" else 0)
+    nbytes = 2 * m * n * elt + {"softmax": 0, "rmsnorm": n * elt, "layernorm": 2 * n * elt}[op]
     y = torch.empty_like(x)
     if op == "softmax":
         def call() -> torch.Tensor:
             return fusedops.fused_softmax(x, -1)
         peer = lambda: torch.softmax(x, -1)  # noqa: E731
+    elif op == "layernorm":
+        b = (0.1 * torch.randn(n, generator=g)).to(device, dt)
+
+        def call() -> torch.Tensor:
+            return fusedops.fused_layernorm(x, (n,), w, b, eps=EPS)
+        peer = lambda: torch.nn.functional.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
     else:
         def call() -> torch.Tensor:
             return fusedops.fused_rmsnorm(x, (n,), w, eps=EPS)
@@ -112,10 +155,10 @@ def run_case(op: str, dtype: str, n: int, smoke: bool, device: torch.device) -> 
     records: dict[str, dict] = {}
     ref = None
     with torch.no_grad(), fusedops.use_backend("triton"):
-        for name, (rules, expect) in variants(op, n, smoke).items():
+        for name, (rules, expect) in variants(op, n, elt, kinds, smoke, streamed_pieces).items():
             try:
                 with configs.override(op, **rules):
-                    out, problems = first_call(op, call, expect)
+                    out, problems = first_call(call, expect)
             except Exception as e:  # noqa: BLE001 - reported, not timed
                 out, problems = None, [f"{type(e).__name__}: {str(e)[:200]}"]
             if ref is None:
@@ -144,9 +187,13 @@ def run_case(op: str, dtype: str, n: int, smoke: bool, device: torch.device) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="cluster_forward.json")
-    p.add_argument("--ops", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
+    p.add_argument("--kinds", nargs="+", default=["held", "pieces"], choices=["held", "pieces"],
+                   help="candidates: pieces held in registers, streamed pieces")
+    p.add_argument("--pieces", nargs="+", type=int, default=None,
+                   help="streamed piece lengths (default 8K-32K, float32 4K-16K)")
     p.add_argument("--smoke", action="store_true", help="tiny rows, no timing (interpreter)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -154,7 +201,7 @@ def main() -> None:
     for op in args.ops:
         for dtype in args.dtypes:
             for n in [256] if args.smoke else args.sizes:
-                records += run_case(op, dtype, n, args.smoke, device)
+                records += run_case(op, dtype, n, args.kinds, args.smoke, device, args.pieces)
             with open(args.out, "w") as f:  # (rewritten after every case)
                 json.dump({"meta": meta(device), "records": records}, f, indent=1)
     print_records(records, 28)

@@ -32,6 +32,10 @@ scalar accesses), the kernels configured for the body (8192 at N = 8193).
   bodies of 64K-256K): rms_fwd_unrolled's two passes over the body in vector chunks (the body
   length compile-time), the edges in one small tile kept in registers, the weight from the
   shifted copies.
+* Forward, streamed pieces in clusters (aligned rows of 128K and 256K on Hopper,
+  ``PIECES_FWD``): C = N / L programs of one thread-block cluster per row, each running the
+  unrolled kernel's two passes on its piece of L elements, the sums of squares exchanged on
+  chip between them (``runtime/clusters.py``); the pieces stay in L2 between the passes.
 * Forward, split rows (rows no program holds, CUDA, ``SPLIT_FWD``: float32 and unaligned rows):
   C equal pieces in cooperating programs (``runtime/split.py``) each publish their sum of
   squares and wait for their row's: one read, one write; unaligned rows in pieces of their
@@ -81,7 +85,7 @@ from fusedops.backends.triton.kernels.rmsnorm import (
     rms_fwd_unrolled_vec,
     shift_weight,
 )
-from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_split
+from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_pieces, rms_fwd_split
 from fusedops.backends.triton.rmsnorm_bwd import rmsnorm_backward
 from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
@@ -100,6 +104,7 @@ _launch_fwd_reload_vec = Launcher(rms_fwd_reload_vec)
 _launch_fwd_looped = Launcher(rms_fwd_looped)
 _launch_fwd_split = SplitLauncher(rms_fwd_split)
 _launch_fwd_cluster = ClusterLauncher(rms_fwd_split)
+_launch_fwd_pieces = ClusterLauncher(rms_fwd_pieces)
 _launch_shift_weight = Launcher(shift_weight)
 
 
@@ -196,7 +201,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         w, w_ld = shifted_weight(weight, cfg.vec, N)
     r = rstd if with_stats else y
     if cfg.cluster:
-        if _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg):
+        run = _forward_pieces if cfg.kernel == "pieces" else _forward_split
+        if run(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg):
             return y, rstd
         # Refused (a profiler's launch hooks, clusters turned off): the rules without clusters.
         cfg = forward_config(N, elt, vec, True, device_facts(x.get_device())._replace(
@@ -256,6 +262,16 @@ def _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdCon
     return bool(_launch_fwd_split(
         M * C, C, (x, w, y, r, stats, count, N, L, stride, N, eps, M * C), (*consts, False),
         cfg.warps, x.device, vec=cfg.vec))
+
+
+def _forward_pieces(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdConfig) -> bool:
+    """rms_fwd_pieces in clusters of C = N / L programs; False where clusters do not run or
+    the launch was refused (nothing written then)."""
+    C = N // cfg.block
+    return clusters_enabled(x.device, N, cfg.block, C) and bool(_launch_fwd_pieces(
+        M * C, C, (x, w, y, r, M, stride, N, eps),
+        (N, cfg.block, cfg.chunk, C, C, has_w, with_stats), cfg.warps, x.device,
+        progs=None if cfg.persistent else M * C))
 
 
 def rmsnorm_forward(

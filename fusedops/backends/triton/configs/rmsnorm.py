@@ -266,17 +266,20 @@ SCALAR_SPLIT_BWD_16BIT: tuple[tuple[int, tuple[int, int, int, int | None]], ...]
 class FwdConfig(NamedTuple):
     """The forward's kernel and launch parameters (:func:`forward_config`)."""
 
-    kernel: str  # "single" | "unrolled" | "unrolled_vec" | "reload_vec" | "split" | "looped"
+    kernel: str  # "single" | "unrolled" | "unrolled_vec" | "reload_vec" | "split" | "pieces"
+    # | "looped"
     block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped); unrolled_vec:
-    # BODY, the body elements every row streams; 0 (split, unrolled: N is its constexpr)
+    # BODY, the body elements every row streams; pieces: L; 0 (split, unrolled: N constexpr)
     rows: int  # rows per tile (single)
     warps: int
-    persistent: bool  # single: a persistent grid (grid_size) rather than one program per tile
+    persistent: bool  # single, pieces: a persistent grid rather than one program (cluster) per
+    # tile (row)
     vec: int  # VEC: > 0 for unaligned rows as an aligned body plus edges
-    chunk: int  # unrolled(_vec): CHUNK; reload_vec: write-pass chunk; split: largest piece
+    chunk: int  # unrolled(_vec), pieces: CHUNK; reload_vec: write-pass chunk; split: largest
+    # piece
     prefetch: int  # split: PREFETCH
     shifted_w: bool  # the weight from per-misalignment shifted copies
-    cluster: bool = False  # split: a row's pieces as one thread-block cluster (CLUSTER_FWD)
+    cluster: bool = False  # split, pieces: a row's pieces as one thread-block cluster
 
 
 class BwdConfig(NamedTuple):
@@ -312,16 +315,17 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``dev``. ``vec``:
     ``unaligned_vec``'s VEC for the call (0: rows start 16-byte aligned, or scalar accesses);
     ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
-    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with a CLUSTER_FWD rule
-    split in thread-block clusters; aligned rows with an UNROLLED_FWD config rms_fwd_unrolled;
-    unaligned rows of large calls with an UNROLLED_VEC_FWD config rms_fwd_unrolled_vec; rows
-    no program holds (padded body above the single-block limit) split rows where they
-    run, else looped; unaligned 16-bit rows of large calls rms_fwd_reload_vec
-    (RELOAD_VEC_FWD); the single-block kernel (FWD_RULES, else LayerNorm's rules, kind
-    "ln_fwd")."""
+    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with a PIECES_FWD rule
+    in clusters of streamed pieces, with a CLUSTER_FWD rule split in thread-block clusters;
+    aligned rows with an UNROLLED_FWD config rms_fwd_unrolled; unaligned rows of large calls
+    with an UNROLLED_VEC_FWD config rms_fwd_unrolled_vec; rows no program holds (padded body
+    above the single-block limit) split rows where they run, else looped; unaligned 16-bit
+    rows of large calls rms_fwd_reload_vec (RELOAD_VEC_FWD); the single-block kernel
+    (FWD_RULES, else LayerNorm's rules, kind "ln_fwd")."""
     vec = vec if VEC_EDGES else 0
     # (every row length is looked up: the host memoizes this decision per call signature)
-    cluster = cluster_fwd_config(n, elt_size, dev) if rows_aligned and not vec else None
+    cluster = ((pieces_fwd_config(n, elt_size, dev) or cluster_fwd_config(n, elt_size, dev))
+               if rows_aligned and not vec else None)
     if cluster:
         return cluster
     unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, 0, vec) if rows_aligned else None
@@ -354,21 +358,43 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
 
 
 # Split-row forward in thread-block clusters (aligned rows on a GPU that runs clusters): a row's
-# C pieces exchange their sums on chip, so x is read once from memory and y written once,
-# where the unrolled kernel reads a row twice (the second time from L2, which long rows
-# outgrow). Element size -> ((shortest row, longest row, (piece, warps, PREFETCH)), ...); C
-# must be a cluster size (CLUSTER_SIZES). H200, bf16, fraction of copy against the unrolled
-# kernel (benchmarks/results/h200/rmsnorm-cluster-forward.json, 4-16 pieces of 4K-32K on 4-16
-# warps): 256K on 32768 x 16 prefetching before the exchange 0.70 vs 0.67 (bf16 and fp16, three
-# alternations: rmsnorm-cluster-forward-interleaved.txt); shorter rows slower
-# (128K 0.72 vs 0.76, 64K 0.76 vs 0.91, 32K 0.81 vs 0.99): a row's pieces wait for each other
-# once per row, which the unrolled kernel never does. Float32 (cluster-forward.json, the same
-# run): 64K and 128K on 16384 x 16 prefetching 0.81 / 0.76 vs 0.78 / 0.74 without clusters,
-# 256K on 32768 x 16 without prefetch 0.71 vs 0.67.
+# C pieces, held in registers, exchange their sums on chip, so x is read once from memory and y
+# written once. Element size -> ((shortest row, longest row, (piece, warps, PREFETCH)), ...);
+# C must be a cluster size (CLUSTER_SIZES). H200 (benchmarks/results/h200/cluster-forward.json):
+# float32 64K on 16384 x 16 prefetching 0.81 of copy vs 0.78 without clusters. 16-bit rows
+# measured slower than the unrolled kernel up to 128K (rmsnorm-cluster-forward.json: 128K 0.72
+# vs 0.76, 64K 0.76 vs 0.91: a row's pieces wait for each other once per row, holding one
+# program per SM); 128K-256K (both dtypes) run PIECES_FWD, faster than held pieces there.
 CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
-    2: ((262144, 262144, (32768, 16, 1)),),
-    4: ((65536, 131072, (16384, 16, 1)), (262144, 262144, (32768, 16, 0))),
+    4: ((65536, 65536, (16384, 16, 1)),),
 }
+
+
+# Forward in thread-block clusters of streamed pieces (rms_fwd_pieces; aligned rows that C =
+# N / piece pieces of whole chunks fill, C a cluster size): each program runs the unrolled
+# kernel's two passes on its piece, the second from L2, with the sum of squares exchanged on
+# chip between them, so L2 keeps pieces between the passes where whole rows outgrow it, and
+# nothing of a row is held across the exchange (several programs per SM).
+# Element size -> ((shortest row, longest row, (piece, CHUNK, warps, persistent)), ...). H200,
+# fraction of copy (benchmarks/results/h200/rmsnorm-pieces.json, against the rules before it,
+# "no pieces", in the same run): 128K one cluster per row bf16 / fp16 / float32 0.85 / 0.85 /
+# 0.79 vs 0.76 / 0.77 / 0.75; 256K persistent 0.79 / 0.78 / 0.74 vs 0.67 / 0.67 / 0.69 (held
+# pieces in clusters: 0.70-0.71, h200/cluster-forward.json). 64K slower (16-bit 0.85-0.86 vs
+# 0.90 unrolled) or level (float32 0.81), and 8K or 32K pieces slower everywhere.
+PIECES_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] = {
+    2: ((131072, 131072, (16384, 4096, 16, False)), (262144, 262144, (16384, 4096, 16, True))),
+    4: ((131072, 131072, (16384, 4096, 16, False)), (262144, 262144, (16384, 4096, 16, True))),
+}
+
+
+def pieces_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:
+    """The forward in clusters of streamed pieces for aligned rows of ``n`` on ``dev``
+    (PIECES_FWD), or None."""
+    rule = cluster_rule(PIECES_FWD.get(elt_size, ()), n, dev) if n >= SPLIT_ROWS_MIN else None
+    if rule is None or n % rule[0] or rule[0] % rule[1]:
+        return None
+    piece, chunk, warps, persistent = rule
+    return FwdConfig("pieces", piece, 1, warps, persistent, 0, chunk, 0, False, True)
 
 
 def cluster_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:

@@ -249,3 +249,44 @@ def rms_bwd_split(
         tl.store(out + head + pos, dw_acc, mask=cmask)
         if VEC > 0:
             tl.store(out + ecols, dwe_acc, mask=emask)
+
+
+@triton.jit
+def rms_fwd_pieces(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, M, stride_x, stride_y, eps, num_progs,
+    N: tl.constexpr, L: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr,
+    C_P2: tl.constexpr, HAS_W: tl.constexpr, STATS: tl.constexpr,
+):
+    # Aligned rows of N = C·L in thread-block clusters of C programs (runtime/clusters.py),
+    # program pid the piece pid % C of rows num_progs // C apart. A piece is never held: as in
+    # rms_fwd_unrolled, pass 1 streams it in unrolled chunks (kept in L2) for its sum of
+    # squares, the cluster exchanges the sums on chip, and pass 2 reads the piece again from L2
+    # to write y. A cluster's rows are C times shorter than the unrolled kernel's, so what its
+    # programs keep in L2 between the passes fits where whole rows do not.
+    EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
+    pid = tl.program_id(0)
+    piece = pid % C
+    lanes = tl.arange(0, CHUNK)
+    peers = tl.arange(0, C_P2)
+    parity = cluster_start(pid * 0)
+    for row in range(pid // C, M, num_progs // C):
+        x_piece = x_ptr + row.to(tl.int64) * stride_x + piece * L
+        acc = tl.zeros([CHUNK], tl.float32)
+        for start in tl.static_range(0, L, CHUNK):
+            x = tl.load(x_piece + start + lanes, eviction_policy="evict_last").to(tl.float32)
+            acc = tl.fma(x, x, acc)
+        ss = tl.sum(acc, axis=0)
+        token = cluster_publish(ss, ss, piece, parity, C)
+        sums, sums2 = cluster_peer_sums(peers, parity, token, C)
+        parity = 1 - parity
+        rstd = rstd_of(tl.sum(sums, axis=0), N, eps, EXACT)
+        if STATS:
+            tl.store(rstd_ptr + row, rstd, mask=piece == 0)
+        y_piece = y_ptr + row.to(tl.int64) * stride_y + piece * L
+        for start in tl.static_range(0, L, CHUNK):
+            y = tl.load(x_piece + start + lanes, eviction_policy="evict_first").to(tl.float32)
+            y = y * rstd
+            if HAS_W:
+                y = y * tl.load(w_ptr + piece * L + start + lanes,
+                                eviction_policy="evict_last").to(tl.float32)
+            tl.store(y_piece + start + lanes, y.to(y_ptr.dtype.element_ty))
