@@ -157,6 +157,10 @@ def test_layernorm_forward_configs():
                     _check_single(cfg, n, m)
                 elif cfg.variant == "split":
                     _check_split(cfg, n, vec, dev)
+                elif cfg.variant == "pieces":  # whole pieces of whole chunks, in clusters
+                    assert dev.clusters and aligned and not vec and cfg.pieces in CLUSTER_SIZES
+                    assert n == cfg.pieces * cfg.piece and cfg.piece % cfg.chunk == 0
+                    assert cfg.grid in (0, m * cfg.pieces) and cfg.fallback.variant != "pieces"
                 elif cfg.variant in ("looped", "reload", "unrolled"):
                     assert cfg.grid == m and not (cfg.variant != "looped" and vec)
                     if cfg.variant == "unrolled":
@@ -319,6 +323,10 @@ def test_rmsnorm_configs():
                     assert fwd.chunk % (32 * fwd.warps) == 0
                 elif fwd.kernel == "split":
                     assert common.split_fits(dev, n, fwd.chunk)
+                elif fwd.kernel == "pieces":  # whole pieces of whole chunks, in clusters
+                    assert dev.clusters and aligned and not fwd.vec and fwd.cluster
+                    assert n // fwd.block in CLUSTER_SIZES and n % fwd.block == 0
+                    assert fwd.block % fwd.chunk == 0 and fwd.chunk % (32 * fwd.warps) == 0
                 else:
                     assert fwd.kernel == "looped" and _pow2(fwd.block)
             bwd = rms_rules.backward_config(n, elt, vec, aligned, dev)

@@ -13,6 +13,9 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
 * Forward, unrolled (aligned rows a multiple of a rule's chunk, ``UNROLLED_FWD``): the row
   length compile-time, pass 1 streams it in unrolled chunks keeping per-lane shifted sums,
   pass 2 re-reads it from L2 and writes y; statistics as offsets from the row's first element.
+* Forward, streamed pieces in clusters (aligned long rows on Hopper, ``PIECES_FWD``): the C
+  programs of one thread-block cluster share a row, each running the unrolled kernel's two
+  passes on its piece with (mean offset, M2) exchanged on chip between them.
 * Forward, reload (chosen row lengths, ``RELOAD_FWD``): the row read whole in one load for the
   statistics, then again from L2 in chunks to write y; nothing held across the two.
 * Forward, reload for unaligned 16-bit rows (N = 2^k + 1, ``RELOAD_VEC_FWD``, large calls): the
@@ -63,7 +66,9 @@ from fusedops.backends.triton.kernels.layernorm_fwd import (
     ln_fwd_unrolled_vec,
     shift_weights,
 )
+from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_pieces
 from fusedops.backends.triton.runtime.caches import signature_cache
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import (
     cdiv,
     next_pow2,
@@ -78,6 +83,7 @@ from fusedops.backends.triton.runtime.plans import (
 from fusedops.backends.triton.runtime.split import SplitLauncher
 
 _launch_fwd_single = Launcher(ln_fwd_single)
+_launch_fwd_pieces = ClusterLauncher(ln_fwd_pieces)
 
 
 def _replay_runner(key: tuple, plan: tuple):
@@ -247,6 +253,11 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     elt = x.element_size()
     vec = unaligned_vec(N, (stride, N), elt, (x, y))
     cfg = _fwd_config(N, elt, vec, M, with_stats, stride % 8 == 0, x.get_device())
+    if cfg.variant == "pieces":
+        done = _forward_pieces(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg)
+        if done is not None:
+            return done
+        cfg = cfg.fallback  # (clusters refused: a profiler's launch hooks, or turned off)
     if cfg.variant in ("unrolled", "reload"):
         return _forward_rows(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg, key)
     if cfg.variant in ("reload_vec", "unrolled_vec"):
@@ -268,6 +279,26 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             _fwd_plans.add(key, _launch_fwd_single, (cfg.grid,), args, cfg.warps, 6, M)
     else:
         _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, cfg)
+    return y, mean, rstd
+
+
+def _forward_pieces(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormForward):
+    """ln_fwd_pieces in clusters of C programs per row: (y, mean, rstd), or None where clusters
+    do not run or the launch was refused (nothing written then)."""
+    C, L = cfg.pieces, cfg.piece
+    mean = rstd = None
+    if cfg.stats:
+        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return y, mean, rstd
+    if not clusters_enabled(x.device, N, L, C):
+        return None
+    s = mean if cfg.stats else y
+    if not _launch_fwd_pieces(M * C, C, (x, w, b, y, s, rstd if cfg.stats else y, M, stride, N,
+                                         eps), (L, cfg.chunk, C, C, has_w, has_b, cfg.stats),
+                              cfg.warps, x.device, progs=cfg.grid or None):
+        return None
     return y, mean, rstd
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
+    cluster_rule,
     for_gpu,
     grid_programs,
     num_row_tiles,
@@ -461,10 +462,12 @@ class LayerNormForward(NamedTuple):
     (``ln_fwd_reload``), ``"reload_vec"`` / ``"unrolled_vec"`` (``ln_fwd_reload_vec`` /
     ``ln_fwd_unrolled_vec``, weights from shifted copies), ``"single"`` (``ln_fwd_single``),
     ``"split"`` (``ln_fwd_split``; ``fallback``: the looped launch where the split launch is
-    refused at run time) and ``"looped"`` (``ln_fwd_looped``)."""
+    refused at run time), ``"pieces"`` (``ln_fwd_pieces`` in thread-block clusters;
+    ``fallback``: the rules without clusters) and ``"looped"`` (``ln_fwd_looped``)."""
 
     variant: str
-    grid: int = 0  # programs (split: sized from the compiled kernel's occupancy at launch)
+    grid: int = 0  # programs (split, persistent pieces: sized from the compiled kernel's
+    # occupancy at launch)
     warps: int = 0
     block: int = 0  # BLOCK: the padded row or body (single, reload), the chunk (looped) or piece
     rows: int = 0  # rows per tile (single)
@@ -476,10 +479,23 @@ class LayerNormForward(NamedTuple):
     third_read: bool = False  # reload: THIRD_READ
     hold_w: bool = False  # single: weight and bias held in registers across tiles
     prefetch: int = 0  # split: PREFETCH (runtime/split.py)
-    pieces: int = 0  # split: C pieces per row
-    piece: int = 0  # split: L elements per piece
+    pieces: int = 0  # split, pieces: C pieces per row
+    piece: int = 0  # split, pieces: L elements per piece
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
     fallback: LayerNormForward | None = None
+
+
+# Aligned rows in thread-block clusters of streamed pieces (ln_fwd_pieces; rows that C =
+# N / piece pieces of whole chunks fill, C a cluster size): each program runs the unrolled
+# kernel's two passes on its piece, the second from L2, exchanging (mean offset, M2) on chip
+# between them. Element size -> ((shortest row, longest row, (piece, CHUNK, warps,
+# persistent)), ...). H200, fraction of copy against the rules without it, one run
+# (benchmarks/results/h200/layernorm-pieces.json, pieces of 4K-32K): float32 128K on 16384 x
+# 4096 x 16 persistent 0.70 vs 0.67. Elsewhere (bf16 and float32, 64K-256K) level or slower:
+# the pieces' second pass reads x, weight and bias, where RMSNorm's reads x and weight.
+PIECES_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] = {
+    4: ((131072, 131072, (16384, 4096, 16, True)),),
+}
 
 
 def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, aligned: bool,
@@ -487,9 +503,17 @@ def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, al
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes on ``dev``
     (``vec``: see ``configs.common.unaligned_vec``; ``with_stats``: the call returns mean and
     rstd; ``aligned``: x's row stride is a multiple of 8 elements). Rules in the order asked:
-    UNROLLED_FWD (per GPU: unrolled_fwd_table), RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD,
-    then the single-block kernel (``configs.common.unaligned_config``), split rows
-    (split_config) where they fit, the looped kernel."""
+    PIECES_FWD (thread-block clusters), UNROLLED_FWD (per GPU: unrolled_fwd_table),
+    RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD, then the single-block kernel
+    (``configs.common.unaligned_config``), split rows (split_config) where they fit, the
+    looped kernel."""
+    pieces = cluster_rule(PIECES_FWD.get(elt_size, ()), n, dev) if aligned and not vec else None
+    if pieces and n % pieces[0] == 0 and pieces[0] % pieces[1] == 0:
+        piece, chunk, warps, persistent = pieces
+        return LayerNormForward("pieces", 0 if persistent else m * (n // piece), warps,
+                                chunk=chunk, stats=with_stats, pieces=n // piece, piece=piece,
+                                fallback=forward_config(n, elt_size, vec, m, with_stats, aligned,
+                                                        dev._replace(clusters=False)))
     whole = next_pow2(n)
     unrolled = unrolled_config(unrolled_fwd_table(dev.name, (elt_size, whole)), elt_size, n,
                                UNROLLED_FWD_ABOVE, vec)

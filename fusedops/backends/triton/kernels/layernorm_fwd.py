@@ -20,7 +20,7 @@ from fusedops.backends.triton.kernels.common import (
 
 
 @triton.jit
-def _rstd(var, eps, EXACT: tl.constexpr):
+def rstd_of_var(var, eps, EXACT: tl.constexpr):
     # 1 / sqrt(var + eps); NaN where the variance overflows float32 (as torch), never a silent
     # row of zeros. EXACT (float32 y): GPUs' plain float32 sqrt and division are approximate
     # (rstd a few ulp off, on every element of the row), so one Newton step follows; rounded
@@ -111,7 +111,7 @@ def ln_fwd_single(
             xce = tl.where(e_mask, xe - mean[:, None], 0.0)
             sq += tl.sum(xce * xce, axis=1)
         var = sq / N
-        rstd = _rstd(var, eps, EXACT)
+        rstd = rstd_of_var(var, eps, EXACT)
         y = xc * rstd[:, None]
         if not HOLD_W:  # long rows: weight and bias reloaded per tile (from L2)
             wcols = head + cols[None, :]
@@ -198,7 +198,7 @@ def ln_fwd_looped(
     mean = x0 + tl.sum(cnt * (avg - x0), axis=0) / N
     dev = tl.where(cnt > 0, avg - mean, 0.0)
     var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0)) / N
-    rstd = _rstd(var, eps, EXACT)
+    rstd = rstd_of_var(var, eps, EXACT)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     for start in range(0, N, CHUNK):
@@ -233,7 +233,7 @@ def ln_fwd_reload(
         x = tl.load(x_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
     xc = tl.where(mask, x.to(tl.float32) - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
-    rstd = _rstd(var, eps, EXACT)
+    rstd = rstd_of_var(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
@@ -279,7 +279,7 @@ def ln_fwd_unrolled(
     off = tl.sum(lane_off, axis=0) / CHUNK
     dev = lane_off - off
     var = (tl.sum(m2, axis=0) + per_lane * tl.sum(dev * dev, axis=0)) / N
-    rstd = _rstd(var, eps, EXACT)
+    rstd = rstd_of_var(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
@@ -343,7 +343,7 @@ def ln_fwd_unrolled_vec(
     dev = lane_off - off
     dve = tl.where(emask, de - off, 0.0)
     var = (tl.sum(m2, axis=0) + tl.sum(cnt * dev * dev, axis=0) + tl.sum(dve * dve, axis=0)) / N
-    rstd = _rstd(var, eps, EXACT)
+    rstd = rstd_of_var(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
@@ -396,7 +396,7 @@ def ln_fwd_reload_vec(
     xc = tl.where(bmask, x.to(tl.float32) - mean, 0.0)
     xce = tl.where(emask, xe - mean, 0.0)
     var = (tl.sum(xc * xc, axis=0) + tl.sum(xce * xce, axis=0)) / N
-    rstd = _rstd(var, eps, EXACT)
+    rstd = rstd_of_var(var, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
@@ -495,7 +495,7 @@ def ln_fwd_split(
         mean = ref + tl.sum(counts * (means - ref), axis=0) / N
         dev = means - mean
         var = (tl.sum(m2s, axis=0) + tl.sum(counts * dev * dev, axis=0)) / N
-        rstd = _rstd(var, eps, EXACT)
+        rstd = rstd_of_var(var, eps, EXACT)
         y = (x - mean) * rstd
         if VEC > 0:
             if HAS_W and HAS_B:
