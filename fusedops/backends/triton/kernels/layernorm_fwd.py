@@ -35,10 +35,15 @@ def rstd_of_var(var, eps, EXACT: tl.constexpr):
 
 @triton.jit
 def _param(ptr, offs, mask, KEEP: tl.constexpr):
-    # A weight or bias slice in float32; KEEP: it stays in L2 for the next row ("evict_last"),
-    # a flag rather than the policy string, which Triton 3.6 cannot take as a nested function's
-    # constexpr.
-    if KEEP:
+    # A weight or bias slice in float32 (mask None: whole chunks, no mask); KEEP: it stays in
+    # L2 for the next row ("evict_last"), a flag rather than the policy string, which Triton
+    # 3.6 cannot take as a nested function's constexpr.
+    if mask is None:  # whole chunks
+        if KEEP:
+            v = tl.load(ptr + offs, eviction_policy="evict_last")
+        else:
+            v = tl.load(ptr + offs)
+    elif KEEP:
         v = tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
     else:
         v = tl.load(ptr + offs, mask=mask, other=0.0)
@@ -46,8 +51,8 @@ def _param(ptr, offs, mask, KEEP: tl.constexpr):
 
 
 @triton.jit
-def _affine(y, w_ptr, b_ptr, offs, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-            KEEP: tl.constexpr):
+def affine(y, w_ptr, b_ptr, offs, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+           KEEP: tl.constexpr):
     # y·w[offs] + b[offs] (each where present) as one FMA, which is what the compiler makes of
     # it on GPUs; written out so the interpreter rounds it the same way.
     if HAS_W:
@@ -127,7 +132,7 @@ def ln_fwd_single(
         elif HAS_B:
             y = y + b
         if VEC > 0:
-            ye = _affine(xce * rstd[:, None], w_ptr, b_ptr, e_col, e_col < N, HAS_W, HAS_B, False)
+            ye = affine(xce * rstd[:, None], w_ptr, b_ptr, e_col, e_col < N, HAS_W, HAS_B, False)
             tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if STATS:
@@ -142,7 +147,7 @@ def _write_normalized(x_row, y_row, w_ptr, b_ptr, cols, N, mean, rstd, HAS_W: tl
     # evicted first), normalised, scaled and shifted, written in y's dtype.
     valid = cols < N
     x = tl.load(x_row + cols, mask=valid, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, valid, HAS_W, HAS_B, True)
+    y = affine((x - mean) * rstd, w_ptr, b_ptr, cols, valid, HAS_W, HAS_B, True)
     tl.store(y_row + cols, y.to(y_row.dtype.element_ty), mask=valid)
 
 
@@ -243,6 +248,34 @@ def ln_fwd_reload(
 
 
 @triton.jit
+def offset_stats(x_row, x_first, LEN: tl.constexpr, CHUNK: tl.constexpr):
+    """(x0, offset, M2) of the LEN elements at ``x_row`` (a multiple of CHUNK, loaded in
+    unrolled chunks kept in L2): x0 = the element at ``x_first``, their mean = x0 + offset,
+    M2 = the sum of squared deviations from it."""
+    # Per-lane sums about the lane's first element k (no cancellation for rows far from zero),
+    # merged across lanes with Chan's formula; every lane holds LEN / CHUNK elements.
+    lanes = tl.arange(0, CHUNK)
+    k = tl.load(x_row + lanes, eviction_policy="evict_last").to(tl.float32)
+    s1 = tl.zeros([CHUNK], tl.float32)
+    s2 = tl.zeros([CHUNK], tl.float32)
+    for start in tl.static_range(CHUNK, LEN, CHUNK):
+        d = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32) - k
+        s1 += d
+        s2 += d * d
+    per_lane: tl.constexpr = LEN // CHUNK
+    m2 = tl.maximum(s2 - s1 * s1 / per_lane, 0.0)
+    # Everything about x0: the lanes' means and the mean as offsets from it, and y from
+    # (x - x0) - offset, so a row far from zero (1e4 + small spread) never rounds its mean to
+    # x's magnitude before normalising (GPU, float32 rows at 1e4: y's error 0.054 with the
+    # mean formed first, above torch's 0.048).
+    x0 = tl.load(x_first).to(tl.float32)
+    lane_off = (k - x0) + s1 / per_lane
+    off = tl.sum(lane_off, axis=0) / CHUNK
+    dev = lane_off - off
+    return x0, off, tl.sum(m2, axis=0) + per_lane * tl.sum(dev * dev, axis=0)
+
+
+@triton.jit
 def ln_fwd_unrolled(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, stride_x, stride_y, eps,
     N: tl.constexpr, CHUNK: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -259,44 +292,15 @@ def ln_fwd_unrolled(
     x_row = x_ptr + row.to(tl.int64) * stride_x
     y_row = y_ptr + row.to(tl.int64) * stride_y
     lanes = tl.arange(0, CHUNK)
-    # Per-lane sums about the lane's first element k (no cancellation for rows far from zero),
-    # merged across lanes with Chan's formula; every lane holds N / CHUNK elements.
-    k = tl.load(x_row + lanes, eviction_policy="evict_last").to(tl.float32)
-    s1 = tl.zeros([CHUNK], tl.float32)
-    s2 = tl.zeros([CHUNK], tl.float32)
-    for start in tl.static_range(CHUNK, N, CHUNK):
-        d = tl.load(x_row + start + lanes, eviction_policy="evict_last").to(tl.float32) - k
-        s1 += d
-        s2 += d * d
-    per_lane: tl.constexpr = N // CHUNK
-    m2 = tl.maximum(s2 - s1 * s1 / per_lane, 0.0)
-    # Everything about the row's first element x0: the lanes' means and the row's mean as
-    # offsets from it, and y from (x - x0) - offset, so a row far from zero (1e4 + small
-    # spread) never rounds its mean to x's magnitude before normalising (GPU, float32 rows at
-    # 1e4: y's error 0.054 with the mean formed first, above torch's 0.048).
-    x0 = tl.load(x_row).to(tl.float32)
-    lane_off = (k - x0) + s1 / per_lane
-    off = tl.sum(lane_off, axis=0) / CHUNK
-    dev = lane_off - off
-    var = (tl.sum(m2, axis=0) + per_lane * tl.sum(dev * dev, axis=0)) / N
-    rstd = rstd_of_var(var, eps, EXACT)
+    x0, off, m2 = offset_stats(x_row, x_row, N, CHUNK)
+    rstd = rstd_of_var(m2 / N, eps, EXACT)
     if STATS:
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
     for start in tl.static_range(0, N, CHUNK):
         cols = start + lanes
         x = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
-        y = ((x - x0) - off) * rstd
-        if HAS_W:
-            w = tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
-        if HAS_B:
-            b = tl.load(b_ptr + cols, eviction_policy="evict_last").to(tl.float32)
-        if HAS_W and HAS_B:
-            y = tl.fma(y, w, b)
-        elif HAS_W:
-            y = y * w
-        elif HAS_B:
-            y = y + b
+        y = affine(((x - x0) - off) * rstd, w_ptr, b_ptr, cols, None, HAS_W, HAS_B, True)
         tl.store(y_row + cols, y.to(y_row.dtype.element_ty))
 
 
@@ -348,7 +352,7 @@ def ln_fwd_unrolled_vec(
         tl.store(mean_ptr + row, x0 + off)
         tl.store(rstd_ptr + row, rstd)
     # (row 0 of the shifted copies is the weight itself)
-    ye = _affine(dve * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
+    ye = affine(dve * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
     tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
     w_at = head * w_ld
     for c0 in tl.static_range(0, BODY, CHUNK):
@@ -359,7 +363,7 @@ def ln_fwd_unrolled_vec(
         else:
             x = tl.load(x_body + c, mask=m, other=0.0, eviction_policy="evict_first").to(
                 tl.float32)
-        y = _affine(((x - x0) - off) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
+        y = affine(((x - x0) - off) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
         if c0 + CHUNK <= BODY:
             tl.store(y_body + c, y.to(y_ptr.dtype.element_ty))
         else:
@@ -401,7 +405,7 @@ def ln_fwd_reload_vec(
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
     # (row 0 of the shifted copies is the weight itself)
-    ye = _affine(xce * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
+    ye = affine(xce * rstd, w_ptr, b_ptr, ecol, emask, HAS_W, HAS_B, False)
     tl.store(y_ptr + start + ecol, ye.to(y_ptr.dtype.element_ty), mask=emask)
     lanes = tl.arange(0, CHUNK)
     w_at = head * w_ld
@@ -410,7 +414,7 @@ def ln_fwd_reload_vec(
         m = c < body
         xv = tl.load(x_ptr + first + c, mask=m, other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
-        yv = _affine((xv - mean) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
+        yv = affine((xv - mean) * rstd, w_ptr, b_ptr, w_at + c, m, HAS_W, HAS_B, True)
         tl.store(y_ptr + first + c, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -505,11 +509,11 @@ def ln_fwd_split(
             elif HAS_B:
                 y = y + b.to(tl.float32)
         else:
-            y = _affine(y, w_ptr, b_ptr, pos, mask, HAS_W, HAS_B, False)
+            y = affine(y, w_ptr, b_ptr, pos, mask, HAS_W, HAS_B, False)
         offs_y, mask_y, pos_y = split_piece(row, chunk, L, N, stride_y, BLOCK, VEC)
         tl.store(y_ptr + offs_y, y.to(y_ptr.dtype.element_ty), mask=mask)
         if VEC > 0:
-            ye = _affine((xe - mean) * rstd, w_ptr, b_ptr, e_col, e_mask, HAS_W, HAS_B, False)
+            ye = affine((xe - mean) * rstd, w_ptr, b_ptr, e_col, e_mask, HAS_W, HAS_B, False)
             tl.store(y_ptr + e_offs, ye.to(y_ptr.dtype.element_ty), mask=e_mask)
         if chunk == 0:
             tl.store(mean_ptr + row, mean)

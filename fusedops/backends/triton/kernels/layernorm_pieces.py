@@ -12,7 +12,7 @@ from fusedops.backends.triton.kernels.clusters import (
     cluster_publish,
     cluster_start,
 )
-from fusedops.backends.triton.kernels.layernorm_fwd import rstd_of_var
+from fusedops.backends.triton.kernels.layernorm_fwd import affine, offset_stats, rstd_of_var
 
 
 @triton.jit
@@ -28,7 +28,6 @@ def ln_fwd_pieces(
     # ln_fwd_unrolled), merged with Chan's formula over the C equal pieces.
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     N: tl.constexpr = C * L
-    per_lane: tl.constexpr = L // CHUNK
     pid = tl.program_id(0)
     piece = pid % C
     lanes = tl.arange(0, CHUNK)
@@ -37,20 +36,8 @@ def ln_fwd_pieces(
     for row in range(pid // C, M, num_progs // C):
         x_row = x_ptr + row.to(tl.int64) * stride_x
         x_piece = x_row + piece * L
-        k = tl.load(x_piece + lanes, eviction_policy="evict_last").to(tl.float32)
-        s1 = tl.zeros([CHUNK], tl.float32)
-        s2 = tl.zeros([CHUNK], tl.float32)
-        for start in tl.static_range(CHUNK, L, CHUNK):
-            d = tl.load(x_piece + start + lanes, eviction_policy="evict_last").to(tl.float32) - k
-            s1 += d
-            s2 += d * d
-        m2 = tl.maximum(s2 - s1 * s1 / per_lane, 0.0)
-        x0 = tl.load(x_row).to(tl.float32)
-        lane_off = (k - x0) + s1 / per_lane
-        off = tl.sum(lane_off, axis=0) / CHUNK
-        dev = lane_off - off
-        token = cluster_publish(off, tl.sum(m2, axis=0) + per_lane * tl.sum(dev * dev, axis=0),
-                                piece, parity, C)
+        x0, off, m2 = offset_stats(x_piece, x_row, L, CHUNK)
+        token = cluster_publish(off, m2, piece, parity, C)
         offs, m2s = cluster_peer_sums(peers, parity, token, C)
         parity = 1 - parity
         row_off = tl.sum(offs, axis=0) / C
@@ -62,17 +49,7 @@ def ln_fwd_pieces(
             tl.store(rstd_ptr + row, rstd, mask=piece == 0)
         y_piece = y_ptr + row.to(tl.int64) * stride_y + piece * L
         for start in tl.static_range(0, L, CHUNK):
-            cols = piece * L + start + lanes
             x = tl.load(x_piece + start + lanes, eviction_policy="evict_first").to(tl.float32)
-            y = ((x - x0) - row_off) * rstd
-            if HAS_W:
-                w = tl.load(w_ptr + cols, eviction_policy="evict_last").to(tl.float32)
-            if HAS_B:
-                b = tl.load(b_ptr + cols, eviction_policy="evict_last").to(tl.float32)
-            if HAS_W and HAS_B:
-                y = tl.fma(y, w, b)
-            elif HAS_W:
-                y = y * w
-            elif HAS_B:
-                y = y + b
+            y = affine(((x - x0) - row_off) * rstd, w_ptr, b_ptr, piece * L + start + lanes,
+                       None, HAS_W, HAS_B, True)
             tl.store(y_piece + start + lanes, y.to(y_ptr.dtype.element_ty))
