@@ -68,6 +68,14 @@ def cluster_start(like):
 
 
 @triton.jit
+def cluster_piece(C: tl.constexpr):
+    """(program id, its piece: its rank in its cluster of C, the first row's parity) of a
+    kernel launched in clusters, after the barrier at the kernel's start."""
+    pid = tl.program_id(0)
+    return pid, pid % C, cluster_start(pid * 0)
+
+
+@triton.jit
 def cluster_publish(s1, s2, rank, parity, C: tl.constexpr):
     """Store this CTA's float32 sums (s1, s2) into slot [parity][rank] of every CTA of its
     cluster and meet the others at the cluster barrier; returns a token for

@@ -9,8 +9,8 @@ import triton.language as tl
 
 from fusedops.backends.triton.kernels.clusters import (
     cluster_peer_sums,
+    cluster_piece,
     cluster_publish,
-    cluster_start,
 )
 from fusedops.backends.triton.kernels.layernorm_fwd import affine, offset_stats, rstd_of_var
 
@@ -28,11 +28,9 @@ def ln_fwd_pieces(
     # ln_fwd_unrolled), merged with Chan's formula over the C equal pieces.
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
     N: tl.constexpr = C * L
-    pid = tl.program_id(0)
-    piece = pid % C
+    pid, piece, parity = cluster_piece(C)
     lanes = tl.arange(0, CHUNK)
     peers = tl.arange(0, C_P2)
-    parity = cluster_start(pid * 0)
     for row in range(pid // C, M, num_progs // C):
         x_row = x_ptr + row.to(tl.int64) * stride_x
         x_piece = x_row + piece * L

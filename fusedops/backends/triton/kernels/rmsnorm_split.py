@@ -10,6 +10,7 @@ import triton.language as tl
 
 from fusedops.backends.triton.kernels.clusters import (
     cluster_peer_sums,
+    cluster_piece,
     cluster_publish,
     cluster_start,
 )
@@ -264,11 +265,9 @@ def rms_fwd_pieces(
     # to write y. A cluster's rows are C times shorter than the unrolled kernel's, so what its
     # programs keep in L2 between the passes fits where whole rows do not.
     EXACT: tl.constexpr = y_ptr.dtype.element_ty == tl.float32
-    pid = tl.program_id(0)
-    piece = pid % C
+    pid, piece, parity = cluster_piece(C)
     lanes = tl.arange(0, CHUNK)
     peers = tl.arange(0, C_P2)
-    parity = cluster_start(pid * 0)
     for row in range(pid // C, M, num_progs // C):
         x_piece = x_ptr + row.to(tl.int64) * stride_x + piece * L
         acc = tl.zeros([CHUNK], tl.float32)
