@@ -629,6 +629,25 @@ def test_host_bound_points_reported():
     assert "host-bound" in text and "layernorm_bwd" in text.split("host-bound")[1]
 
 
+def test_targets_on_gpu_ahead_time():
+    """With GPU-ahead times recorded, a second targets line counts them: a host-bound
+    fusedops median that loses on do_bench time wins on the GPU's own time."""
+    res = _synthetic()
+    assert "GPU-ahead" not in bench_report.format_targets(res)  # none recorded
+    row = [r for r in res["records"] if r["op"] == "softmax_fwd" and r["N"] == 65537]
+    fo = next(r for r in row if r["provider"] == "fusedops")
+    for r in row:
+        r["ms_gpu"] = r["ms"]
+    fo["ms_gpu"] = min(r["ms"] for r in row if r["provider"] != "fusedops" and r["ms"]) / 2
+    plain, gpu = bench_report.targets_summary(res), bench_report.targets_summary(res, gpu=True)
+    assert gpu["beats_all"] == plain["beats_all"] + 1 and not any("65537" in x
+                                                                    for x in gpu["losses"])
+    assert gpu["compared"] == plain["compared"] and gpu["wrong"] == plain["wrong"]
+    text = bench_report.format_targets(res)
+    assert f">= every baseline (within 2%): {gpu['beats_all']}/{gpu['compared']}" in \
+        text.split("targets on GPU-ahead time")[1]
+
+
 def test_gpu_ahead_is_cuda_only():
     timer = bench.Timer("cpu", 1, 1)
     assert timer.gpu_ahead(lambda: None) is None
