@@ -87,7 +87,6 @@ def test_pieces_launch_path(monkeypatch, refused, with_stats, launch_rules):
     cfg = ln_rules.LayerNormForward("pieces", 0, 4, chunk=32, stats=with_stats, pieces=4,
                                     piece=64, fallback=fallback)
     monkeypatch.setattr(tln, "_launch_fwd_pieces", cluster)
-    monkeypatch.setattr(tln, "clusters_enabled", lambda *a: True)
     monkeypatch.setattr(tln, "_fwd_config", lambda *a: cfg)
     launch_rules("layernorm")
     g = torch.Generator().manual_seed(0)

@@ -407,7 +407,7 @@ def test_rules_pick_the_unrolled_kernel(launch_rules):
     fwd = rms_rules.forward_config
     for dev in (DeviceFacts(True, 132, "NVIDIA H200", True, True), device_facts(-1)):
         assert fwd(16384, 2, 0, True, dev, True)[:1] + fwd(16384, 2, 0, True, dev, True)[3:] \
-            == ("unrolled", 16, False, 0, 8192, 0, False, False)
+            == ("unrolled", 16, False, 0, 8192, 0, False, False, None)
         assert fwd(16384, 2, 0, True, dev, False).kernel == "unrolled"
         assert fwd(12288, 2, 0, True, dev, True)[3:7:3] == (16, 4096)
         assert fwd(8192, 2, 0, True, dev, True)[3:7:3] == (16, 4096)
@@ -558,9 +558,9 @@ def test_cluster_forward_launch_path(monkeypatch, refused, launch_rules):
         calls.append((items, chunks, runtime, consts, num_warps))
         return 0 if refused else 2 * chunks
 
-    cfg = rms_rules.FwdConfig("split", 0, 1, 4, False, 0, 64, 1, False, True)
+    cpu_rules = rms_rules.forward_config(256, 2, 0, True, device_facts(-1), True)
+    cfg = rms_rules.FwdConfig("split", 0, 1, 4, False, 0, 64, 1, False, True, cpu_rules)
     monkeypatch.setattr(trms, "_launch_fwd_cluster", cluster)
-    monkeypatch.setattr(trms, "clusters_enabled", lambda *a: True)
     monkeypatch.setattr(trms, "_fwd_config", lambda *a: cfg)
     launch_rules("rmsnorm")  # (caches and plans dropped: the patched rule is asked)
     x, w, dy = make(8, 256, BF16, "same")
@@ -589,9 +589,9 @@ def test_pieces_forward_launch_path(monkeypatch, refused, persistent, launch_rul
         calls.append((items, chunks, runtime, consts, num_warps, progs))
         return 0 if refused else items
 
-    cfg = rms_rules.FwdConfig("pieces", 64, 1, 4, persistent, 0, 32, 0, False, True)
+    cpu_rules = rms_rules.forward_config(256, 2, 0, True, device_facts(-1), True)
+    cfg = rms_rules.FwdConfig("pieces", 64, 1, 4, persistent, 0, 32, 0, False, True, cpu_rules)
     monkeypatch.setattr(trms, "_launch_fwd_pieces", cluster)
-    monkeypatch.setattr(trms, "clusters_enabled", lambda *a: True)
     monkeypatch.setattr(trms, "_fwd_config", lambda *a: cfg)
     launch_rules("rmsnorm")
     x, w, dy = make(8, 256, BF16, "same")
@@ -618,7 +618,8 @@ def test_cluster_forward_rules(launch_rules):
         for shortest, longest, (piece, warps, prefetch) in rules:
             cfg = fwd(longest, elt, 0, True, hopper, True)
             assert cfg == rms_rules.FwdConfig("split", 0, 1, warps, False, 0, piece, prefetch,
-                                              False, True)
+                                              False, True, fwd(longest, elt, 0, True,
+                                                               no_clusters, True))
             assert not fwd(longest, elt, 0, True, no_clusters, True).cluster
             if not any(lo <= shortest // 2 <= hi for lo, hi, _ in rules):
                 assert not fwd(shortest // 2, elt, 0, True, hopper, True).cluster
@@ -652,7 +653,8 @@ def test_pieces_forward_rules(launch_rules):
         for shortest, longest, (piece, chunk, warps, persistent) in rules:
             for n in {shortest, longest}:
                 assert fwd(n, elt, 0, True, hopper, True) == rms_rules.FwdConfig(
-                    "pieces", piece, 1, warps, persistent, 0, chunk, 0, False, True)
+                    "pieces", piece, 1, warps, persistent, 0, chunk, 0, False, True,
+                    fwd(n, elt, 0, True, no_clusters, True))
                 assert fwd(n, elt, 0, True, no_clusters, True).kernel != "pieces"
                 assert fwd(n, elt, 0, False, hopper, True).kernel != "pieces"
     launch_rules("rmsnorm", PIECES_FWD={2: ((32768, 262144, (16384, 4096, 16, False)),)},

@@ -68,7 +68,7 @@ from fusedops.backends.triton.kernels.layernorm_fwd import (
 )
 from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_pieces
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher
 from fusedops.backends.triton.runtime.device import (
     cdiv,
     next_pow2,
@@ -283,8 +283,8 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
 
 
 def _forward_pieces(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormForward):
-    """ln_fwd_pieces in clusters of C programs per row: (y, mean, rstd), or None where clusters
-    do not run or the launch was refused (nothing written then)."""
+    """ln_fwd_pieces in clusters of C programs per row: (y, mean, rstd), or None where the
+    launch was refused (nothing written then; the config's DeviceFacts said clusters run)."""
     C, L = cfg.pieces, cfg.piece
     mean = rstd = None
     if cfg.stats:
@@ -292,8 +292,6 @@ def _forward_pieces(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormF
         rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return y, mean, rstd
-    if not clusters_enabled(x.device, N, L, C):
-        return None
     s = mean if cfg.stats else y
     if not _launch_fwd_pieces(M * C, C, (x, w, b, y, s, rstd if cfg.stats else y, M, stride, N,
                                          eps), (L, cfg.chunk, C, C, has_w, has_b, cfg.stats),

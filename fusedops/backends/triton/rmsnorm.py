@@ -88,7 +88,7 @@ from fusedops.backends.triton.kernels.rmsnorm import (
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_pieces, rms_fwd_split
 from fusedops.backends.triton.rmsnorm_bwd import rmsnorm_backward
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
@@ -204,9 +204,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         run = _forward_pieces if cfg.kernel == "pieces" else _forward_split
         if run(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg):
             return y, rstd
-        # Refused (a profiler's launch hooks, clusters turned off): the rules without clusters.
-        cfg = forward_config(N, elt, vec, True, device_facts(x.get_device())._replace(
-            clusters=False), M * N >= SHIFTED_W_MIN_ELEMS)
+        cfg = cfg.fallback  # (refused: a profiler's launch hooks, or clusters turned off)
     if cfg.kernel == "single":
         tiles = num_row_tiles(M, cfg.rows, cfg.vec)
         progs = (grid_size(tiles, cfg.warps, "ln_fwd", x.device, cfg.block, cfg.vec, True)
@@ -254,9 +252,8 @@ def _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdCon
     C, L = split_pieces(N, cfg.chunk, cfg.vec)
     consts = (next_pow2(L), C, next_pow2(C), has_w, with_stats, cfg.prefetch, cfg.vec)
     if cfg.cluster:  # (no counters or statistics: the exchange stays on chip)
-        return (not cfg.vec and clusters_enabled(x.device, N, cfg.chunk, C) and bool(
-            _launch_fwd_cluster(M * C, C, (x, w, y, r, r, r, N, L, stride, N, eps, M * C),
-                                (*consts, True), cfg.warps, x.device)))
+        return bool(_launch_fwd_cluster(M * C, C, (x, w, y, r, r, r, N, L, stride, N, eps, M * C),
+                                        (*consts, True), cfg.warps, x.device))
     stats = torch.empty((M * C,), dtype=torch.float32, device=x.device)
     count = torch.zeros((M,), dtype=torch.int32, device=x.device)
     return bool(_launch_fwd_split(
@@ -265,10 +262,10 @@ def _forward_split(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdCon
 
 
 def _forward_pieces(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdConfig) -> bool:
-    """rms_fwd_pieces in clusters of C = N / L programs; False where clusters do not run or
-    the launch was refused (nothing written then)."""
+    """rms_fwd_pieces in clusters of C = N / L programs; False where the launch was refused
+    (nothing written then). The config's DeviceFacts already said clusters run here."""
     C = N // cfg.block
-    return clusters_enabled(x.device, N, cfg.block, C) and bool(_launch_fwd_pieces(
+    return bool(_launch_fwd_pieces(
         M * C, C, (x, w, y, r, M, stride, N, eps),
         (N, cfg.block, cfg.chunk, C, C, has_w, with_stats), cfg.warps, x.device,
         progs=None if cfg.persistent else M * C))

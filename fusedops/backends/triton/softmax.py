@@ -51,7 +51,7 @@ from fusedops.backends.triton.kernels.softmax import (
     softmax_fwd_unrolled_vec,
 )
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher
 from fusedops.backends.triton.runtime.device import next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
@@ -123,9 +123,10 @@ def _launch_split(launcher, cfg: SoftmaxConfig, M: int, N: int, tensors: tuple,
 def _launch_cluster(cfg: SoftmaxConfig, M: int, N: int, x: torch.Tensor, y: torch.Tensor,
                     stride: int) -> bool:
     """softmax_fwd_split in thread-block clusters as ``cfg`` says (stats and count unused:
-    ``x`` stands in); False where clusters are off or the launch was refused."""
+    ``x`` stands in); False where the launch was refused (the config's DeviceFacts already
+    said clusters run here)."""
     C, L = cfg.pieces, cfg.piece
-    return clusters_enabled(x.device, N, cfg.chunk, C) and bool(_launch_fwd_cluster(
+    return bool(_launch_fwd_cluster(
         M * C, C, (x, y, x, x, N, L, stride, N, M * C),
         (cfg.block, C, next_pow2(C), cfg.prefetch, 0, L == cfg.block, True), cfg.warps,
         x.device))

@@ -178,6 +178,14 @@ def cluster_rule(rules: tuple, n: int, dev: DeviceFacts) -> tuple | None:
     return None
 
 
+def pieces_rule(rules: tuple, n: int, dev: DeviceFacts) -> tuple | None:
+    """:func:`cluster_rule` for a PIECES_FWD table (``(piece, CHUNK, warps, persistent)``
+    configs): only where the row is whole pieces of whole chunks (the streamed-pieces kernels
+    have no masks)."""
+    rule = cluster_rule(rules, n, dev)
+    return rule if rule is not None and n % rule[0] == 0 and rule[0] % rule[1] == 0 else None
+
+
 def split_fits(dev: DeviceFacts, n: int, chunk: int) -> bool:
     """Whether the split-row kernels run rows of ``n`` on ``dev`` in equal pieces of at most
     ``chunk`` elements: they may run there, and all pieces of a row are resident at once."""

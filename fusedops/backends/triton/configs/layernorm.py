@@ -22,10 +22,10 @@ from typing import NamedTuple
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
-    cluster_rule,
     for_gpu,
     grid_programs,
     num_row_tiles,
+    pieces_rule,
     row_config,
     single_block_limit,
     split_fits,
@@ -507,8 +507,8 @@ def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, al
     RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD, then the single-block kernel
     (``configs.common.unaligned_config``), split rows (split_config) where they fit, the
     looped kernel."""
-    pieces = cluster_rule(PIECES_FWD.get(elt_size, ()), n, dev) if aligned and not vec else None
-    if pieces and n % pieces[0] == 0 and pieces[0] % pieces[1] == 0:
+    pieces = pieces_rule(PIECES_FWD.get(elt_size, ()), n, dev) if aligned and not vec else None
+    if pieces:
         piece, chunk, warps, persistent = pieces
         return LayerNormForward("pieces", 0 if persistent else m * (n // piece), warps,
                                 chunk=chunk, stats=with_stats, pieces=n // piece, piece=piece,

@@ -24,6 +24,7 @@ from fusedops.backends.triton.configs.common import (
     body_len,
     cluster_rule,
     for_gpu,
+    pieces_rule,
     row_config,
     single_block_limit,
     split_fits,
@@ -280,6 +281,7 @@ class FwdConfig(NamedTuple):
     prefetch: int  # split: PREFETCH
     shifted_w: bool  # the weight from per-misalignment shifted copies
     cluster: bool = False  # split, pieces: a row's pieces as one thread-block cluster
+    fallback: FwdConfig | None = None  # cluster: the rules without clusters
 
 
 class BwdConfig(NamedTuple):
@@ -326,8 +328,9 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     # (every row length is looked up: the host memoizes this decision per call signature)
     cluster = ((pieces_fwd_config(n, elt_size, dev) or cluster_fwd_config(n, elt_size, dev))
                if rows_aligned and not vec else None)
-    if cluster:
-        return cluster
+    if cluster:  # (fallback: where the cluster launch is refused at run time)
+        return cluster._replace(fallback=forward_config(
+            n, elt_size, vec, rows_aligned, dev._replace(clusters=False), large))
     unrolled = unrolled_config(UNROLLED_FWD, elt_size, n, 0, vec) if rows_aligned else None
     if unrolled:
         return FwdConfig("unrolled", 0, 1, unrolled[1], False, 0, unrolled[0], 0, False)
@@ -390,8 +393,8 @@ PIECES_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] =
 def pieces_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:
     """The forward in clusters of streamed pieces for aligned rows of ``n`` on ``dev``
     (PIECES_FWD), or None."""
-    rule = cluster_rule(PIECES_FWD.get(elt_size, ()), n, dev) if n >= SPLIT_ROWS_MIN else None
-    if rule is None or n % rule[0] or rule[0] % rule[1]:
+    rule = pieces_rule(PIECES_FWD.get(elt_size, ()), n, dev) if n >= SPLIT_ROWS_MIN else None
+    if rule is None:
         return None
     piece, chunk, warps, persistent = rule
     return FwdConfig("pieces", piece, 1, warps, persistent, 0, chunk, 0, False, True)
