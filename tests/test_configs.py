@@ -336,6 +336,13 @@ def test_rmsnorm_configs():
                 assert bwd.block <= rms_rules.FUSED_BWD_MAX_BLOCK
             elif bwd.kernel == "split":
                 assert common.split_fits(dev, n, bwd.chunk) and (dev.clusters or not bwd.cluster)
+            elif bwd.kernel == "pieces":  # whole pieces of whole chunks, in clusters
+                assert dev.clusters and aligned and not bwd.vec and bwd.cluster
+                assert n // bwd.block in CLUSTER_SIZES and n % bwd.block == 0
+                assert bwd.block % bwd.chunk == 0 and bwd.block // bwd.chunk <= 4
+                assert bwd.chunk % (32 * bwd.warps) == 0
+                assert bwd.fallback == rms_rules.backward_config(
+                    n, elt, vec, aligned, dev._replace(clusters=False))
             else:
                 assert bwd.kernel == "looped" and _pow2(bwd.block)
     with configs.override("rmsnorm", VEC_EDGES=False, SPLIT_ROWS_MIN=1 << 62):

@@ -704,7 +704,9 @@ def test_rules_pick_the_variants(monkeypatch, launch_rules):
     assert bwd(8193, 2, 8, False, cuda)[:1] + bwd(8193, 2, 8, False, cuda)[6:7] == ("fused", 8)
     assert bwd(16385, 2, 8, False, cuda).kernel == "fused"  # a 16K body
     assert bwd(32769, 2, 8, False, cuda)[6:8] == (8, 2048)
-    assert bwd(32768, 2, 0, True, cuda)[7:11] == (2048, 1, 128, True)
+    assert bwd(32768, 2, 0, True, cuda)[:1] + bwd(32768, 2, 0, True, cuda)[7:8] == (
+        "pieces", 8192)  # (PIECES_BWD; its fallback: held pieces in clusters)
+    assert bwd(32768, 2, 0, True, cuda).fallback[7:11] == (2048, 1, 128, True)
     assert bwd(131072, 4, 0, True, cuda)[7:11] == (8192, 2, None, False)
     assert bwd(65537, 2, 0, False, cuda)[3:8:4] == (16, 8192)  # scalar pieces
     launch_rules("rmsnorm", VEC_EDGES=False, SPLIT_ROWS_MIN=1 << 62)
@@ -847,7 +849,10 @@ def test_gpu_variants(dtype, m, n, w_mode, launch_rules):
     assert ("rms_fwd_split" in runs) == fwd_split
     assert ("rms_fwd_pieces" in runs) == fwd_pieces
     assert vecs(runs, "rms_fwd_unrolled_vec") == ([vec] if fwd_unrolled_vec else [])
-    assert ("rms_bwd_split" in runs) == (block > 16384)
+    bwd_pieces = not vec and rms_rules.pieces_bwd_config(n, x.element_size(),
+                                                         device_facts(0)) is not None
+    assert ("rms_bwd_pieces" in runs) == bwd_pieces
+    assert ("rms_bwd_split" in runs) == (block > 16384 and not bwd_pieces)
     if vec and not fwd_unrolled_vec and not fwd_split:
         assert vecs(runs, "rms_fwd_single") + vecs(runs, "rms_fwd_reload_vec") == [vec]
     if vec and block <= 16384:

@@ -48,6 +48,11 @@ scalar accesses), the kernels configured for the body (8192 at N = 8193).
   (deterministic: no atomics). With one program the partial row is dweight itself. Unaligned
   rows with bodies of 2K+ run ``rms_bwd_vec``: one row per iteration on a grid that is a
   multiple of VEC, so a program's weight and accumulator columns stay fixed.
+* Backward, streamed pieces in clusters (calls with dx on Hopper, ``PIECES_BWD``: aligned
+  16-bit rows of 32K-256K, float32 16K): C = N / L programs of one thread-block cluster per
+  row on a persistent grid; each streams its piece of x and dy for its share of Σ x̂·w·dy, the
+  shares are exchanged on chip, and a second pass over the piece (from L2) writes dx and adds
+  to the piece's dweight accumulators, the only registers kept across rows.
 * Backward, split rows (longer rows, CUDA): pieces exchange Σ x̂·w·dy (through global memory,
   or on Hopper, for aligned rows of 16K-64K, within a thread-block cluster), write their piece
   of dx and keep their columns' dweight partials in registers across rows; unaligned rows in

@@ -16,7 +16,7 @@ from fusedops.backends.triton.kernels.rmsnorm import (
     rms_bwd_single,
     rms_bwd_vec,
 )
-from fusedops.backends.triton.kernels.rmsnorm_split import rms_bwd_split
+from fusedops.backends.triton.kernels.rmsnorm_split import rms_bwd_pieces, rms_bwd_split
 from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.clusters import ClusterLauncher, clusters_enabled
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, num_sms
@@ -31,6 +31,7 @@ _launch_bwd_single = Launcher(rms_bwd_single)
 _launch_bwd_vec = Launcher(rms_bwd_vec)
 _launch_dx_looped = Launcher(rms_bwd_dx_looped)
 _launch_dw_columns = Launcher(rms_bwd_dw_columns)
+_launch_bwd_pieces = ClusterLauncher(rms_bwd_pieces)
 # Split-row launchers by register cap (see SPLIT_BWD): cooperative grids and clusters.
 _split_launchers: dict[int | None, SplitLauncher] = {}
 _cluster_launchers: dict[int | None, ClusterLauncher] = {}
@@ -132,6 +133,10 @@ def _backward(dy, x, weight, rstd, need_dx, need_dw, grad_dtypes):
     aligned = all(s % (16 // elt) == 0 for s in strides)
     cfg = _bwd_config(N, elt, vec, aligned, x.get_device())
     call = (dy, x, w, weight is not None, rstd, dx, dw)
+    if cfg.kernel == "pieces":
+        if need_dx and _pieces(*call, cfg):
+            return dx, dw, ()  # (a cluster launch: no plan)
+        cfg = cfg.fallback  # (dweight alone, or refused: a profiler's launch hooks)
     if cfg.kernel == "fused" and cfg.vec:
         scratch = _fused_vec(*call, cfg)
         if scratch is not None:
@@ -239,6 +244,27 @@ def _split(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
     if not launcher(M * C, C, tuple(args), consts, cfg.warps, dev, progs, cfg.vec):
         return False if not clustered else _split(dy, x, w, has_w, rstd, dx, dw,
                                                   cfg._replace(cluster=False))
+    if dw is not None:
+        reduce_partials(part.view(1, progs // C, N), True, False, out=(dw, None))
+    return True
+
+
+def _pieces(dy, x, w, has_w, rstd, dx, dw, cfg: rules.BwdConfig) -> bool:
+    """rms_bwd_pieces in clusters of C = N / L programs on a persistent grid, one partial
+    dweight row per cluster; False where the launch was refused (nothing written then)."""
+    M, N = x.shape
+    C = N // cfg.block
+    runtime = (dy, x, w, rstd, dx, rstd, M, dy.stride(0), x.stride(0), N)
+    consts = (N, cfg.block, cfg.chunk, C, C, has_w, dw is not None)
+    progs = 0 if hooks_registered() else _launch_bwd_pieces.programs(
+        M * C, C, runtime, consts, cfg.warps, x.device)
+    if not progs:
+        return False
+    part = (torch.empty((progs // C, N), dtype=torch.float32, device=x.device)
+            if dw is not None else rstd)
+    if not _launch_bwd_pieces(M * C, C, (*runtime[:5], part, *runtime[6:]), consts, cfg.warps,
+                              x.device, progs):
+        return False
     if dw is not None:
         reduce_partials(part.view(1, progs // C, N), True, False, out=(dw, None))
     return True

@@ -287,18 +287,21 @@ class FwdConfig(NamedTuple):
 class BwdConfig(NamedTuple):
     """The backward's kernel and launch parameters (:func:`backward_config`)."""
 
-    kernel: str  # "fused" (rms_bwd_single, or rms_bwd_vec with VEC > 0) | "split" | "looped"
-    block: int  # BLOCK_N (fused), chunk (looped), 0 (split)
+    kernel: str  # "fused" (rms_bwd_single, or rms_bwd_vec with VEC > 0) | "split" | "pieces"
+    # | "looped"
+    block: int  # BLOCK_N (fused), chunk (looped), 0 (split), L (pieces)
     rows: int  # rows per tile (fused)
     warps: int
     per_sm: int  # fused: programs per SM
     acc_1d: bool  # fused: ACC_1D
     vec: int
-    chunk: int  # split: largest piece
+    chunk: int  # split: largest piece; pieces: CHUNK
     prefetch: int  # split: PREFETCH
     maxnreg: int | None  # split: register cap
-    cluster: bool  # split: pieces as thread-block clusters where the device allows
+    cluster: bool  # split: pieces as thread-block clusters where the device allows; pieces
     stages: int = 1  # fused (rms_bwd_single): STAGES (PIPELINED_BWD_BLOCKS)
+    fallback: BwdConfig | None = None  # pieces: the rules without clusters (calls without dx,
+    # refused launches)
 
 
 def looped_config() -> tuple[int, int]:
@@ -422,6 +425,35 @@ def split_fwd_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
     return FwdConfig("split", 0, 1, rule[1], False, vec, rule[0], rule[2], False)
 
 
+# The backward in thread-block clusters of streamed pieces (rms_bwd_pieces; calls with dx,
+# aligned rows that C = N / piece pieces of whole chunks fill, C a cluster size): as
+# PIECES_FWD, pass 1 streams a piece's x and dy for its share of Σ x̂·w·dy, the cluster exchanges
+# it on chip, pass 2 reads the piece again from L2 for dx and the dweight partials; only the
+# piece's dweight accumulators stay in registers across rows (several programs per SM, where
+# held pieces leave one). Element size -> ((shortest row, longest row, (piece, CHUNK, warps)),
+# ...); the grid is persistent (one partial dweight row per cluster). H200, fraction of copy of
+# the backend's backward (benchmarks/results/h200/rmsnorm-pieces-backward.json: "no pieces",
+# the rules before it, in the same run), 16384 x 8192 x 32: bf16 32K / 64K / 128K / 256K 0.72 /
+# 0.66 / 0.63 / 0.56 vs 0.67 / 0.61 / 0.53 / 0.51, fp16 alike; float32 16K on 8192 x 4096 x 8
+# 0.85 vs 0.78. 4096-element chunks: level in bf16 but fp16 0.46-0.57 (50 registers a thread
+# against 64: ptxas schedules fewer loads ahead). Slower or level: 16-bit 16K (0.69 vs 0.79
+# fused), float32 32K-256K; two rows per exchange (more registers) slower in an earlier run.
+PIECES_BWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
+    2: ((32768, 262144, (16384, 8192, 32)),),
+    4: ((16384, 16384, (8192, 4096, 8)),),
+}
+
+
+def pieces_bwd_config(n: int, elt_size: int, dev: DeviceFacts) -> BwdConfig | None:
+    """The backward in clusters of streamed pieces for aligned rows of ``n`` on ``dev``
+    (PIECES_BWD), or None."""
+    rule = pieces_rule(PIECES_BWD.get(elt_size, ()), n, dev) if n >= SPLIT_ROWS_MIN else None
+    if rule is None:
+        return None
+    piece, chunk, warps = rule
+    return BwdConfig("pieces", piece, 1, warps, 0, True, 0, chunk, 0, None, True)
+
+
 def _first(table, n: int):
     return next((cfg for longest, cfg in table if n <= longest), None)
 
@@ -434,8 +466,13 @@ def backward_config(n: int, elt_size: int, vec: int, rows_aligned: bool,
     the fused limit: the fused kernel (unaligned bodies of FUSED_BWD_VEC_MIN_BLOCK+ on
     rms_bwd_vec, shorter ones scalar); longer rows split rows where they run (SPLIT_BWD,
     CLUSTER_BWD, VEC_SPLIT_BWD, scalar pieces), else the looped dx kernel and the column
-    kernel."""
+    kernel. Aligned rows with a PIECES_BWD rule run in clusters of streamed pieces first.
+    """
     vec = vec if VEC_EDGES else 0
+    pieces = pieces_bwd_config(n, elt_size, dev) if rows_aligned and not vec else None
+    if pieces:
+        return pieces._replace(fallback=backward_config(
+            n, elt_size, vec, rows_aligned, dev._replace(clusters=False)))
     limit = min(FUSED_BWD_MAX_BLOCK, single_block_limit())
     if vec and next_pow2(body_len(n, vec)) <= limit:
         block = next_pow2(body_len(n, vec))

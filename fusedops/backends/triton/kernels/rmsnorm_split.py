@@ -289,3 +289,83 @@ def rms_fwd_pieces(
                 y = y * tl.load(w_ptr + piece * L + start + lanes,
                                 eviction_policy="evict_last").to(tl.float32)
             tl.store(y_piece + start + lanes, y.to(y_ptr.dtype.element_ty))
+
+
+
+
+@triton.jit
+def piece_dot(x_piece, dy_piece, w_piece, lanes, L: tl.constexpr, CHUNK: tl.constexpr,
+              HAS_W: tl.constexpr):
+    """Σ x·w·dy over one streamed piece (its chunks kept in L2 for the second pass)."""
+    s = tl.zeros([CHUNK], tl.float32)
+    for start in tl.static_range(0, L, CHUNK):
+        x = tl.load(x_piece + start + lanes, eviction_policy="evict_last").to(tl.float32)
+        g = tl.load(dy_piece + start + lanes, eviction_policy="evict_last").to(tl.float32)
+        if HAS_W:
+            g = g * tl.load(w_piece + start + lanes, eviction_policy="evict_last").to(tl.float32)
+        s = tl.fma(x, g, s)
+    return tl.sum(s, axis=0)
+
+
+@triton.jit
+def dx_chunk(x_piece, dy_piece, w_piece, dx_piece, start, lanes, rstd, c, HAS_W: tl.constexpr):
+    """Write one chunk's dx = rstd·(g − x̂·c) (x and dy read again, from L2) and return its
+    dweight terms dy·x̂ (float32)."""
+    xhat = tl.load(x_piece + start + lanes, eviction_policy="evict_first").to(tl.float32) * rstd
+    dy = tl.load(dy_piece + start + lanes, eviction_policy="evict_first").to(tl.float32)
+    g = dy
+    if HAS_W:
+        g = dy * tl.load(w_piece + start + lanes, eviction_policy="evict_last").to(tl.float32)
+    tl.store(dx_piece + start + lanes, ((g - xhat * c) * rstd).to(dx_piece.dtype.element_ty))
+    return dy * xhat
+
+
+@triton.jit
+def rms_bwd_pieces(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, part_ptr, M, stride_dy, stride_x, stride_dx,
+    num_progs, N: tl.constexpr, L: tl.constexpr, CHUNK: tl.constexpr, C: tl.constexpr,
+    C_P2: tl.constexpr, HAS_W: tl.constexpr, NEED_DW: tl.constexpr,
+):
+    # The backward of aligned rows N = C·L in clusters of C programs, as rms_fwd_pieces: pass 1
+    # streams the piece's x and dy (kept in L2) for Σ x̂·w·dy, the cluster exchanges the sums,
+    # pass 2 reads them again from L2, writes dx and adds dy·x̂ to the piece's dweight
+    # accumulators (one per chunk, L / CHUNK <= 4, unrolled by hand: the only registers kept
+    # across rows). The grid is persistent; partials are (num_progs // C, N) float32.
+    tl.static_assert(L // CHUNK <= 4)
+    pid, piece, parity = cluster_piece(C)
+    lanes = tl.arange(0, CHUNK)
+    peers = tl.arange(0, C_P2)
+    w_piece = w_ptr + piece * L
+    acc0 = tl.zeros([CHUNK], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for row in range(pid // C, M, num_progs // C):
+        row64 = row.to(tl.int64)
+        x_piece = x_ptr + row64 * stride_x + piece * L
+        dy_piece = dy_ptr + row64 * stride_dy + piece * L
+        dx_piece = dx_ptr + row64 * stride_dx + piece * L
+        s = piece_dot(x_piece, dy_piece, w_piece, lanes, L, CHUNK, HAS_W)
+        token = cluster_publish(s, s, piece, parity, C)
+        sums, sums2 = cluster_peer_sums(peers, parity, token, C)
+        parity = 1 - parity
+        rstd = tl.load(rstd_ptr + row)
+        c = tl.sum(sums, axis=0) * rstd / N
+        acc0 += dx_chunk(x_piece, dy_piece, w_piece, dx_piece, 0, lanes, rstd, c, HAS_W)
+        if L > CHUNK:
+            acc1 += dx_chunk(x_piece, dy_piece, w_piece, dx_piece, CHUNK, lanes, rstd, c, HAS_W)
+        if L > 2 * CHUNK:
+            acc2 += dx_chunk(x_piece, dy_piece, w_piece, dx_piece, 2 * CHUNK, lanes, rstd, c,
+                             HAS_W)
+        if L > 3 * CHUNK:
+            acc3 += dx_chunk(x_piece, dy_piece, w_piece, dx_piece, 3 * CHUNK, lanes, rstd, c,
+                             HAS_W)
+    if NEED_DW:
+        out = part_ptr + (pid // C).to(tl.int64) * N + piece * L + lanes
+        tl.store(out, acc0)
+        if L > CHUNK:
+            tl.store(out + CHUNK, acc1)
+        if L > 2 * CHUNK:
+            tl.store(out + 2 * CHUNK, acc2)
+        if L > 3 * CHUNK:
+            tl.store(out + 3 * CHUNK, acc3)
