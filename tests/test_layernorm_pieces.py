@@ -11,16 +11,13 @@ from zero and constant rows, with and without weight and bias.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _reliability import gpu
+from _sm90 import assert_one_exchange, compile_counts
 from conftest import INTERPRETING, assert_close_to_ref, tol
 
 from fusedops.backends.triton import layernorm as tln
@@ -134,14 +131,8 @@ _COMPILE = textwrap.dedent("""
 def test_pieces_kernel_compiles_for_sm90():
     """ptxas accepts the kernel: it meets its cluster at the start and once per row (one
     exchange: stores into the peers' shared memory), with no atomics."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["barrier.cluster.arrive.release"] == got["barrier.cluster.wait.acquire"] == 2
-    assert got["mapa.shared::cluster"] == got["st.shared::cluster"] == 1
-    assert got["atom."] + got["red.global"] == 0
+    got = compile_counts(_COMPILE)
+    assert_one_exchange(got)
     assert got["ld.global"] > 0
 
 

@@ -12,15 +12,12 @@ a weight, dx alone and dweight alone, against float64.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from _reliability import gpu
+from _sm90 import assert_one_exchange, compile_counts
 from conftest import INTERPRETING, assert_close_to_ref, assert_row_sum_close
 from test_rmsnorm_variants import EPS, GRAD, check, launched, make, oracle, tb
 
@@ -170,14 +167,8 @@ def test_pieces_backward_compiles_for_sm90():
     """ptxas accepts the kernel: it meets its cluster at the start and once per row (one
     exchange: stores into the peers' shared memory), with no atomics, and reads and writes
     16-byte vectors."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["barrier.cluster.arrive.release"] == got["barrier.cluster.wait.acquire"] == 2
-    assert got["mapa.shared::cluster"] == got["st.shared::cluster"] == 1
-    assert got["atom."] + got["red.global"] == 0
+    got = compile_counts(_COMPILE)
+    assert_one_exchange(got)
     assert got["ld.v4"] >= 4 and got["st.v4"] >= 2, got
 
 

@@ -150,35 +150,59 @@ def run_case(op: str, dtype: str, n: int, kinds: list[str], smoke: bool,
         def call() -> torch.Tensor:
             return fusedops.fused_rmsnorm(x, (n,), w, eps=EPS)
         peer = lambda: torch.nn.functional.rms_norm(x, (n,), w, EPS)  # noqa: E731
-    fns: dict[str, tuple[Callable[[], torch.Tensor], dict]] = {
+    fns: dict[str, tuple[Callable[[], object], dict]] = {
         "copy": (lambda: y.copy_(x), {}), "torch": (peer, {})}
+
+    def differs(out: torch.Tensor, ref: torch.Tensor) -> list[str]:
+        try:
+            torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[dtype], atol=1e-5)
+        except AssertionError as e:
+            return [f"differs from the rules' output: {str(e)[:200]}"]
+        return []
+
+    with torch.no_grad(), fusedops.use_backend("triton"):
+        items = variants(op, n, elt, kinds, smoke, streamed_pieces)
+        records = checked_variants(items, op, call, call, differs, fns)
+        times = time_alternating(fns, op, smoke)
+    return timed_records(times, fns, records, {"op": op, "dtype": dtype, "N": n, "M": m},
+                         nbytes)
+
+
+def checked_variants(items: dict[str, tuple[dict, tuple | None]], op: str,
+                     first: Callable[[], object], timed: Callable[[], object],
+                     differs: Callable[[object, object], list[str]],
+                     fns: dict[str, tuple[Callable[[], object], dict]]) -> dict[str, dict]:
+    """Run ``first`` once under each variant's overrides of ``op``'s rules with its launches
+    recorded (:func:`first_call`), compare its output with the first variant's (``differs``:
+    the problems, [] if none), and add every variant without problems to ``fns`` (``timed``
+    under its overrides); returns name -> {problems, overrides}."""
     records: dict[str, dict] = {}
     ref = None
-    with torch.no_grad(), fusedops.use_backend("triton"):
-        for name, (rules, expect) in variants(op, n, elt, kinds, smoke, streamed_pieces).items():
-            try:
-                with configs.override(op, **rules):
-                    out, problems = first_call(call, expect)
-            except Exception as e:  # noqa: BLE001 - reported, not timed
-                out, problems = None, [f"{type(e).__name__}: {str(e)[:200]}"]
-            if ref is None:
-                ref = out
-            elif not problems:
-                try:
-                    torch.testing.assert_close(out.float(), ref.float(), rtol=RTOL[dtype],
-                                               atol=1e-5)
-                except AssertionError as e:
-                    problems.append(f"differs from the rules' output: {str(e)[:200]}")
-            records[name] = {"problems": problems, "overrides": repr(rules)}
-            if not problems:
-                fns[name] = (call, rules)
-        times = time_alternating(fns, op, smoke)
+    for name, (rules, expect) in items.items():
+        try:
+            with configs.override(op, **rules):
+                out, problems = first_call(first, expect)
+        except Exception as e:  # noqa: BLE001 - reported, not timed
+            out, problems = None, [f"{type(e).__name__}: {str(e)[:200]}"]
+        if ref is None:
+            ref = out
+        elif not problems:
+            problems = differs(out, ref)
+        records[name] = {"problems": problems, "overrides": repr(rules)}
+        if not problems:
+            fns[name] = (timed, rules)
+    return records
+
+
+def timed_records(times: dict[str, float], fns: dict, records: dict[str, dict], case: dict,
+                  nbytes: int) -> list[dict]:
+    """One record per variant (timed ones first): ``case``'s fields, ms, TB/s of ``nbytes``,
+    the fraction of the case's ``copy`` time, and its problems."""
     copy_ms = times["copy"]
     out = []
     for name in [*fns, *(k for k in records if k not in fns)]:
         ms = times.get(name)
-        out.append({"op": op, "dtype": dtype, "N": n, "M": m, "variant": name, "ms": ms,
-                    "tbps": nbytes / ms / 1e9 if ms else None,
+        out.append({**case, "variant": name, "ms": ms, "tbps": nbytes / ms / 1e9 if ms else None,
                     "frac_copy": copy_ms / ms if ms else None,
                     **records.get(name, {"problems": []})})
     return out

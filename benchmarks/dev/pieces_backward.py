@@ -33,10 +33,10 @@ import json
 from collections.abc import Callable
 
 import torch
-from cluster_forward import DTYPES, first_call, meta
+from cluster_forward import DTYPES, checked_variants, meta, timed_records
 from rmsnorm_unaligned import print_records, time_alternating
 
-from fusedops.backends.triton import configs, rmsnorm_backward, rmsnorm_forward
+from fusedops.backends.triton import rmsnorm_backward, rmsnorm_forward
 from fusedops.backends.triton.runtime.clusters import CLUSTER_SIZES
 
 SIZES = (16384, 32768, 65536, 131072, 262144)
@@ -87,33 +87,22 @@ def run_case(dtype: str, n: int, smoke: bool, device: torch.device,
         return rmsnorm_backward(dy, x, w, rstd, True, True)
 
     fns: dict[str, tuple[Callable[[], object], dict]] = {"copy": (lambda: dst.copy_(src), {})}
-    records: dict[str, dict] = {}
-    ref = None
-    for name, (rules, expect) in variants(n, smoke, candidates).items():
-        try:
-            with configs.override("rmsnorm", **rules):
-                out, problems = first_call(recorded, expect)
-        except Exception as e:  # noqa: BLE001 - reported, not timed
-            out, problems = None, [f"{type(e).__name__}: {str(e)[:200]}"]
-        if ref is None:
-            ref = out
-        elif not problems:
-            for got, want, what in zip(out, ref, ("dx", "dweight"), strict=True):
-                try:
-                    torch.testing.assert_close(got.float(), want.float(), rtol=RTOL[dtype],
-                                               atol=1e-4)
-                except AssertionError as e:
-                    problems.append(f"{what} differs from the rules': {str(e)[:200]}")
-        records[name] = {"problems": problems, "overrides": repr(rules)}
-        if not problems:
-            fns[name] = (call, rules)
+
+    def differs(out: tuple, ref: tuple) -> list[str]:
+        problems = []
+        for got, want, what in zip(out, ref, ("dx", "dweight"), strict=True):
+            try:
+                torch.testing.assert_close(got.float(), want.float(), rtol=RTOL[dtype],
+                                           atol=1e-4)
+            except AssertionError as e:
+                problems.append(f"{what} differs from the rules': {str(e)[:200]}")
+        return problems
+
+    records = checked_variants(variants(n, smoke, candidates), "rmsnorm", recorded, call,
+                               differs, fns)
     times = time_alternating(fns, "rmsnorm", smoke)
-    copy_ms = times["copy"]
-    return [{"op": "rmsnorm_bwd", "dtype": dtype, "N": n, "M": m, "variant": name,
-             "ms": times.get(name), "tbps": nbytes / times[name] / 1e9 if times.get(name) else None,
-             "frac_copy": copy_ms / times[name] if times.get(name) else None,
-             **records.get(name, {"problems": []})}
-            for name in [*fns, *(k for k in records if k not in fns)]]
+    return timed_records(times, fns, records,
+                         {"op": "rmsnorm_bwd", "dtype": dtype, "N": n, "M": m}, nbytes)
 
 
 def main() -> None:
