@@ -291,8 +291,6 @@ def rms_fwd_pieces(
             tl.store(y_piece + start + lanes, y.to(y_ptr.dtype.element_ty))
 
 
-
-
 @triton.jit
 def piece_dot(x_piece, dy_piece, w_piece, lanes, L: tl.constexpr, CHUNK: tl.constexpr,
               HAS_W: tl.constexpr):
