@@ -27,7 +27,6 @@ from fusedops.backends.triton.kernels.layernorm_bwd import (
     ln_bwd_single,
 )
 from fusedops.backends.triton.kernels.layernorm_bwd_split import ln_bwd_split
-from fusedops.backends.triton.kernels.layernorm_pieces import ln_bwd_pieces
 from fusedops.backends.triton.runtime.caches import signature_cache
 from fusedops.backends.triton.runtime.clusters import ClusterLauncher
 from fusedops.backends.triton.runtime.device import interpreting, next_pow2
@@ -67,9 +66,6 @@ _launch_dx_published = Launcher(ln_bwd_dx_published)
 
 
 _launch_dwdb_columns = Launcher(ln_bwd_dwdb_columns)
-
-
-_launch_bwd_pieces = ClusterLauncher(ln_bwd_pieces)
 
 
 # Backward replay plans (see layernorm_backward): only where launches can take the direct path
@@ -222,12 +218,6 @@ def _backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db, grad_dtypes)
     if cfg.variant == "native":
         return _native_backward(dy, x, weight, mean, rstd, need_dx, need_dw, need_db)
     dx = torch.empty((M, N), dtype=x.dtype, device=dev) if need_dx else None
-    if cfg.variant == "pieces":
-        done = _pieces_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                                cfg, parked)
-        if done is not None:
-            return done
-        cfg = cfg.fallback  # refused (a profiler's launch hooks, no cluster launch)
     if cfg.variant == "empty":
         z = torch.zeros((N,), dtype=torch.float32, device=dev)
         return dx, (z if need_dw else None), (z.clone() if need_db else None)
@@ -408,52 +398,6 @@ def _split_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtyp
     if m_dx < M:
         _published_dx(dy, x, w, has_w, mean, rstd, dx, stats, count, m_dx,
                       offset + part_bytes + 8 * C * m_dx, C, L, vec, split_warps)
-    mark_replayable()
-    return dx, dw, db
-
-
-def _pieces_backward(dy, x, w, has_w, mean, rstd, dx, need_dw, need_db, grad_dtypes,
-                     cfg: LayerNormBackward, parked: bool):
-    """ln_bwd_pieces (aligned rows, ``cfg.streamed``) in clusters of C programs on a persistent
-    grid, one pair of partial (dweight, dbias) rows per cluster: in scratch or (``parked``)
-    at the end of dx's storage, whose rows from M_dx on get their dx from a second launch
-    without partials once the partials are summed (bitwise as one launch writes them: a row's
-    arithmetic does not depend on the launch). None where no cluster launch runs (nothing
-    written then)."""
-    M, N = x.shape
-    dev = x.device
-    C, L, chunk, warps = cfg.streamed
-    need_part = need_dw or need_db
-    # (dy, x, w, mean, rstd, dx, partials, row0, M, M_dx, strides): mean stands in for the
-    # partials until they are sized.
-    runtime = [dy, x, w, mean, rstd, dx, mean, 0, M, M, dy.stride(0), x.stride(0), N]
-    consts = (N, L, chunk, C, C, has_w, need_dw, need_db)
-    progs = 0 if hooks_registered() else _launch_bwd_pieces.programs(
-        M * C, C, tuple(runtime), consts, warps, dev)
-    if not progs:
-        return None
-    m_dx = M
-    if need_part:
-        shape = (2, progs // C, N)
-        place = _park(dx, 8 * shape[1] * N, 1) if parked else None
-        if place:  # (the rules' minimum rows leave room)
-            m_dx, offset = place
-            runtime[6] = _parked(dx, offset, shape)
-        else:
-            runtime[6] = torch.empty(shape, dtype=torch.float32, device=dev)
-        runtime[9] = m_dx
-    if not _launch_bwd_pieces(M * C, C, tuple(runtime), consts, warps, dev, progs):
-        return None
-    dw, db = (reduce_partials(runtime[6], need_dw, need_db, dtypes=grad_dtypes) if need_part
-              else (None, None))
-    if m_dx < M:  # the rows over the parked partials
-        runtime[7], runtime[9] = m_dx, M
-        rest = (M - m_dx) * C
-        if not _launch_bwd_pieces(rest, C, tuple(runtime), (*consts[:-2], False, False), warps,
-                                  dev, min(progs, rest)):
-            # (clusters went off between the launches) the dx row kernel, other arithmetic
-            _dx_rows(dy[m_dx:], x[m_dx:], w, has_w, mean[m_dx:], rstd[m_dx:], dx[m_dx:],
-                     cfg.rows)
     mark_replayable()
     return dx, dw, db
 

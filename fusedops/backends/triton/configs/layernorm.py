@@ -455,33 +455,6 @@ def column_splits(m: int, n: int, sms: int,
 # ---------------------------------------------------------------------------- the decisions
 
 
-# The backward of aligned rows in thread-block clusters of streamed pieces (ln_bwd_pieces;
-# rows that C = N / piece pieces of whole chunks fill, C a cluster size; calls with dx): each
-# program streams its piece twice, the second time from L2, exchanging (Σ x̂·g, Σ g) on chip
-# between the passes. Element size -> ((shortest row, longest row, (piece, CHUNK, warps)), ...).
-PIECES_BWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {}
-
-# ... for calls of at least this many times the rows that the low_memory mode's parked partials
-# (two float32 rows per cluster) cover, which a second launch reads again; both modes take the
-# same kernels, so their bits agree.
-PIECES_BWD_MIN_ROWS = 8
-
-
-def pieces_bwd_plan(m: int, n: int, elt_size: int, aligned: bool,
-                    dev: DeviceFacts) -> tuple[int, int, int, int] | None:
-    """(C, L, CHUNK, warps) of the streamed-pieces backward (PIECES_BWD) for ``m`` aligned rows
-    of ``n`` on ``dev`` (``aligned``: row strides of whole 16-byte vectors, no edges), or None.
-    """
-    rule = pieces_rule(PIECES_BWD.get(elt_size, ()), n, dev) if aligned else None
-    if rule is None:
-        return None
-    piece, chunk, warps = rule
-    C = n // piece
-    clusters = cdiv(dev.num_sms * max(1, 64 // warps), C)  # (at most 64 warps an SM)
-    parked_rows = cdiv(8 * clusters, elt_size) + 1
-    return (C, piece, chunk, warps) if m >= PIECES_BWD_MIN_ROWS * parked_rows else None
-
-
 class LayerNormForward(NamedTuple):
     """A LayerNorm forward launch: the kernel variant and its parameters (0 where it has none).
 
@@ -643,9 +616,7 @@ class LayerNormBackward(NamedTuple):
 
     ``"empty"`` (no rows or columns), ``"native"`` (PyTorch's kernel), ``"columns"`` (no dx:
     the column kernel alone), ``"fused"``, ``"dx_pieces"`` (columns, then dx on aligned-body
-    pieces), ``"pieces"`` (``ln_bwd_pieces`` on ``streamed``; ``fallback``: the rules without
-    clusters; ``rows``: the dx of parked rows should clusters go off between its two
-    launches), ``"split"`` (``fallback``: what runs where no split grid fits or the launch is
+    pieces), ``"split"`` (``fallback``: what runs where no split grid fits or the launch is
     refused), ``"rows"`` (the columns, then the dx row kernel ``rows``)."""
 
     variant: str
@@ -656,7 +627,6 @@ class LayerNormBackward(NamedTuple):
     rows: RowsBackward | None = None
     columns: tuple[int, int, int] | None = None
     columns_direct: tuple[int, int, int] | None = None
-    streamed: tuple[int, int, int, int] | None = None  # (C, L, CHUNK, warps): pieces_bwd_plan
     fallback: LayerNormBackward | None = None
 
 
@@ -667,24 +637,16 @@ def backward_config(m: int, n: int, elt_size: int, strides: tuple[int, int], vec
     x's row strides), ``vec`` (``configs.common.unaligned_vec`` of dy and x), the gradients
     needed, ``parked`` (the ``low_memory`` mode: scratch parked in dx) and ``plain`` (see
     :func:`native_unaligned`). Asked in order: fused_plan, dx_pieces_plan, split_plan,
-    native_unaligned, then the dx row kernel (row_config) and the column kernel; aligned rows
-    with a PIECES_BWD rule run in clusters of streamed pieces first."""
+    native_unaligned, then the dx row kernel (row_config) and the column kernel."""
     need_part = need_dw or need_db
     some = m > 0 and n > 0
     fused = fused_plan(m, n, elt_size, vec, dev.num_sms) if need_part and some else None
-    aligned = strides[0] % 8 == 0 and strides[1] % 8 == 0
-    streamed = (pieces_bwd_plan(m, n, elt_size, aligned and not vec, dev)
-                if fused is None and need_dx else None)
-    if streamed:
-        return LayerNormBackward(
-            "pieces", rows=_dx_rows_config(m, n, elt_size, 0, dev), streamed=streamed,
-            fallback=backward_config(m, n, elt_size, strides, vec, need_dx, need_dw, need_db,
-                                     parked, plain, dev._replace(clusters=False)))
     pieces = dx_pieces_plan(n, elt_size, vec) if fused is None and need_dx and m > 0 else None
     room = max(1, m * n * elt_size // (8 * n)) if some else 1  # (2, N) float32 rows in dx
     if pieces is not None:
         return LayerNormBackward("dx_pieces", pieces=(*pieces, SPLIT_PAIRED),
                                  columns=column_splits(m, n, dev.num_sms, room))
+    aligned = strides[0] % 8 == 0 and strides[1] % 8 == 0
     split = (split_plan(n, elt_size, vec, aligned, dev)
              if fused is None and some and (need_dx or (need_part and not parked)) else None)
     native = fused is None and some and native_unaligned(n, elt_size, plain, dev)
