@@ -66,8 +66,10 @@ PERSISTENT = {"softmax_fwd": False, "softmax_bwd": False, "ln_fwd": False, "ln_b
 # two warps per program, as Inductor does here, so a row's reductions stay within a warp or two
 # (LayerNorm forward bf16 512: 3.91 vs 3.28 TB/s at 4 warps; 1K: 3.95 vs 3.67; softmax forward
 # bf16 256/512: 4.10-4.11 vs 3.95-3.96). float32 rows measured no better (4.06-4.15 either way).
+# 512: 4 rows a program, not 8 (fraction of copy, LayerNorm bf16 / fp16 0.99 vs 0.96, RMSNorm
+# 0.98-0.99 vs 0.94-0.95: benchmarks/results/h200/short-rows-256-512.json).
 _SHORT_16BIT = {
-    "ln_fwd": {256: (2048, 1), 512: (4096, 2), 1024: (2048, 1)},
+    "ln_fwd": {256: (2048, 1), 512: (2048, 2), 1024: (2048, 1)},
     "softmax_fwd": {256: (1024, 1), 512: (1024, 1)},
 }
 

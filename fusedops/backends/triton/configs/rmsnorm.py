@@ -141,8 +141,10 @@ def vec_bwd_config(block: int, elt_size: int) -> tuple[int, int]:
 # accesses at 8193: 1.75 [1.16-1.58 on these]). Not kept: 16-bit 16K on 1 x 32, faster for the
 # forward with rstd (3.91 [3.22]) but not for the inference forward (0.65-0.68 of copy, behind
 # compile, in the RMSNorm sweep committed at 308b1c8 as benchmarks/results/h200/rmsnorm.json).
+# 16-bit 256: 4 rows x 1 warp, 0.99 of copy vs 0.97-0.98 on LayerNorm's 8, where LayerNorm
+# measured slower on 4 (benchmarks/results/h200/short-rows-256-512.json).
 FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
-    (2, 4096): (4, 8, False), (2, 8192): (2, 8, False),
+    (2, 256): (4, 1, False), (2, 4096): (4, 8, False), (2, 8192): (2, 8, False),
     (4, 8192): (1, 8, False), (4, 16384): (2, 16, False), (4, 32768): (1, 32, False),
 }
 
