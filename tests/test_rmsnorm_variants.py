@@ -420,7 +420,10 @@ def test_rules_pick_the_unrolled_kernel(launch_rules):
         assert fwd(16385, 2, 8, False, dev, True).kernel != "unrolled"
         assert fwd(16385, 2, 0, False, dev, True).kernel != "unrolled"  # scalar accesses
         assert fwd(16384, 2, 0, False, dev, True).kernel == "single"  # a misaligned stride
-        assert fwd(32768, 4, 0, True, dev, True).kernel == "single"  # no float32 32K rule
+        assert fwd(32768, 4, 0, True, dev, True)[3:7:3] == (32, 32768)  # float32: one chunk
+        assert fwd(2048, 4, 0, True, dev, True)[3:7:3] == (8, 2048)
+        assert fwd(4096, 4, 0, True, dev, True)[3:7:3] == (16, 4096)
+        assert fwd(3072, 4, 0, True, dev, True).kernel == "single"  # no chunk divides it
         assert fwd(2048, 2, 0, True, dev, True).kernel == "single"
     launch_rules(SINGLE_BLOCK_LIMIT=8192)
     assert fwd(8192, 2, 0, True, device_facts(-1), True).kernel == "single"

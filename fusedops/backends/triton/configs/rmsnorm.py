@@ -166,12 +166,15 @@ FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
 # Rows between powers of two (short-rows.json, bf16; single-block pads them to the next power
 # of two): 768 1.04 on 256 x 1 (single 0.91, compile 1.02), 1536 1.03 (0.99), 2560 1.00
 # (0.85), 3072 1.00 on 1024 x 8 (0.93), 3584 level, 5120 0.99 on 1024 x 8 (0.85, compile 0.89).
+# float32 rows of one chunk (rmsnorm-unrolled-float32.json): 2K 1.00 on 2048 x 8 (single 0.97),
+# 4K 1.01 on 4096 x 16 (0.97), 32K 0.98 on 32768 x 32 (single 0.90; 8192 x 32 0.84).
 UNROLLED_FWD: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {
     (2, 1024): ((1024, 0), (256, 1)), (2, 2048): ((2048, 0), (512, 4)),
     (2, 4096): ((2048, 8), (1024, 8), (512, 4)), (2, 8192): ((4096, 16), (2048, 8), (1024, 8)),
     (2, 16384): ((8192, 16), (4096, 16)), (2, 32768): ((8192, 32),), (2, 65536): ((8192, 32),),
     (2, 131072): ((16384, 32),), (2, 262144): ((16384, 32),),
-    (4, 8192): ((4096, 32), (2048, 16)), (4, 16384): ((4096, 32),),
+    (4, 2048): ((2048, 8),), (4, 4096): ((4096, 16),), (4, 8192): ((4096, 32), (2048, 16)),
+    (4, 16384): ((4096, 32),), (4, 32768): ((32768, 32),),
 }
 
 # Unaligned rows in the single-block kernel: LayerNorm's unaligned_config (kind "ln_fwd"), and
