@@ -161,7 +161,7 @@ FWD_RULES: dict[tuple[int, int], tuple[int, int, bool]] = {
 # compile 0.66); float32 8K 0.995 on 4096 x 32 (single 0.97), 16K 0.996 (single 0.96;
 # compile 0.99). Second configs (padded neighbours such as 12288, 6144) are LayerNorm's.
 # Longer rows (rmsnorm-unrolled-long.json): bf16 128K 0.76 on 16384 x 32 (looped 0.63, compile
-# 0.63), 256K 0.67 (looped 0.63); float32 32K-256K stay (single-block / split 0.69-0.89, the
+# 0.63), 256K 0.67 (looped 0.63); float32 64K-256K stay (single-block / split 0.69-0.89, the
 # unrolled candidates 0.67-0.83).
 # Rows between powers of two (short-rows.json, bf16; single-block pads them to the next power
 # of two): 768 1.04 on 256 x 1 (single 0.91, compile 1.02), 1536 1.03 (0.99), 2560 1.00
