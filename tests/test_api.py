@@ -329,6 +329,9 @@ def test_triton_missing_falls_back(fresh_warnings, monkeypatch):
     torch.testing.assert_close(y, torch.softmax(x, -1))
 
 
+# (exhaustive: a fresh interpreter each; set_backend, which takes the variable's value, runs
+# by default in test_set_get_use_backend)
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("value,expected", [("reference", "reference"), ("Triton", "triton")])
 def test_env_var_forces_backend(value, expected):
     env = dict(os.environ, FUSEDOPS_BACKEND=value)
@@ -338,6 +341,9 @@ def test_env_var_forces_backend(value, expected):
     assert out.stdout.strip() == expected
 
 
+# (exhaustive: a fresh interpreter; set_backend, which takes the variable's value, rejects the
+# same name in test_set_get_use_backend by default)
+@pytest.mark.exhaustive
 def test_env_var_invalid_is_an_error():
     env = dict(os.environ, FUSEDOPS_BACKEND="cuda")
     out = subprocess.run([sys.executable, "-c", "import fusedops"], env=env, capture_output=True,

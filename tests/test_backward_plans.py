@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
+from conftest import (
+    INTERPRETING,
+    assert_close_to_ref,
+    count_calls,
+    exhaustive_unless,
+    require_replay_plans,
+)
 
 import fusedops
 from fusedops.backends.triton import layernorm_bwd as tlnb
@@ -68,7 +74,10 @@ pytestmark_interp = pytest.mark.skipif(
     not INTERPRETING, reason="CPU tensors need the Triton interpreter (the gpu tests cover this)")
 
 
+# (the float32 cases and the column kernel's by default; the other bfloat16 ones, slower in the
+# interpreter, exhaustive)
 @pytestmark_interp
+@exhaustive_unless(lambda case: case["dtype"] == F32 or case.get("need") == (False, True, True))
 @pytest.mark.parametrize("case", [
     dict(M=37, N=64, dtype=BF16),
     dict(M=37, N=64, dtype=F32, weight=False),
@@ -121,6 +130,7 @@ def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case
 
 
 @pytestmark_interp
+@exhaustive_unless(lambda case: case == "fast mode")  # (the other cases: exhaustive)
 @pytest.mark.parametrize("case", ["fast mode", "few rows", "hooks", "shared input", "compiled"])
 def test_calls_that_do_not_replay(recording_entries, monkeypatch, case):
     """Paths whose results do not come from launches alone into the outputs (scratch of the

@@ -189,6 +189,7 @@ def test_plots_skipped_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert [p.suffix for p in paths] == [".json", ".csv", ".txt"]
 
 
+@pytest.mark.exhaustive  # (a fresh interpreter importing torch)
 def test_import_and_help_do_not_import_matplotlib():
     code = ("import sys, contextlib, io\n"
             "import fusedops\n"

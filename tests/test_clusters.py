@@ -21,10 +21,10 @@ import pytest
 import torch
 from _reliability import gpu
 from conftest import (
+    EXHAUSTIVE,
     INTERPRETING,
     assert_close_to_ref,
     assert_row_sum_close,
-    exhaustive_unless,
     forced_split_config,
 )
 
@@ -137,7 +137,7 @@ def sm90_builds():
     return build
 
 
-@exhaustive_unless(lambda prefetch: prefetch == 1)
+@EXHAUSTIVE  # (a compile in a fresh interpreter per PREFETCH: seconds)
 @pytest.mark.parametrize("prefetch", PREFETCHES)
 def test_cluster_kernel_compiles_for_sm90(sm90_builds, prefetch):
     """ptxas accepts the inline PTX; the cluster variant meets at the barrier at its start and

@@ -18,7 +18,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA, assert_close_to_ref, ln_backward_vec, triton_kernels_ready
+from conftest import (
+    HAS_CUDA,
+    assert_close_to_ref,
+    exhaustive_unless,
+    ln_backward_vec,
+    one_of_each,
+    triton_kernels_ready,
+)
 from torch import nn
 
 import fusedops
@@ -67,10 +74,13 @@ def assert_same(fn, ref_fn, inputs, dy, atol=1e-5, rtol=1e-5):
 # --------------------------------------------------------------------------- CPU: fullgraph
 
 
+_SOFTMAX_DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float16, torch.float32),
+                   (torch.float32, torch.float16)]
+
+
+@exhaustive_unless(one_of_each({"dim": [-1, 0, 1], "dtype,arg": _SOFTMAX_DTYPES}))
 @pytest.mark.parametrize("dim", [-1, 0, 1])
-@pytest.mark.parametrize("dtype,arg", [(torch.float32, None), (torch.bfloat16, None),
-                                       (torch.float16, torch.float32),
-                                       (torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize("dtype,arg", _SOFTMAX_DTYPES, ids=str)
 def test_softmax_fullgraph(dim, dtype, arg):
     x = torch.randn(4, 6, 9).to(dtype).requires_grad_(True)
     dy = torch.randn(4, 6, 9).to(arg or dtype)
@@ -82,6 +92,9 @@ def test_softmax_fullgraph(dim, dtype, arg):
     assert_same(compile_full(fn), lambda t: torch.softmax(t, dim, dtype=arg), [x], dy, tol, tol)
 
 
+# (three of the parameter / gradient sets by default; the others exhaustive)
+@exhaustive_unless(lambda affine, needs: (affine, needs) in (
+    ("both", "xwb"), ("none", "x"), ("bias", "b")))
 @pytest.mark.parametrize(
     "affine,needs",
     [("both", "xwb"), ("both", "x"), ("both", "wb"), ("none", "x"), ("weight", "xw"),
@@ -227,6 +240,8 @@ def _opcheck(op, args):
                                                 "test_aot_dispatch_dynamic"))
 
 
+# (the kernels in float32 by default; the others exhaustive)
+@exhaustive_unless(lambda backend_name, dtype: (backend_name, dtype) == ("triton", torch.float32))
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
 def test_opcheck_custom_ops(backend_name, dtype):

@@ -183,6 +183,7 @@ def _backward_chain(cfg):
         cfg = cfg.fallback
 
 
+@pytest.mark.exhaustive  # (every row, dtype, gradient set and device of the table: seconds)
 def test_layernorm_backward_configs():
     """Every call gets a path whose launches cover the rows: the fused kernel's tiles and grid
     (a multiple of VEC or a tile per program), the split kernel's pieces with fallbacks that end

@@ -47,7 +47,9 @@ def _assert_passed(rc: int, out: str, err: str, steps: int) -> None:
     assert "parameters identical across ranks: unpatched True, patched True" in out
 
 
-@pytest.mark.exhaustive  # (the same script on the Triton kernels runs by default, below)
+# (exhaustive: two spawned ranks, seconds; test_ddp_check_reports_failures runs the script's
+# PASS/FAIL logic by default)
+@pytest.mark.exhaustive
 def test_ddp_gloo_cpu_reference():
     rc, out, err = run_check("--backend", "gloo", "--device", "cpu", "--steps", "5")
     _assert_passed(rc, out, err, 5)
@@ -59,6 +61,7 @@ def test_ddp_gloo_cpu_reference():
     assert "'add_layernorm:native': 2, 'softmax_epilogue': 2" in out
 
 
+@pytest.mark.exhaustive  # (two spawned ranks through the interpreter: tens of seconds)
 @pytest.mark.skipif(not triton_kernels_ready(), reason="Triton kernels not available")
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="CPU-only check: on CUDA machines the NCCL test covers the compiled "

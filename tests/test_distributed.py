@@ -54,6 +54,7 @@ def _losses_agree(r: dict, steps: int, tol: float) -> None:
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol, (a, b)
 
 
+@EXHAUSTIVE  # (two interpreted ranks through every check: about a minute)
 @needs_interpreter
 def test_distributed_checks(tmp_path):
     checks = run_checks(tmp_path, "dtensor,fsdp,tp,ckpt")

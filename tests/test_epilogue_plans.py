@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, count_calls, require_replay_plans
+from conftest import INTERPRETING, count_calls, exhaustive_unless, require_replay_plans
 
 pytest.importorskip("triton")
 from fusedops.backends import triton as tb  # noqa: E402
@@ -136,7 +136,11 @@ def _run_case(kind, case, launch_rules):
     return call, (t["dout"], t["ds"], s, t["weight"], t["bias"], mean, rstd)
 
 
+# (the forward cases on the 2-D kernel and the cheap backward ones by default; the looped
+# kernels and the backward cases with dropout or dx, slower in the interpreter, exhaustive)
 @pytestmark_interp
+@exhaustive_unless(lambda kind, name: (kind == "forward" and not name.startswith("looped"))
+                   or name in ("2d, one program", "2d, dweight only, no ds"))
 @pytest.mark.parametrize("kind,name", [("forward", n) for n in FWD_CASES]
                          + [("backward", n) for n in BWD_CASES])
 def test_replay_repeats_the_normal_launches(recording_entries, launch_rules, kind, name):
@@ -195,6 +199,7 @@ def test_replayed_seed_is_checked(recording_entries):
 
 
 @pytestmark_interp
+@exhaustive_unless(lambda case: case == "strided weight")  # (the other cases: exhaustive)
 @pytest.mark.parametrize("case", ["strided weight", "shared input", "hooks", "no grad_dtypes",
                                   "plans off"])
 def test_calls_that_do_not_replay(recording_entries, monkeypatch, case, launch_rules):

@@ -17,7 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from conftest import assert_close_to_ref, forced_split_config, ln_backward_vec
+from conftest import (
+    assert_close_to_ref,
+    exhaustive_unless,
+    forced_split_config,
+    ln_backward_vec,
+)
 
 from fusedops.backends.triton import configs as tconfigs
 from fusedops.backends.triton import layernorm as tln
@@ -308,6 +313,7 @@ def test_partial_rows_bounded_by_an_eighth_of_x():
             assert 2 * rows * n * 4 <= x.numel() * x.element_size() / 8 + 1
 
 
+@pytest.mark.exhaustive  # (16-bit rows of hundreds of columns through the interpreter: seconds)
 def test_fused_backward_stages_rule(monkeypatch, device):
     """Invariant: the tile loop is pipelined (stages > 1) only for 16-bit rows of the blocks
     PIPELINED_BWD_BLOCKS lists whose row strides are 16-byte multiples, never for float32 or
@@ -508,6 +514,7 @@ def test_long_16bit_layernorm_forward_without_split_rows(monkeypatch, launch_rul
     assert_close_to_ref(mean, x.double().mean(-1), torch.float32)
 
 
+@exhaustive_unless(lambda n: n == 12000)  # (the power of two: exhaustive)
 @NEEDS_KERNELS
 @pytest.mark.parametrize("n", [16384, 12000])
 def test_reload_kernels_take_their_rows(monkeypatch, n):
@@ -542,6 +549,7 @@ def test_reload_kernels_take_their_rows(monkeypatch, n):
 
 
 @NEEDS_KERNELS
+@exhaustive_unless(lambda dtype, n: n < 131072)  # (the rows of 128K: exhaustive)
 @pytest.mark.parametrize("dtype,n", [
     (torch.bfloat16, 65536),
     (torch.float16, 65537),
@@ -574,7 +582,9 @@ def test_softmax_unrolled_backward_takes_its_rows(monkeypatch, dtype, n):
     assert_close_to_ref(dx, y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True)), dtype, scale=4)
 
 
+# (the float32 rows: exhaustive; their compensated row sums take the interpreter seconds)
 @NEEDS_KERNELS
+@exhaustive_unless(lambda dtype, n: dtype != torch.float32)
 @pytest.mark.parametrize("dtype,n", [
     (torch.bfloat16, 16384),
     (torch.bfloat16, 12288),
@@ -634,7 +644,9 @@ def test_unrolled_forward_takes_its_rows(monkeypatch, dtype, n, launch_rules):
     assert_close_to_ref(y, ref, dtype, scale=4)
 
 
+# (the float32 row: exhaustive; its compensated row sums take the interpreter seconds)
 @NEEDS_KERNELS
+@exhaustive_unless(lambda dtype, n: dtype != torch.float32)
 @pytest.mark.parametrize("dtype,n", [
     (torch.bfloat16, 65536),
     (torch.bfloat16, 40000),  # masked, not unrolled
@@ -683,6 +695,7 @@ def test_softmax_forward_next_tile_prefetch(monkeypatch, dtype, m, n, launch_rul
         assert all(nxt == 0 for _, nxt, _ in calls)
 
 
+@pytest.mark.exhaustive  # (float32 rows of up to 2048 through the exact arithmetic: seconds)
 def test_softmax_exact_rows_rule(monkeypatch, launch_rules):
     """The single-block forward takes the exact float32 arithmetic (EXACT_ROWS, the argument
     before NEXT) for rows of EXACT_MIN_N+ only; results against float64 either way."""
@@ -759,6 +772,7 @@ def test_rmsnorm_fused_backward_stages_rule(monkeypatch, device):
 
 
 @NEEDS_KERNELS
+@exhaustive_unless(lambda n: n == 4097)  # (rows of 8193: exhaustive)
 @pytest.mark.parametrize("n", [4097, 8193])
 def test_unaligned_16bit_rows_take_the_reload_kernel(monkeypatch, n, launch_rules):
     """16-bit rows of 2^k + 1 with a RELOAD_VEC_FWD rule run ln_fwd_reload_vec with the rule's

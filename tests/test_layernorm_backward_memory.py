@@ -61,11 +61,18 @@ CASES = {  # (M, N, row padding of x, affine)
 }
 
 
-# Default run: every case in both modes with dx in float32 and for the parameter gradients
-# alone in bfloat16, and bfloat16 with dx on the few-row cases (the interpreter's bfloat16
-# makes each row cost); the rest in the extended matrix.
-@exhaustive_unless(lambda dtype, case, need_x, **_: (dtype == torch.float32) == need_x
-                   or (dtype == torch.bfloat16 and case in ("few_rows", "one_row")))
+def _one_mode(case: str, dtype: torch.dtype) -> str:
+    """The mode a case runs in by default: alternating over the cases, the other one for
+    bfloat16."""
+    return ("fast", "low_memory")[(list(CASES).index(case) + (dtype == torch.bfloat16)) % 2]
+
+
+# Default run: the row layouts with dx in float32, each in one mode (alternating, so both
+# modes run), and the parameter gradients alone in bfloat16 summed into x's dtype (the
+# interpreter's bfloat16 makes each row cost); the rest in the extended matrix.
+@exhaustive_unless(lambda dtype, case, need_x, mode: mode == _one_mode(case, dtype) and (
+    (dtype == torch.float32 and need_x and CASES[case][3] == "both")
+    or (dtype, need_x, case) == (torch.bfloat16, False, "params_in_x_dtype")))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("need_x", [True, False], ids=["dx", "params-only"])
@@ -105,8 +112,13 @@ def _modes_bitwise_equal(m: int, n: int, dtype: torch.dtype, device: str) -> Non
         assert torch.equal(p, q), f"{name}: the modes differ"
 
 
-@exhaustive_unless(one_of_each({"m,n": [(137, 33), (70, 24), (300, 64)],
-                                "dtype": [torch.float32, torch.bfloat16]}))
+_MODES_DIAGONAL = one_of_each({"m,n": [(137, 33), (70, 24), (300, 64)],
+                               "dtype": [torch.float32, torch.bfloat16]})
+
+
+# (the diagonal's float32 cases; bfloat16: exhaustive)
+@exhaustive_unless(lambda m, n, dtype: dtype == torch.float32
+                   and _MODES_DIAGONAL(m=m, n=n, dtype=dtype))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m,n", [(300, 64), (137, 33), (70, 24)])
 def test_modes_give_the_same_bits(triton_backend, device, m, n, dtype):
@@ -151,9 +163,15 @@ def _inside(t: torch.Tensor, owner: torch.Tensor) -> bool:
     return t.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr()
 
 
-@exhaustive_unless(one_of_each({"m,n": [(300, 64), (8, 48), (137, 33)],
+_PARKED_DIAGONAL = one_of_each({"m,n": [(300, 64), (8, 48), (137, 33)],
                                 "dtype": [torch.float32, torch.bfloat16],
-                                "body_from": [None, 16]}, {"dtype": torch.float32, "m": 300}))
+                                "body_from": [None, 16]}, {"dtype": torch.float32, "m": 300})
+
+
+# (float32 on 300 rows with the body variant forced (body_from) by default; the others
+# exhaustive)
+@exhaustive_unless(lambda m, n, dtype, body_from: (m, dtype, body_from) == (300, torch.float32, 16)
+                   and _PARKED_DIAGONAL(m=m, n=n, dtype=dtype, body_from=body_from))
 @pytest.mark.parametrize("body_from", [None, 16], ids=["aligned", "unaligned-body"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m,n", [(300, 64), (137, 33), (8, 48)])
@@ -271,10 +289,18 @@ def _piece_columns(r: int, n: int, v: int, C: int, L: int) -> list[list[int]]:
 
 PIECE_CASES = [(40, 16, False), (37, 8, False), (64, 64, False), (37, 16, True),
                (99, 32, True), (61, 64, True)]
+_PIECES_DIAGONAL = one_of_each({"n,piece,vec": PIECE_CASES,
+                                "dtype": [torch.float32, torch.bfloat16]})
 
 
-@exhaustive_unless(one_of_each({"n,piece,vec": PIECE_CASES,
-                                "dtype": [torch.float32, torch.bfloat16]}))
+def _pieces_default(dtype, n, piece, vec) -> bool:
+    """The default run: the diagonal's float32 rows of 64 (one piece) and of 99 (unaligned, in
+    pieces of 32); the rest exhaustive."""
+    return _PIECES_DIAGONAL(dtype=dtype, n=n, piece=piece, vec=vec) and (
+        dtype == torch.float32 and n in (64, 99))
+
+
+@exhaustive_unless(_pieces_default)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
 def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):
@@ -297,8 +323,7 @@ def test_dx_pieces_kernel_matches_float64(triton_backend, device, dtype, n, piec
     assert_close_to_ref(dx[row0:], want[row0:], dtype, scale=8)
 
 
-@exhaustive_unless(one_of_each({"n,piece,vec": PIECE_CASES,
-                                "dtype": [torch.float32, torch.bfloat16]}))
+@exhaustive_unless(_pieces_default)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,piece,vec", PIECE_CASES)
 def test_dx_published_kernel_matches_float64(triton_backend, device, dtype, n, piece, vec):

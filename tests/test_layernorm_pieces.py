@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from _reliability import gpu
 from _sm90 import assert_one_exchange, compile_counts
-from conftest import INTERPRETING, assert_close_to_ref, tol
+from conftest import EXHAUSTIVE, INTERPRETING, assert_close_to_ref, tol
 
 from fusedops.backends.triton import layernorm as tln
 from fusedops.backends.triton.configs import layernorm as ln_rules
@@ -128,6 +128,7 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
+@EXHAUSTIVE  # (a compile in a fresh interpreter: seconds)
 def test_pieces_kernel_compiles_for_sm90():
     """ptxas accepts the kernel: it meets its cluster at the start and once per row (one
     exchange: stores into the peers' shared memory), with no atomics."""

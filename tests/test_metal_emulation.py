@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref, tol
+from conftest import assert_close_to_ref, exhaustive_unless, one_of_each, tol
 
 from fusedops.backends.metal import norms as metal_norms
 from fusedops.backends.metal import rules as metal_rules
@@ -47,6 +47,8 @@ def check_calls(L, kernel_prefix: str, n: int, max_threads: int) -> None:
 
 # --- softmax ---------------------------------------------------------------------------------
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "pair": FWD_PAIRS}))
 @pytest.mark.parametrize("pair", FWD_PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
 def test_metal_softmax_forward(metal_lib, pair, n, max_threads):
@@ -61,6 +63,8 @@ def test_metal_softmax_forward(metal_lib, pair, n, max_threads):
     assert_close_to_ref(y, torch.softmax(x.double(), -1), out_dtype)
 
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "pair": BWD_PAIRS}))
 @pytest.mark.parametrize("pair", BWD_PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
 def test_metal_softmax_backward(metal_lib, pair, n, max_threads):
@@ -143,6 +147,9 @@ def layernorm_ref(x, w, b, eps, dy=None):
     return (x64.grad, None if w64 is None else w64.grad, None if b64 is None else b64.grad)
 
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "pair": LN_PAIRS,
+                                "affine": ["wb", "w", "none"]}))
 @pytest.mark.parametrize("affine", ["wb", "w", "none"])
 @pytest.mark.parametrize("pair", LN_PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
@@ -169,6 +176,8 @@ LN_BWD_CASES = [(p, "dx-dw-db") for p in LN_PAIRS] + [
     (("half", "half"), need) for need in ("dx", "dw-db", "db", "dx-db")]
 
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "pair,need": LN_BWD_CASES}))
 @pytest.mark.parametrize("pair,need", LN_BWD_CASES, ids=lambda v: "_".join(v)
                          if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("n,max_threads", CASES)

@@ -23,7 +23,7 @@ import _oracles as oracles
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref, tol
+from conftest import assert_close_to_ref, exhaustive_unless, one_of_each, tol
 
 import fusedops
 from fusedops import _philox
@@ -107,6 +107,8 @@ def check_forward(res, L, x, residual, w, b, p, activation, out_dtype, n, max_th
 
 # --- forward ---------------------------------------------------------------------------------
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "residual,p,activation": COMBOS}))
 @pytest.mark.parametrize("n,max_threads", CASES)
 @pytest.mark.parametrize("residual,p,activation", COMBOS,
                          ids=lambda v: {True: "res", False: "nores"}.get(v, str(v)))
@@ -181,6 +183,8 @@ def check_backward(res, L, x, r, w, b, p, activation, dout, ds, n, max_threads, 
         assert_close_to_ref(db, db_ref, torch.float32, scale=20)
 
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "residual,p,activation": COMBOS}))
 @pytest.mark.parametrize("n,max_threads", CASES)
 @pytest.mark.parametrize("residual,p,activation", COMBOS,
                          ids=lambda v: {True: "res", False: "nores"}.get(v, str(v)))

@@ -19,7 +19,7 @@ import _oracles as oracles
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref, tol
+from conftest import assert_close_to_ref, exhaustive_unless, one_of_each, tol
 
 import fusedops
 from fusedops.backends import metal
@@ -60,6 +60,8 @@ def saved_rstd(x, eps=EPS):
 
 # --- forward ---------------------------------------------------------------------------------
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "pair": PAIRS, "weight": ["w", "none"]}))
 @pytest.mark.parametrize("weight", ["w", "none"])
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "_".join(p))
 @pytest.mark.parametrize("n,max_threads", CASES)
@@ -103,6 +105,8 @@ BWD_CASES = [(p, "dx-dw") for p in PAIRS] + [
     (("half", "half"), need) for need in ("dx", "dw", "dx-noweight")]
 
 
+# (the default run: the diagonal, every size and every other value once)
+@exhaustive_unless(one_of_each({"n,max_threads": CASES, "pair,need": BWD_CASES}))
 @pytest.mark.parametrize("pair,need", BWD_CASES, ids=lambda v: "_".join(v)
                          if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("n,max_threads", CASES)

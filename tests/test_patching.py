@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import EXHAUSTIVE, exhaustive_unless
 from test_patching_utils import (
     FP32_TOL,
     HANDWRITTEN_LN_CALLS,
@@ -764,6 +765,9 @@ def test_verification_restores_training_flags_and_rng():
 # ---------------------------------------------------------------------------------------------
 
 
+# (train-auto by default; a forced backend's kernels in a compiled graph run by default in
+# test_patching_models.py's test_hf_compile_fullgraph and in test_compile.py)
+@exhaustive_unless(lambda training, forced: training and not forced)
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "forced"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_compile_fullgraph_no_graph_break(training, forced):
@@ -796,6 +800,9 @@ def test_compile_fullgraph_no_graph_break(training, forced):
     assert stack_len() == 0
 
 
+# (exhaustive: a forced backend's kernels in a compiled graph run by default in
+# test_patching_models.py's test_hf_compile_fullgraph)
+@EXHAUSTIVE
 def test_compile_function_calling_patched_model():
     torch._dynamo.reset()
     model, ref, inputs = twins(handwritten)
@@ -814,6 +821,9 @@ def test_compile_function_calling_patched_model():
     assert stack_len() == 0
 
 
+# (exhaustive: Inductor's C++ build; test_compile.py's test_inductor_fwd_bwd compiles the fused
+# ops with Inductor by default, test_exclude_by_type_and_exact_name runs exclude)
+@EXHAUSTIVE
 def test_compile_with_exclude_and_inductor():
     if not has_cxx_compiler():
         pytest.skip("inductor on CPU needs a C++ compiler")

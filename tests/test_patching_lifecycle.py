@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import EXHAUSTIVE
 from test_patching_utils import python_calls
 from torch import nn
 
@@ -216,6 +217,9 @@ _LOAD_SCRIPT = textwrap.dedent("""
 """)
 
 
+# (exhaustive: a fresh interpreter importing torch and transformers; the in-process pickle
+# round trips, test_pickle_keeps_traced_patterns and test_patching.py's, run by default)
+@EXHAUSTIVE
 def test_torch_save_load_in_a_fresh_process_keeps_every_fusion():
     """A saved patched model loads where only ``import fusedops`` ran: the attention registry
     knows fusedops' attention again, traced patterns are rebuilt (not re-traced into plain
@@ -331,6 +335,7 @@ def test_hand_written_softmax_module_is_reported():
     assert report.verification["routed_calls"]["softmax"] == 1
 
 
+@EXHAUSTIVE  # (a fresh interpreter importing torch: seconds)
 def test_forcing_triton_without_gpu_or_interpreter_falls_back_with_a_warning():
     script = textwrap.dedent("""
         import warnings, torch

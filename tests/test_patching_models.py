@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import exhaustive_unless
 from test_patching_utils import (
     HF_MODELS,
     GraphRecorder,
@@ -62,6 +63,7 @@ def test_hf_matches_unpatched(name, training):
     assert_same_training(model, ref, inputs)
 
 
+@exhaustive_unless(lambda name: name == "gpt2")  # (the interpreted kernels: one model by default)
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_fused_kernels_run(name, triton_on_cpu):
     model, ref, inputs, n_ln, n_softmax = make(name)
@@ -102,6 +104,9 @@ def test_hf_structure_unpatch_and_optimizer(name, triton_backend):
         assert_same_training(model, ref, inputs)
 
 
+# (ViT with the forced backend by default; the automatic choice under torch.compile runs by
+# default in test_patching.py's test_compile_fullgraph_no_graph_break)
+@exhaustive_unless(lambda name, forced: (name, forced) == ("vit", True))
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "forced"])
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_compile_fullgraph(name, forced):
@@ -172,6 +177,9 @@ def test_gpu_hf_compile(name, mode):
 
 
 
+# (BERT by default: its attention and its LayerNorm(x + residual) patterns; the others
+# exhaustive)
+@exhaustive_unless(lambda name: name == "bert")
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_epilogue_patterns(name, triton_on_cpu):
     """Eager attention goes through fusedops' registered attention function (one fused

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import INTERPRETING
+from conftest import EXHAUSTIVE, INTERPRETING
 from torch import nn
 
 import fusedops
@@ -153,6 +153,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@EXHAUSTIVE  # (150 training steps)
 def test_training_beats_the_mean_baseline(one_thread):
     preset = get_preset("cpu")
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_ref, assert_row_sum_close
+from conftest import assert_close_to_ref, assert_row_sum_close, exhaustive_unless, one_of_each
 from torch import nn
 
 import fusedops
@@ -77,6 +77,14 @@ def check(x, shape, w=None, eps=None, dy=None, need=(True, True), grad_scale=4.0
     return y
 
 
+_SIZES_DIAGONAL = one_of_each({"n": SIZES, "dtype": DTYPES}, {"backend": "reference"})
+
+
+# Default run: the reference at every size and dtype, the kernels on the diagonal (every size
+# and every dtype once), its rows of 4097 in float32.
+@exhaustive_unless(lambda backend, n, dtype: backend == "reference"
+                   or (dtype, n) == (torch.float32, 4097)
+                   or (n != 4097 and _SIZES_DIAGONAL(backend=backend, n=n, dtype=dtype)))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sizes(backend, n, dtype):
@@ -85,6 +93,10 @@ def test_sizes(backend, n, dtype):
     check(x, n, _param(n, dtype, seed=n))
 
 
+# (the kernels on the diagonal: every row count and every row length once; the reference on
+# all)
+@exhaustive_unless(one_of_each({"m": [1, 2, 3, 7, 13, 64], "n": [1, 5, 32, 33]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 13, 64])
 @pytest.mark.parametrize("n", [1, 5, 32, 33])
 def test_row_count_tails(backend, m, n):
@@ -93,6 +105,9 @@ def test_row_count_tails(backend, m, n):
     check(torch.randn(m, n), n, _param(n, torch.float32, seed=m))
 
 
+# (the kernels on the diagonal: every weight variant and every dtype once)
+@exhaustive_unless(one_of_each({"weight": ["none", "same", "float32"], "dtype": DTYPES},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("weight", ["none", "same", "float32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_weight_variants(backend, weight, dtype):
@@ -102,6 +117,8 @@ def test_weight_variants(backend, weight, dtype):
     check(torch.randn(6, 40).to(dtype), 40, w)
 
 
+# (the kernels with one of the two gradients; the others exhaustive)
+@exhaustive_unless(lambda backend, need: backend == "reference" or sum(need) == 1)
 @pytest.mark.parametrize("need", [(True, False), (False, True), (True, True), (False, False)],
                          ids=lambda t: "".join("xw"[i] for i, v in enumerate(t) if v) or "none")
 def test_requires_grad_subsets(backend, need):

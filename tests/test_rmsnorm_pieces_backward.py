@@ -18,7 +18,7 @@ import pytest
 import torch
 from _reliability import gpu
 from _sm90 import assert_one_exchange, compile_counts
-from conftest import INTERPRETING, assert_close_to_ref, assert_row_sum_close
+from conftest import EXHAUSTIVE, INTERPRETING, assert_close_to_ref, assert_row_sum_close
 from test_rmsnorm_variants import EPS, GRAD, check, launched, make, oracle, tb
 
 from fusedops.backends.triton import rmsnorm_bwd as trmsb
@@ -163,6 +163,7 @@ _COMPILE = textwrap.dedent("""
 """)
 
 
+@EXHAUSTIVE  # (a compile in a fresh interpreter: seconds)
 def test_pieces_backward_compiles_for_sm90():
     """ptxas accepts the kernel: it meets its cluster at the start and once per row (one
     exchange: stores into the peers' shared memory), with no atomics, and reads and writes

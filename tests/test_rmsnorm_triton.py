@@ -95,8 +95,13 @@ CASES = [pytest.param(dtype, w_mode, id=f"{str(dtype)[6:]}-{w_mode}")
          for dtype in DTYPES for w_mode in _w_modes(dtype)]
 
 
-@exhaustive_unless(one_of_each({"dtype,w_mode": [(c.values[0], c.values[1]) for c in CASES],
-                                "n": [1, 31, 32, 33, 1000, 1025], "m": [1, 3, 17]}))
+_MATCHES_DIAGONAL = one_of_each({"dtype,w_mode": [(c.values[0], c.values[1]) for c in CASES],
+                                 "n": [1, 31, 32, 33, 1000, 1025], "m": [1, 3, 17]})
+
+
+# (the diagonal but its 16-bit rows of 1025, exhaustive)
+@exhaustive_unless(lambda n, m, dtype, w_mode: (n != 1025 or dtype == torch.float32)
+                   and _MATCHES_DIAGONAL(n=n, m=m, dtype=dtype, w_mode=w_mode))
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 1000, 1025])
 @pytest.mark.parametrize("dtype, w_mode", CASES)
@@ -122,6 +127,7 @@ def test_row_strides(n, dtype):
     check_all(x, w, dy)
 
 
+@exhaustive_unless(lambda n, need: n == 33)  # (rows of 1025: exhaustive)
 @pytest.mark.parametrize("n", [33, 1025])
 @pytest.mark.parametrize("need", [(True, False), (False, True), (False, False)])
 def test_need_combinations(n, need):
@@ -182,6 +188,7 @@ def test_unaligned_16k_rows_fused_on_32_warps(launch_rules):
         check_all(x, w, dy)
 
 
+@exhaustive_unless(lambda dtype: dtype == torch.float32)  # (bfloat16: exhaustive)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_rows_backward_looped(dtype, launch_rules):
     """One column past the fused backward's limit, on scalar accesses (the body/edge split
@@ -194,6 +201,9 @@ def test_long_rows_backward_looped(dtype, launch_rules):
     check_all(x, w, dy)
 
 
+# (one column past the limit: exhaustive; the looped kernels run by default in
+# test_looped_kernels)
+@exhaustive_unless(lambda extra: extra == 0)
 @pytest.mark.parametrize("extra", [0, 1], ids=["limit", "looped"])
 def test_long_rows_forward(extra, launch_rules):
     """The forward's single-block limit (the weight reloaded per tile there) and one column
@@ -203,7 +213,8 @@ def test_long_rows_forward(extra, launch_rules):
     check_all(x, w, dy, backward=bool(extra))  # (the backward at the limit: as past it)
 
 
-@exhaustive_unless(one_of_each({"n": [17, 33, 100], "dtype": DTYPES}))
+# (the diagonal's rows of 17 and 33; the longer one, more chunks of the same loop, exhaustive)
+@exhaustive_unless(lambda n, dtype: (n, dtype) in ((17, DTYPES[0]), (33, DTYPES[1])))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [17, 33, 100])
 def test_looped_kernels(small_single_block, n, dtype):

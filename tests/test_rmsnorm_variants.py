@@ -127,8 +127,13 @@ FWD_ROWS = [(BF16, 15), (BF16, 16), (BF16, 17), (BF16, 23), (BF16, 25), (BF16, 1
             (FP16, 33), (FP32, 7), (FP32, 8), (FP32, 9), (FP32, 13), (FP32, 1023)]
 
 
-@exhaustive_unless(one_of_each({"dtype,n": FWD_ROWS, "w_mode": ["none", "same", "fp32"],
-                                "m": [1, 17]}))
+_FWD_DIAGONAL = one_of_each({"dtype,n": FWD_ROWS, "w_mode": ["none", "same", "fp32"],
+                             "m": [1, 17]})
+
+
+# (the diagonal's single rows and its float32 cases; the others exhaustive)
+@exhaustive_unless(lambda dtype, n, w_mode, m: (m == 1 or dtype == FP32)
+                   and _FWD_DIAGONAL(dtype=dtype, n=n, w_mode=w_mode, m=m))
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
 @pytest.mark.parametrize("dtype,n", FWD_ROWS, ids=str)
@@ -141,6 +146,8 @@ def test_forward_body_and_edges(dtype, n, w_mode, m):
     assert vecs(runs, "rms_fwd_single") == [_vec_expected(n, dtype)] * (1 if m == 1 else 2)
 
 
+# (the other cases: exhaustive)
+@exhaustive_unless(lambda case: case in ("column-slice", "offset-misaligned"))
 @pytest.mark.parametrize("case", ["column-slice", "offset-misaligned", "offset-aligned",
                                   "expanded-dy"])
 def test_misaligned_row_starts(case):
@@ -168,6 +175,8 @@ def test_misaligned_row_starts(case):
     assert ("rms_bwd_single" in runs) == (not bwd)
 
 
+@exhaustive_unless(one_of_each({"hold": [True, False],
+                                "dtype,w_mode": [(BF16, "fp32"), (FP32, "same")]}))
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "per-tile"])
 @pytest.mark.parametrize("dtype,w_mode", [(BF16, "same"), (BF16, "fp32"), (FP32, "same")],
                          ids=str)
@@ -196,6 +205,7 @@ def test_forward_reload_vec(w_mode, launch_rules):
     assert ("shift_weight" in runs) == (w is not None)
 
 
+@exhaustive_unless(lambda dtype, n, w_mode: (dtype, w_mode) in ((FP16, "none"), (FP32, "same")))
 @pytest.mark.parametrize("dtype,n,w_mode", [(FP16, 259, "none"), (FP16, 259, "same"),
                                             (BF16, 275, "fp32"), (FP32, 259, "same")], ids=str)
 def test_forward_unrolled_vec(dtype, n, w_mode, launch_rules):
@@ -220,9 +230,14 @@ def test_forward_unrolled_vec(dtype, n, w_mode, launch_rules):
 BWD_ROWS = [(BF16, 2047), (BF16, 2049), (FP16, 2051), (FP32, 2049), (FP32, 2050)]
 
 
-@exhaustive_unless(one_of_each({"dtype,n": BWD_ROWS, "w_mode": ["none", "same", "fp32"],
-                                "need": [(True, True), (True, False), (False, True)],
-                                "m": [3, 20]}))
+_BWD_DIAGONAL = one_of_each({"dtype,n": BWD_ROWS, "w_mode": ["none", "same", "fp32"],
+                             "need": [(True, True), (True, False), (False, True)],
+                             "m": [3, 20]})
+
+
+# (the diagonal's rows of 2047 and 2050; the others exhaustive)
+@exhaustive_unless(lambda dtype, n, w_mode, need, m: n in (2047, 2050)
+                   and _BWD_DIAGONAL(dtype=dtype, n=n, w_mode=w_mode, need=need, m=m))
 @pytest.mark.parametrize("m", [3, 20])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=str)
 @pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
@@ -370,6 +385,8 @@ def interpreted_plans(monkeypatch, fake_stream):
     return replayed
 
 
+# (the unrolled kernel's 16-bit rows: exhaustive)
+@exhaustive_unless(lambda kernel, dtype, w_mode: kernel == "rms_fwd_single" or dtype == FP32)
 @pytest.mark.parametrize("kernel", ["rms_fwd_unrolled", "rms_fwd_single"])
 @pytest.mark.parametrize("dtype,w_mode", [(BF16, "same"), (FP16, "fp32"), (FP32, "none")],
                          ids=str)
@@ -470,9 +487,10 @@ SPLIT_CASES = [  # (dtype, m, n, layout, prefetch, sms): VEC expected from the l
 ]
 
 
+# (the strided case, scalar pieces, both gradients by default; the others exhaustive: the
+# interpreter takes seconds per case)
 @exhaustive_unless(lambda dtype, m, n, layout, prefetch, sms, w_mode, need:
-                   w_mode == {0: "fp32", 1: "none", 2: "same", 3: "same"}[prefetch]
-                   and need == (True, True))
+                   (layout, w_mode, need) == ("strided", "same", (True, True)))
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=str)
 @pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
 @pytest.mark.parametrize("dtype,m,n,layout,prefetch,sms", SPLIT_CASES, ids=str)
@@ -802,6 +820,7 @@ def sm90():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.exhaustive  # (a compile in a fresh interpreter: seconds)
 def test_kernels_compile_for_sm90(sm90):
     """Every new kernel compiles for sm_90 (the interpreter checks no compile-time rules).
     The cluster variants (backward, forward, streamed pieces) exchange on chip (cluster

@@ -279,6 +279,7 @@ def test_compile_fullgraph_skips_the_route():
     torch.testing.assert_close(f(x), want)
 
 
+@pytest.mark.exhaustive  # (a fresh interpreter importing torch)
 def test_switched_off_without_losing_the_ops():
     """FUSEDOPS_HOST_EXT=0: the route declines everything; the ops give the same results."""
     code = ("import torch, fusedops\nfrom fusedops.ops import _route\n"

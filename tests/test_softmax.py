@@ -92,9 +92,13 @@ def max_err_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- sizes and dtypes
 
 
-# Default run: the reference and float32 at every size, each size once in a 16-bit dtype.
-@exhaustive_unless(one_of_each({"n": SIZES, "dtype": [torch.float16, torch.bfloat16]},
-                               {"backend": "reference"}, {"dtype": torch.float32}))
+# Default run: the reference at every size; float32 on the short rows and one past each
+# single-block limit (the other float32 sizes exhaustive: their compensated row sums take the
+# interpreter seconds per row); the 16-bit single-block limit and one past it.
+@exhaustive_unless(lambda backend, n, dtype: backend == "reference"
+                   or (dtype == torch.float32 and n in (1, 31, 32, 33, 1000, 1025)
+                       + tuple(lim + 1 for lim in LIMITS))
+                   or (dtype, n) in ((torch.bfloat16, LIMIT), (torch.float16, LIMIT + 1)))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sizes(backend, n, dtype):
@@ -109,6 +113,10 @@ def _sum_tol(dtype, n):
     return {"atol": eps * max(n, 1) ** 0.5 * 4, "rtol": 0}
 
 
+# (the kernels on the diagonal: every row count and every row length once; the reference on
+# all)
+@exhaustive_unless(one_of_each({"m": [1, 2, 3, 7, 13, 64], "n": [1, 5, 32, 33]},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 13, 64])
 @pytest.mark.parametrize("n", [1, 5, 32, 33])
 def test_row_count_tails(backend, m, n):
@@ -123,7 +131,12 @@ def test_large_values_are_stable(backend):
     check(x)
 
 
-@exhaustive_unless(one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES}))
+_LOOPED_DIAGONAL = one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES})
+
+
+# (the diagonal's rows of 17 and 32, two dtypes; the longer ones, more chunks of the same loop,
+# exhaustive)
+@exhaustive_unless(lambda n, dtype: n <= 32 and _LOOPED_DIAGONAL(n=n, dtype=dtype))
 @pytest.mark.parametrize("n", LOOPED_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_looped_path(triton_backend, small_single_block, n, dtype):
@@ -257,9 +270,15 @@ def _strided_inputs(dtype: torch.dtype = torch.float32, n: int = 37) -> dict:
     }
 
 
-@exhaustive_unless(one_of_each({"kind": list(_strided_inputs()),
-                                "dtype": [torch.float32, torch.bfloat16]},
-                               {"backend": "reference"}))
+_STRIDED_DIAGONAL = one_of_each({"kind": list(_strided_inputs()),
+                                 "dtype": [torch.float32, torch.bfloat16]},
+                                {"backend": "reference"})
+
+
+# (the kernels on the diagonal's float32 cases; bfloat16: exhaustive)
+@exhaustive_unless(lambda backend, kind, dtype: _STRIDED_DIAGONAL(
+    backend=backend, kind=kind, dtype=dtype) and (backend == "reference"
+                                                 or dtype == torch.float32))
 @pytest.mark.parametrize("kind", list(_strided_inputs()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous_input(backend, kind, dtype):
@@ -356,8 +375,8 @@ DTYPE_PAIRS = [
 ]
 
 
-@exhaustive_unless(one_of_each({"in_dtype,dtype": DTYPE_PAIRS, "n": [7, 1025]},
-                               {"backend": "reference"}))
+# (the kernels on rows of 1025: exhaustive)
+@exhaustive_unless(lambda backend, in_dtype, dtype, n: backend == "reference" or n == 7)
 @pytest.mark.parametrize("in_dtype,dtype", DTYPE_PAIRS, ids=str)
 @pytest.mark.parametrize("n", [7, 1025])
 def test_dtype_argument(backend, in_dtype, dtype, n):
@@ -408,6 +427,9 @@ def _special_tol(dtype):
     return {"atol": atol, "rtol": rtol}
 
 
+# (the kernels on the diagonal: every row kind and every dtype once; the reference on all)
+@exhaustive_unless(one_of_each({"case": list(SPECIAL_ROWS), "dtype": DTYPES},
+                               {"backend": "reference"}))
 @pytest.mark.parametrize("case", list(SPECIAL_ROWS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_special_values(backend, case, dtype):
@@ -450,6 +472,9 @@ def test_half_extremes(backend, dtype):
     check(x[1:3] if dtype == torch.float16 else x[4:], -1)
 
 
+# (the kernels: exhaustive; test_looped_path_special_values rescales a -inf running max on
+# short rows by default)
+@exhaustive_unless(lambda backend: backend == "reference")
 def test_masked_long_row(backend):
     """A long row whose first part is all -inf (the looped path rescales a -inf running max)."""
     n = LIMIT + 5
@@ -481,6 +506,7 @@ def test_gradcheck_strided_float64():
     assert torch.autograd.gradcheck(lambda t: fused_softmax(t.t(), 0), (x,))
 
 
+@exhaustive_unless(lambda n: n <= 33)  # (rows of 1025: exhaustive)
 @pytest.mark.parametrize("n", [3, 33, 1025])
 def test_triton_grads_vs_float64(triton_backend, n):
     """gradcheck-like check of the kernels: fp32 analytic Jacobian-vector products against float64

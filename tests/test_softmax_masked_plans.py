@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, count_calls, require_replay_plans
+from conftest import INTERPRETING, count_calls, exhaustive_unless, require_replay_plans
 
 pytest.importorskip("triton")
 from fusedops.backends import triton as tb  # noqa: E402
@@ -71,6 +71,9 @@ def _relative(args, bases):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
+# (the looped kernels with a mask: exhaustive)
+@exhaustive_unless(lambda single_block_or_looped, name: single_block_or_looped == "single-block"
+                   or name == "no mask, causal")
 @pytest.mark.parametrize("name", list(CASES))
 def test_replay_repeats_the_normal_launch(recording_entries, single_block_or_looped, name):
     case = CASES[name]

@@ -161,6 +161,8 @@ def test_masks_and_dtypes(dtype, kind, pattern, causal):
         assert not y[..., torch.ones(4, 37, dtype=torch.bool).triu(1)].any()
 
 
+# (the diagonal: every row length and every mask kind once)
+@exhaustive_unless(one_of_each({"n": [1, 31, 32, 33, 1000, 1024, 1025], "kind": KINDS}))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 1000, 1024, 1025])
 def test_row_lengths(n, kind):
@@ -264,6 +266,7 @@ def test_additive_minus_inf_rows_are_zero():
     assert not torch.isnan(y).any() and not y[0, 0, 1].any()
 
 
+@exhaustive_unless(lambda dtype, looped: not looped or dtype == torch.float32)
 @pytest.mark.parametrize("looped", [False, True], ids=["single", "looped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_finfo_min_mask(request, dtype, looped):
@@ -386,8 +389,13 @@ def test_single_block_cap(monkeypatch, kind, extra):
     assert seen == ["fwd_" + ("looped" if extra else "single")]
 
 
-@exhaustive_unless(one_of_each({"kind": KINDS, "causal": [False, True],
-                                "dtype": [torch.float32, torch.bfloat16]}))
+_LOOPED_DIAGONAL = one_of_each({"kind": KINDS, "causal": [False, True],
+                                "dtype": [torch.float32, torch.bfloat16]})
+
+
+# (the diagonal's masked cases; the unmasked one, the plain looped softmax, exhaustive)
+@exhaustive_unless(lambda dtype, kind, causal: kind != "none"
+                   and _LOOPED_DIAGONAL(dtype=dtype, kind=kind, causal=causal))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -401,6 +409,7 @@ def test_looped_forward(small_single_block, monkeypatch, dtype, kind, causal):
     assert set(seen) == {"fwd_looped"}
 
 
+@exhaustive_unless(lambda kind: kind == "bool")  # (the other mask kinds: exhaustive)
 @pytest.mark.parametrize("kind", KINDS)
 def test_looped_causal_q_beyond_n(small_single_block, kind):
     """Looped kernel, causal with Q > N (the last rows keep every column) and Q < N."""
@@ -409,6 +418,7 @@ def test_looped_causal_q_beyond_n(small_single_block, kind):
         check_forward(x, make_mask(kind, shape, "bhqn"), 0.9, causal=True)
 
 
+@exhaustive_unless(lambda kind: kind == "float")  # (a bool mask: exhaustive)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_looped_special_rows(small_single_block, kind):
     """Looped kernel: a row with nothing kept, a NaN row, x all -inf (zeros; +inf scores
@@ -478,6 +488,7 @@ def test_backward_strided_dy(dtype):
     assert dx.dtype == torch.float32
 
 
+@exhaustive_unless(lambda dtype: dtype == torch.float32)  # (the 16-bit dtypes: exhaustive)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backward_looped(small_single_block, monkeypatch, dtype):
     """The looped backward (16-element single-block limit), strided dy."""

@@ -138,8 +138,9 @@ def check_softmax_special(x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype 
     assert_finite_close(dx, dx64, torch.isfinite(dxt.cpu()), grad_key, 4.0, "softmax backward")
 
 
-@exhaustive_unless(lambda target, dtype: target[0] == "reference" or dtype == torch.float32
-                   or (target[2], dtype) in (("single", torch.float16), ("looped", torch.bfloat16)))
+# (the kernels: float32 single-block and bfloat16 looped by default; the others exhaustive)
+@exhaustive_unless(lambda target, dtype: target[0] == "reference"
+                   or (target[2], dtype) in (("single", torch.float32), ("looped", torch.bfloat16)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_softmax_special_rows(target, dtype):
     x, names = softmax_rows(dtype)
@@ -151,6 +152,8 @@ def test_softmax_special_rows(target, dtype):
     assert nan_rows == {"all_neg_inf", "one_pos_inf", "two_pos_inf", "nan", "nan_and_infs"}
 
 
+# (the looped kernels: exhaustive)
+@exhaustive_unless(lambda target, dtype: target[2] == "single")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_softmax_special_rows_float32_output(target, dtype):
     """dtype=float32 on half input: the kernel reads fp16/bf16 and writes float32 (no cast)."""
@@ -160,6 +163,9 @@ def test_softmax_special_rows_float32_output(target, dtype):
     check_softmax_special(x, dy, dtype=torch.float32)
 
 
+# (float32 on the single-block kernel by default; the others exhaustive)
+@exhaustive_unless(lambda target, dtype: target[0] == "reference"
+                   or (target[2], dtype) == ("single", torch.float32))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_softmax_nonfinite_grad_output(target, dtype):
     """NaN / inf in the incoming gradient: dx = y * (dy - <dy, y>) poisons exactly the rows
@@ -201,6 +207,9 @@ def _nan_lane_rows(n: int, chunk: int) -> torch.Tensor:
     return x
 
 
+# (bfloat16 on the looped kernels by default; the others exhaustive)
+@exhaustive_unless(lambda target, dtype: target[0] == "reference"
+                   or (target[2], dtype) == ("looped", torch.bfloat16))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_softmax_nan_lane_with_neg_inf_running_max(target, dtype):
     """Any NaN in a row makes the whole softmax row NaN (torch), also when the NaN comes first
@@ -278,11 +287,17 @@ def check_layernorm_special(x, w, b, dy, eps=1e-5, dx_kinds=True):
     return got
 
 
-# Default run: float32 and the reference everywhere, a diagonal of the 16-bit cases.
-@exhaustive_unless(one_of_each({"dtype": DTYPES, "group": ["finite", "nonfinite"],
-                                "affine": [False, True]},
-                               {"dtype": torch.float32},
-                               {"target": ("reference", "cpu", "single")}))
+_LN_SPECIAL_DIAGONAL = one_of_each({"dtype": DTYPES, "group": ["finite", "nonfinite"],
+                                    "affine": [False, True]},
+                                   {"dtype": torch.float32},
+                                   {"target": ("reference", "cpu", "single")})
+
+
+# Default run: the reference everywhere, float32 with parameters and a diagonal of the 16-bit
+# cases on the looped kernels (the single-block kernels' 16-bit rows: exhaustive).
+@exhaustive_unless(lambda target, dtype, group, affine: target[0] == "reference" or (
+    _LN_SPECIAL_DIAGONAL(target=target, dtype=dtype, group=group, affine=affine)
+    and ((dtype == torch.float32 and affine) or target[2] == "looped")))
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
 @pytest.mark.parametrize("group", ["finite", "nonfinite"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -309,6 +324,9 @@ def test_layernorm_special_rows(target, dtype, group, affine):
             torch.testing.assert_close(y[const], b, rtol=0, atol=0)
 
 
+# (bfloat16 on the single-block kernels: exhaustive)
+@exhaustive_unless(lambda target, dtype: target[2] == "looped" or dtype == torch.float32
+                   or target[0] == "reference")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layernorm_nonfinite_grad_output(target, dtype):
     """NaN / inf in dy: the dweight / dbias columns they touch go NaN / inf exactly as torch's
@@ -342,6 +360,9 @@ def test_layernorm_eps_zero_constant_rows(target):
     assert torch.isnan(dw).all() and torch.isfinite(db).all()
 
 
+# (the looped kernels on the first draw by default; its other draws exhaustive)
+@exhaustive_unless(lambda target, offset, spread: target[2] == "single"
+                   or (offset, spread) == (1e4, 1.0))
 @pytest.mark.parametrize("offset,spread", [(1e4, 1.0), (1e4, 0.1), (-1e4, 1.0)])
 def test_layernorm_large_mean_cancellation(target, offset, spread):
     """Mean 1e4 with a small spread (float32): the variance comes from centred values, so y, dx

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    EXHAUSTIVE,
     assert_close_to_ref,
     assert_row_sum_close,
     exhaustive_unless,
@@ -59,8 +60,9 @@ def test_unaligned_split_can_be_turned_off(monkeypatch, launch_rules):
     assert tcfg.unaligned_vec(33, (33, 33), 2, (a, a)) == 0
 
 
-@exhaustive_unless(one_of_each({"m,n": [(1, 17), (3, 33), (7, 1025), (5, 255), (9, 23)],
-                                "dtype": DTYPES}, {"dtype": torch.float32}))
+# (float32 on one row of 17 and nine of 23 by default; the other shapes and bfloat16, whose
+# elements the interpreter converts one by one, exhaustive)
+@exhaustive_unless(lambda dtype, m, n: dtype == torch.float32 and n in (17, 23))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n", [(1, 17), (3, 33), (7, 1025), (5, 255), (9, 23)])
 def test_unaligned_rows_match_float64(triton_backend, device, dtype, m, n):
@@ -126,10 +128,10 @@ def test_unaligned_rows_on_a_persistent_grid(launch_rules, triton_backend, devic
 # interpreter's time grows with them); float32 at 1025 puts several programs on one
 # misalignment. The split cases lift the partial-row budget (an eighth of x, which would leave
 # these small batches fewer than VEC programs); 3 x 33 keeps it and takes the scalar path.
-# Default run: float32 at 1025 (several programs on one misalignment), bfloat16 at 33, and
-# the scalar path in both.
-@exhaustive_unless(lambda dtype, m, split, **_: not split or (dtype, m) in (
-    (torch.float32, 96), (torch.bfloat16, 160)))
+# Default run: the scalar path in float32. (The split cases, whose tile loops take the
+# interpreter seconds, and bfloat16: exhaustive; test_unaligned_rows_match_float64 checks the
+# fused backward's dweight/dbias of unaligned rows by default.)
+@exhaustive_unless(lambda dtype, m, split, **_: not split and dtype == torch.float32)
 @pytest.mark.parametrize("m,n,sms,split", [(160, 33, 4, True), (96, 1025, 8, True),
                                            (3, 33, 8, False)])
 def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, dtype, m, n, sms,
@@ -167,7 +169,8 @@ def test_unaligned_fused_backward_partials(monkeypatch, triton_backend, device, 
         assert_row_sum_close(a, e, m, scale=4)
 
 
-@exhaustive_unless(one_of_each({"n": [64, 48], "paired": [True, False], "dtype": DTYPES}))
+# (bfloat16 rows of 48 in two reductions by default; the others exhaustive)
+@exhaustive_unless(lambda n, paired, dtype: (n, paired, dtype) == (48, False, torch.bfloat16))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
 @pytest.mark.parametrize("n", [64, 48])
@@ -210,7 +213,9 @@ def test_fused_backward_row_sums(monkeypatch, triton_backend, device, dtype, pai
 
 # Unaligned 16-bit rows (not a multiple of 8); the kernels are the same code for both 16-bit
 # dtypes, so each row length runs in one of them.
-@exhaustive_unless(lambda n, dtype, mode: dtype == torch.float16)  # (the same code in bfloat16)
+# (exhaustive: seconds per case in the interpreter; test_layernorm_backward_memory.py's
+# test_dx_pieces_kernel_matches_float64 runs ln_bwd_dx_pieces by default)
+@EXHAUSTIVE
 @pytest.mark.parametrize("n,dtype", [(67, torch.bfloat16), (41, torch.float16)], ids=str)
 @pytest.mark.parametrize("mode", ["low_memory", "fast"])
 def test_dx_pieces_backward_matches_float64(monkeypatch, triton_backend, device, dtype, n, mode,
@@ -304,8 +309,13 @@ def _check_ln_forward(x, w, b, dtype, far: int):
     assert torch.equal(tln.layernorm_forward_y(x, w, b, 1e-5, dtype), y)
 
 
-@exhaustive_unless(one_of_each({"dtype": DTYPES, "n": [64, 50, 40], "affine": [True, False],
-                                "third": [False, True]}))
+_LN_RELOAD_DIAGONAL = one_of_each({"dtype": DTYPES, "n": [64, 50, 40], "affine": [True, False],
+                                   "third": [False, True]})
+
+
+# (the diagonal's first two cases: both dtypes, both THIRD_READ settings; the third exhaustive)
+@exhaustive_unless(lambda dtype, n, affine, third: n != 40
+                   and _LN_RELOAD_DIAGONAL(dtype=dtype, n=n, affine=affine, third=third))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 50, 40])
 @pytest.mark.parametrize("affine", [True, False])
@@ -413,6 +423,8 @@ def test_unrolled_forward_matches_float64(monkeypatch, triton_backend, device, d
     assert calls == []
 
 
+@exhaustive_unless(one_of_each({"dtype": [torch.float32, torch.bfloat16], "n": [64, 48],
+                                "cfg": [(16, 4), (16, 4, 32)], "unroll": [True, False]}))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [64, 48])  # 48: aligned rows, no power of two
 @pytest.mark.parametrize("cfg", [(16, 4), (16, 4, 32)], ids=["whole", "pieces"])
@@ -463,7 +475,12 @@ def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tenso
     return x
 
 
-@exhaustive_unless(one_of_each({"dtype": DTYPES, "n": [64, 48, 50], "chunk": [16, 64]}))
+_FWD_RELOAD_DIAGONAL = one_of_each({"dtype": DTYPES, "n": [64, 48, 50], "chunk": [16, 64]})
+
+
+# (the diagonal's power-of-two row and its bfloat16 masked row; the others exhaustive)
+@exhaustive_unless(lambda dtype, n, chunk: n != 50
+                   and _FWD_RELOAD_DIAGONAL(dtype=dtype, n=n, chunk=chunk))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 50])  # a power of two (EVEN), 48 and 50 masked
 @pytest.mark.parametrize("chunk", [16, 64])
@@ -487,6 +504,8 @@ def test_softmax_forward_reload(monkeypatch, triton_backend, device, dtype, n, c
     assert calls == [((7,), (64, chunk, 64 if n == 64 else 0), 4)] * (1 if n == 50 else 2)
 
 
+# (bfloat16 rows of 48 in chunks of 16 by default; the others exhaustive)
+@exhaustive_unless(lambda dtype, n, chunk: (n, dtype) == (48, torch.bfloat16))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,chunk", [(64, 16), (48, 16), (16, 16)], ids=["4x", "3x", "1x"])
 def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n, chunk,
@@ -519,6 +538,7 @@ def test_softmax_forward_unrolled(monkeypatch, triton_backend, device, dtype, n,
     assert calls == []
 
 
+@exhaustive_unless(lambda dtype, n: (n, dtype) == (67, torch.float32))  # (others: exhaustive)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [67, 73, 79])
 def test_softmax_forward_unrolled_for_unaligned_rows(monkeypatch, triton_backend, device, dtype,
@@ -555,8 +575,14 @@ def _unaligned_rows_and_affine(n: int, device, dtype, affine: str):
     return base.to(dtype), w, b
 
 
-@exhaustive_unless(one_of_each({"dtype": DTYPES, "n": [33, 39, 61],
-                                "affine": ["both", "weight", "bias", "none", "fp32-weight"]}))
+_RELOAD_UNALIGNED_DIAGONAL = one_of_each({
+    "dtype": DTYPES, "n": [33, 39, 61],
+    "affine": ["both", "weight", "bias", "none", "fp32-weight"]})
+
+
+# (the diagonal's float32 rows of 33; the others exhaustive)
+@exhaustive_unless(lambda dtype, n, affine: (n, dtype) == (33, torch.float32)
+                   and _RELOAD_UNALIGNED_DIAGONAL(dtype=dtype, n=n, affine=affine))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
@@ -581,8 +607,14 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
     assert calls == [((17,), block, 16, vec)] * 2
 
 
-@exhaustive_unless(one_of_each({"dtype": DTYPES, "n,chunk": [(67, 16), (73, 16), (99, 32)],
-                                "affine": ["both", "weight", "none", "fp32-weight"]}))
+_UNROLLED_UNALIGNED_DIAGONAL = one_of_each({
+    "dtype": DTYPES, "n,chunk": [(67, 16), (73, 16), (99, 32)],
+    "affine": ["both", "weight", "none", "fp32-weight"]})
+
+
+# (the diagonal's float32 rows of 99 in two chunks; the others exhaustive)
+@exhaustive_unless(lambda dtype, n, chunk, affine: (n, dtype) == (99, torch.float32)
+                   and _UNROLLED_UNALIGNED_DIAGONAL(dtype=dtype, n=n, chunk=chunk, affine=affine))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,chunk", [(67, 16), (73, 16), (99, 32)], ids=str)
 @pytest.mark.parametrize("affine", ["both", "weight", "none", "fp32-weight"])
@@ -631,7 +663,11 @@ def test_shifted_weights(triton_backend, device, dtype):
                 assert torch.equal(got[h], want)
 
 
-@exhaustive_unless(one_of_each({"n": [64, 48, 67, 73, 79], "dtype": DTYPES}))
+_BWD_UNROLLED_DIAGONAL = one_of_each({"n": [64, 48, 67, 73, 79], "dtype": DTYPES})
+
+
+# (the diagonal's unaligned float32 row of 67; the others exhaustive)
+@exhaustive_unless(lambda n, dtype: n == 67 and _BWD_UNROLLED_DIAGONAL(n=n, dtype=dtype))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 67, 73, 79])
 def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n, launch_rules):

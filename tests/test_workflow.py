@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import EXHAUSTIVE
 
 import fusedops
 from fusedops.models import Predictor, PredictorConfig, task_for
@@ -310,6 +311,7 @@ def test_cli_dispatch_lists_commands(capsys):
 # demo end to end, compile break-even
 
 
+@EXHAUSTIVE  # (30 training steps and the plots; test_demo_cli_fast runs the demo by default)
 def test_demo_end_to_end_cpu(tmp_path, capsys, one_thread):
     from fusedops.tools.demo import run_demo
 
@@ -357,6 +359,7 @@ def test_demo_cli_fast(tmp_path, one_thread):
     assert (out / "report.json").exists() and not (out / "latency.png").exists()
 
 
+@EXHAUSTIVE  # (an Inductor build and timed rounds: seconds)
 @pytest.mark.skipif(sys.platform == "win32", reason="Inductor needs a C++ compiler")
 def test_compile_break_even(one_thread):
     from fusedops.tools.demo import compile_break_even
