@@ -94,12 +94,13 @@ def exhaustive_unless(keep):
     return mark
 
 
-def one_of_each(axes: dict, *extra: dict):
+def one_of_each(axes: dict, *extra: dict, where=None):
     """A ``keep`` for :func:`exhaustive_unless`: the diagonal of the cross product, case k
     taking value k of every axis (shorter axes cycling), so every value of every axis runs at
     least once by default; ``extra`` dicts name further cases to keep (each a partial
     assignment that must match). Axis names are parameter names; a key "m,n" stands for
-    parameters parametrized together (its values are tuples)."""
+    parameters parametrized together (its values are tuples). ``where``: a further condition
+    (called with the case's parameters as keywords) that a kept case must also meet."""
     width = max(len(v) for v in axes.values())
     diagonal = [{name: values[k % len(values)] for name, values in axes.items()}
                 for k in range(width)]
@@ -113,7 +114,8 @@ def one_of_each(axes: dict, *extra: dict):
         return True
 
     def keep(**params) -> bool:
-        return any(fields(case, params) for case in (*diagonal, *extra))
+        return (where is None or bool(where(**params))) and any(
+            fields(case, params) for case in (*diagonal, *extra))
 
     return keep
 

@@ -135,11 +135,9 @@ def test_row_count_tails(backend, m, n):
     check(torch.randn(m, n), n, *make_params(n, torch.float32, seed=m))
 
 
-_LOOPED_DIAGONAL = one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES})
-
-
 # (float32 rows of 17 by default; the other rows and dtypes exhaustive)
-@exhaustive_unless(lambda n, dtype: n == 17 and _LOOPED_DIAGONAL(n=n, dtype=dtype))
+@exhaustive_unless(one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES},
+                               where=lambda n, dtype: n == 17))
 @pytest.mark.parametrize("n", LOOPED_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_looped_path(triton_backend, small_single_block, n, dtype):

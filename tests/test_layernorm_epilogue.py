@@ -170,16 +170,13 @@ def test_residual_only(backend, dtype):
     check(x, 40, w, b, residual=r, ds=torch.randn(x.shape).to(dtype))
 
 
-_ACTIVATION_DIAGONAL = one_of_each({"activation": ["relu", "gelu"],
-                                    "with_residual": [False, True],
-                                    "dtype": [torch.float32, torch.bfloat16]},
-                                   {"backend": "reference"})
-
-
 # (the kernels on the diagonal's bfloat16 case, gelu with a residual; the others exhaustive)
-@exhaustive_unless(lambda backend, activation, with_residual, dtype: _ACTIVATION_DIAGONAL(
-    backend=backend, activation=activation, with_residual=with_residual, dtype=dtype) and (
-    backend == "reference" or dtype == torch.bfloat16))
+@exhaustive_unless(one_of_each({"activation": ["relu", "gelu"],
+                                "with_residual": [False, True],
+                                "dtype": [torch.float32, torch.bfloat16]},
+                               {"backend": "reference"},
+                               where=lambda backend, activation, with_residual, dtype:
+                                   backend == "reference" or dtype == torch.bfloat16))
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -441,15 +438,12 @@ def test_x_is_normalized_shape_2d(epilogue):
                             torch.float32)
 
 
-_PARAMS_DIAGONAL = one_of_each({"dtype": [torch.float16, torch.bfloat16],
-                                "params": ["none", "weight", "bias", "same", "float32"]},
-                               {"backend": "reference"})
-
-
 # (the kernels on the diagonal's "none" case; the others exhaustive)
-@exhaustive_unless(lambda backend, dtype, params: _PARAMS_DIAGONAL(
-    backend=backend, dtype=dtype, params=params) and (backend == "reference"
-                                                      or params == "none"))
+@exhaustive_unless(one_of_each({"dtype": [torch.float16, torch.bfloat16],
+                                "params": ["none", "weight", "bias", "same", "float32"]},
+                               {"backend": "reference"},
+                               where=lambda backend, dtype, params:
+                                   backend == "reference" or params == "none"))
 @pytest.mark.parametrize("params", ["none", "weight", "bias", "same", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_params_variants(backend, dtype, params):

@@ -127,13 +127,10 @@ FWD_ROWS = [(BF16, 15), (BF16, 16), (BF16, 17), (BF16, 23), (BF16, 25), (BF16, 1
             (FP16, 33), (FP32, 7), (FP32, 8), (FP32, 9), (FP32, 13), (FP32, 1023)]
 
 
-_FWD_DIAGONAL = one_of_each({"dtype,n": FWD_ROWS, "w_mode": ["none", "same", "fp32"],
-                             "m": [1, 17]})
-
-
 # (the diagonal's single rows and its float32 cases; the others exhaustive)
-@exhaustive_unless(lambda dtype, n, w_mode, m: (m == 1 or dtype == FP32)
-                   and _FWD_DIAGONAL(dtype=dtype, n=n, w_mode=w_mode, m=m))
+@exhaustive_unless(one_of_each({"dtype,n": FWD_ROWS, "w_mode": ["none", "same", "fp32"],
+                                "m": [1, 17]},
+                               where=lambda dtype, n, w_mode, m: (m == 1 or dtype == FP32)))
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])
 @pytest.mark.parametrize("dtype,n", FWD_ROWS, ids=str)
@@ -230,14 +227,11 @@ def test_forward_unrolled_vec(dtype, n, w_mode, launch_rules):
 BWD_ROWS = [(BF16, 2047), (BF16, 2049), (FP16, 2051), (FP32, 2049), (FP32, 2050)]
 
 
-_BWD_DIAGONAL = one_of_each({"dtype,n": BWD_ROWS, "w_mode": ["none", "same", "fp32"],
-                             "need": [(True, True), (True, False), (False, True)],
-                             "m": [3, 20]})
-
-
 # (the diagonal's rows of 2047 and 2050; the others exhaustive)
-@exhaustive_unless(lambda dtype, n, w_mode, need, m: n in (2047, 2050)
-                   and _BWD_DIAGONAL(dtype=dtype, n=n, w_mode=w_mode, need=need, m=m))
+@exhaustive_unless(one_of_each({"dtype,n": BWD_ROWS, "w_mode": ["none", "same", "fp32"],
+                                "need": [(True, True), (True, False), (False, True)],
+                                "m": [3, 20]},
+                               where=lambda dtype, n, w_mode, need, m: n in (2047, 2050)))
 @pytest.mark.parametrize("m", [3, 20])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=str)
 @pytest.mark.parametrize("w_mode", ["none", "same", "fp32"])

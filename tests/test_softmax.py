@@ -131,12 +131,10 @@ def test_large_values_are_stable(backend):
     check(x)
 
 
-_LOOPED_DIAGONAL = one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES})
-
-
 # (the diagonal's rows of 17 and 32, two dtypes; the longer ones, more chunks of the same loop,
 # exhaustive)
-@exhaustive_unless(lambda n, dtype: n <= 32 and _LOOPED_DIAGONAL(n=n, dtype=dtype))
+@exhaustive_unless(one_of_each({"n": LOOPED_SIZES, "dtype": DTYPES},
+                               where=lambda n, dtype: n <= 32))
 @pytest.mark.parametrize("n", LOOPED_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_looped_path(triton_backend, small_single_block, n, dtype):
@@ -270,15 +268,12 @@ def _strided_inputs(dtype: torch.dtype = torch.float32, n: int = 37) -> dict:
     }
 
 
-_STRIDED_DIAGONAL = one_of_each({"kind": list(_strided_inputs()),
-                                 "dtype": [torch.float32, torch.bfloat16]},
-                                {"backend": "reference"})
-
-
 # (the kernels on the diagonal's float32 cases; bfloat16: exhaustive)
-@exhaustive_unless(lambda backend, kind, dtype: _STRIDED_DIAGONAL(
-    backend=backend, kind=kind, dtype=dtype) and (backend == "reference"
-                                                 or dtype == torch.float32))
+@exhaustive_unless(one_of_each({"kind": list(_strided_inputs()),
+                                "dtype": [torch.float32, torch.bfloat16]},
+                               {"backend": "reference"},
+                               where=lambda backend, kind, dtype:
+                                   backend == "reference" or dtype == torch.float32))
 @pytest.mark.parametrize("kind", list(_strided_inputs()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous_input(backend, kind, dtype):

@@ -309,13 +309,10 @@ def _check_ln_forward(x, w, b, dtype, far: int):
     assert torch.equal(tln.layernorm_forward_y(x, w, b, 1e-5, dtype), y)
 
 
-_LN_RELOAD_DIAGONAL = one_of_each({"dtype": DTYPES, "n": [64, 50, 40], "affine": [True, False],
-                                   "third": [False, True]})
-
-
 # (the diagonal's first two cases: both dtypes, both THIRD_READ settings; the third exhaustive)
-@exhaustive_unless(lambda dtype, n, affine, third: n != 40
-                   and _LN_RELOAD_DIAGONAL(dtype=dtype, n=n, affine=affine, third=third))
+@exhaustive_unless(one_of_each({"dtype": DTYPES, "n": [64, 50, 40], "affine": [True, False],
+                                "third": [False, True]},
+                               where=lambda dtype, n, affine, third: n != 40))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 50, 40])
 @pytest.mark.parametrize("affine", [True, False])
@@ -475,12 +472,9 @@ def _check_softmax_special_rows(rows: int, n: int, device, dtype) -> torch.Tenso
     return x
 
 
-_FWD_RELOAD_DIAGONAL = one_of_each({"dtype": DTYPES, "n": [64, 48, 50], "chunk": [16, 64]})
-
-
 # (the diagonal's power-of-two row and its bfloat16 masked row; the others exhaustive)
-@exhaustive_unless(lambda dtype, n, chunk: n != 50
-                   and _FWD_RELOAD_DIAGONAL(dtype=dtype, n=n, chunk=chunk))
+@exhaustive_unless(one_of_each({"dtype": DTYPES, "n": [64, 48, 50], "chunk": [16, 64]},
+                               where=lambda dtype, n, chunk: n != 50))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 50])  # a power of two (EVEN), 48 and 50 masked
 @pytest.mark.parametrize("chunk", [16, 64])
@@ -575,14 +569,10 @@ def _unaligned_rows_and_affine(n: int, device, dtype, affine: str):
     return base.to(dtype), w, b
 
 
-_RELOAD_UNALIGNED_DIAGONAL = one_of_each({
-    "dtype": DTYPES, "n": [33, 39, 61],
-    "affine": ["both", "weight", "bias", "none", "fp32-weight"]})
-
-
 # (the diagonal's float32 rows of 33; the others exhaustive)
-@exhaustive_unless(lambda dtype, n, affine: (n, dtype) == (33, torch.float32)
-                   and _RELOAD_UNALIGNED_DIAGONAL(dtype=dtype, n=n, affine=affine))
+@exhaustive_unless(one_of_each({"dtype": DTYPES, "n": [33, 39, 61],
+                                "affine": ["both", "weight", "bias", "none", "fp32-weight"]},
+                               where=lambda dtype, n, affine: (n, dtype) == (33, torch.float32)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [33, 39, 61])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none", "fp32-weight"])
@@ -607,14 +597,11 @@ def test_reload_kernel_for_unaligned_rows_matches_float64(monkeypatch, triton_ba
     assert calls == [((17,), block, 16, vec)] * 2
 
 
-_UNROLLED_UNALIGNED_DIAGONAL = one_of_each({
-    "dtype": DTYPES, "n,chunk": [(67, 16), (73, 16), (99, 32)],
-    "affine": ["both", "weight", "none", "fp32-weight"]})
-
-
 # (the diagonal's float32 rows of 99 in two chunks; the others exhaustive)
-@exhaustive_unless(lambda dtype, n, chunk, affine: (n, dtype) == (99, torch.float32)
-                   and _UNROLLED_UNALIGNED_DIAGONAL(dtype=dtype, n=n, chunk=chunk, affine=affine))
+@exhaustive_unless(one_of_each({"dtype": DTYPES, "n,chunk": [(67, 16), (73, 16), (99, 32)],
+                                "affine": ["both", "weight", "none", "fp32-weight"]},
+                               where=lambda dtype, n, chunk, affine:
+                                   (n, dtype) == (99, torch.float32)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,chunk", [(67, 16), (73, 16), (99, 32)], ids=str)
 @pytest.mark.parametrize("affine", ["both", "weight", "none", "fp32-weight"])
@@ -663,11 +650,9 @@ def test_shifted_weights(triton_backend, device, dtype):
                 assert torch.equal(got[h], want)
 
 
-_BWD_UNROLLED_DIAGONAL = one_of_each({"n": [64, 48, 67, 73, 79], "dtype": DTYPES})
-
-
 # (the diagonal's unaligned float32 row of 67; the others exhaustive)
-@exhaustive_unless(lambda n, dtype: n == 67 and _BWD_UNROLLED_DIAGONAL(n=n, dtype=dtype))
+@exhaustive_unless(one_of_each({"n": [64, 48, 67, 73, 79], "dtype": DTYPES},
+                               where=lambda n, dtype: n == 67))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [64, 48, 67, 73, 79])
 def test_softmax_backward_unrolled(monkeypatch, triton_backend, device, dtype, n, launch_rules):
