@@ -329,7 +329,7 @@ def test_gpu_cluster_launch_failure_falls_back(monkeypatch, launch_rules):
     launch_rules(CLUSTERS=True)
     inputs = _case(64, 16384, torch.bfloat16, seed=3)
 
-    def refuse(self, args, chunks, num_warps):
+    def refuse(self, *args):
         raise RuntimeError("refused")
 
     monkeypatch.setattr(_clusters.ClusterLauncher, "_prepare", refuse)

@@ -110,6 +110,10 @@ def test_softmax_configs(direction):
         elif cfg.variant == "reload":
             assert not vec and cfg.grid == m and 0 < cfg.chunk
             assert cfg.whole in (0, next_pow2(n)) and cfg.even in (0, n)
+        elif cfg.variant == "staged":  # one cluster per row, whole pieces
+            assert dev.clusters and not vec and cfg.cluster and cfg.pieces in CLUSTER_SIZES
+            assert cfg.pieces * cfg.piece == n and cfg.grid == m * cfg.pieces
+            assert cfg.fallback is not None and not cfg.fallback.cluster
         else:
             assert cfg.variant in ("unrolled", "unrolled_vec"), cfg
             assert cfg.grid == m and 0 < cfg.chunk <= n

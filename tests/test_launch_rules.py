@@ -713,33 +713,37 @@ def test_softmax_exact_rows_rule(monkeypatch, launch_rules):
 
 
 def test_softmax_cluster_forward_rules(launch_rules):
-    """CLUSTER_FWD: aligned rows in a rule's range whose pieces make a cluster size take the
-    split forward in thread-block clusters on a GPU that runs them, ahead of every other rule,
-    with the rules without clusters as the fallback; rows
-    outside the range, unaligned rows, other piece counts and GPUs without clusters do not."""
+    """CLUSTER_FWD: aligned rows in a rule's range that are C whole pieces, C a cluster size,
+    take the staged forward (one cluster of C CTAs per row: the grid is rows x C) on a GPU that
+    runs clusters, ahead of every other rule, with the rules without clusters as the fallback;
+    rows outside the range, unaligned rows, rows of partial pieces or other piece counts and
+    GPUs without clusters do not."""
     hopper = DeviceFacts(True, 132, "NVIDIA H200", True, True)
     no_clusters = hopper._replace(clusters=False)
     fwd = sm_rules.forward_config
     for elt, rules in sm_rules.CLUSTER_FWD.items():  # shipped
-        for shortest, longest, (piece, warps, prefetch) in rules:
-            cfg = fwd(longest, elt, 0, 64, hopper)
-            assert (cfg.variant, cfg.chunk, cfg.warps, cfg.prefetch, cfg.cluster) == (
-                "split", piece, warps, prefetch, True)
-            assert not fwd(longest, elt, 0, 64, no_clusters).cluster
+        for shortest, longest, (piece, warps) in rules:
+            for n in (shortest, longest):
+                cfg = fwd(n, elt, 0, 64, hopper)
+                assert (cfg.variant, cfg.piece, cfg.pieces, cfg.warps, cfg.grid, cfg.cluster) \
+                    == ("staged", piece, n // piece, warps, 64 * (n // piece), True), (elt, n)
+                assert cfg.fallback == fwd(n, elt, 0, 64, no_clusters)
+                assert not fwd(n, elt, 0, 64, no_clusters).cluster
             if not any(lo <= shortest // 2 <= hi for lo, hi, _ in rules):
                 assert not fwd(shortest // 2, elt, 0, 64, hopper).cluster
-    launch_rules("softmax", CLUSTER_FWD={2: ((32768, 262144, (16384, 16, 1)),),
-                                         4: ((65536, 65536, (8192, 8, 2)),)})
+    launch_rules("softmax", CLUSTER_FWD={2: ((32768, 262144, (16384, 16)),),
+                                         4: ((65536, 65536, (8192, 8)),)})
     for n, c in ((32768, 2), (65536, 4), (131072, 8), (262144, 16)):
         cfg = fwd(n, 2, 0, 64, hopper)
-        assert (cfg.variant, cfg.pieces, cfg.piece, cfg.block, cfg.warps, cfg.prefetch,
-                cfg.cluster) == ("split", c, 16384, 16384, 16, 1, True), n
+        assert (cfg.variant, cfg.pieces, cfg.piece, cfg.warps, cfg.grid, cfg.cluster) == (
+            "staged", c, 16384, 16, 64 * c, True), n
         assert cfg.fallback == fwd(n, 2, 0, 64, no_clusters) and not cfg.fallback.cluster
         assert not fwd(n, 2, 8, 64, hopper).cluster  # unaligned rows
     cfg = fwd(65536, 4, 0, 64, hopper)
-    assert (cfg.pieces, cfg.warps, cfg.prefetch, cfg.cluster) == (8, 8, 2, True)
+    assert (cfg.pieces, cfg.warps, cfg.cluster) == (8, 8, True)
     assert not fwd(131072, 4, 0, 64, hopper).cluster  # outside the float32 range
     assert not fwd(98304, 2, 0, 64, hopper).cluster  # 6 pieces: no cluster size
+    assert not fwd(16384 * 3 + 8, 2, 0, 64, hopper).cluster  # 4 pieces, the last partial
     assert not fwd(16384, 2, 0, 64, hopper).cluster  # below the range
     launch_rules("softmax", CLUSTER_FWD={})
     assert not fwd(131072, 2, 0, 64, hopper).cluster

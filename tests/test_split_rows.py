@@ -173,42 +173,68 @@ def test_unaligned_layernorm_backward_deterministic_mode_is_scalar(monkeypatch):
     assert seen == [1]
 
 
-@pytest.mark.parametrize(("dtype", "m", "n", "piece", "warps", "prefetch"), [
-    (torch.bfloat16, 40, 65536, 4096, 4, 1),
-    (torch.bfloat16, 33, 131072, 16384, 16, 0),
-    (torch.float16, 7, 65536, 8192, 8, 2),
-    (torch.bfloat16, 24, 262144, 16384, 16, 0),
-    (torch.float32, 64, 65536, 8192, 8, 1),
-    (torch.float32, 9, 32768, 16384, 16, 0),
-    (torch.bfloat16, 300, 16384, 4096, 4, 3)], ids=str)
-def test_softmax_cluster_forward(dtype, m, n, piece, warps, prefetch, launch_rules):
-    """Forced CLUSTER_FWD rules (2-16 pieces, every load placement), with special
+@pytest.mark.parametrize(("dtype", "m", "n", "piece", "warps"), [
+    (torch.bfloat16, 40, 32768, 16384, 8),  # 2 pieces
+    (torch.float16, 7, 65536, 16384, 8),  # 4
+    (torch.bfloat16, 33, 262144, 32768, 8),  # 8
+    (torch.bfloat16, 5, 65536, 4096, 4),  # 16, 4 warps
+    (torch.float32, 64, 65536, 8192, 4),
+    (torch.float32, 9, 262144, 16384, 4),  # 16 pieces of 64 KB
+    (torch.float16, 300, 16384, 8192, 16)], ids=str)
+def test_softmax_cluster_forward(dtype, m, n, piece, warps, launch_rules):
+    """Forced CLUSTER_FWD rules (2-16 pieces of 4K-32K elements, 4-16 warps), with special
     rows (one all -inf, one with a NaN in its last piece, one whose maximum sits alone in its
-    last piece): values against float64, and the forward launches softmax_fwd_split with
-    CLUSTER on Hopper (elsewhere the rules without clusters)."""
+    last piece, one of a single finite value): values against float64, and the forward
+    launches softmax_fwd_staged on one cluster per row on Hopper (elsewhere the rules without
+    clusters)."""
     from fusedops.backends.triton import softmax as tsm
     from fusedops.backends.triton.runtime.recording import record_launches
 
     hopper = torch.cuda.get_device_capability()[0] >= 9
     elt = torch.empty((), dtype=dtype).element_size()
-    launch_rules("softmax", CLUSTER_FWD={elt: ((n, n, (piece, warps, prefetch)),)})
+    launch_rules("softmax", CLUSTER_FWD={elt: ((n, n, (piece, warps)),)})
     g = torch.Generator().manual_seed(n + m)
     x = torch.randn(m, n, generator=g) * 3
     x[1] = -float("inf")
     x[2, -5] = float("nan")
     x[3, -1] = 80.0
+    x[4] = -float("inf")
+    x[4, n // 2 + 1] = -3.0
     x = x.to(dtype).cuda()
     with record_launches() as record:
         y = tsm.softmax_forward(x, dtype)
     ref = torch.softmax(x.double(), -1)
     assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert y[4, n // 2 + 1] == 1 and y[4].float().sum() == 1
     keep = torch.ones(m, dtype=torch.bool)
     keep[1:3] = False
     assert_close_to_ref(y[keep.cuda()], ref[keep.cuda()], dtype)
-    clustered = [args for launcher, _, args, _ in record
-                 if launcher is tsm._launch_fwd_cluster]
-    assert bool(clustered) == hopper, record
+    staged = [(grid, args) for launcher, grid, args, _ in record
+              if launcher is tsm._launch_fwd_staged]
+    assert bool(staged) == hopper, record
     if hopper:
-        (args,) = clustered
-        assert (args[10], args[11], args[13], args[16]) == (piece, n // piece, prefetch, True)
-        assert args[9] % (n // piece) == 0 and args[9] <= m * (n // piece)  # whole clusters
+        ((grid, args),) = staged
+        assert grid == (m,) and args[4:9] == (m * (n // piece), piece, n // piece,
+                                             n // piece, 32 * warps)
+
+
+def test_softmax_cluster_forward_other_calls(launch_rules):
+    """Calls the staged forward cannot take run the rules without clusters, right: a single
+    row that starts off a 16-byte boundary and an output dtype other than the input's."""
+    from fusedops.backends.triton import softmax as tsm
+    from fusedops.backends.triton.runtime.recording import record_launches
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need Hopper")
+    n = 65536
+    launch_rules("softmax", CLUSTER_FWD={2: ((n, n, (16384, 8)),)})
+    base = (torch.randn(n + 8) * 3).to(torch.bfloat16).cuda()
+    for x, out in ((base[1:n + 1].view(1, n), torch.bfloat16),
+                   (base[:n].view(1, n), torch.float32),
+                   (base[:n].view(1, n), torch.bfloat16)):
+        with record_launches() as record:
+            y = tsm.softmax_forward(x, out)
+        assert y.dtype == out
+        assert_close_to_ref(y, torch.softmax(x.double(), -1), out)
+        staged = any(launcher is tsm._launch_fwd_staged for launcher, *_ in record)
+        assert staged == (x.data_ptr() % 16 == 0 and out == torch.bfloat16), record

@@ -13,10 +13,14 @@ bias in x's dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FW
 ``PIECES_FWD`` emptied), ``no pieces`` (``PIECES_FWD`` emptied: the rules before it) and the
 candidates of ``--kinds``:
 
-* ``held`` (softmax, RMSNorm): ``cluster PxW held pfK``, the op's split-row kernel holding
-  pieces of P elements in registers on W warps, as a one-entry ``CLUSTER_FWD`` (as many
-  clusters as the GPU holds at once, looping over rows with PREFETCH K); pieces of 4K-32K
-  whose count C = N / P is a cluster size (2-16), on 32 and on 16 elements per thread.
+* ``held`` (RMSNorm): ``cluster PxW held pfK``, the op's split-row kernel holding pieces of
+  P elements in registers on W warps, as a one-entry ``CLUSTER_FWD`` (as many clusters as the
+  GPU holds at once, looping over rows with PREFETCH K); pieces of 4K-32K whose count C = N / P
+  is a cluster size (2-16), on 32 and on 16 elements per thread.
+* ``staged`` (softmax): ``staged PxW``, ``softmax_fwd_staged`` (one cluster per row, each
+  CTA's piece of P elements landed in shared memory) on W warps, as a one-entry
+  ``CLUSTER_FWD``; pieces of 4K-32K (16-64 KB) whose count is a cluster size, 4, 8 and 16
+  warps.
 * ``pieces`` (RMSNorm, LayerNorm): ``pieces PxKxW held|rows``, the streamed-pieces kernel
   (``rms_fwd_pieces``, ``ln_fwd_pieces``) on pieces of P elements in chunks of K on W warps,
   as a one-entry ``PIECES_FWD``: a persistent grid (``held``) or one cluster per row
@@ -59,7 +63,11 @@ STREAM_CHUNKS = ((2048, 8), (4096, 16))
 RTOL = {"bf16": 1.6e-2, "fp16": 1e-3, "fp32": 1e-5}
 EPS = 1e-6
 # op -> the split-row kernel and the positions of BLOCK, C and CLUSTER in its launch arguments
-KERNELS = {"softmax": ("softmax_fwd_split", 10, 11, 16), "rmsnorm": ("rms_fwd_split", 13, 14, 20)}
+KERNELS = {"rmsnorm": ("rms_fwd_split", 13, 14, 20)}
+# the staged softmax: the positions of L and C in its launch arguments; its pieces' bytes
+STAGED = ("softmax_fwd_staged", 5, 6)
+STAGED_BYTES = (16384, 32768, 65536)
+STAGED_WARPS = (4, 8, 16)
 # op -> the streamed-pieces kernel and the positions of L, CHUNK and C in its launch arguments
 STREAMED = {"rmsnorm": ("rms_fwd_pieces", 10, 11, 12),
             "layernorm": ("ln_fwd_pieces", 11, 12, 13)}
@@ -71,13 +79,21 @@ def variants(op: str, n: int, elt: int, kinds: list[str], smoke: bool,
     """name -> (the op's overrides, the launch a candidate must make: (kernel, {argument
     position: value}, warps), or None)."""
     streamed = STREAMED.get(op)
-    off = ({"CLUSTER_FWD": {}} if op in KERNELS else {}) | ({"PIECES_FWD": {}} if streamed
-                                                             else {})
+    off = ({"CLUSTER_FWD": {}} if op != "layernorm" else {}) | ({"PIECES_FWD": {}} if streamed
+                                                                else {})
     out: dict[str, tuple[dict, tuple | None]] = {"rules": ({}, None), "no clusters": (off, None)}
     if streamed:  # the rules before the streamed pieces
         out["no pieces"] = ({"PIECES_FWD": {}}, None)
     if smoke:
         return out
+    for nbytes in STAGED_BYTES if op == "softmax" and "staged" in kinds else ():
+        piece = nbytes // elt
+        if n // piece not in CLUSTER_SIZES or n % piece:
+            continue
+        for warps in STAGED_WARPS:
+            out[f"staged {piece}x{warps}"] = (
+                {"CLUSTER_FWD": {elt: ((n, n, (piece, warps)),)}},
+                (STAGED[0], {STAGED[1]: piece, STAGED[2]: n // piece}, warps))
     kernel, i_block, i_c, i_cluster = KERNELS.get(op, ("", 0, 0, 0))
     for piece, warp_counts in PIECES.items() if "held" in kinds and kernel else ():
         c = n // piece
@@ -214,8 +230,9 @@ def main() -> None:
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
-    p.add_argument("--kinds", nargs="+", default=["held", "pieces"], choices=["held", "pieces"],
-                   help="candidates: pieces held in registers, streamed pieces")
+    p.add_argument("--kinds", nargs="+", default=["held", "pieces", "staged"],
+                   choices=["held", "pieces", "staged"],
+                   help="candidates: pieces held in registers, streamed, landed in shared memory")
     p.add_argument("--pieces", nargs="+", type=int, default=None,
                    help="streamed piece lengths (default 8K-32K, float32 4K-16K)")
     p.add_argument("--smoke", action="store_true", help="tiny rows, no timing (interpreter)")

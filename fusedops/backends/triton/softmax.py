@@ -7,7 +7,10 @@ and dy once and writes dx once (3·M·N·elt). Three kernel variants per directi
   the kind's cap), keeps them in registers, reduces once, writes once; one program per row tile.
   Rows that do not start 16-byte aligned are read as an aligned body plus edges (kernels/common.py).
 * split-row (longer rows, CUDA): equal pieces of a row in cooperating programs that publish
-  partial statistics, wait for their row's other pieces and write: one read, one write.
+  partial statistics, wait for their row's other pieces and write: one read, one write. On a
+  GPU that runs thread-block clusters, long aligned rows instead run ``softmax_fwd_staged``
+  (``CLUSTER_FWD``): one cluster per row, each CTA's piece landed in shared memory by
+  ``cp.async`` and the (max, sum) exchanged between the CTAs' shared memories.
 * looped (longer rows elsewhere: the interpreter, a refused cooperative launch): one program
   per row streams it in ``CHUNK``-sized pieces; forward keeps a per-lane online (max, sum) so
   it reads x twice (stats pass + write pass), backward reads y and dy twice. The backward's
@@ -47,6 +50,7 @@ from fusedops.backends.triton.kernels.softmax import (
     softmax_fwd_reload,
     softmax_fwd_single,
     softmax_fwd_split,
+    softmax_fwd_staged,
     softmax_fwd_unrolled,
     softmax_fwd_unrolled_vec,
 )
@@ -67,7 +71,7 @@ _launch_bwd_single = Launcher(softmax_bwd_single)
 _launch_bwd_looped = Launcher(softmax_bwd_looped)
 _launch_bwd_unrolled = Launcher(softmax_bwd_unrolled)
 _launch_fwd_split = SplitLauncher(softmax_fwd_split)
-_launch_fwd_cluster = ClusterLauncher(softmax_fwd_split)
+_launch_fwd_staged = ClusterLauncher(softmax_fwd_staged)
 _launch_bwd_split = SplitLauncher(softmax_bwd_split)
 
 
@@ -120,16 +124,13 @@ def _launch_split(launcher, cfg: SoftmaxConfig, M: int, N: int, tensors: tuple,
         device, vec=cfg.vec))
 
 
-def _launch_cluster(cfg: SoftmaxConfig, M: int, N: int, x: torch.Tensor, y: torch.Tensor,
-                    stride: int) -> bool:
-    """softmax_fwd_split in thread-block clusters as ``cfg`` says (stats and count unused:
-    ``x`` stands in); False where the launch was refused (the config's DeviceFacts already
-    said clusters run here)."""
+def _launch_staged(cfg: SoftmaxConfig, x: torch.Tensor, y: torch.Tensor, stride: int) -> bool:
+    """softmax_fwd_staged, one thread-block cluster per row, as ``cfg`` says; False where the
+    launch was refused (the config's DeviceFacts already said clusters run here)."""
     C, L = cfg.pieces, cfg.piece
-    return bool(_launch_fwd_cluster(
-        M * C, C, (x, y, x, x, N, L, stride, N, M * C),
-        (cfg.block, C, next_pow2(C), cfg.prefetch, 0, L == cfg.block, True), cfg.warps,
-        x.device))
+    return bool(_launch_fwd_staged(
+        cfg.grid, C, (x, y, stride, L * C), (L, C, next_pow2(C), 32 * cfg.warps), cfg.warps,
+        x.device, progs=cfg.grid, staged=L * x.element_size()))
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -156,7 +157,9 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     vec = unaligned_vec(N, (stride, N), x.element_size(), (x, y)) if M > 1 else 0
     cfg = _fwd_config(N, x.element_size(), vec, M, x.get_device())
     if cfg.cluster:
-        if _launch_cluster(cfg, M, N, x, y, stride):
+        # The staged kernel copies whole 16-byte vectors and writes x's dtype: a single row
+        # (vec 0 wherever it starts) must start aligned too.
+        if not x.data_ptr() & 15 and out_dtype == x.dtype and _launch_staged(cfg, x, y, stride):
             return y
         # Refused (a profiler's launch hooks, clusters turned off): the rules without
         # clusters, kept out of the replay plans (the next call tries clusters again).
@@ -175,8 +178,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
                            cfg.warps)
     else:
         if cfg.variant == "split":
-            if _launch_split(_launch_fwd_split, cfg, M, N, (x, y), (stride, N), 2, x.device,
-                             (False,)):
+            if _launch_split(_launch_fwd_split, cfg, M, N, (x, y), (stride, N), 2, x.device):
                 return y
             cfg = cfg.fallback
         _launch_fwd_looped((M,), (x, y, N, stride, N, cfg.block), cfg.warps)

@@ -145,20 +145,19 @@ UNROLLED_VEC_BWD: dict[tuple[int, int], tuple[int, int]] = {
 }
 
 
-# Split-row forward in thread-block clusters (aligned rows on a GPU that runs clusters): a row's
-# C pieces exchange (max, sum) on chip, so x is read once and y written once. Element size ->
-# ((shortest row, longest row, (piece, warps, PREFETCH)), ...); C must be a cluster size
-# (CLUSTER_SIZES); as many clusters as the GPU holds at once, each looping over rows (a grid
-# of one cluster per row measured slower at every point). H200, fraction of copy
-# against the rules without clusters, the same run (benchmarks/results/h200/
-# softmax-cluster-forward.json): 8192 x 8 prefetching before the exchange, bf16 128K 0.75 vs
-# 0.70 (split rows), float32 64K 0.86 vs 0.77 (split rows), 128K 0.81 vs 0.75; bf16 256K on
-# 32768 x 32 prefetching 0.71 vs 0.67 (cluster-forward.json, the same run). Slower: bf16 64K
-# (0.79 vs 0.84 unrolled), 16 pieces of 256K (0.59 vs 0.67) and float32 256K (0.69 vs 0.70),
-# where a piece count of 16 leaves one program per SM; one cluster per row 0.41-0.79.
-CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int]], ...]] = {
-    2: ((131072, 131072, (8192, 8, 1)), (262144, 262144, (32768, 32, 1))),
-    4: ((65536, 131072, (8192, 8, 1)),),
+# The forward of long aligned rows in thread-block clusters (softmax_fwd_staged, kernels/
+# softmax.py): one cluster of C CTAs per row, each CTA's piece of L elements landed in
+# shared memory by cp.async and read there three times around the cluster's exchange of (max,
+# sum), so x is read from memory once. Element size -> ((shortest row, longest row, (L,
+# warps)), ...), rows that are C whole pieces with C a cluster size (CLUSTER_SIZES); checked
+# first. Fraction of copy against the rules without clusters, one run each: H200 bf16 32K /
+# 64K / 256K 0.91 / 0.88 / 0.85 vs 0.90 / 0.85 / 0.67 (256K on 32K pieces: 0.81), float32 64K /
+# 256K 0.92 / 0.81 vs 0.77 / 0.71 (benchmarks/results/h200/softmax-staged.json); H100 16-bit
+# 0.92-0.98 vs 0.81-0.94 (64K on 16K pieces: 0.95-0.97), float32 0.94-0.99 vs 0.84-0.89
+# (h100/softmax-staged.json). Slower: 8K 16-bit pieces, 16 warps, 4 warps for 16-bit rows.
+CLUSTER_FWD: dict[int, tuple[tuple[int, int, tuple[int, int]], ...]] = {
+    2: ((32768, 32768, (16384, 8)), (65536, 131072, (32768, 8)), (262144, 262144, (16384, 8))),
+    4: ((65536, 131072, (8192, 4)), (262144, 262144, (16384, 4))),
 }
 
 
@@ -178,10 +177,13 @@ class SoftmaxConfig(NamedTuple):
     ``softmax_bwd_unrolled``), ``"unrolled_vec"`` (``softmax_fwd_unrolled_vec``), ``"reload"``
     (``softmax_fwd_reload``; backward: ``softmax_bwd_looped`` reading whole rows),
     ``"single"``, ``"split"`` (cooperative pieces; ``fallback``: the looped launch where the
-    split launch is refused at run time) and ``"looped"``."""
+    split launch is refused at run time), ``"looped"`` and ``"staged"`` (``softmax_fwd_staged``
+    in ``kernels/softmax.py``, a cluster of ``pieces`` CTAs per row; ``fallback``: the
+    rules without clusters)."""
 
     variant: str
-    grid: int = 0  # programs (split: sized from the compiled kernel's occupancy at launch)
+    grid: int = 0  # programs (split: sized from the compiled kernel's occupancy at launch;
+    # staged: rows x pieces)
     warps: int = 0
     block: int = 0  # BLOCK: single: the padded row (or body); looped: the chunk; split: the piece
     rows: int = 0  # rows per program tile (single)
@@ -193,13 +195,13 @@ class SoftmaxConfig(NamedTuple):
     first: int = 0  # backward reload: the first pass's piece
     even: int = 0  # reload: N where power-of-two rows run unmasked, else 0
     prefetch: int = 0  # split: PREFETCH (runtime/split.py)
-    pieces: int = 0  # split: C pieces per row
-    piece: int = 0  # split: L elements per piece
+    pieces: int = 0  # split, staged: C pieces per row
+    piece: int = 0  # split, staged: L elements per piece
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
     next: int = 0  # single: NEXT (the next tile prefetched; a persistent grid)
     exact_rows: bool = False  # single forward: EXACT_ROWS (rows of EXACT_MIN_N+)
     fallback: SoftmaxConfig | None = None
-    cluster: bool = False  # split: a row's pieces as one thread-block cluster (CLUSTER_FWD)
+    cluster: bool = False  # staged: a row's pieces as one thread-block cluster (CLUSTER_FWD)
 
 
 def _rows_config(kind: str, direction: str, n: int, elt_size: int, vec: int, m: int,
@@ -224,11 +226,10 @@ def forward_config(n: int, elt_size: int, vec: int, m: int, dev: DeviceFacts) ->
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes (``vec``: see
     ``configs.common.unaligned_vec``) on ``dev``."""
     cluster = cluster_rule(CLUSTER_FWD.get(elt_size, ()), n, dev) if not vec else None
-    if cluster:
-        piece, warps, prefetch = cluster
-        pieces, length = split_pieces(n, piece, 0)
-        return SoftmaxConfig("split", 0, warps, next_pow2(length), chunk=piece,
-                             prefetch=prefetch, pieces=pieces, piece=length, cluster=True,
+    if cluster and n % cluster[0] == 0:
+        piece, warps = cluster
+        return SoftmaxConfig("staged", m * (n // piece), warps, chunk=piece, pieces=n // piece,
+                             piece=piece, cluster=True,
                              fallback=forward_config(n, elt_size, vec, m,
                                                      dev._replace(clusters=False)))
     nxt = NEXT_FWD.get((elt_size, next_pow2(n))) if NEXT_FWD and not vec else None

@@ -59,6 +59,27 @@ SYNC_PTX = tl.constexpr(
 )
 
 
+# The start barrier in two halves, for a kernel that starts its loads in between.
+ARRIVE_PTX = tl.constexpr("barrier.cluster.arrive.relaxed;\nmov.u32 $0, $1;")
+WAIT_PTX = tl.constexpr("barrier.cluster.wait.acquire;\nmov.u32 $0, $1;")
+
+
+@triton.jit
+def cluster_arrive(token):
+    """Arrive at the cluster's start barrier (returns ``token``, int32); every CTA of the
+    cluster has started once :func:`cluster_wait` returns."""
+    return tl.inline_asm_elementwise(ARRIVE_PTX, "=r,r", [token], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def cluster_wait(token):
+    """Wait at the barrier :func:`cluster_arrive` arrived at; returns int32 0 (the first
+    row's parity)."""
+    return tl.inline_asm_elementwise(WAIT_PTX, "=r,r", [token], dtype=tl.int32, is_pure=False,
+                                     pack=1) * 0
+
+
 @triton.jit
 def cluster_start(like):
     """Cluster barrier at a cluster kernel's start; returns int32 0 (the first row's parity).

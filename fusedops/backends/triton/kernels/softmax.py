@@ -7,9 +7,10 @@ import triton
 import triton.language as tl
 
 from fusedops.backends.triton.kernels.clusters import (
+    cluster_arrive,
     cluster_peer_sums,
     cluster_publish,
-    cluster_start,
+    cluster_wait,
 )
 from fusedops.backends.triton.kernels.common import (
     await_row,
@@ -20,6 +21,16 @@ from fusedops.backends.triton.kernels.common import (
     split_piece,
     tile_rows,
     unrolled_edges,
+)
+from fusedops.backends.triton.kernels.staging import (
+    pack_word,
+    stage_base,
+    stage_piece,
+    stage_read,
+    stage_wait,
+    store_words,
+    word_hi,
+    word_lo,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -430,7 +441,7 @@ def softmax_bwd_unrolled(
 def softmax_fwd_split(
     x_ptr, y_ptr, stats_ptr, count_ptr, N, L, stride, stride_y, num_items, num_progs,
     BLOCK: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, PREFETCH: tl.constexpr,
-    VEC: tl.constexpr, FULL: tl.constexpr, CLUSTER: tl.constexpr,
+    VEC: tl.constexpr, FULL: tl.constexpr,
 ):
     # Work item = (row, piece), row-major; see fusedops/backends/triton/runtime/split.py.
     # The grid
@@ -438,17 +449,12 @@ def softmax_fwd_split(
     # Pieces: split_piece (L elements of the row, or of its aligned body when VEC > 0; piece 0
     # then also has the edges; x and y then share the row stride). PREFETCH: see runtime/split.py.
     # FULL: pieces fill their BLOCK lanes (L == BLOCK), which saves the per-lane piece mask
-    # (bf16 at 8192 x 8: 64 registers instead of 79). CLUSTER (aligned rows, VEC = 0, launched
-    # by runtime.clusters.ClusterLauncher): the C programs of a row are one thread-block cluster
-    # exchanging (max, sum) through shared memory (stats and count unused).
+    # (bf16 at 8192 x 8: 64 registers instead of 79).
     EXACT: tl.constexpr = (y_ptr.dtype.element_ty == tl.float32) and VEC == 0
     pid = tl.program_id(0)
     peers = tl.arange(0, C_P2)
     chunk = pid % C
     step = num_progs // C
-    parity = pid * 0
-    if CLUSTER:
-        parity = cluster_start(parity)
     if PREFETCH > 0:
         offs, mask, pos = split_piece(pid // C, chunk, L, N, stride, BLOCK, VEC, FULL)
         x_next = tl.load(x_ptr + offs, mask=mask, other=-float("inf"))
@@ -483,26 +489,17 @@ def softmax_fwd_split(
         if VEC > 0:
             ee = _exp(xe - m_safe)
             s += _sum(ee, 0, EXACT)
-        if CLUSTER:
-            token = cluster_publish(m, s, chunk, parity, C)
-            ms, ss = cluster_peer_sums(peers, parity, token, C)
-            ms = tl.where(peers < C, ms, -float("inf"))
-            parity = 1 - parity
-            if PREFETCH >= 2:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
-        else:
-            tl.store(stats_ptr + item * 2, m)
-            tl.store(stats_ptr + item * 2 + 1, s)
-            publish_row(count_ptr, row)
-            if PREFETCH == 3:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
-            await_row(count_ptr, row, C)
-            if PREFETCH == 2:
-                x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
-            base = (row * C + peers) * 2
-            ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"),
-                         cache_modifier=".cg")
-            ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
+        tl.store(stats_ptr + item * 2, m)
+        tl.store(stats_ptr + item * 2 + 1, s)
+        publish_row(count_ptr, row)
+        if PREFETCH == 3:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
+        await_row(count_ptr, row, C)
+        if PREFETCH == 2:
+            x_next = tl.load(x_ptr + n_offs, mask=n_mask, other=-float("inf"))
+        base = (row * C + peers) * 2
+        ms = tl.load(stats_ptr + base, mask=peers < C, other=-float("inf"), cache_modifier=".cg")
+        ss = tl.load(stats_ptr + base + 1, mask=peers < C, other=0.0, cache_modifier=".cg")
         row_max = tl.max(ms, axis=0)
         denom = _sum(tl.where(ms == -float("inf"), 0.0, ss * _exp(ms - row_max)), 0, EXACT)
         # m <= row max: no overflow (and 1 exactly in the piece that holds it).
@@ -568,3 +565,108 @@ def softmax_bwd_split(
         if VEC > 0:
             tl.store(dx_ptr + e_offs, (ye * (dye - dot)).to(dx_ptr.dtype.element_ty),
                      mask=e_mask)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _word_max(m, w, KIND: tl.constexpr):
+    m = _max_nan(m, word_lo(w, KIND))
+    if KIND != 2:
+        m = _max_nan(m, word_hi(w, KIND))
+    return m
+
+
+@triton.jit
+def _word_sum(s, c, w, m, KIND: tl.constexpr, EXACT: tl.constexpr):
+    # (s, c) plus exp(element - m) of each element of w; EXACT: c carries the rounding errors
+    e = _exp(word_lo(w, KIND) - m)
+    if EXACT:
+        s, c = _two_sum(s, c, e, 0.0)
+    else:
+        s += e
+    if KIND != 2:
+        s += _exp(word_hi(w, KIND) - m)
+    return s, c
+
+
+@triton.jit
+def _word_out(w, m, scale, KIND: tl.constexpr):
+    lo = _exp(word_lo(w, KIND) - m) * scale
+    hi = lo
+    if KIND != 2:
+        hi = _exp(word_hi(w, KIND) - m) * scale
+    return pack_word(lo, hi, KIND)
+
+
+@triton.jit
+def softmax_fwd_staged(
+    x_ptr, y_ptr, stride, stride_y, num_progs,
+    L: tl.constexpr, C: tl.constexpr, C_P2: tl.constexpr, VB: tl.constexpr,
+):
+    # One row per cluster of C CTAs (num_progs = rows x C; program pid is piece pid % C of row
+    # pid // C): the piece's L elements land in shared memory, then three passes over it there
+    # (maximum, sum of exponentials, y) around the cluster's exchange of (max, sum), so x is
+    # read from memory once. The start barrier's arrive and wait bracket the copies, which
+    # then overlap the wait for the cluster's other CTAs. Rows: 16-byte aligned, N = C x L;
+    # y has x's dtype. VB: the CTA's threads (one 16-byte vector each per step).
+    KIND: tl.constexpr = (0 if x_ptr.dtype.element_ty == tl.bfloat16
+                          else 1 if x_ptr.dtype.element_ty == tl.float16 else 2)
+    EXACT: tl.constexpr = KIND == 2  # see EXACT in kernels/softmax.py
+    SB: tl.constexpr = L * (4 if KIND == 2 else 2)  # the piece's bytes
+    NV: tl.constexpr = SB // 16
+    pid = tl.program_id(0)
+    rank = pid % C
+    row = (pid // C).to(tl.int64)
+    v = tl.arange(0, VB)
+    sbase = stage_base(pid * 0 + (SB + 16 * C))  # the piece, then the exchange's slots
+    token = stage_piece(x_ptr + row * stride + rank * L, sbase, v, NV, VB)
+    if C > 1:
+        token = cluster_arrive(token)
+    token = stage_wait(token)
+    parity = token
+    if C > 1:
+        parity = cluster_wait(token)
+    sb = sbase + token
+    m_vec = tl.full((VB,), -float("inf"), tl.float32)
+    for j in tl.static_range(NV // VB):
+        w0, w1, w2, w3 = stage_read(sb + (j * VB + v) * 16)
+        m_vec = _word_max(_word_max(_word_max(_word_max(m_vec, w0, KIND), w1, KIND), w2, KIND),
+                          w3, KIND)
+    # tl.max drops NaN: the piece's maximum is NaN if it holds one, and so is the whole row.
+    m = tl.max(m_vec, axis=0)
+    m = tl.where(tl.max((m_vec != m_vec).to(tl.int32), axis=0) > 0, float("nan"), m)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)  # an all -inf piece: e = 0 (see the split)
+    s_vec = tl.zeros((VB,), tl.float32)
+    c_vec = tl.zeros((VB,), tl.float32)
+    for j in tl.static_range(NV // VB):
+        w0, w1, w2, w3 = stage_read(sb + (j * VB + v) * 16)
+        s_vec, c_vec = _word_sum(s_vec, c_vec, w0, m_safe, KIND, EXACT)
+        s_vec, c_vec = _word_sum(s_vec, c_vec, w1, m_safe, KIND, EXACT)
+        s_vec, c_vec = _word_sum(s_vec, c_vec, w2, m_safe, KIND, EXACT)
+        s_vec, c_vec = _word_sum(s_vec, c_vec, w3, m_safe, KIND, EXACT)
+    if EXACT:
+        s, c = tl.reduce((s_vec, c_vec), 0, _two_sum)
+        s = s + c
+    else:
+        s = tl.sum(s_vec, axis=0)
+    row_max = m
+    denom = s
+    if C > 1:
+        peers = tl.arange(0, C_P2)
+        token = cluster_publish(m, s, rank, parity, C)
+        ms, ss = cluster_peer_sums(peers, parity, token, C)
+        ms = tl.where(peers < C, ms, -float("inf"))
+        row_max = tl.max(ms, axis=0)
+        denom = _sum(tl.where(ms == -float("inf"), 0.0, ss * _exp(ms - row_max)), 0, EXACT)
+    # m <= row max: no overflow (and 1 exactly in the piece that holds it).
+    scale = _times(_exp(m - row_max), _inverse(denom, EXACT), denom, EXACT)
+    out = y_ptr + row * stride_y + rank * L
+    for j in tl.static_range(NV // VB):
+        w0, w1, w2, w3 = stage_read(sb + (j * VB + v) * 16)
+        store_words(out, j * VB + v, _word_out(w0, m_safe, scale, KIND),
+                    _word_out(w1, m_safe, scale, KIND), _word_out(w2, m_safe, scale, KIND),
+                    _word_out(w3, m_safe, scale, KIND))

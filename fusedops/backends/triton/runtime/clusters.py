@@ -86,6 +86,18 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+
+
+def opt_in_shared(function: int, shared: int) -> None:
+    """Let the loaded kernel ``function`` (a CUfunction handle) launch with ``shared`` bytes of
+    dynamic shared memory, beyond the 48 KB every launch gets (Hopper: up to 227 KB)."""
+    rc = _libcuda().cuFuncSetAttribute(ctypes.c_void_p(function),
+                                       _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    if rc != 0:
+        raise RuntimeError(f"{shared} bytes of shared memory per CTA: CUresult {rc}")
+
+
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
@@ -127,6 +139,8 @@ def max_active_clusters(function: int, chunks: int, num_warps: int, shared: int)
 class ClusterLauncher:
     """Launches a split-row kernel (CLUSTER mode) in clusters of C CTAs, one cluster per row at
     a time; the interface of :class:`~fusedops.backends.triton.runtime.split.SplitLauncher`.
+    A kernel that lands its pieces in shared memory (``kernels/staging.py``) is launched on a
+    grid of one cluster per row (``progs`` = rows x C) with those bytes as ``staged``.
 
     The kernel's last runtime parameter is ``num_progs`` (the CTA count, a multiple of C),
     followed only by constexprs. Each specialisation is compiled ahead (``warmup``) and always
@@ -144,15 +158,15 @@ class ClusterLauncher:
         params = getattr(kernel, "params", None)
         self.n_runtime = [p.is_constexpr for p in params].index(True) if params else 0
 
-    def _prepare(self, args: tuple, chunks: int, num_warps: int):
+    def _prepare(self, args: tuple, chunks: int, num_warps: int, staged: int = 0):
         key = launch_key(num_warps, args, self.n_runtime)
         entry = self.entries.get(key)
         if entry is None:
             compiled = self.kernel.warmup(*args, grid=(1,), num_warps=num_warps, **self.options)
             compiled._init_handles()
-            shared = -(-int(compiled.metadata.shared) // 16) * 16 + 16 * chunks
+            shared = -(-int(compiled.metadata.shared) // 16) * 16 + staged + 16 * chunks
             if shared > 48 * 1024:  # beyond what a launch gets without opting in
-                raise RuntimeError(f"{shared} bytes of shared memory per CTA")
+                opt_in_shared(compiled.function, shared)
             go = direct_entry(compiled, (num_warps, chunks, shared))
             held = max_active_clusters(compiled.function, chunks, num_warps, shared)
             if go is None or held < 1:
@@ -177,11 +191,13 @@ class ClusterLauncher:
         return min(held, items // chunks) * chunks
 
     def __call__(self, items: int, chunks: int, runtime: tuple, consts: tuple, num_warps: int,
-                 device: torch.device, progs: int | None = None, vec: int = 0) -> int:
+                 device: torch.device, progs: int | None = None, vec: int = 0,
+                 staged: int = 0) -> int:
         """Launch on ``progs`` CTAs (default :meth:`programs`); returns it, or 0 if the launch
         failed (clusters are then off) or a profiler's launch hooks are registered (Triton's
         own path, which they need, cannot launch clusters): the caller then uses a cooperative
-        grid."""
+        grid. ``staged``: bytes of dynamic shared memory a CTA's piece lands in
+        (``kernels/staging.py``), the same for every launch of these constexprs."""
         if hooks_registered():
             return 0
         if progs is None:
@@ -190,7 +206,7 @@ class ClusterLauncher:
             return 0
         args = (*runtime, progs, *consts)
         try:
-            go, _ = self._prepare(args, chunks, num_warps)
+            go, _ = self._prepare(args, chunks, num_warps, staged)
             go((progs // chunks,), current_stream(device.index), args)
         except Exception as exc:  # noqa: BLE001
             disable_clusters(f"{type(exc).__name__}: {exc}")
