@@ -242,8 +242,8 @@ def test_gpu_autograd_backward_replays(monkeypatch):
 
 def test_recordings_are_per_thread():
     """Two threads recording at once (the autograd engine runs CUDA backward functions on one
-    worker thread per device) each get their own launches only, and nested recordings in one
-    thread restore the outer one."""
+    worker thread per device) each get their own launches only, and a nested recording in one
+    thread gets its block's launches, which the outer one also gets, in order."""
     import threading
 
     device = "cpu" if INTERPRETING or not torch.cuda.is_available() else "cuda"
@@ -280,8 +280,12 @@ def test_recordings_are_per_thread():
         assert not tensors[i].any()
     assert not rt_launcher.recording
     with rt_recording.record_launches() as outer:
+        rt_split.zero_counters(tensors[1])
         with rt_recording.record_launches() as inner:
             rt_split.zero_counters(tensors[0])
+            rt_recording.mark_replayable()
         rt_split.zero_counters(tensors[1])
-    assert len(inner) == 1 and len(outer) == 1 and outer[0][2][0] is tensors[1]
+    assert len(inner) == 1 and inner[0][2][0] is tensors[0] and inner.replayable
+    assert [launch[2][0] for launch in outer] == [tensors[1], tensors[0], tensors[1]]
+    assert not outer.replayable  # the outer call's own path says whether it replays
     assert not rt_launcher.recording

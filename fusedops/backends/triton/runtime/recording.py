@@ -35,7 +35,9 @@ def record_launch(launcher, grid, args, num_warps) -> None:
 @contextlib.contextmanager
 def record_launches():
     """``with record_launches() as record:`` collects the :class:`Launcher` launches this thread
-    makes in the block (after each launch returns: a launch that raised is not in it)."""
+    makes in the block (after each launch returns: a launch that raised is not in it). A
+    recording inside another one gets its own block's launches; the outer one gets them too,
+    in order (a call that records its own plan inside a recorded call is still part of it)."""
     me = threading.get_ident()
     outer = recording.get(me)
     record = recording[me] = LaunchRecord()
@@ -45,6 +47,7 @@ def record_launches():
         if outer is None:
             del recording[me]
         else:
+            outer.extend(record)
             recording[me] = outer
 
 
