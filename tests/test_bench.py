@@ -279,6 +279,11 @@ def test_report_roundtrip_and_merge(tiny_result, tmp_path):
                                          bench_report.load_result(b)])
     assert len(merged["records"]) == 2 * len(tiny_result["records"])
     assert len(merged["runs"]) == 2
+    # merged again with a third run: the merged input's runs are kept, not collapsed to one
+    third = dict(bench_report.load_result(a), timestamp="third")
+    again = bench_report.merge_results([merged, third])
+    assert [r["timestamp"] for r in again["runs"]] == [
+        *(r["timestamp"] for r in merged["runs"]), "third"]
     # a point one run skipped (time budget) and the other measured is not reported missing
     rec = other["records"][0]
     gap = {"dtype": rec["dtype"], "family": rec["op"].split("_")[0], "N": rec["N"],

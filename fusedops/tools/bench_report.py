@@ -111,7 +111,8 @@ def write_outputs(result: dict, out_dir: str | Path, stem: str | None = None,
 
 def merge_results(results: Sequence[dict]) -> dict:
     """Combine runs (e.g. one per dtype): later records replace earlier ones at the same
-    (op, dtype, N, provider); each record keeps its own run's copy_tbps and frac_copy."""
+    (op, dtype, N, provider); each record keeps its own run's copy_tbps and frac_copy;
+    ``runs`` lists every run merged, those of merged inputs included."""
     if not results:
         raise ValueError("nothing to merge")
     if len(results) == 1:
@@ -131,8 +132,9 @@ def merge_results(results: Sequence[dict]) -> dict:
                                    if r.get("host_latency")), [])
     merged["host_costs"] = next((r["host_costs"] for r in reversed(results)
                                  if r.get("host_costs")), [])
-    merged["runs"] = [{k: r.get(k) for k in ("timestamp", "copy_tbps", "git", "config")}
-                      for r in results]
+    # A merged input brings the runs it lists (a sweep merged again keeps its history).
+    merged["runs"] = [run for r in results for run in r.get("runs") or [
+        {k: r.get(k) for k in ("timestamp", "copy_tbps", "git", "config")}]]
     merged["providers"] = {k: v for r in results for k, v in r.get("providers", {}).items()}
     # A point one run skipped and another measured is no longer missing.
     measured = {(r["dtype"], r["op"].split("_")[0], r["N"]) for r in merged["records"]
