@@ -127,10 +127,10 @@ def _launch_split(launcher, cfg: SoftmaxConfig, M: int, N: int, tensors: tuple,
 def _launch_staged(cfg: SoftmaxConfig, x: torch.Tensor, y: torch.Tensor, stride: int) -> bool:
     """softmax_fwd_staged, one thread-block cluster per row, as ``cfg`` says; False where the
     launch was refused (the config's DeviceFacts already said clusters run here)."""
-    C, L = cfg.pieces, cfg.piece
+    C, L = cfg.pieces, cfg.piece  # C a cluster size: a power of two, its own C_P2
     return bool(_launch_fwd_staged(
-        cfg.grid, C, (x, y, stride, L * C), (L, C, next_pow2(C), 32 * cfg.warps), cfg.warps,
-        x.device, progs=cfg.grid, staged=L * x.element_size()))
+        cfg.grid, C, (x, y, stride, L * C), (L, C, C, 32 * cfg.warps), cfg.warps, x.device,
+        progs=cfg.grid, staged=L * x.element_size()))
 
 
 def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
