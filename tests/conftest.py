@@ -348,6 +348,26 @@ def count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
+def relative_args(args, bases) -> tuple:
+    """A launch's arguments with each tensor or raw address (host addresses are above 2^40)
+    as (base index, byte offset) inside one of ``bases`` (the call's inputs and outputs), or
+    "scratch" for the call's own temporaries; the other arguments as given. A base spans its
+    storage from its first element: an expanded tensor's numel would overstate its memory and
+    claim a tensor allocated right after it."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.data_ptr()
+        elif not (isinstance(a, int) and a > 1 << 40):
+            out.append(a)
+            continue
+        out.append(next(((i, a - t.data_ptr()) for i, t in enumerate(bases) if t is not None
+                         and t.data_ptr() <= a
+                         < t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()),
+                        "scratch"))
+    return tuple(out)
+
+
 @pytest.fixture
 def recording_entries(monkeypatch, launch_rules):
     """Replay plans on (as with Triton 3.6's C entries) for the sequence-replaying backends

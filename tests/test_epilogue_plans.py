@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, count_calls, exhaustive_unless, require_replay_plans
+from conftest import (
+    INTERPRETING,
+    count_calls,
+    exhaustive_unless,
+    relative_args,
+    require_replay_plans,
+)
 
 pytest.importorskip("triton")
 from fusedops.backends import triton as tb  # noqa: E402
@@ -72,26 +78,6 @@ def _backward(t, p, seed, act, need=(True, True, True), grad_dtypes="params"):
         grad_dtypes = (t["x"].dtype, t["x"].dtype)
     return tle.layernorm_epilogue_backward(t["dout"], t["ds"], s, t["weight"], t["bias"], mean,
                                            rstd, p, seed, act, *need, grad_dtypes=grad_dtypes)
-
-
-def _relative(args, bases):
-    """Tensor arguments (or raw addresses) as (base index, byte offset) inside one of
-    ``bases`` (the call's inputs and outputs), or "scratch" for the call's own temporaries;
-    the other arguments as given."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            a = a.data_ptr()
-        elif not (isinstance(a, int) and a > 1 << 40):  # (host addresses are above 2^40)
-            out.append(a)
-            continue
-        for i, t in enumerate(bases):
-            if t is not None and t.data_ptr() <= a < t.data_ptr() + t.numel() * t.element_size():
-                out.append((i, a - t.data_ptr()))
-                break
-        else:
-            out.append("scratch")
-    return tuple(out)
 
 
 pytestmark_interp = pytest.mark.skipif(
@@ -169,7 +155,7 @@ def test_replay_repeats_the_normal_launches(recording_entries, launch_rules, kin
             assert b.is_contiguous() and a.data_ptr() != b.data_ptr()
     for (_, grid1, args1), (_, grid2, raw2) in zip(log, replay_log, strict=True):
         assert grid1 == grid2
-        assert _relative(args1, (*inputs, *normal)) == _relative(raw2, (*inputs, *replayed))
+        assert relative_args(args1, (*inputs, *normal)) == relative_args(raw2, (*inputs, *replayed))
 
 
 @pytestmark_interp

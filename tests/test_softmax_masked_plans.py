@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, count_calls, exhaustive_unless, require_replay_plans
+from conftest import (
+    INTERPRETING,
+    count_calls,
+    exhaustive_unless,
+    relative_args,
+    require_replay_plans,
+)
 
 pytest.importorskip("triton")
 from fusedops.backends import triton as tb  # noqa: E402
@@ -56,20 +62,6 @@ CASES = {
 }
 
 
-def _relative(args, bases):
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            a = a.data_ptr()
-        elif not (isinstance(a, int) and a > 1 << 40):
-            out.append(a)
-            continue
-        out.append(next(((i, a - t.data_ptr()) for i, t in enumerate(bases)
-                         if t is not None and t.data_ptr() <= a
-                         < t.data_ptr() + max(1, t.numel()) * t.element_size()), "other"))
-    return tuple(out)
-
-
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
 # (the looped kernels with a mask: exhaustive)
 @exhaustive_unless(lambda single_block_or_looped, name: single_block_or_looped == "single-block"
@@ -103,7 +95,7 @@ def test_replay_repeats_the_normal_launch(recording_entries, single_block_or_loo
         assert replayed.data_ptr() != normal.data_ptr()
         (_, g1, a1), (_, g2, a2) = normal_log[0], log[0]
         assert g1 == g2
-        assert _relative(a1, (*inputs, normal)) == _relative(a2, (*inputs, replayed)), kind
+        assert relative_args(a1, (*inputs, normal)) == relative_args(a2, (*inputs, replayed)), kind
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="CPU tensors need the Triton interpreter")
