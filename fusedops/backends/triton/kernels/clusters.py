@@ -6,11 +6,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Slots: the last 16·C bytes of the dynamic shared memory (the launch adds them to Triton's).
-SLOTS_PTX = (
+# fo_base = the shared address just past the dynamic shared memory, whose end holds the bytes
+# a launch adds to Triton's own (the exchange's slots last; kernels/staging.py's pieces before).
+END_PTX = (
     "mov.u32 fo_base, global_smem;\n"
     "mov.u32 fo_size, %dynamic_smem_size;\n"
     "add.u32 fo_base, fo_base, fo_size;\n"
+)
+
+# Slots: the last 16·C bytes of the dynamic shared memory (the launch adds them to Triton's).
+SLOTS_PTX = END_PTX + (
     "shl.b32 fo_size, {C}, 4;\n"
     "sub.u32 fo_base, fo_base, fo_size;\n"
     "shl.b32 fo_size, {C}, 3;\n"

@@ -6,12 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fusedops.backends.triton.kernels.clusters import (
-    cluster_arrive,
-    cluster_peer_sums,
-    cluster_publish,
-    cluster_wait,
-)
+from fusedops.backends.triton.kernels.clusters import cluster_peer_sums, cluster_publish
 from fusedops.backends.triton.kernels.common import (
     await_row,
     publish_row,
@@ -24,10 +19,8 @@ from fusedops.backends.triton.kernels.common import (
 )
 from fusedops.backends.triton.kernels.staging import (
     pack_word,
-    stage_base,
-    stage_piece,
     stage_read,
-    stage_wait,
+    stage_row_piece,
     store_words,
     word_hi,
     word_lo,
@@ -621,16 +614,7 @@ def softmax_fwd_staged(
     pid = tl.program_id(0)
     rank = pid % C
     row = (pid // C).to(tl.int64)
-    v = tl.arange(0, VB)
-    sbase = stage_base(pid * 0 + (SB + 16 * C))  # the piece, then the exchange's slots
-    token = stage_piece(x_ptr + row * stride + rank * L, sbase, v, NV, VB)
-    if C > 1:
-        token = cluster_arrive(token)
-    token = stage_wait(token)
-    parity = token
-    if C > 1:
-        parity = cluster_wait(token)
-    sb = sbase + token
+    v, sb, parity = stage_row_piece(x_ptr + row * stride + rank * L, SB, C, VB)
     m_vec = tl.full((VB,), -float("inf"), tl.float32)
     for j in tl.static_range(NV // VB):
         w0, w1, w2, w3 = stage_read(sb + (j * VB + v) * 16)

@@ -20,14 +20,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fusedops.backends.triton.kernels.clusters import END_PTX, cluster_arrive, cluster_wait
+
 # $0 = the shared address of the last $1 bytes of the dynamic shared memory.
 BASE_PTX = tl.constexpr(
-    "{\n.reg .u32 fo_b, fo_s;\n"
-    "mov.u32 fo_b, global_smem;\n"
-    "mov.u32 fo_s, %dynamic_smem_size;\n"
-    "add.u32 fo_b, fo_b, fo_s;\n"
-    "sub.u32 $0, fo_b, $1;\n}"
-)
+    "{\n.reg .u32 fo_base, fo_size;\n" + END_PTX + "sub.u32 $0, fo_base, $1;\n}")
 COPY_PTX = tl.constexpr("cp.async.cg.shared.global [$2], [$1], 16;\nmov.u32 $0, 0;")
 COMMIT_PTX = tl.constexpr("cp.async.commit_group;\nmov.u32 $0, $1;")
 # This thread's copies have landed; the barrier makes every thread's visible to the CTA.
@@ -62,6 +59,25 @@ def stage_wait(token):
     """Wait for this thread's copies, then for the CTA's (a barrier); returns int32 0."""
     return tl.inline_asm_elementwise(WAIT_PTX, "=r,r", [token], dtype=tl.int32, is_pure=False,
                                      pack=1) * 0
+
+
+@triton.jit
+def stage_row_piece(ptr, SB: tl.constexpr, C: tl.constexpr, VB: tl.constexpr):
+    """Land the SB bytes at ``ptr`` (16-byte aligned) in this CTA's shared memory, with the
+    exchange's slots of a cluster of C after them; returns (v, the piece's shared address,
+    the first row's parity). The cluster's start barrier is split around the copies (C > 1),
+    which then overlap the wait for the cluster's other CTAs."""
+    tl.static_assert(SB % (16 * VB) == 0, "a piece is whole 16-byte vectors of every thread")
+    v = tl.arange(0, VB)
+    sbase = stage_base(tl.program_id(0) * 0 + (SB + 16 * C))
+    token = stage_piece(ptr, sbase, v, SB // 16, VB)
+    if C > 1:
+        token = cluster_arrive(token)
+    token = stage_wait(token)
+    parity = token
+    if C > 1:
+        parity = cluster_wait(token)
+    return v, sbase + token, parity
 
 
 @triton.jit
