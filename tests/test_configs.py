@@ -114,6 +114,7 @@ def test_softmax_configs(direction):
             assert dev.clusters and not vec and cfg.cluster and cfg.pieces in CLUSTER_SIZES
             assert cfg.pieces * cfg.piece == n and cfg.grid == m * cfg.pieces
             assert cfg.fallback is not None and not cfg.fallback.cluster
+            assert cfg.piece * elt % (16 * 32 * cfg.warps) == 0  # whole vectors per thread
         else:
             assert cfg.variant in ("unrolled", "unrolled_vec"), cfg
             assert cfg.grid == m and 0 < cfg.chunk <= n
@@ -165,6 +166,11 @@ def test_layernorm_forward_configs():
                     assert dev.clusters and aligned and not vec and cfg.pieces in CLUSTER_SIZES
                     assert n == cfg.pieces * cfg.piece and cfg.piece % cfg.chunk == 0
                     assert cfg.grid in (0, m * cfg.pieces) and cfg.fallback.variant != "pieces"
+                elif cfg.variant == "staged":  # one cluster per row, whole pieces
+                    assert dev.clusters and aligned and not vec and cfg.pieces in CLUSTER_SIZES
+                    assert n == cfg.pieces * cfg.piece and cfg.grid == m * cfg.pieces
+                    assert cfg.stats == with_stats and cfg.fallback.variant != "staged"
+                    assert cfg.piece * elt % (16 * 32 * cfg.warps) == 0
                 elif cfg.variant in ("looped", "reload", "unrolled"):
                     assert cfg.grid == m and not (cfg.variant != "looped" and vec)
                     if cfg.variant == "unrolled":
@@ -332,6 +338,11 @@ def test_rmsnorm_configs():
                     assert dev.clusters and aligned and not fwd.vec and fwd.cluster
                     assert n // fwd.block in CLUSTER_SIZES and n % fwd.block == 0
                     assert fwd.block % fwd.chunk == 0 and fwd.chunk % (32 * fwd.warps) == 0
+                elif fwd.kernel == "staged":  # one cluster per row, whole pieces
+                    assert dev.clusters and aligned and not fwd.vec and fwd.cluster
+                    assert n // fwd.block in CLUSTER_SIZES and n % fwd.block == 0
+                    assert fwd.block * elt % (16 * 32 * fwd.warps) == 0  # vectors per thread
+                    assert fwd.fallback is not None and fwd.fallback.kernel != "staged"
                 else:
                     assert fwd.kernel == "looped" and _pow2(fwd.block)
             bwd = rms_rules.backward_config(n, elt, vec, aligned, dev)

@@ -9,18 +9,19 @@ launch rules against cluster candidates forced through ``configs.override``, in 
 For each op (``--ops``), dtype (bf16, fp16, float32) and row length (65536, 131072, 262144 by
 default; M = 2^27 // N rows, 2^26 // N for float32, so every tensor is far larger than L2),
 inference calls of ``fused_softmax`` / ``fused_rmsnorm`` / ``fused_layernorm`` (weight and
-bias in x's dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FWD`` and
-``PIECES_FWD`` emptied), ``no pieces`` (``PIECES_FWD`` emptied: the rules before it) and the
-candidates of ``--kinds``:
+bias in x's dtype): ``rules`` (the shipped rules), ``no clusters`` (``CLUSTER_FWD``,
+``PIECES_FWD`` and ``STAGED_FWD`` emptied), ``no staged`` (the norms' ``STAGED_FWD``
+emptied), ``no pieces`` (with ``pieces`` candidates: ``PIECES_FWD`` and ``STAGED_FWD``
+emptied) and the candidates of ``--kinds``:
 
 * ``held`` (RMSNorm): ``cluster PxW held pfK``, the op's split-row kernel holding pieces of
   P elements in registers on W warps, as a one-entry ``CLUSTER_FWD`` (as many clusters as the
   GPU holds at once, looping over rows with PREFETCH K); pieces of 4K-32K whose count C = N / P
   is a cluster size (2-16), on 32 and on 16 elements per thread.
-* ``staged`` (softmax): ``staged PxW``, ``softmax_fwd_staged`` (one cluster per row, each
-  CTA's piece of P elements landed in shared memory) on W warps, as a one-entry
-  ``CLUSTER_FWD``; pieces of 4K-32K (16-64 KB) whose count is a cluster size, 4, 8 and 16
-  warps.
+* ``staged``: ``staged PxW``, ``softmax_fwd_staged`` / ``rms_fwd_staged`` /
+  ``ln_fwd_staged`` (one cluster per row, each CTA's piece of P elements landed in shared
+  memory) on W warps, as a one-entry ``CLUSTER_FWD`` (softmax) or ``STAGED_FWD``; pieces of
+  4K-32K (16-64 KB) whose count is a cluster size, on 4, 8 and 16 warps (``--warps``).
 * ``pieces`` (RMSNorm, LayerNorm): ``pieces PxKxW held|rows``, the streamed-pieces kernel
   (``rms_fwd_pieces``, ``ln_fwd_pieces``) on pieces of P elements in chunks of K on W warps,
   as a one-entry ``PIECES_FWD``: a persistent grid (``held``) or one cluster per row
@@ -64,8 +65,11 @@ RTOL = {"bf16": 1.6e-2, "fp16": 1e-3, "fp32": 1e-5}
 EPS = 1e-6
 # op -> the split-row kernel and the positions of BLOCK, C and CLUSTER in its launch arguments
 KERNELS = {"rmsnorm": ("rms_fwd_split", 13, 14, 20)}
-# the staged softmax: the positions of L and C in its launch arguments; its pieces' bytes
-STAGED = ("softmax_fwd_staged", 5, 6)
+# op -> the staged kernel, its rules table and the positions of L and C in its launch
+# arguments; the pieces' bytes
+STAGED = {"softmax": ("softmax_fwd_staged", "CLUSTER_FWD", 5, 6),
+          "rmsnorm": ("rms_fwd_staged", "STAGED_FWD", 8, 9),
+          "layernorm": ("ln_fwd_staged", "STAGED_FWD", 10, 11)}
 STAGED_BYTES = (16384, 32768, 65536)
 STAGED_WARPS = (4, 8, 16)
 # op -> the streamed-pieces kernel and the positions of L, CHUNK and C in its launch arguments
@@ -75,25 +79,30 @@ OPS = ("softmax", "rmsnorm", "layernorm")
 
 
 def variants(op: str, n: int, elt: int, kinds: list[str], smoke: bool,
-             streamed_pieces: list[int] | None = None) -> dict[str, tuple[dict, tuple | None]]:
+             streamed_pieces: list[int] | None = None,
+             staged_warps: tuple[int, ...] = STAGED_WARPS) -> dict[str, tuple[dict, tuple | None]]:
     """name -> (the op's overrides, the launch a candidate must make: (kernel, {argument
     position: value}, warps), or None)."""
     streamed = STREAMED.get(op)
-    off = ({"CLUSTER_FWD": {}} if op != "layernorm" else {}) | ({"PIECES_FWD": {}} if streamed
-                                                                else {})
+    norm = op != "softmax"  # (the norms' staged rules are a table of their own)
+    off = ({"CLUSTER_FWD": {}} if op != "layernorm" else {}) | (
+        {"PIECES_FWD": {}, "STAGED_FWD": {}} if norm else {})
     out: dict[str, tuple[dict, tuple | None]] = {"rules": ({}, None), "no clusters": (off, None)}
-    if streamed:  # the rules before the streamed pieces
-        out["no pieces"] = ({"PIECES_FWD": {}}, None)
+    if norm:  # the rules before the staged pieces
+        out["no staged"] = ({"STAGED_FWD": {}}, None)
+    if norm and "pieces" in kinds:  # the rules before the streamed pieces
+        out["no pieces"] = ({"PIECES_FWD": {}, "STAGED_FWD": {}}, None)
     if smoke:
         return out
-    for nbytes in STAGED_BYTES if op == "softmax" and "staged" in kinds else ():
+    kernel, table, i_l, i_c = STAGED[op]
+    for nbytes in STAGED_BYTES if "staged" in kinds else ():
         piece = nbytes // elt
         if n // piece not in CLUSTER_SIZES or n % piece:
             continue
-        for warps in STAGED_WARPS:
+        for warps in staged_warps:
             out[f"staged {piece}x{warps}"] = (
-                {"CLUSTER_FWD": {elt: ((n, n, (piece, warps)),)}},
-                (STAGED[0], {STAGED[1]: piece, STAGED[2]: n // piece}, warps))
+                {table: {elt: ((n, n, (piece, warps)),)}}, (kernel, {i_l: piece, i_c: n // piece},
+                                                            warps))
     kernel, i_block, i_c, i_cluster = KERNELS.get(op, ("", 0, 0, 0))
     for piece, warp_counts in PIECES.items() if "held" in kinds and kernel else ():
         c = n // piece
@@ -104,7 +113,7 @@ def variants(op: str, n: int, elt: int, kinds: list[str], smoke: bool,
             for prefetch in (0,) if warps == piece // 512 else (0, 1):
                 table = {el: ((n, n, (piece, warps, prefetch)),) for el in (2, 4)}
                 out[f"cluster {piece}x{warps} held pf{prefetch}"] = (
-                    {"CLUSTER_FWD": table, "PIECES_FWD": {}} if streamed else
+                    {"CLUSTER_FWD": table, "PIECES_FWD": {}, "STAGED_FWD": {}} if streamed else
                     {"CLUSTER_FWD": table},
                     (kernel, {i_block: piece, i_c: c, i_cluster: True}, warps))
     if not streamed or "pieces" not in kinds:
@@ -143,7 +152,8 @@ def first_call(fn: Callable[[], torch.Tensor], expect: tuple | None
 
 
 def run_case(op: str, dtype: str, n: int, kinds: list[str], smoke: bool,
-             device: torch.device, streamed_pieces: list[int] | None = None) -> list[dict]:
+             device: torch.device, streamed_pieces: list[int] | None = None,
+             staged_warps: tuple[int, ...] = STAGED_WARPS) -> list[dict]:
     dt = DTYPES[dtype]
     elt = torch.empty((), dtype=dt).element_size()
     m = 3 if smoke else (1 << (27 if elt == 2 else 26)) // n
@@ -177,7 +187,7 @@ def run_case(op: str, dtype: str, n: int, kinds: list[str], smoke: bool,
         return []
 
     with torch.no_grad(), fusedops.use_backend("triton"):
-        items = variants(op, n, elt, kinds, smoke, streamed_pieces)
+        items = variants(op, n, elt, kinds, smoke, streamed_pieces, staged_warps)
         records = checked_variants(items, op, call, call, differs, fns)
         times = time_alternating(fns, op, smoke)
     return timed_records(times, fns, records, {"op": op, "dtype": dtype, "N": n, "M": m},
@@ -235,6 +245,8 @@ def main() -> None:
                    help="candidates: pieces held in registers, streamed, landed in shared memory")
     p.add_argument("--pieces", nargs="+", type=int, default=None,
                    help="streamed piece lengths (default 8K-32K, float32 4K-16K)")
+    p.add_argument("--warps", nargs="+", type=int, default=list(STAGED_WARPS),
+                   help="warp counts of the staged candidates")
     p.add_argument("--smoke", action="store_true", help="tiny rows, no timing (interpreter)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -242,7 +254,8 @@ def main() -> None:
     for op in args.ops:
         for dtype in args.dtypes:
             for n in [256] if args.smoke else args.sizes:
-                records += run_case(op, dtype, n, args.kinds, args.smoke, device, args.pieces)
+                records += run_case(op, dtype, n, args.kinds, args.smoke, device, args.pieces,
+                                    tuple(args.warps))
             with open(args.out, "w") as f:  # (rewritten after every case)
                 json.dump({"meta": meta(device), "records": records}, f, indent=1)
     print_records(records, 28)

@@ -16,6 +16,11 @@ the weights, mean/rstd and the float32 dweight/dbias partials.
 * Forward, streamed pieces in clusters (aligned long rows on Hopper, ``PIECES_FWD``): the C
   programs of one thread-block cluster share a row, each running the unrolled kernel's two
   passes on its piece with (mean offset, M2) exchanged on chip between them.
+* Forward, staged pieces in clusters (aligned long rows on Hopper, ``STAGED_FWD``): one
+  cluster of C CTAs per row, each landing its piece in shared memory by ``cp.async``
+  (``kernels/staging.py``) and reading it there twice, for (mean offset, M2) and for y, around
+  the on-chip exchange: x is read from memory once. Calls it cannot take (x or a parameter off
+  a 16-byte boundary, y or the parameters in another dtype) run the rules without it.
 * Forward, reload (chosen row lengths, ``RELOAD_FWD``): the row read whole in one load for the
   statistics, then again from L2 in chunks to write y; nothing held across the two.
 * Forward, reload for unaligned 16-bit rows (N = 2^k + 1, ``RELOAD_VEC_FWD``, large calls): the
@@ -66,9 +71,9 @@ from fusedops.backends.triton.kernels.layernorm_fwd import (
     ln_fwd_unrolled_vec,
     shift_weights,
 )
-from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_pieces
+from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_pieces, ln_fwd_staged
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, stageable
 from fusedops.backends.triton.runtime.device import (
     cdiv,
     next_pow2,
@@ -84,6 +89,7 @@ from fusedops.backends.triton.runtime.split import SplitLauncher
 
 _launch_fwd_single = Launcher(ln_fwd_single)
 _launch_fwd_pieces = ClusterLauncher(ln_fwd_pieces)
+_launch_fwd_staged = ClusterLauncher(ln_fwd_staged)
 
 
 def _replay_runner(key: tuple, plan: tuple):
@@ -253,6 +259,12 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
     elt = x.element_size()
     vec = unaligned_vec(N, (stride, N), elt, (x, y))
     cfg = _fwd_config(N, elt, vec, M, with_stats, stride % 8 == 0, x.get_device())
+    if cfg.variant == "staged":
+        done = (_forward_staged(x, w if has_w else b, b, y, M, N, stride, eps, has_w, has_b,
+                                cfg) if stageable(x, y, weight, bias) else None)
+        if done is not None:
+            return done
+        cfg = cfg.fallback  # (another dtype or alignment, or refused as below)
     if cfg.variant == "pieces":
         done = _forward_pieces(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg)
         if done is not None:
@@ -279,6 +291,24 @@ def _forward(x, weight, bias, eps, out_dtype, with_stats: bool):
             _fwd_plans.add(key, _launch_fwd_single, (cfg.grid,), args, cfg.warps, 6, M)
     else:
         _forward_long(x, w, b, y, mean, rstd, M, N, stride, eps, has_w, has_b, cfg)
+    return y, mean, rstd
+
+
+def _forward_staged(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormForward):
+    """ln_fwd_staged, one cluster of C CTAs per row: (y, mean, rstd), or None where the launch
+    was refused (nothing written then; the config's DeviceFacts said clusters run). ``w``:
+    the bias where there is no weight (the kernel takes the parameters' dtype from it)."""
+    C, L = cfg.pieces, cfg.piece  # C a cluster size: a power of two, its own C_P2
+    mean = rstd = None
+    if cfg.stats:
+        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    s = mean if cfg.stats else y
+    if not _launch_fwd_staged(cfg.grid, C, (x, w, b, y, s, rstd if cfg.stats else y, stride, N,
+                                            eps), (L, C, C, 32 * cfg.warps, has_w, has_b,
+                                                   cfg.stats),
+                              cfg.warps, x.device, progs=cfg.grid, staged=L * x.element_size()):
+        return None
     return y, mean, rstd
 
 

@@ -36,6 +36,12 @@ scalar accesses), the kernels configured for the body (8192 at N = 8193).
   ``PIECES_FWD``): C = N / L programs of one thread-block cluster per row, each running the
   unrolled kernel's two passes on its piece of L elements, the sums of squares exchanged on
   chip between them (``runtime/clusters.py``); the pieces stay in L2 between the passes.
+* Forward, staged pieces in clusters (aligned rows on Hopper, ``STAGED_FWD``): C = N / L CTAs
+  of one thread-block cluster per row, each landing its piece of L elements in shared memory
+  by ``cp.async`` (``kernels/staging.py``) and reading it there twice, for its sum of squares
+  and for y, around the on-chip exchange: x is read from memory once. Calls it cannot take (x
+  or the weight off a 16-byte boundary, y or the weight in another dtype) run the rules
+  without it.
 * Forward, split rows (rows no program holds, CUDA, ``SPLIT_FWD``: float32 and unaligned rows):
   C equal pieces in cooperating programs (``runtime/split.py``) each publish their sum of
   squares and wait for their row's: one read, one write; unaligned rows in pieces of their
@@ -91,9 +97,10 @@ from fusedops.backends.triton.kernels.rmsnorm import (
     shift_weight,
 )
 from fusedops.backends.triton.kernels.rmsnorm_split import rms_fwd_pieces, rms_fwd_split
+from fusedops.backends.triton.kernels.rmsnorm_staged import rms_fwd_staged
 from fusedops.backends.triton.rmsnorm_bwd import rmsnorm_backward
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, stageable
 from fusedops.backends.triton.runtime.device import cdiv, next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
@@ -110,6 +117,7 @@ _launch_fwd_looped = Launcher(rms_fwd_looped)
 _launch_fwd_split = SplitLauncher(rms_fwd_split)
 _launch_fwd_cluster = ClusterLauncher(rms_fwd_split)
 _launch_fwd_pieces = ClusterLauncher(rms_fwd_pieces)
+_launch_fwd_staged = ClusterLauncher(rms_fwd_staged)
 _launch_shift_weight = Launcher(shift_weight)
 
 
@@ -205,6 +213,11 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if has_w and cfg.shifted_w:
         w, w_ld = shifted_weight(weight, cfg.vec, N)
     r = rstd if with_stats else y
+    if cfg.cluster and cfg.kernel == "staged":
+        if stageable(x, y, weight) and _forward_staged(x, w, y, r, M, N, stride, eps, has_w,
+                                                       with_stats, cfg):
+            return y, rstd
+        cfg = cfg.fallback  # (another dtype or alignment, or refused as below)
     if cfg.cluster:
         run = _forward_pieces if cfg.kernel == "pieces" else _forward_split
         if run(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg):
@@ -274,6 +287,16 @@ def _forward_pieces(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdCo
         M * C, C, (x, w, y, r, M, stride, N, eps),
         (N, cfg.block, cfg.chunk, C, C, has_w, with_stats), cfg.warps, x.device,
         progs=None if cfg.persistent else M * C))
+
+
+def _forward_staged(x, w, y, r, M, N, stride, eps, has_w, with_stats, cfg: FwdConfig) -> bool:
+    """rms_fwd_staged, one cluster of C = N / L CTAs per row; False where the launch was
+    refused (nothing written then). The config's DeviceFacts already said clusters run here."""
+    L = cfg.block
+    C = N // L  # a cluster size: a power of two, its own C_P2
+    return bool(_launch_fwd_staged(
+        M * C, C, (x, w, y, r, stride, N, eps), (L, C, C, 32 * cfg.warps, has_w, with_stats),
+        cfg.warps, x.device, progs=M * C, staged=L * x.element_size()))
 
 
 def rmsnorm_forward(

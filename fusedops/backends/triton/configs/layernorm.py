@@ -22,6 +22,7 @@ from typing import NamedTuple
 from fusedops.backends.triton.configs.common import (
     DEFAULT_SINGLE_BLOCK_LIMIT,
     body_len,
+    cluster_rule,
     for_gpu,
     grid_programs,
     num_row_tiles,
@@ -463,7 +464,9 @@ class LayerNormForward(NamedTuple):
     ``ln_fwd_unrolled_vec``, weights from shifted copies), ``"single"`` (``ln_fwd_single``),
     ``"split"`` (``ln_fwd_split``; ``fallback``: the looped launch where the split launch is
     refused at run time), ``"pieces"`` (``ln_fwd_pieces`` in thread-block clusters;
-    ``fallback``: the rules without clusters) and ``"looped"`` (``ln_fwd_looped``)."""
+    ``fallback``: the rules without clusters), ``"staged"`` (``ln_fwd_staged``, one cluster
+    per row; ``fallback``: the rules without STAGED_FWD, for calls it cannot take) and
+    ``"looped"`` (``ln_fwd_looped``)."""
 
     variant: str
     grid: int = 0  # programs (split, persistent pieces: sized from the compiled kernel's
@@ -479,8 +482,8 @@ class LayerNormForward(NamedTuple):
     third_read: bool = False  # reload: THIRD_READ
     hold_w: bool = False  # single: weight and bias held in registers across tiles
     prefetch: int = 0  # split: PREFETCH (runtime/split.py)
-    pieces: int = 0  # split, pieces: C pieces per row
-    piece: int = 0  # split, pieces: L elements per piece
+    pieces: int = 0  # split, pieces, staged: C pieces per row
+    piece: int = 0  # split, pieces, staged: L elements per piece
     plan: bool = False  # the launch is fixed by the call's signature (replay plans may keep it)
     fallback: LayerNormForward | None = None
 
@@ -498,15 +501,33 @@ PIECES_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] =
 }
 
 
+# Aligned rows in thread-block clusters whose pieces land in shared memory (ln_fwd_staged,
+# kernels/layernorm_pieces.py: one cluster of C CTAs per row, each CTA's piece of L elements
+# copied there by cp.async and read twice, for (offset, M2) and for y, around the cluster's
+# exchange; x read from memory once). Element size -> ((shortest row, longest row, (L,
+# warps)), ...), rows that are C whole pieces with C a cluster size; asked first.
+# Empty: no GPU run has measured the kernel against the rules below yet (its candidates:
+# benchmarks/dev/cluster_forward.py --kinds staged), so no call takes it.
+STAGED_FWD: dict[int, tuple[tuple[int, int, tuple[int, int]], ...]] = {}
+
+
 def forward_config(n: int, elt_size: int, vec: int, m: int, with_stats: bool, aligned: bool,
-                   dev: DeviceFacts) -> LayerNormForward:
+                   dev: DeviceFacts, staged: bool = True) -> LayerNormForward:
     """The forward launch for ``m`` rows of ``n`` elements of ``elt_size`` bytes on ``dev``
     (``vec``: see ``configs.common.unaligned_vec``; ``with_stats``: the call returns mean and
     rstd; ``aligned``: x's row stride is a multiple of 8 elements). Rules in the order asked:
-    PIECES_FWD (thread-block clusters), UNROLLED_FWD (per GPU: unrolled_fwd_table),
+    STAGED_FWD (where ``staged``) and PIECES_FWD (thread-block clusters), UNROLLED_FWD (per
+    GPU: unrolled_fwd_table),
     RELOAD_FWD, RELOAD_VEC_FWD, UNROLLED_VEC_FWD, then the single-block kernel
     (``configs.common.unaligned_config``), split rows (split_config) where they fit, the
     looped kernel."""
+    rule = (cluster_rule(STAGED_FWD.get(elt_size, ()), n, dev) if staged and aligned and not vec
+            else None)
+    if rule and n % rule[0] == 0:
+        return LayerNormForward("staged", m * (n // rule[0]), rule[1], stats=with_stats,
+                                pieces=n // rule[0], piece=rule[0],
+                                fallback=forward_config(n, elt_size, vec, m, with_stats, aligned,
+                                                        dev, False))
     pieces = pieces_rule(PIECES_FWD.get(elt_size, ()), n, dev) if aligned and not vec else None
     if pieces:
         piece, chunk, warps, persistent = pieces

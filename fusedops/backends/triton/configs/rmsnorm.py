@@ -273,9 +273,10 @@ class FwdConfig(NamedTuple):
     """The forward's kernel and launch parameters (:func:`forward_config`)."""
 
     kernel: str  # "single" | "unrolled" | "unrolled_vec" | "reload_vec" | "split" | "pieces"
-    # | "looped"
+    # | "staged" | "looped"
     block: int  # BLOCK_N: padded row or body (single, reload_vec), chunk (looped); unrolled_vec:
-    # BODY, the body elements every row streams; pieces: L; 0 (split, unrolled: N constexpr)
+    # BODY, the body elements every row streams; pieces, staged: L; 0 (split, unrolled: N
+    # constexpr)
     rows: int  # rows per tile (single)
     warps: int
     persistent: bool  # single, pieces: a persistent grid rather than one program (cluster) per
@@ -285,8 +286,9 @@ class FwdConfig(NamedTuple):
     # piece
     prefetch: int  # split: PREFETCH
     shifted_w: bool  # the weight from per-misalignment shifted copies
-    cluster: bool = False  # split, pieces: a row's pieces as one thread-block cluster
-    fallback: FwdConfig | None = None  # cluster: the rules without clusters
+    cluster: bool = False  # split, pieces, staged: a row's pieces as one thread-block cluster
+    fallback: FwdConfig | None = None  # cluster: the rules without clusters (staged: the rules
+    # without STAGED_FWD, for calls it cannot take)
 
 
 class BwdConfig(NamedTuple):
@@ -321,12 +323,13 @@ def _looped_fwd() -> FwdConfig:
 
 
 def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: DeviceFacts,
-                   large: bool) -> FwdConfig:
+                   large: bool, staged: bool = True) -> FwdConfig:
     """The forward of rows of ``n`` elements of ``elt_size`` bytes on ``dev``. ``vec``:
     ``unaligned_vec``'s VEC for the call (0: rows start 16-byte aligned, or scalar accesses);
     ``rows_aligned``: x's row stride and ``n`` are multiples of 16 bytes; ``large``: the call
-    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with a PIECES_FWD rule
-    in clusters of streamed pieces, with a CLUSTER_FWD rule split in thread-block clusters;
+    has at least SHIFTED_W_MIN_ELEMS elements. In order: aligned rows with a STAGED_FWD rule
+    (where ``staged``) in clusters of pieces landed in shared memory, with a PIECES_FWD rule in
+    clusters of streamed pieces, with a CLUSTER_FWD rule split in thread-block clusters;
     aligned rows with an UNROLLED_FWD config rms_fwd_unrolled; unaligned rows of large calls
     with an UNROLLED_VEC_FWD config rms_fwd_unrolled_vec; rows no program holds (padded body
     above the single-block limit) split rows where they run, else looped; unaligned 16-bit
@@ -334,6 +337,11 @@ def forward_config(n: int, elt_size: int, vec: int, rows_aligned: bool, dev: Dev
     (FWD_RULES, else LayerNorm's rules, kind "ln_fwd")."""
     vec = vec if VEC_EDGES else 0
     # (every row length is looked up: the host memoizes this decision per call signature)
+    if staged and rows_aligned and not vec:
+        rule = cluster_rule(STAGED_FWD.get(elt_size, ()), n, dev)
+        if rule and n % rule[0] == 0:
+            return FwdConfig("staged", rule[0], 1, rule[1], False, 0, 0, 0, False, True,
+                             forward_config(n, elt_size, vec, rows_aligned, dev, large, False))
     cluster = ((pieces_fwd_config(n, elt_size, dev) or cluster_fwd_config(n, elt_size, dev))
                if rows_aligned and not vec else None)
     if cluster:  # (fallback: where the cluster launch is refused at run time)
@@ -396,6 +404,16 @@ PIECES_FWD: dict[int, tuple[tuple[int, int, tuple[int, int, int, bool]], ...]] =
     2: ((131072, 131072, (16384, 4096, 16, False)), (262144, 262144, (16384, 4096, 16, True))),
     4: ((131072, 131072, (16384, 4096, 16, False)), (262144, 262144, (16384, 4096, 16, True))),
 }
+
+
+# Forward in thread-block clusters whose pieces land in shared memory (rms_fwd_staged,
+# kernels/rmsnorm_staged.py: one cluster of C CTAs per row, each CTA's piece of L elements
+# copied there by cp.async and read twice, for the sum of squares and for y, around the
+# cluster's exchange; x read from memory once). Element size -> ((shortest row, longest row,
+# (L, warps)), ...), rows that are C whole pieces with C a cluster size; asked first.
+# Empty: no GPU run has measured the kernel against the rules below yet (its candidates:
+# benchmarks/dev/cluster_forward.py --kinds staged), so no call takes it.
+STAGED_FWD: dict[int, tuple[tuple[int, int, tuple[int, int]], ...]] = {}
 
 
 def pieces_fwd_config(n: int, elt_size: int, dev: DeviceFacts) -> FwdConfig | None:

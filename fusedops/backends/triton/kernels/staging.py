@@ -31,6 +31,7 @@ COMMIT_PTX = tl.constexpr("cp.async.commit_group;\nmov.u32 $0, $1;")
 WAIT_PTX = tl.constexpr("cp.async.wait_group 0;\nbar.sync 0;\nmov.u32 $0, $1;")
 READ_PTX = tl.constexpr("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];")
 STORE_PTX = tl.constexpr("st.global.v4.b32 [$1], {$2, $3, $4, $5};\nmov.u32 $0, 0;")
+LOAD_PTX = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
 
 
 @triton.jit
@@ -94,6 +95,46 @@ def store_words(ptr, v, w0, w1, w2, w3):
     g0 = ptr.to(tl.int64, bitcast=True)
     tl.inline_asm_elementwise(STORE_PTX, "=r,l,r,r,r,r", [g0 + v * 16, w0, w1, w2, w3],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def load_words(ptr, v):
+    """The 4 words of the 16-byte global vectors ``v`` (indices from ``ptr``, 16-byte aligned;
+    read-only data, such as a norm's weight)."""
+    g0 = ptr.to(tl.int64, bitcast=True)
+    return tl.inline_asm_elementwise(LOAD_PTX, "=r,=r,=r,=r,l", [g0 + v * 16],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def param_floats(ptr, v, KIND: tl.constexpr, PKIND: tl.constexpr):
+    """A parameter's float32 values at the elements of x's 16-byte vectors ``v`` (indices
+    from ``ptr``, the parameter's column of the vectors' first element): 8 for 16-bit x
+    (KIND 0, 1) with the parameter in x's dtype (PKIND = KIND) or float32 (PKIND 2, two
+    vectors), 4 and 4 zeros for float32 x and parameter (KIND = PKIND = 2)."""
+    if PKIND == KIND:
+        p0, p1, p2, p3 = load_words(ptr, v)
+        if KIND == 2:
+            f0, f1, f2, f3 = (p0.to(tl.float32, bitcast=True), p1.to(tl.float32, bitcast=True),
+                              p2.to(tl.float32, bitcast=True), p3.to(tl.float32, bitcast=True))
+            f4 = f0 * 0.0
+            f5 = f4
+            f6 = f4
+            f7 = f4
+        else:
+            f0, f1, f2, f3 = word_lo(p0, KIND), word_hi(p0, KIND), word_lo(p1, KIND), word_hi(
+                p1, KIND)
+            f4, f5, f6, f7 = word_lo(p2, KIND), word_hi(p2, KIND), word_lo(p3, KIND), word_hi(
+                p3, KIND)
+    else:
+        a0, a1, a2, a3 = load_words(ptr, 2 * v)
+        b0, b1, b2, b3 = load_words(ptr, 2 * v + 1)
+        f0, f1, f2, f3 = (a0.to(tl.float32, bitcast=True), a1.to(tl.float32, bitcast=True),
+                          a2.to(tl.float32, bitcast=True), a3.to(tl.float32, bitcast=True))
+        f4, f5, f6, f7 = (b0.to(tl.float32, bitcast=True), b1.to(tl.float32, bitcast=True),
+                          b2.to(tl.float32, bitcast=True), b3.to(tl.float32, bitcast=True))
+    return f0, f1, f2, f3, f4, f5, f6, f7
 
 
 @triton.jit

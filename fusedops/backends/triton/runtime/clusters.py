@@ -136,6 +136,18 @@ def max_active_clusters(function: int, chunks: int, num_warps: int, shared: int)
     return count.value
 
 
+def stageable(x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether a staged kernel (``kernels/staging.py``) takes a call: x, y and the present
+    parameters start on 16-byte boundaries (whole vectors are copied and stored), y has x's
+    dtype, and the parameters share one dtype, x's or (16-bit x) float32."""
+    present = [p for p in params if p is not None]
+    if (x.data_ptr() | y.data_ptr() | sum(p.data_ptr() & 15 for p in present)) & 15 \
+            or y.dtype != x.dtype:
+        return False
+    kinds = {p.dtype for p in present}
+    return not kinds or kinds == {x.dtype} or (kinds == {torch.float32} and x.element_size() == 2)
+
+
 class ClusterLauncher:
     """Launches a split-row kernel (CLUSTER mode) in clusters of C CTAs, one cluster per row at
     a time; the interface of :class:`~fusedops.backends.triton.runtime.split.SplitLauncher`.
