@@ -11,8 +11,6 @@ from zero and constant rows, with and without weight and bias.
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,28 +102,17 @@ def test_pieces_launch_path(monkeypatch, refused, with_stats, launch_rules):
         assert_close_to_ref(y, y64, torch.bfloat16)
 
 
-_COMPILE = textwrap.dedent("""
-    import json
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_COMPILE = """
     from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_pieces as fn
 
-    names = fn.arg_names
     consts = dict(L=4096, CHUNK=1024, C=4, C_P2=4, HAS_W=True, HAS_B=True, STATS=True)
-    sig = {a: ("*fp32" if a in ("mean_ptr", "rstd_ptr") else "*bf16") if a.endswith("_ptr")
-           else "fp32" if a == "eps" else "constexpr" if a in consts else "i32" for a in names}
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(names.index(a),): v for a, v in consts.items()},
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in names
-                           if a.endswith("_ptr") or a in ("stride_x", "stride_y")})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4}).asm["ptx"]
+    ptx = compile_sm90(fn, consts)["ptx"]
     print(json.dumps({t: ptx.count(t) for t in (
         "barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
         "mapa.shared::cluster", "st.shared::cluster", "atom.", "red.global",
         "ld.global")}))
-""")
+"""
+
 
 
 @EXHAUSTIVE  # (a compile in a fresh interpreter: seconds)

@@ -12,8 +12,6 @@ and the calls the kernels cannot take.
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 from _reliability import gpu
@@ -81,41 +79,26 @@ def test_staged_forward_rules(op, launch_rules):
     assert _staged(op, fwd(131072, 2)) is None
 
 
-_COMPILE = textwrap.dedent("""
-    import json
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_COMPILE = """
     from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_staged
     from fusedops.backends.triton.kernels.rmsnorm_staged import rms_fwd_staged
 
     out = {}
     for name, fn in (("rms", rms_fwd_staged), ("ln", ln_fwd_staged)):
-        names = fn.arg_names
         for dt, pdt, L in (("bf16", "bf16", 16384), ("fp16", "fp32", 16384),
                            ("fp32", "fp32", 8192)):
             consts = dict(L=L, C=4, C_P2=4, VB=128, HAS_W=True, HAS_B=True, STATS=True)
-            consts = {k: v for k, v in consts.items() if k in names}
-            sig = {a: ("constexpr" if a in consts else "fp32" if a == "eps" else "i32")
-                   for a in names}
-            sig.update({a: f"*{dt}" for a in ("x_ptr", "y_ptr")})
-            sig.update({a: f"*{pdt}" for a in ("w_ptr", "b_ptr") if a in names})
-            sig.update({a: "*fp32" for a in ("mean_ptr", "rstd_ptr") if a in names})
-            src = ASTSource(fn=fn, signature=sig,
-                            constexprs={(names.index(a),): v for a, v in consts.items()},
-                            attrs={(names.index(a),): [["tt.divisibility", 16]] for a in names
-                                   if a.endswith("_ptr") or a.startswith("stride")})
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            ptx = k.asm["ptx"]
-            c = {t: ptx.count(t) for t in (
+            asm = compile_sm90(fn, consts, dt, types={"w_ptr": f"*{pdt}", "b_ptr": f"*{pdt}"})
+            c = {t: asm["ptx"].count(t) for t in (
                 "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0",
                 "ld.shared.v4.b32", "ld.global.nc.v4.b32", "st.global.v4.b32", "ld.global",
                 "st.global", "barrier.cluster.arrive.relaxed", "barrier.cluster.arrive.release",
                 "barrier.cluster.wait.acquire", "st.shared::cluster", "atom.")}
-            c["cubin"] = len(k.asm["cubin"])
+            c["cubin"] = len(asm["cubin"])
             out[f"{name} {dt} {pdt}"] = c
     print(json.dumps(out))
-""")
+"""
+
 
 
 @EXHAUSTIVE  # (compiles in a fresh interpreter: seconds)

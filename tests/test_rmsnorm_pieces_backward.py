@@ -12,8 +12,6 @@ a weight, dx alone and dweight alone, against float64.
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 from _reliability import gpu
@@ -136,31 +134,20 @@ def test_pieces_backward_without_dx(monkeypatch, launch_rules):
     assert_row_sum_close(dw, oracle(x, w, dy)[3], 6, GRAD)
 
 
-_COMPILE = textwrap.dedent("""
-    import json, re
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_COMPILE = """
+    import re
     from fusedops.backends.triton.kernels.rmsnorm_split import rms_bwd_pieces as fn
 
-    names = fn.arg_names
     consts = dict(N=32768, L=8192, CHUNK=2048, C=4, C_P2=4, HAS_W=True, NEED_DW=True)
-    f32 = ("rstd_ptr", "part_ptr")
-    sig = {a: ("*fp32" if a in f32 else "*bf16") if a.endswith("_ptr")
-           else "constexpr" if a in consts else "i32" for a in names}
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(names.index(a),): v for a, v in consts.items()},
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in names
-                           if a.endswith("_ptr") or a.startswith("stride")})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 8}).asm["ptx"]
+    ptx = compile_sm90(fn, consts, num_warps=8)["ptx"]
     out = {t: ptx.count(t) for t in (
         "barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
         "mapa.shared::cluster", "st.shared::cluster", "atom.", "red.global")}
     out["ld.v4"] = len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx))
     out["st.v4"] = len(re.findall(r"st\\.global[.\\w:]*\\.v4", ptx))
     print(json.dumps(out))
-""")
+"""
+
 
 
 @EXHAUSTIVE  # (a compile in a fresh interpreter: seconds)

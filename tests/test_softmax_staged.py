@@ -11,8 +11,6 @@ GPU cases against float64: ``test_softmax_cluster_forward*`` in test_split_rows.
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 import triton
@@ -60,33 +58,21 @@ def test_words_unpack_and_pack(dtype, kind):
     torch.testing.assert_close(out.view(dtype), tripled, equal_nan=True, rtol=ulp, atol=0)
 
 
-_COMPILE = textwrap.dedent("""
-    import json
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_COMPILE = """
     from fusedops.backends.triton.kernels.softmax import softmax_fwd_staged as fn
 
-    names = fn.arg_names
     out = {}
     for dt, L in (("bf16", 16384), ("fp32", 8192)):
-        consts = dict(L=L, C=4, C_P2=4, VB=128)
-        sig = {a: f"*{dt}" if a.endswith("_ptr") else "constexpr" if a in consts else "i32"
-               for a in names}
-        src = ASTSource(fn=fn, signature=sig,
-                        constexprs={(names.index(a),): v for a, v in consts.items()},
-                        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in names
-                               if a.endswith("_ptr") or a.startswith("stride")})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        ptx = k.asm["ptx"]
-        out[dt] = {t: ptx.count(t) for t in (
+        asm = compile_sm90(fn, dict(L=L, C=4, C_P2=4, VB=128), dt)
+        out[dt] = {t: asm["ptx"].count(t) for t in (
             "cp.async.cg.shared.global", "cp.async.commit_group", "cp.async.wait_group 0",
             "ld.shared.v4.b32", "st.global.v4.b32", "ld.global", "st.global",
             "barrier.cluster.arrive.relaxed", "barrier.cluster.arrive.release",
             "barrier.cluster.wait.acquire", "st.shared::cluster", "atom.")}
-        out[dt]["cubin"] = len(k.asm["cubin"])
+        out[dt]["cubin"] = len(asm["cubin"])
     print(json.dumps(out))
-""")
+"""
+
 
 
 @EXHAUSTIVE  # (a compile in a fresh interpreter: seconds)

@@ -53,12 +53,20 @@ def _param(ptr, offs, mask, KEEP: tl.constexpr):
 @triton.jit
 def affine(y, w_ptr, b_ptr, offs, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
            KEEP: tl.constexpr):
-    # y·w[offs] + b[offs] (each where present) as one FMA, which is what the compiler makes of
-    # it on GPUs; written out so the interpreter rounds it the same way.
+    # y·w[offs] + b[offs] (each where present): scale_shift of the loaded parameters.
+    w = y  # (placeholders: unused without the parameter)
+    b = y
     if HAS_W:
         w = _param(w_ptr, offs, mask, KEEP)
     if HAS_B:
         b = _param(b_ptr, offs, mask, KEEP)
+    return scale_shift(y, w, b, HAS_W, HAS_B)
+
+
+@triton.jit
+def scale_shift(y, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # y·w + b (each where present) as one FMA, which is what the compiler makes of it on GPUs;
+    # written out so the interpreter rounds it the same way.
     if HAS_W and HAS_B:
         y = tl.fma(y, w, b)
     elif HAS_W:

@@ -13,7 +13,12 @@ from fusedops.backends.triton.kernels.clusters import (
     cluster_piece,
     cluster_publish,
 )
-from fusedops.backends.triton.kernels.layernorm_fwd import affine, offset_stats, rstd_of_var
+from fusedops.backends.triton.kernels.layernorm_fwd import (
+    affine,
+    offset_stats,
+    rstd_of_var,
+    scale_shift,
+)
 from fusedops.backends.triton.kernels.staging import (
     pack_word,
     param_floats,
@@ -78,15 +83,8 @@ def _shifted_word(s1, s2, w, k, KIND: tl.constexpr):
 
 @triton.jit
 def _y(x, x0, off, rstd, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    # affine(((x - x0) - off)·rstd) as the other LayerNorm kernels round it (one FMA)
-    y = ((x - x0) - off) * rstd
-    if HAS_W and HAS_B:
-        y = tl.fma(y, w, b)
-    elif HAS_W:
-        y = y * w
-    elif HAS_B:
-        y = y + b
-    return y
+    # affine(((x - x0) - off)·rstd), rounded as the other LayerNorm kernels round it
+    return scale_shift(((x - x0) - off) * rstd, w, b, HAS_W, HAS_B)
 
 
 @triton.jit
