@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRETING, assert_close_to_ref, count_calls, require_replay_plans
+from conftest import (
+    INTERPRETING,
+    assert_close_to_ref,
+    count_calls,
+    relative_args,
+    require_replay_plans,
+)
 
 from fusedops.backends.triton import rmsnorm_bwd as trmsb
 
@@ -51,13 +57,6 @@ def _reference(inputs):
     return torch.autograd.grad(y, [t for t in (xr, wr) if t is not None], dy.double())
 
 
-def _where(bases, p):
-    for i, t in enumerate(bases):
-        if t is not None and t.data_ptr() <= p < t.data_ptr() + t.untyped_storage().nbytes():
-            return i, p - t.data_ptr()
-    return None  # (scratch of the call: checked by its shape below)
-
-
 @pytest.mark.skipif(not INTERPRETING,
                     reason="CPU tensors need the Triton interpreter (the gpu tests cover this)")
 @pytest.mark.parametrize("case", [
@@ -91,8 +90,7 @@ def test_replay_repeats_the_normal_launches(recording_entries, monkeypatch, case
     for (_, grid1, args1), (_, grid2, raw2) in zip(normal, log, strict=True):
         assert grid1 == grid2
         n = sum(isinstance(a, torch.Tensor) for a in args1)
-        assert [_where(bases1, a.data_ptr()) for a in args1[:n]] == \
-            [_where(bases2, p) for p in raw2[:n]]
+        assert relative_args(args1[:n], bases1) == relative_args(raw2[:n], bases2)
         assert tuple(args1[n:]) == tuple(raw2[n:])
     want = _reference(inputs)
     if need[0]:
