@@ -79,6 +79,29 @@ def test_staged_forward_rules(op, launch_rules):
     assert _staged(op, fwd(131072, 2)) is None
 
 
+def test_stageable_calls():
+    """The staged kernels take 16-byte aligned x, y and parameters, y of x's dtype, and
+    parameters of one dtype, x's or (16-bit x) float32; any other call runs the other rules."""
+    from fusedops.backends.triton.runtime.clusters import stageable
+
+    bf, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    x = torch.empty(2, 64, dtype=bf)
+    y = torch.empty_like(x)
+    w, wf = torch.empty(64, dtype=bf), torch.empty(64, dtype=f32)
+    assert stageable(x, y) and stageable(x, y, w) and stageable(x, y, None, w)
+    assert stageable(x, y, wf, wf) and stageable(x, y, w, w)
+    assert stageable(x.float(), y.float(), wf)
+    assert not stageable(x, y.float(), w)  # another output dtype
+    assert not stageable(x, y, w, wf)  # parameters of two dtypes
+    assert not stageable(x, y, w.to(f16))  # 16-bit parameters of another dtype
+    assert not stageable(x.float(), y.float(), w)  # float32 x, 16-bit parameters
+    assert not stageable(x, y, wf.double())
+    base = torch.empty(200, dtype=bf)
+    assert not stageable(base[1:129].view(2, 64), y)  # x off a 16-byte boundary
+    assert not stageable(x, y, base[1:65])  # a parameter off one
+    assert stageable(base[8:136].view(2, 64), y, base[8:72])
+
+
 _COMPILE = """
     from fusedops.backends.triton.kernels.layernorm_pieces import ln_fwd_staged
     from fusedops.backends.triton.kernels.rmsnorm_staged import rms_fwd_staged

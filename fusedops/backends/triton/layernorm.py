@@ -299,17 +299,12 @@ def _forward_staged(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormF
     was refused (nothing written then; the config's DeviceFacts said clusters run). ``w``:
     the bias where there is no weight (the kernel takes the parameters' dtype from it)."""
     C, L = cfg.pieces, cfg.piece  # C a cluster size: a power of two, its own C_P2
-    mean = rstd = None
-    if cfg.stats:
-        mean = torch.empty((M,), dtype=torch.float32, device=x.device)
-        rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
-    s = mean if cfg.stats else y
-    if not _launch_fwd_staged(cfg.grid, C, (x, w, b, y, s, rstd if cfg.stats else y, stride, N,
-                                            eps), (L, C, C, 32 * cfg.warps, has_w, has_b,
-                                                   cfg.stats),
-                              cfg.warps, x.device, progs=cfg.grid, staged=L * x.element_size()):
+    mean, rstd = _stats_buffers(M, x.device, cfg.stats, y)
+    if not _launch_fwd_staged(cfg.grid, C, (x, w, b, y, mean, rstd, stride, N, eps),
+                              (L, C, C, 32 * cfg.warps, has_w, has_b, cfg.stats), cfg.warps,
+                              x.device, progs=cfg.grid, staged=L * x.element_size()):
         return None
-    return y, mean, rstd
+    return (y, mean, rstd) if cfg.stats else (y, None, None)
 
 
 def _forward_pieces(x, w, b, y, M, N, stride, eps, has_w, has_b, cfg: LayerNormForward):

@@ -55,7 +55,7 @@ from fusedops.backends.triton.kernels.softmax import (
     softmax_fwd_unrolled_vec,
 )
 from fusedops.backends.triton.runtime.caches import signature_cache
-from fusedops.backends.triton.runtime.clusters import ClusterLauncher
+from fusedops.backends.triton.runtime.clusters import ClusterLauncher, stageable
 from fusedops.backends.triton.runtime.device import next_pow2, rows_and_output
 from fusedops.backends.triton.runtime.facts import device_facts
 from fusedops.backends.triton.runtime.launcher import Launcher, current_stream, hooks_registered
@@ -159,7 +159,7 @@ def softmax_forward(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if cfg.cluster:
         # The staged kernel copies whole 16-byte vectors and writes x's dtype: a single row
         # (vec 0 wherever it starts) must start aligned too.
-        if not x.data_ptr() & 15 and out_dtype == x.dtype and _launch_staged(cfg, x, y, stride):
+        if stageable(x, y) and _launch_staged(cfg, x, y, stride):
             return y
         # Refused (a profiler's launch hooks, clusters turned off): the rules without
         # clusters, kept out of the replay plans (the next call tries clusters again).

@@ -140,12 +140,16 @@ def stageable(x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor | None) ->
     """Whether a staged kernel (``kernels/staging.py``) takes a call: x, y and the present
     parameters start on 16-byte boundaries (whole vectors are copied and stored), y has x's
     dtype, and the parameters share one dtype, x's or (16-bit x) float32."""
-    present = [p for p in params if p is not None]
-    if (x.data_ptr() | y.data_ptr() | sum(p.data_ptr() & 15 for p in present)) & 15 \
-            or y.dtype != x.dtype:
+    if y.dtype != x.dtype:
         return False
-    kinds = {p.dtype for p in present}
-    return not kinds or kinds == {x.dtype} or (kinds == {torch.float32} and x.element_size() == 2)
+    addresses = x.data_ptr() | y.data_ptr()
+    kinds = set()
+    for p in params:
+        if p is not None:
+            addresses |= p.data_ptr()
+            kinds.add(p.dtype)
+    return not addresses & 15 and (not kinds or kinds == {x.dtype} or (
+        kinds == {torch.float32} and x.element_size() == 2))
 
 
 class ClusterLauncher:
